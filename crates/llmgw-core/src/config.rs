@@ -1,0 +1,228 @@
+//! The filter's configuration (JSON in Envoy's plugin `configuration`), validated at load with
+//! errors that name the offending field.
+
+use crate::hash::{BlockHasher, HashAlgo};
+use serde::Deserialize;
+use std::fmt;
+
+/// Why a configuration was refused: the field's path (`profiles[0].block_size`) and the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() || self.field == "." {
+            write!(f, "invalid llmgw configuration: {}", self.message)
+        } else {
+            write!(f, "invalid llmgw configuration: field `{}`: {}", self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn default_header() -> String {
+    "x-gateway-destination-endpoint".to_owned()
+}
+fn default_agent_cluster() -> String {
+    "llmgw_agent".to_owned()
+}
+fn default_body_limit() -> u64 {
+    32 * 1024 * 1024
+}
+fn default_block_size() -> u32 {
+    16
+}
+fn default_algo() -> String {
+    "sha256_cbor".to_owned()
+}
+fn default_timeout() -> u32 {
+    500
+}
+fn default_true() -> bool {
+    true
+}
+
+/// How the filter obtains a request's token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerEndpoint {
+    /// `POST /tokenize`.
+    Tokenize,
+    /// `POST /v1/completions/render` and `/v1/chat/completions/render` (exact engine tokens).
+    Render,
+}
+
+/// One model profile.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    pub name: String,
+    /// Model names (as in requests' `model`) this profile serves. `"*"` matches any.
+    pub models: Vec<String>,
+    /// Exact routing from KV events (opt-in): needs the replicas to publish events.
+    #[serde(default)]
+    pub kv_events: bool,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    #[serde(default = "default_algo")]
+    pub hash_algo: String,
+    /// The replicas' `PYTHONHASHSEED`; absent when they run without one.
+    #[serde(default)]
+    pub seed: Option<String>,
+    #[serde(default = "default_tokenizer")]
+    pub tokenizer: TokenizerEndpoint,
+    #[serde(default = "default_timeout")]
+    pub tokenizer_timeout_ms: u32,
+    #[serde(default)]
+    pub weights: Weights,
+}
+
+fn default_tokenizer() -> TokenizerEndpoint {
+    TokenizerEndpoint::Tokenize
+}
+
+/// Scoring weights: score = prefix × share − load × normalised load.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Weights {
+    #[serde(default = "one")]
+    pub prefix: f64,
+    #[serde(default = "half")]
+    pub load: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn half() -> f64 {
+    0.5
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights { prefix: one(), load: half() }
+    }
+}
+
+/// The filter's whole configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Envoy cluster of the llmgw agent's feed.
+    #[serde(default = "default_agent_cluster")]
+    pub agent_cluster: String,
+    #[serde(default = "default_header")]
+    pub destination_header: String,
+    #[serde(default = "default_body_limit")]
+    pub max_body_bytes: u64,
+    /// Adds a response header explaining each decision.
+    #[serde(default)]
+    pub explain_header: bool,
+    #[serde(default = "default_true")]
+    pub metrics: bool,
+    pub profiles: Vec<Profile>,
+}
+
+impl FilterConfig {
+    /// Parses and validates. An empty input selects the defaults with one catch-all profile.
+    pub fn from_json(input: &[u8]) -> Result<FilterConfig, ConfigError> {
+        let trimmed = input.iter().all(|b| b.is_ascii_whitespace());
+        let input: &[u8] = if trimmed { br#"{"profiles":[{"name":"default","models":["*"]}]}"# } else { input };
+        let de = &mut serde_json::Deserializer::from_slice(input);
+        let cfg: FilterConfig = serde_path_to_error::deserialize(de).map_err(|e| ConfigError {
+            field: e.path().to_string(),
+            message: e.inner().to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |field: String, message: &str| Err(ConfigError { field, message: message.to_owned() });
+        if self.agent_cluster.is_empty() {
+            return bad("agent_cluster".into(), "must not be empty");
+        }
+        if self.destination_header.is_empty()
+            || !self.destination_header.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return bad("destination_header".into(), "must be a lowercase HTTP header name");
+        }
+        if self.max_body_bytes == 0 {
+            return bad("max_body_bytes".into(), "must be positive");
+        }
+        if self.profiles.is_empty() {
+            return bad("profiles".into(), "at least one profile is required");
+        }
+        for (i, p) in self.profiles.iter().enumerate() {
+            let f = |name: &str| format!("profiles[{i}].{name}");
+            if p.name.is_empty() {
+                return bad(f("name"), "must not be empty");
+            }
+            if p.models.is_empty() || p.models.iter().any(String::is_empty) {
+                return bad(f("models"), "must list at least one non-empty model name");
+            }
+            if p.block_size == 0 {
+                return bad(f("block_size"), "must be at least 1");
+            }
+            let algo = match HashAlgo::parse(&p.hash_algo) {
+                Ok(a) => a,
+                Err(e) => return bad(f("hash_algo"), &e.to_string()),
+            };
+            if let Err(e) = BlockHasher::new(algo, p.seed.as_deref()) {
+                return bad(f("seed"), &e.to_string());
+            }
+            if p.tokenizer_timeout_ms == 0 {
+                return bad(f("tokenizer_timeout_ms"), "must be positive");
+            }
+            for (name, w) in [("weights.prefix", p.weights.prefix), ("weights.load", p.weights.load)] {
+                if !w.is_finite() || w < 0.0 {
+                    return bad(f(name), "must be a finite, non-negative number");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The profile serving `model` (exact name first, then a `"*"` profile).
+    pub fn profile_for(&self, model: &str) -> Option<&Profile> {
+        self.profiles
+            .iter()
+            .find(|p| p.models.iter().any(|m| m == model))
+            .or_else(|| self.profiles.iter().find(|p| p.models.iter().any(|m| m == "*")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(j: &str) -> String {
+        FilterConfig::from_json(j.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_and_profiles() {
+        let c = FilterConfig::from_json(b"").unwrap();
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        assert_eq!(c.profile_for("anything").map(|p| p.name.as_str()), Some("default"));
+        let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"],"kv_events":true,"seed":"0"}]}"#).unwrap();
+        assert!(c.profile_for("m1").is_some_and(|p| p.kv_events && p.block_size == 16));
+        assert!(c.profile_for("m2").is_none());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"block_size":0}]}"#).contains("`profiles[0].block_size`"));
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"block_size":"x"}]}"#).contains("profiles[0].block_size"));
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"md5"}]}"#).contains("profiles[0].hash_algo"));
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"xxhash"}]}"#).contains("profiles[0].seed"));
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"colour":1}]}"#).contains("colour"));
+        assert!(err(r#"{"profiles":[]}"#).contains("`profiles`"));
+        assert!(err(r#"{"destination_header":"X Bad","profiles":[{"name":"a","models":["m"]}]}"#).contains("destination_header"));
+        assert!(err("{not json").contains("invalid llmgw configuration"));
+    }
+}

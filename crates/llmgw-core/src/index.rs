@@ -1,0 +1,471 @@
+//! Block key → the replicas holding it, with leading-prefix scoring.
+//!
+//! Layout: replicas are grouped in pages of 64; each page is an open-addressing table of
+//! 16-byte slots `(key, replica bitmask)` with linear probing, Fibonacci placement (the keys are
+//! already hashes: one multiply, no second hash) and backward-shift deletion (no tombstones).
+//! A slot with an empty mask is free. One probe touches one cache line; a fleet of up to 64
+//! replicas costs 16 bytes per distinct block, shared by every replica holding it.
+//!
+//! Everything is deterministic: no clocks, no random state.
+
+use crate::mirror::NetChange;
+
+/// A replica's slot in the index (dense, chosen by whoever owns the replica table).
+pub type ReplicaId = u16;
+
+const PAGE_BITS: usize = 64;
+const MIN_CAPACITY: usize = 16;
+const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
+
+#[derive(Clone, Copy, Default, Debug)]
+struct Slot {
+    key: u64,
+    mask: u64,
+}
+
+/// One page: up to 64 replicas.
+#[derive(Clone, Default, Debug)]
+struct Table {
+    slots: Vec<Slot>,
+    len: usize,
+    shift: u32,
+}
+
+impl Table {
+    #[inline]
+    fn cap_mask(&self) -> usize {
+        self.slots.len().wrapping_sub(1)
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // `shift` is 64 - log2(capacity) (≤ 63 once allocated), so the result is < capacity.
+        (key.wrapping_mul(FIB) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> u64 {
+        if self.slots.is_empty() {
+            return 0;
+        }
+        let m = self.cap_mask();
+        let mut i = self.home(key);
+        loop {
+            match self.slots.get(i) {
+                Some(s) if s.mask == 0 => return 0,
+                Some(s) if s.key == key => return s.mask,
+                Some(_) => i = i.wrapping_add(1) & m,
+                None => return 0,
+            }
+        }
+    }
+
+    /// Finds `key`'s slot, or the free slot where it would go.
+    #[inline]
+    fn find(&self, key: u64) -> (usize, bool) {
+        let m = self.cap_mask();
+        let mut i = self.home(key);
+        loop {
+            match self.slots.get(i) {
+                Some(s) if s.mask == 0 => return (i, false),
+                Some(s) if s.key == key => return (i, true),
+                Some(_) => i = i.wrapping_add(1) & m,
+                None => return (i, false),
+            }
+        }
+    }
+
+    fn with_capacity(cap: usize) -> Table {
+        let cap = cap.max(MIN_CAPACITY).next_power_of_two();
+        Table { slots: vec![Slot::default(); cap], len: 0, shift: 64u32.saturating_sub(cap.trailing_zeros()) }
+    }
+
+    fn grow_if_needed(&mut self) {
+        // Keep the load at or below 7/8.
+        let cap = self.slots.len();
+        if self.len.saturating_add(1).saturating_mul(8) > cap.saturating_mul(7) {
+            self.rehash(cap.saturating_mul(2).max(MIN_CAPACITY));
+        }
+    }
+
+    fn rehash(&mut self, cap: usize) {
+        let old = std::mem::take(&mut self.slots);
+        *self = Table::with_capacity(cap);
+        for s in old.into_iter().filter(|s| s.mask != 0) {
+            let (i, _) = self.find(s.key);
+            if let Some(dst) = self.slots.get_mut(i) {
+                *dst = s;
+                self.len = self.len.saturating_add(1);
+            }
+        }
+    }
+
+    /// Sets `bit` for `key`; true if it was not set.
+    fn set(&mut self, key: u64, bit: u64) -> bool {
+        self.grow_if_needed();
+        let (i, found) = self.find(key);
+        let Some(s) = self.slots.get_mut(i) else { return false };
+        if found {
+            let was = s.mask & bit != 0;
+            s.mask |= bit;
+            !was
+        } else {
+            *s = Slot { key, mask: bit };
+            self.len = self.len.saturating_add(1);
+            true
+        }
+    }
+
+    /// Clears `bit` for `key`; true if it was set.
+    fn unset(&mut self, key: u64, bit: u64) -> bool {
+        if self.slots.is_empty() {
+            return false;
+        }
+        let (i, found) = self.find(key);
+        if !found {
+            return false;
+        }
+        let Some(s) = self.slots.get_mut(i) else { return false };
+        let was = s.mask & bit != 0;
+        s.mask &= !bit;
+        if s.mask == 0 {
+            self.delete_at(i);
+        }
+        was
+    }
+
+    /// Backward-shift deletion: pulls later members of the probe run into the hole.
+    fn delete_at(&mut self, mut hole: usize) {
+        let m = self.cap_mask();
+        let mut j = hole;
+        loop {
+            j = j.wrapping_add(1) & m;
+            let Some(&s) = self.slots.get(j) else { break };
+            if s.mask == 0 {
+                break;
+            }
+            let home = self.home(s.key);
+            // Move s into the hole if its home is not cyclically within (hole, j].
+            let dist_home = j.wrapping_sub(home) & m;
+            let dist_hole = j.wrapping_sub(hole) & m;
+            if dist_home >= dist_hole {
+                if let Some(dst) = self.slots.get_mut(hole) {
+                    *dst = s;
+                }
+                hole = j;
+            }
+        }
+        if let Some(dst) = self.slots.get_mut(hole) {
+            *dst = Slot::default();
+        }
+        self.len = self.len.saturating_sub(1);
+    }
+
+    /// Clears `bit` everywhere; returns how many slots had it.
+    fn unset_all(&mut self, bit: u64) -> u64 {
+        let mut n = 0u64;
+        for s in self.slots.iter_mut() {
+            if s.mask & bit != 0 {
+                s.mask &= !bit;
+                n = n.saturating_add(1);
+            }
+        }
+        if n > 0 {
+            // Rebuild without the emptied slots (same capacity, or smaller when mostly empty).
+            let live = self.slots.iter().filter(|s| s.mask != 0).count();
+            let cap = self.slots.len();
+            let target = if live.saturating_mul(8) < cap { live.saturating_mul(2) } else { cap };
+            self.rehash(target);
+        }
+        n
+    }
+}
+
+/// Per replica, how many leading blocks of a request it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scores {
+    /// `leading[r]`: number of consecutive blocks from block 0 that replica `r` holds.
+    pub leading: Vec<u32>,
+    /// Number of blocks in the request.
+    pub total: u32,
+}
+
+impl Scores {
+    /// Share of the request's blocks that replica `r`'s leading run covers (0 when empty).
+    pub fn share(&self, r: ReplicaId) -> f64 {
+        match (self.leading.get(usize::from(r)), self.total) {
+            (Some(&l), t) if t > 0 => f64::from(l) / f64::from(t),
+            _ => 0.0,
+        }
+    }
+
+    /// The replica with the longest leading run (lowest id on ties), if any holds block 0.
+    pub fn best(&self) -> Option<(ReplicaId, u32)> {
+        let mut best: Option<(ReplicaId, u32)> = None;
+        for (r, &l) in self.leading.iter().enumerate() {
+            if l > 0 && best.is_none_or(|(_, b)| l > b) {
+                best = ReplicaId::try_from(r).ok().map(|r| (r, l));
+            }
+        }
+        best
+    }
+}
+
+/// Block key → replicas holding it.
+#[derive(Clone, Default, Debug)]
+pub struct ReplicaIndex {
+    pages: Vec<Table>,
+    /// Distinct blocks held, per replica.
+    blocks: Vec<u64>,
+}
+
+impl ReplicaIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Pre-sizes the table of the page holding `replica` for `blocks` distinct keys.
+    pub fn reserve(&mut self, replica: ReplicaId, blocks: usize) {
+        let (p, _) = Self::page_bit(replica);
+        self.ensure(replica);
+        if let Some(t) = self.pages.get_mut(p) {
+            let want = blocks.saturating_add(t.len).saturating_mul(8) / 7;
+            if want > t.slots.len() {
+                t.rehash(want.saturating_add(1));
+            }
+        }
+    }
+
+    #[inline]
+    fn page_bit(replica: ReplicaId) -> (usize, u64) {
+        let r = usize::from(replica);
+        (r / PAGE_BITS, 1u64 << (r % PAGE_BITS))
+    }
+
+    fn ensure(&mut self, replica: ReplicaId) {
+        let (p, _) = Self::page_bit(replica);
+        if self.pages.len() <= p {
+            self.pages.resize_with(p.saturating_add(1), Table::default);
+        }
+        let r = usize::from(replica);
+        if self.blocks.len() <= r {
+            self.blocks.resize(r.saturating_add(1), 0);
+        }
+    }
+
+    fn bump(&mut self, replica: ReplicaId, up: bool) {
+        if let Some(c) = self.blocks.get_mut(usize::from(replica)) {
+            *c = if up { c.saturating_add(1) } else { c.saturating_sub(1) };
+        }
+    }
+
+    /// Records that `replica` holds `key`. Idempotent.
+    pub fn insert(&mut self, replica: ReplicaId, key: u64) {
+        self.ensure(replica);
+        let (p, bit) = Self::page_bit(replica);
+        if self.pages.get_mut(p).is_some_and(|t| t.set(key, bit)) {
+            self.bump(replica, true);
+        }
+    }
+
+    /// Records that `replica` no longer holds `key`. Idempotent.
+    pub fn remove(&mut self, replica: ReplicaId, key: u64) {
+        let (p, bit) = Self::page_bit(replica);
+        if self.pages.get_mut(p).is_some_and(|t| t.unset(key, bit)) {
+            self.bump(replica, false);
+        }
+    }
+
+    /// Applies a replica's net changes.
+    pub fn apply(&mut self, replica: ReplicaId, changes: &[NetChange]) {
+        self.ensure(replica);
+        let (p, bit) = Self::page_bit(replica);
+        let Some(t) = self.pages.get_mut(p) else { return };
+        let mut added = 0u64;
+        let mut removed = 0u64;
+        for c in changes {
+            match *c {
+                NetChange::Added(k) => {
+                    if t.set(k, bit) {
+                        added = added.saturating_add(1);
+                    }
+                }
+                NetChange::Removed(k) => {
+                    if t.unset(k, bit) {
+                        removed = removed.saturating_add(1);
+                    }
+                }
+            }
+        }
+        if let Some(c) = self.blocks.get_mut(usize::from(replica)) {
+            *c = c.saturating_add(added).saturating_sub(removed);
+        }
+    }
+
+    /// Drops every block of `replica` (it went down or restarted).
+    pub fn clear_replica(&mut self, replica: ReplicaId) {
+        let (p, bit) = Self::page_bit(replica);
+        if let Some(t) = self.pages.get_mut(p) {
+            t.unset_all(bit);
+        }
+        if let Some(c) = self.blocks.get_mut(usize::from(replica)) {
+            *c = 0;
+        }
+    }
+
+    /// Replaces `replica`'s blocks with a snapshot.
+    pub fn replace_replica(&mut self, replica: ReplicaId, keys: impl IntoIterator<Item = u64>) {
+        self.clear_replica(replica);
+        let keys = keys.into_iter();
+        self.reserve(replica, keys.size_hint().0);
+        for k in keys {
+            self.insert(replica, k);
+        }
+    }
+
+    /// Empties the index.
+    pub fn clear(&mut self) {
+        self.pages.clear();
+        self.blocks.clear();
+    }
+
+    /// Whether `replica` holds `key`.
+    pub fn holds(&self, replica: ReplicaId, key: u64) -> bool {
+        let (p, bit) = Self::page_bit(replica);
+        self.pages.get(p).is_some_and(|t| t.get(key) & bit != 0)
+    }
+
+    /// Distinct blocks `replica` holds.
+    pub fn replica_blocks(&self, replica: ReplicaId) -> u64 {
+        self.blocks.get(usize::from(replica)).copied().unwrap_or(0)
+    }
+
+    /// One past the highest replica id seen.
+    pub fn replica_slots(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Number of (block, replica) pairs.
+    pub fn entries(&self) -> u64 {
+        self.blocks.iter().fold(0u64, |a, &b| a.saturating_add(b))
+    }
+
+    /// Bytes held by the tables.
+    pub fn memory_bytes(&self) -> usize {
+        self.pages.iter().map(|t| t.slots.len().saturating_mul(std::mem::size_of::<Slot>())).fold(0, usize::saturating_add)
+    }
+
+    /// Sorted keys `replica` holds (for snapshots and tests).
+    pub fn replica_keys(&self, replica: ReplicaId) -> Vec<u64> {
+        let (p, bit) = Self::page_bit(replica);
+        let mut v: Vec<u64> = self
+            .pages
+            .get(p)
+            .map(|t| t.slots.iter().filter(|s| s.mask & bit != 0).map(|s| s.key).collect())
+            .unwrap_or_default();
+        v.sort_unstable();
+        v
+    }
+
+    /// Scores a request's block keys: for each replica, the number of leading blocks it holds.
+    pub fn score(&self, keys: &[u64]) -> Scores {
+        let mut s = Scores::default();
+        self.score_into(keys, &mut s);
+        s
+    }
+
+    /// As [`Self::score`], reusing `out`'s allocation.
+    pub fn score_into(&self, keys: &[u64], out: &mut Scores) {
+        out.leading.clear();
+        out.leading.resize(self.blocks.len(), 0);
+        out.total = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        for (p, t) in self.pages.iter().enumerate() {
+            if t.len == 0 {
+                continue;
+            }
+            let base = p.saturating_mul(PAGE_BITS);
+            let mut alive = u64::MAX;
+            let mut run = 0u32;
+            // Look up a few keys at a time: the loads are independent, so the CPU overlaps
+            // their cache misses; the fold below then stops at the first block nobody holds.
+            const CHUNK: usize = 8;
+            'outer: for chunk in keys.chunks(CHUNK) {
+                let mut masks = [0u64; CHUNK];
+                for (m, &k) in masks.iter_mut().zip(chunk) {
+                    *m = t.get(k);
+                }
+                for &m in masks.iter().take(chunk.len()) {
+                    let next = alive & m;
+                    let dropped = alive & !next;
+                    if dropped != 0 {
+                        record(&mut out.leading, base, dropped, run);
+                    }
+                    alive = next;
+                    if alive == 0 {
+                        break 'outer;
+                    }
+                    run = run.saturating_add(1);
+                }
+            }
+            if alive != 0 {
+                record(&mut out.leading, base, alive, run);
+            }
+        }
+    }
+}
+
+#[inline]
+fn record(leading: &mut [u32], base: usize, mut bits: u64, run: u32) {
+    while bits != 0 {
+        let b = bits.trailing_zeros() as usize;
+        bits &= bits.wrapping_sub(1);
+        if let Some(l) = leading.get_mut(base.saturating_add(b)) {
+            *l = run;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leading_runs() {
+        let mut ix = ReplicaIndex::new();
+        for k in [10, 11, 12] {
+            ix.insert(0, k);
+        }
+        for k in [10, 12, 13] {
+            ix.insert(2, k);
+        }
+        ix.insert(70, 10); // second page
+        ix.insert(70, 11);
+        let s = ix.score(&[10, 11, 12, 13]);
+        assert_eq!(s.total, 4);
+        assert_eq!(s.leading[0], 3);
+        assert_eq!(s.leading[1], 0);
+        assert_eq!(s.leading[2], 1);
+        assert_eq!(s.leading[70], 2);
+        assert_eq!(s.best(), Some((0, 3)));
+        assert!((s.share(0) - 0.75).abs() < 1e-12);
+        assert_eq!(ix.score(&[]).best(), None);
+    }
+
+    #[test]
+    fn removal_keeps_probe_runs_intact() {
+        let mut ix = ReplicaIndex::new();
+        for k in 0..5000u64 {
+            ix.insert(1, k.wrapping_mul(7919));
+        }
+        for k in (0..5000u64).step_by(2) {
+            ix.remove(1, k.wrapping_mul(7919));
+        }
+        for k in 0..5000u64 {
+            assert_eq!(ix.holds(1, k.wrapping_mul(7919)), k % 2 == 1, "key {k}");
+        }
+        assert_eq!(ix.replica_blocks(1), 2500);
+        ix.clear_replica(1);
+        assert_eq!(ix.entries(), 0);
+        assert!(!ix.holds(1, 7919));
+    }
+}

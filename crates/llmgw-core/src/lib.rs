@@ -1,0 +1,31 @@
+//! llmgw-core: the parts of llmgw that must be exactly right and must never panic.
+//!
+//! * [`hash`]: vLLM's prefix-cache block hash chain, byte for byte (`sha256_cbor`, `sha256`
+//!   over Python pickle, and the optional xxhash variants), with the root parent vLLM derives
+//!   from `PYTHONHASHSEED` and the extra keys (cache salt, LoRA, multimodal) it mixes in.
+//! * [`wire`]: decoding of vLLM's `KVEventBatch` msgpack payloads, in both encodings
+//!   (events as maps tagged by `type` since vLLM 0.24, positional arrays before).
+//! * [`event`]: the domain view of those events, independent of the wire form.
+//! * [`mirror`]: one engine's held blocks as a reference-counted multiset, yielding net changes
+//!   and checking hash parity.
+//! * [`index`]: block key → replicas holding it, with leading-prefix scoring.
+//! * [`config`]: the filter's configuration, validated with errors naming the field.
+//!
+//! Nothing here does I/O, reads a clock or draws random numbers: every input is an argument,
+//! so the same code runs natively (agent, tests, benchmarks) and inside Envoy as wasm.
+
+pub mod cbor;
+pub mod config;
+pub mod event;
+pub mod idhash;
+pub mod hash;
+pub mod index;
+pub mod mirror;
+pub mod msgpack;
+pub mod pickle;
+pub mod wire;
+
+pub use event::{EventBatch, KvEvent};
+pub use hash::{BlockHash, BlockHasher, Digest, ExtraKey, HashAlgo, MmFeature, RequestExtras};
+pub use index::{ReplicaId, ReplicaIndex};
+pub use mirror::{EngineMirror, NetChange};

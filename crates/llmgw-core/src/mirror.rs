@@ -1,0 +1,288 @@
+//! One engine's KV cache as vLLM reports it: a reference-counted multiset of block keys.
+//!
+//! vLLM can store the same hash more than once (two physical copies, or a `full` report-mode
+//! re-announcement) and removes each copy with its own `BlockRemoved`, so a block is held while
+//! its count is positive. Applying a batch yields the **net** changes of that batch: blocks that
+//! were not held before and are now, and the reverse. Only events about this engine's GPU cache
+//! in KV-cache group 0 (local) change the mirror; the rest are counted and ignored.
+//!
+//! Parity: each stored block whose parent's full digest is known (a run starting at block 0, or
+//! a parent this mirror verified earlier) is re-hashed from the event's `token_ids` and compared
+//! with the published key, so an engine started with another seed or algorithm shows up at once.
+
+use crate::event::{EventBatch, KvEvent, Medium, RemovedBlocks, StoredBlocks};
+use crate::hash::{BlockHasher, Digest};
+use crate::idhash::KeyMap;
+use std::collections::BTreeMap;
+
+/// A change in whether a block is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NetChange {
+    Added(u64),
+    Removed(u64),
+}
+
+impl NetChange {
+    pub fn key(self) -> u64 {
+        match self {
+            NetChange::Added(k) | NetChange::Removed(k) => k,
+        }
+    }
+}
+
+/// Counters of everything the mirror saw.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MirrorStats {
+    pub batches: u64,
+    pub events_applied: u64,
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    /// `BlockRemoved` for a block this mirror did not hold.
+    pub removed_not_held: u64,
+    pub clears: u64,
+    pub resets: u64,
+    pub ignored_medium: u64,
+    pub ignored_locality: u64,
+    pub ignored_group: u64,
+    pub unknown_events: u64,
+    pub parity: ParityStats,
+}
+
+/// Hash parity of stored blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParityStats {
+    pub matched: u64,
+    pub mismatched: u64,
+    /// Blocks whose hash could not be recomputed (unknown parent, no hasher configured,
+    /// LoRA path unknown, lookahead hashing, hybrid-model token layout).
+    pub unverifiable: u64,
+    /// The last mismatch: (published key, recomputed key).
+    pub last_mismatch: Option<(u64, u64)>,
+}
+
+impl ParityStats {
+    /// Share of verified blocks that matched; `None` before any block was verified.
+    pub fn match_ratio(&self) -> Option<f64> {
+        let total = self.matched.saturating_add(self.mismatched);
+        if total == 0 {
+            None
+        } else {
+            Some(self.matched as f64 / total as f64)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    count: u32,
+    /// The full digest, when this mirror recomputed it and it matched the published key.
+    digest: Option<Digest>,
+}
+
+/// One engine's (replica, data-parallel rank) mirror.
+pub struct EngineMirror {
+    held: KeyMap<Held>,
+    hasher: Option<BlockHasher>,
+    lora_paths: BTreeMap<String, String>,
+    stats: MirrorStats,
+    touched: KeyMap<bool>,
+    touched_order: Vec<u64>,
+}
+
+impl EngineMirror {
+    /// `parity`: the hasher the engine is expected to use, to check its published hashes.
+    pub fn new(parity: Option<BlockHasher>) -> Self {
+        Self {
+            held: KeyMap::default(),
+            hasher: parity,
+            lora_paths: BTreeMap::new(),
+            stats: MirrorStats::default(),
+            touched: KeyMap::default(),
+            touched_order: Vec::new(),
+        }
+    }
+
+    /// Tells parity checks where the engine loaded a LoRA adapter from (vLLM hashes the path
+    /// but does not publish it).
+    pub fn set_lora_path(&mut self, name: impl Into<String>, path: impl Into<String>) {
+        self.lora_paths.insert(name.into(), path.into());
+    }
+
+    pub fn stats(&self) -> &MirrorStats {
+        &self.stats
+    }
+
+    /// Number of distinct blocks held.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    pub fn contains(&self, key: u64) -> bool {
+        self.held.contains_key(&key)
+    }
+
+    /// How many copies of `key` the engine holds.
+    pub fn count(&self, key: u64) -> u32 {
+        self.held.get(&key).map_or(0, |h| h.count)
+    }
+
+    /// Every held block key, sorted (a snapshot).
+    pub fn keys(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self.held.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Drops everything (engine restarted, sequence gap that cannot be repaired, replica down).
+    /// Appends a `Removed` for every block that was held.
+    pub fn reset(&mut self, out: &mut Vec<NetChange>) {
+        self.stats.resets = self.stats.resets.saturating_add(1);
+        let mut keys = self.keys();
+        self.held.clear();
+        out.extend(keys.drain(..).map(NetChange::Removed));
+    }
+
+    /// Applies one batch and appends its net changes to `out`, in the order blocks were first
+    /// touched.
+    pub fn apply(&mut self, batch: &EventBatch, out: &mut Vec<NetChange>) {
+        self.stats.batches = self.stats.batches.saturating_add(1);
+        self.touched.clear();
+        self.touched_order.clear();
+        for ev in &batch.events {
+            match ev {
+                KvEvent::Stored(s) => self.apply_stored(s),
+                KvEvent::Removed(r) => self.apply_removed(r),
+                KvEvent::AllCleared => {
+                    self.stats.events_applied = self.stats.events_applied.saturating_add(1);
+                    self.stats.clears = self.stats.clears.saturating_add(1);
+                    let keys: Vec<u64> = self.held.keys().copied().collect();
+                    for k in keys {
+                        self.touch(k);
+                    }
+                    self.held.clear();
+                }
+                KvEvent::Unknown(_) => self.stats.unknown_events = self.stats.unknown_events.saturating_add(1),
+            }
+        }
+        for &k in &self.touched_order {
+            let before = self.touched.get(&k).copied().unwrap_or(false);
+            let now = self.held.contains_key(&k);
+            match (before, now) {
+                (false, true) => out.push(NetChange::Added(k)),
+                (true, false) => out.push(NetChange::Removed(k)),
+                _ => {}
+            }
+        }
+    }
+
+    fn touch(&mut self, k: u64) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.touched.entry(k) {
+            e.insert(self.held.contains_key(&k));
+            self.touched_order.push(k);
+        }
+    }
+
+    /// Whether an event is about this engine's local GPU cache, KV group 0; counts it if not.
+    fn relevant(&mut self, medium: &Medium, locality: Option<&str>, group: Option<i64>) -> bool {
+        if *medium != Medium::Gpu {
+            self.stats.ignored_medium = self.stats.ignored_medium.saturating_add(1);
+            return false;
+        }
+        if !matches!(locality, None | Some("LOCAL")) {
+            self.stats.ignored_locality = self.stats.ignored_locality.saturating_add(1);
+            return false;
+        }
+        if !matches!(group, None | Some(0)) {
+            self.stats.ignored_group = self.stats.ignored_group.saturating_add(1);
+            return false;
+        }
+        true
+    }
+
+    fn apply_stored(&mut self, s: &StoredBlocks) {
+        if !self.relevant(&s.medium, s.locality.as_deref(), s.group_idx) {
+            return;
+        }
+        self.stats.events_applied = self.stats.events_applied.saturating_add(1);
+        let digests = self.check_parity(s);
+        for (i, &k) in s.hashes.iter().enumerate() {
+            self.touch(k);
+            let digest = digests.get(i).copied().flatten();
+            let h = self.held.entry(k).or_insert(Held { count: 0, digest: None });
+            h.count = h.count.saturating_add(1);
+            if h.digest.is_none() {
+                h.digest = digest;
+            }
+            self.stats.blocks_stored = self.stats.blocks_stored.saturating_add(1);
+        }
+    }
+
+    fn apply_removed(&mut self, r: &RemovedBlocks) {
+        if !self.relevant(&r.medium, r.locality.as_deref(), r.group_idx) {
+            return;
+        }
+        self.stats.events_applied = self.stats.events_applied.saturating_add(1);
+        for &k in &r.hashes {
+            self.touch(k);
+            match self.held.get_mut(&k) {
+                Some(h) if h.count > 1 => h.count = h.count.saturating_sub(1),
+                Some(_) => {
+                    self.held.remove(&k);
+                }
+                None => self.stats.removed_not_held = self.stats.removed_not_held.saturating_add(1),
+            }
+            self.stats.blocks_removed = self.stats.blocks_removed.saturating_add(1);
+        }
+    }
+
+    /// Recomputes the stored run's hashes where possible; returns the verified digest per block.
+    fn check_parity(&mut self, s: &StoredBlocks) -> Vec<Option<Digest>> {
+        let n = s.hashes.len();
+        let unverifiable = |stats: &mut MirrorStats| {
+            stats.parity.unverifiable = stats.parity.unverifiable.saturating_add(n as u64);
+            Vec::new()
+        };
+        let Some(hasher) = self.hasher.as_mut() else {
+            return unverifiable(&mut self.stats);
+        };
+        let Ok(bs) = usize::try_from(s.block_size) else {
+            return unverifiable(&mut self.stats);
+        };
+        if bs == 0 || s.lookahead_token_ids.is_some() || Some(s.token_ids.len()) != n.checked_mul(bs) {
+            return unverifiable(&mut self.stats);
+        }
+        let parent = match s.parent {
+            None => Some(hasher.root()),
+            Some(p) => self.held.get(&p).and_then(|h| h.digest),
+        };
+        let Some(mut parent) = parent else {
+            return unverifiable(&mut self.stats);
+        };
+        let mut out = Vec::with_capacity(n);
+        let lora_paths = &self.lora_paths;
+        for (i, (block, &published)) in s.token_ids.chunks_exact(bs).zip(&s.hashes).enumerate() {
+            let Some(extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
+                let rest = n.saturating_sub(i) as u64;
+                self.stats.parity.unverifiable = self.stats.parity.unverifiable.saturating_add(rest);
+                break;
+            };
+            let d = hasher.hash_block(&parent, block, &extra);
+            if d.key() == published {
+                self.stats.parity.matched = self.stats.parity.matched.saturating_add(1);
+                out.push(Some(d));
+            } else {
+                self.stats.parity.mismatched = self.stats.parity.mismatched.saturating_add(1);
+                self.stats.parity.last_mismatch = Some((published, d.key()));
+                out.push(None);
+            }
+            // On a mismatch the engine's true digest is unknown; chaining on ours keeps a
+            // wrong seed or algorithm visible on every block of the run.
+            parent = d;
+        }
+        out
+    }
+}
