@@ -62,6 +62,7 @@ pub fn null(out: &mut Vec<u8>) {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 

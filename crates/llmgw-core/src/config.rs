@@ -133,10 +133,8 @@ impl FilterConfig {
         let trimmed = input.iter().all(|b| b.is_ascii_whitespace());
         let input: &[u8] = if trimmed { br#"{"profiles":[{"name":"default","models":["*"]}]}"# } else { input };
         let de = &mut serde_json::Deserializer::from_slice(input);
-        let cfg: FilterConfig = serde_path_to_error::deserialize(de).map_err(|e| ConfigError {
-            field: e.path().to_string(),
-            message: e.inner().to_string(),
-        })?;
+        let cfg: FilterConfig = serde_path_to_error::deserialize(de)
+            .map_err(|e| ConfigError { field: e.path().to_string(), message: e.inner().to_string() })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -197,6 +195,7 @@ impl FilterConfig {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 
@@ -209,20 +208,28 @@ mod tests {
         let c = FilterConfig::from_json(b"").unwrap();
         assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
         assert_eq!(c.profile_for("anything").map(|p| p.name.as_str()), Some("default"));
-        let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"],"kv_events":true,"seed":"0"}]}"#).unwrap();
+        let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"],"kv_events":true,"seed":"0"}]}"#)
+            .unwrap();
         assert!(c.profile_for("m1").is_some_and(|p| p.kv_events && p.block_size == 16));
         assert!(c.profile_for("m2").is_none());
     }
 
     #[test]
     fn errors_name_the_field() {
-        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"block_size":0}]}"#).contains("`profiles[0].block_size`"));
-        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"block_size":"x"}]}"#).contains("profiles[0].block_size"));
-        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"md5"}]}"#).contains("profiles[0].hash_algo"));
+        assert!(
+            err(r#"{"profiles":[{"name":"a","models":["m"],"block_size":0}]}"#).contains("`profiles[0].block_size`")
+        );
+        assert!(
+            err(r#"{"profiles":[{"name":"a","models":["m"],"block_size":"x"}]}"#).contains("profiles[0].block_size")
+        );
+        assert!(
+            err(r#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"md5"}]}"#).contains("profiles[0].hash_algo")
+        );
         assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"xxhash"}]}"#).contains("profiles[0].seed"));
         assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"colour":1}]}"#).contains("colour"));
         assert!(err(r#"{"profiles":[]}"#).contains("`profiles`"));
-        assert!(err(r#"{"destination_header":"X Bad","profiles":[{"name":"a","models":["m"]}]}"#).contains("destination_header"));
+        assert!(err(r#"{"destination_header":"X Bad","profiles":[{"name":"a","models":["m"]}]}"#)
+            .contains("destination_header"));
         assert!(err("{not json").contains("invalid llmgw configuration"));
     }
 }

@@ -197,7 +197,11 @@ impl From<WireEvent> for KvEvent {
 
 impl From<WireBatch> for EventBatch {
     fn from(w: WireBatch) -> Self {
-        EventBatch { ts: w.ts, dp_rank: w.data_parallel_rank, events: w.events.into_iter().map(KvEvent::from).collect() }
+        EventBatch {
+            ts: w.ts,
+            dp_rank: w.data_parallel_rank,
+            events: w.events.into_iter().map(KvEvent::from).collect(),
+        }
     }
 }
 

@@ -43,10 +43,7 @@ impl HashAlgo {
 
     /// Parses vLLM's flag value.
     pub fn parse(s: &str) -> Result<Self, HashError> {
-        Self::ALL
-            .into_iter()
-            .find(|a| a.name() == s)
-            .ok_or_else(|| HashError::UnknownAlgo(s.to_owned()))
+        Self::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| HashError::UnknownAlgo(s.to_owned()))
     }
 
     fn is_cbor(self) -> bool {
@@ -78,7 +75,9 @@ pub enum HashError {
 impl fmt::Display for HashError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::UnknownAlgo(s) => write!(f, "unknown hash algorithm {s:?} (expected sha256_cbor, sha256, xxhash_cbor or xxhash)"),
+            Self::UnknownAlgo(s) => {
+                write!(f, "unknown hash algorithm {s:?} (expected sha256_cbor, sha256, xxhash_cbor or xxhash)")
+            }
             Self::XxhashNeedsSeed => f.write_str(
                 "xxhash roots are random in vLLM when PYTHONHASHSEED is unset; set a seed on the replicas and here",
             ),
@@ -149,11 +148,10 @@ pub fn key_of_bytes(b: &[u8]) -> Option<u64> {
 
 /// Lowercase hex.
 pub fn hex(b: &[u8]) -> String {
-    const H: &[u8; 16] = b"0123456789abcdef";
+    use std::fmt::Write as _;
     let mut s = String::with_capacity(b.len().saturating_mul(2));
     for &x in b {
-        s.push(char::from(H[usize::from(x >> 4)]));
-        s.push(char::from(H[usize::from(x & 15)]));
+        let _ = write!(s, "{x:02x}");
     }
     s
 }
@@ -316,7 +314,9 @@ impl BlockHasher {
                     extra
                         .iter()
                         .map(|e| match e {
-                            ExtraKey::Lora { name, path } => PyValue::Tuple(vec![tag("lora"), plain(name), plain(path)]),
+                            ExtraKey::Lora { name, path } => {
+                                PyValue::Tuple(vec![tag("lora"), plain(name), plain(path)])
+                            }
                             ExtraKey::Mm { identifier, offset } => {
                                 PyValue::Tuple(vec![tag("mm"), plain(identifier), PyValue::Int(*offset)])
                             }
@@ -430,6 +430,7 @@ fn xxh128(_data: &[u8]) -> Digest {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 
@@ -453,7 +454,10 @@ mod tests {
         let toks: Vec<u32> = (1..=16).collect();
         let b = h.hash_request(&toks, 16, &RequestExtras::default()).unwrap_or_default();
         assert_eq!(b.len(), 1);
-        assert_eq!(b.first().map(|b| b.digest.to_hex()).as_deref(), Some("202da172482d928bbc42ab25b0151e2b895f13f41002e27b2ceabcfae6d332ea"));
+        assert_eq!(
+            b.first().map(|b| b.digest.to_hex()).as_deref(),
+            Some("202da172482d928bbc42ab25b0151e2b895f13f41002e27b2ceabcfae6d332ea")
+        );
         assert_eq!(b.first().map(|b| b.key), Some(3236607068019569386));
     }
 

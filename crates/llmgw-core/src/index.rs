@@ -352,7 +352,10 @@ impl ReplicaIndex {
 
     /// Bytes held by the tables.
     pub fn memory_bytes(&self) -> usize {
-        self.pages.iter().map(|t| t.slots.len().saturating_mul(std::mem::size_of::<Slot>())).fold(0, usize::saturating_add)
+        self.pages
+            .iter()
+            .map(|t| t.slots.len().saturating_mul(std::mem::size_of::<Slot>()))
+            .fold(0, usize::saturating_add)
     }
 
     /// Sorted keys `replica` holds (for snapshots and tests).
@@ -426,6 +429,7 @@ fn record(leading: &mut [u32], base: usize, mut bits: u64, run: u32) {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 

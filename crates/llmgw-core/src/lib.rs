@@ -17,8 +17,8 @@
 pub mod cbor;
 pub mod config;
 pub mod event;
-pub mod idhash;
 pub mod hash;
+pub mod idhash;
 pub mod index;
 pub mod mirror;
 pub mod msgpack;

