@@ -401,6 +401,117 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Appends msgpack values to a buffer, in the shortest forms (as msgspec writes them).
+#[derive(Debug, Default, Clone)]
+pub struct Writer {
+    pub out: Vec<u8>,
+}
+
+impl Writer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn into_inner(self) -> Vec<u8> {
+        self.out
+    }
+
+    fn len_header(&mut self, n: usize, fix: u8, fix_max: usize, m16: u8, m32: u8) {
+        if n <= fix_max {
+            self.out.push(fix | (n as u8));
+        } else if let Ok(v) = u16::try_from(n) {
+            self.out.push(m16);
+            self.out.extend_from_slice(&v.to_be_bytes());
+        } else {
+            self.out.push(m32);
+            self.out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_be_bytes());
+        }
+    }
+
+    pub fn array(&mut self, n: usize) {
+        self.len_header(n, 0x90, 15, 0xdc, 0xdd);
+    }
+
+    pub fn map(&mut self, n: usize) {
+        self.len_header(n, 0x80, 15, 0xde, 0xdf);
+    }
+
+    pub fn nil(&mut self) {
+        self.out.push(0xc0);
+    }
+
+    pub fn bool(&mut self, b: bool) {
+        self.out.push(if b { 0xc3 } else { 0xc2 });
+    }
+
+    pub fn uint(&mut self, v: u64) {
+        if v < 128 {
+            self.out.push(v as u8);
+        } else if let Ok(b) = u8::try_from(v) {
+            self.out.extend_from_slice(&[0xcc, b]);
+        } else if let Ok(b) = u16::try_from(v) {
+            self.out.push(0xcd);
+            self.out.extend_from_slice(&b.to_be_bytes());
+        } else if let Ok(b) = u32::try_from(v) {
+            self.out.push(0xce);
+            self.out.extend_from_slice(&b.to_be_bytes());
+        } else {
+            self.out.push(0xcf);
+            self.out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    pub fn int(&mut self, v: i64) {
+        if let Ok(u) = u64::try_from(v) {
+            self.uint(u);
+        } else if v >= -32 {
+            self.out.push(v as i8 as u8);
+        } else if let Ok(b) = i8::try_from(v) {
+            self.out.extend_from_slice(&[0xd0, b as u8]);
+        } else if let Ok(b) = i16::try_from(v) {
+            self.out.push(0xd1);
+            self.out.extend_from_slice(&b.to_be_bytes());
+        } else if let Ok(b) = i32::try_from(v) {
+            self.out.push(0xd2);
+            self.out.extend_from_slice(&b.to_be_bytes());
+        } else {
+            self.out.push(0xd3);
+            self.out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    pub fn f64(&mut self, v: f64) {
+        self.out.push(0xcb);
+        self.out.extend_from_slice(&v.to_be_bytes());
+    }
+
+    pub fn str(&mut self, s: &str) {
+        let n = s.len();
+        if n <= 31 {
+            self.out.push(0xa0 | (n as u8));
+        } else if let Ok(b) = u8::try_from(n) {
+            self.out.extend_from_slice(&[0xd9, b]);
+        } else {
+            self.len_header(n, 0, 0, 0xda, 0xdb);
+        }
+        self.out.extend_from_slice(s.as_bytes());
+    }
+
+    pub fn bin(&mut self, b: &[u8]) {
+        let n = b.len();
+        if let Ok(l) = u8::try_from(n) {
+            self.out.extend_from_slice(&[0xc4, l]);
+        } else if let Ok(l) = u16::try_from(n) {
+            self.out.push(0xc5);
+            self.out.extend_from_slice(&l.to_be_bytes());
+        } else {
+            self.out.push(0xc6);
+            self.out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_be_bytes());
+        }
+        self.out.extend_from_slice(b);
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::arithmetic_side_effects)]
 mod tests {

@@ -311,3 +311,25 @@ fn the_default_sha256_is_not_what_the_capture_used() {
     assert!(mirror.stats().parity.mismatched > 0);
     let _ = Digest::from_slice(&[0; 32]);
 }
+
+#[test]
+fn reencoding_reproduces_vllm_payloads() {
+    // Our encoder writes what msgspec wrote, up to map header widths: decode(ours) == decode(theirs).
+    use llmgw_core::wire::{encode_batch, Encoding, HashForm};
+    for (file, enc) in
+        [("batches_native_seed0.jsonl", Encoding::Tagged), ("batches_legacy_seed0.jsonl", Encoding::Positional)]
+    {
+        for line in data(file).lines() {
+            let rec: Value = serde_json::from_str(line).unwrap();
+            let theirs = unhex(rec["payload_hex"].as_str().unwrap());
+            let batch = decode_batch(&theirs).unwrap();
+            for form in [HashForm::Int, HashForm::Bytes] {
+                let ours = encode_batch(&batch, enc, form);
+                assert_eq!(decode_batch(&ours).unwrap(), batch, "{file}");
+            }
+            if enc == Encoding::Positional {
+                assert_eq!(encode_batch(&batch, enc, HashForm::Int), theirs, "{file}: positional bytes");
+            }
+        }
+    }
+}
