@@ -91,7 +91,8 @@ fuzz() {
     cargo install cargo-fuzz
   fi
   # cargo-fuzz needs nightly features; RUSTC_BOOTSTRAP enables them on a stable toolchain.
-  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode -- -max_total_time="${FUZZ_SECONDS:-60}")
+  mkdir -p fuzz/corpus/decode
+  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode corpus/decode seeds -- -max_total_time="${FUZZ_SECONDS:-60}")
 }
 
 cmd=${1:-build}
