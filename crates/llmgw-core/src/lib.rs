@@ -17,6 +17,7 @@
 pub mod cbor;
 pub mod config;
 pub mod event;
+pub mod feed;
 pub mod hash;
 pub mod idhash;
 pub mod index;

@@ -1,0 +1,306 @@
+//! The feed's messages (`proto/llmgw/feed/v1/feed.proto`) as plain prost structs, shared by the
+//! agent (which serves them) and the filter (which decodes them inside Envoy), plus the logic
+//! that applies them to a subscriber's state. Field numbers must match the `.proto`; the
+//! agent's tests check this against code generated from it.
+
+use crate::index::{ReplicaId, ReplicaIndex};
+use crate::mirror::NetChange;
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SubscribeRequest {
+    #[prost(string, tag = "1")]
+    pub subscriber: String,
+    #[prost(string, tag = "2")]
+    pub token: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct FeedMessage {
+    #[prost(uint64, tag = "1")]
+    pub seq: u64,
+    #[prost(oneof = "Body", tags = "2, 3, 4, 5, 6, 7, 8")]
+    pub body: Option<Body>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum Body {
+    #[prost(message, tag = "2")]
+    Replicas(ReplicaTable),
+    #[prost(message, tag = "3")]
+    Snapshot(SnapshotChunk),
+    #[prost(message, tag = "4")]
+    SnapshotComplete(SnapshotComplete),
+    #[prost(message, tag = "5")]
+    Delta(BlockDelta),
+    #[prost(message, tag = "6")]
+    Load(LoadReport),
+    #[prost(message, tag = "7")]
+    Reset(ReplicaReset),
+    #[prost(message, tag = "8")]
+    Heartbeat(Heartbeat),
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Replica {
+    #[prost(uint32, tag = "1")]
+    pub id: u32,
+    #[prost(string, tag = "2")]
+    pub name: String,
+    #[prost(string, tag = "3")]
+    pub address: String,
+    #[prost(string, repeated, tag = "4")]
+    pub models: Vec<String>,
+    #[prost(bool, tag = "5")]
+    pub up: bool,
+    #[prost(uint32, tag = "6")]
+    pub dp_rank: u32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ReplicaTable {
+    #[prost(message, repeated, tag = "1")]
+    pub replicas: Vec<Replica>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SnapshotChunk {
+    #[prost(uint32, tag = "1")]
+    pub replica: u32,
+    #[prost(bool, tag = "2")]
+    pub first: bool,
+    #[prost(uint64, repeated, tag = "3")]
+    pub blocks: Vec<u64>,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct SnapshotComplete {}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BlockDelta {
+    #[prost(uint32, tag = "1")]
+    pub replica: u32,
+    #[prost(uint64, repeated, tag = "2")]
+    pub added: Vec<u64>,
+    #[prost(uint64, repeated, tag = "3")]
+    pub removed: Vec<u64>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ReplicaLoad {
+    #[prost(uint32, tag = "1")]
+    pub replica: u32,
+    #[prost(uint32, tag = "2")]
+    pub running: u32,
+    #[prost(uint32, tag = "3")]
+    pub waiting: u32,
+    #[prost(float, tag = "4")]
+    pub kv_cache_usage: f32,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct LoadReport {
+    #[prost(message, repeated, tag = "1")]
+    pub loads: Vec<ReplicaLoad>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ReplicaReset {
+    #[prost(uint32, tag = "1")]
+    pub replica: u32,
+    #[prost(string, tag = "2")]
+    pub reason: String,
+}
+
+#[derive(Clone, Copy, PartialEq, prost::Message)]
+pub struct Heartbeat {}
+
+impl BlockDelta {
+    /// Builds a delta from a mirror's net changes.
+    pub fn from_changes(replica: u32, changes: &[NetChange]) -> BlockDelta {
+        let mut d = BlockDelta { replica, added: Vec::new(), removed: Vec::new() };
+        for c in changes {
+            match *c {
+                NetChange::Added(k) => d.added.push(k),
+                NetChange::Removed(k) => d.removed.push(k),
+            }
+        }
+        d
+    }
+}
+
+/// What a subscriber knows: the replica table, their blocks and loads, and whether the index
+/// is complete (a snapshot was fully received since the last (re)connection).
+#[derive(Debug, Clone, Default)]
+pub struct FeedState {
+    pub replicas: Vec<Replica>,
+    pub loads: Vec<ReplicaLoad>,
+    pub index: ReplicaIndex,
+    pub synced: bool,
+    pub last_seq: Option<u64>,
+    /// Messages that could not be applied (replica id out of range).
+    pub rejected: u64,
+}
+
+/// Why a message was not applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FeedError {
+    /// A replica id beyond what the index can address.
+    BadReplica(u32),
+    /// The message skipped sequence numbers: the subscriber must reconnect and resync.
+    Gap { expected: u64, got: u64 },
+}
+
+impl std::fmt::Display for FeedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FeedError::BadReplica(r) => write!(f, "replica id {r} out of range"),
+            FeedError::Gap { expected, got } => write!(f, "feed sequence gap: expected {expected}, got {got}"),
+        }
+    }
+}
+
+fn rid(r: u32) -> Result<ReplicaId, FeedError> {
+    ReplicaId::try_from(r).map_err(|_| FeedError::BadReplica(r))
+}
+
+impl FeedState {
+    /// Forgets everything (a new subscription starts).
+    pub fn restart(&mut self) {
+        self.synced = false;
+        self.last_seq = None;
+    }
+
+    /// The replica serving `address`, if known.
+    pub fn replica(&self, id: ReplicaId) -> Option<&Replica> {
+        self.replicas.iter().find(|r| r.id == u32::from(id))
+    }
+
+    /// Applies one message. On a sequence gap the caller must resubscribe.
+    pub fn apply(&mut self, msg: &FeedMessage) -> Result<(), FeedError> {
+        if let Some(last) = self.last_seq {
+            let expected = last.saturating_add(1);
+            if msg.seq != expected {
+                self.synced = false;
+                return Err(FeedError::Gap { expected, got: msg.seq });
+            }
+        }
+        self.last_seq = Some(msg.seq);
+        let Some(body) = &msg.body else { return Ok(()) };
+        let r = self.apply_body(body);
+        if r.is_err() {
+            self.rejected = self.rejected.saturating_add(1);
+        }
+        r
+    }
+
+    fn apply_body(&mut self, body: &Body) -> Result<(), FeedError> {
+        match body {
+            Body::Replicas(t) => {
+                for r in &t.replicas {
+                    rid(r.id)?;
+                }
+                // Replicas that left the table lose their blocks.
+                let gone: Vec<u32> =
+                    self.replicas.iter().map(|r| r.id).filter(|id| !t.replicas.iter().any(|n| n.id == *id)).collect();
+                for id in gone {
+                    self.index.clear_replica(rid(id)?);
+                }
+                self.replicas = t.replicas.clone();
+                self.loads.retain(|l| t.replicas.iter().any(|r| r.id == l.replica));
+            }
+            Body::Snapshot(s) => {
+                let r = rid(s.replica)?;
+                if s.first {
+                    self.index.clear_replica(r);
+                    self.index.reserve(r, s.blocks.len());
+                }
+                for &k in &s.blocks {
+                    self.index.insert(r, k);
+                }
+            }
+            Body::SnapshotComplete(_) => self.synced = true,
+            Body::Delta(d) => {
+                let r = rid(d.replica)?;
+                for &k in &d.removed {
+                    self.index.remove(r, k);
+                }
+                for &k in &d.added {
+                    self.index.insert(r, k);
+                }
+            }
+            Body::Load(l) => {
+                for load in &l.loads {
+                    rid(load.replica)?;
+                    match self.loads.iter_mut().find(|x| x.replica == load.replica) {
+                        Some(x) => *x = load.clone(),
+                        None => self.loads.push(load.clone()),
+                    }
+                }
+            }
+            Body::Reset(r) => self.index.clear_replica(rid(r.replica)?),
+            Body::Heartbeat(_) => {}
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    fn msg(seq: u64, body: Body) -> FeedMessage {
+        FeedMessage { seq, body: Some(body) }
+    }
+
+    #[test]
+    fn snapshot_then_deltas() {
+        let mut st = FeedState::default();
+        let table = ReplicaTable {
+            replicas: vec![
+                Replica {
+                    id: 0,
+                    name: "a".into(),
+                    address: "127.0.0.1:8001".into(),
+                    models: vec!["m".into()],
+                    up: true,
+                    dp_rank: 0,
+                },
+                Replica {
+                    id: 1,
+                    name: "b".into(),
+                    address: "127.0.0.1:8002".into(),
+                    models: vec!["m".into()],
+                    up: true,
+                    dp_rank: 0,
+                },
+            ],
+        };
+        let msgs = vec![
+            msg(0, Body::Replicas(table)),
+            msg(1, Body::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: vec![1, 2, 3] })),
+            msg(2, Body::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: vec![1] })),
+            msg(3, Body::SnapshotComplete(SnapshotComplete {})),
+            msg(4, Body::Delta(BlockDelta { replica: 1, added: vec![2], removed: vec![] })),
+            msg(5, Body::Delta(BlockDelta { replica: 0, added: vec![], removed: vec![2] })),
+        ];
+        for m in &msgs {
+            // Through the wire, as the filter receives them.
+            let decoded = FeedMessage::decode(m.encode_to_vec().as_slice()).unwrap();
+            assert_eq!(&decoded, m);
+            st.apply(&decoded).unwrap();
+        }
+        assert!(st.synced);
+        let s = st.index.score(&[1, 2, 3]);
+        assert_eq!(s.leading, vec![1, 2]);
+        st.apply(&msg(6, Body::Reset(ReplicaReset { replica: 1, reason: "restart".into() }))).unwrap();
+        assert_eq!(st.index.score(&[1, 2, 3]).leading, vec![1, 0]);
+        assert_eq!(st.apply(&msg(8, Body::Heartbeat(Heartbeat {}))), Err(FeedError::Gap { expected: 7, got: 8 }));
+        assert!(!st.synced);
+        st.restart();
+        let bad = msg(0, Body::Delta(BlockDelta { replica: 70_000, added: vec![1], removed: vec![] }));
+        assert_eq!(st.apply(&bad), Err(FeedError::BadReplica(70_000)));
+        assert_eq!(st.rejected, 1);
+    }
+}
