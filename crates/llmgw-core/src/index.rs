@@ -1,10 +1,16 @@
 //! Block key → the replicas holding it, with leading-prefix scoring.
 //!
-//! Layout: replicas are grouped in pages of 64; each page is an open-addressing table of
-//! 16-byte slots `(key, replica bitmask)` with linear probing, Fibonacci placement (the keys are
-//! already hashes: one multiply, no second hash) and backward-shift deletion (no tombstones).
-//! A slot with an empty mask is free. One probe touches one cache line; a fleet of up to 64
-//! replicas costs 16 bytes per distinct block, shared by every replica holding it.
+//! Layout: replicas are grouped in pages of 16; each page is an open-addressing table of 8-byte
+//! slots, `fingerprint (48 bits) | replica bitmask (16 bits)`, with linear probing and
+//! backward-shift deletion (no tombstones). The keys are already hashes, so placement is one
+//! multiply (Fibonacci hashing, a bijection on u64), no second hash: the fingerprint is the top
+//! 48 bits of `key × φ`, and the slot a key belongs to is the top bits of its fingerprint.
+//! Two block keys share a slot only when their products agree in 48 bits (probability about
+//! n²/2⁴⁹ for an index of n blocks: one merged pair in a thousand indexes of 800,000 blocks),
+//! which at worst credits a replica with one block it does not hold.
+//!
+//! A fleet of up to 16 replicas costs 8 bytes per distinct block, shared by every replica
+//! holding it; small slots keep large indexes within the CPU's TLB reach.
 //!
 //! Everything is deterministic: no clocks, no random state.
 
@@ -13,21 +19,34 @@ use crate::mirror::NetChange;
 /// A replica's slot in the index (dense, chosen by whoever owns the replica table).
 pub type ReplicaId = u16;
 
-const PAGE_BITS: usize = 64;
+const PAGE_BITS: usize = 16;
+const MASK_BITS: u32 = 16;
+const FP_BITS: u32 = 48;
 const MIN_CAPACITY: usize = 16;
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
-#[derive(Clone, Copy, Default, Debug)]
-struct Slot {
-    key: u64,
-    mask: u64,
+/// The 48-bit fingerprint of a key (never all of a slot: the mask of an occupied slot is set).
+#[inline]
+fn fingerprint(key: u64) -> u64 {
+    key.wrapping_mul(FIB) >> MASK_BITS
 }
 
-/// One page: up to 64 replicas.
+#[inline]
+fn slot_fp(s: u64) -> u64 {
+    s >> MASK_BITS
+}
+
+#[inline]
+fn slot_mask(s: u64) -> u64 {
+    s & 0xffff
+}
+
+/// One page: up to 16 replicas.
 #[derive(Clone, Default, Debug)]
 struct Table {
-    slots: Vec<Slot>,
+    slots: Vec<u64>,
     len: usize,
+    /// 48 - log2(capacity).
     shift: u32,
 }
 
@@ -37,26 +56,17 @@ impl Table {
         self.slots.len().wrapping_sub(1)
     }
 
+    /// The slot a fingerprint belongs to (`shift` keeps the result below the capacity).
     #[inline]
-    fn home(&self, key: u64) -> usize {
-        // `shift` is 64 - log2(capacity) (≤ 63 once allocated), so the result is < capacity.
-        (key.wrapping_mul(FIB) >> self.shift) as usize
+    fn home(&self, fp: u64) -> usize {
+        (fp >> self.shift) as usize
     }
 
     #[inline]
     fn get(&self, key: u64) -> u64 {
-        if self.slots.is_empty() {
-            return 0;
-        }
-        let m = self.cap_mask();
-        let mut i = self.home(key);
-        loop {
-            match self.slots.get(i) {
-                Some(s) if s.mask == 0 => return 0,
-                Some(s) if s.key == key => return s.mask,
-                Some(_) => i = i.wrapping_add(1) & m,
-                None => return 0,
-            }
+        match self.find(fingerprint(key)) {
+            (i, true) => self.slots.get(i).map_or(0, |&s| slot_mask(s)),
+            _ => 0,
         }
     }
 
@@ -66,31 +76,34 @@ impl Table {
     fn touch(&self, keys: impl Iterator<Item = u64>) -> u64 {
         let mut acc = 0u64;
         for k in keys {
-            if let Some(s) = self.slots.get(self.home(k)) {
-                acc ^= s.key;
+            if let Some(s) = self.slots.get(self.home(fingerprint(k))) {
+                acc ^= s;
             }
         }
         acc
     }
 
-    /// Finds `key`'s slot, or the free slot where it would go.
+    /// Finds the slot holding `fp` (`true`), or the free slot where it would go (`false`).
     #[inline]
-    fn find(&self, key: u64) -> (usize, bool) {
+    fn find(&self, fp: u64) -> (usize, bool) {
+        if self.slots.is_empty() {
+            return (0, false);
+        }
         let m = self.cap_mask();
-        let mut i = self.home(key);
+        let mut i = self.home(fp);
         loop {
             match self.slots.get(i) {
-                Some(s) if s.mask == 0 => return (i, false),
-                Some(s) if s.key == key => return (i, true),
+                Some(&0) | None => return (i, false),
+                Some(&s) if slot_fp(s) == fp => return (i, true),
                 Some(_) => i = i.wrapping_add(1) & m,
-                None => return (i, false),
             }
         }
     }
 
     fn with_capacity(cap: usize) -> Table {
-        let cap = cap.max(MIN_CAPACITY).next_power_of_two();
-        Table { slots: vec![Slot::default(); cap], len: 0, shift: 64u32.saturating_sub(cap.trailing_zeros()) }
+        // At most 2^48 slots: the fingerprint must cover the home index.
+        let cap = cap.clamp(MIN_CAPACITY, 1 << 40).next_power_of_two();
+        Table { slots: vec![0; cap], len: 0, shift: FP_BITS.saturating_sub(cap.trailing_zeros()) }
     }
 
     fn grow_if_needed(&mut self) {
@@ -104,8 +117,8 @@ impl Table {
     fn rehash(&mut self, cap: usize) {
         let old = std::mem::take(&mut self.slots);
         *self = Table::with_capacity(cap);
-        for s in old.into_iter().filter(|s| s.mask != 0) {
-            let (i, _) = self.find(s.key);
+        for s in old.into_iter().filter(|&s| slot_mask(s) != 0) {
+            let (i, _) = self.find(slot_fp(s));
             if let Some(dst) = self.slots.get_mut(i) {
                 *dst = s;
                 self.len = self.len.saturating_add(1);
@@ -116,14 +129,15 @@ impl Table {
     /// Sets `bit` for `key`; true if it was not set.
     fn set(&mut self, key: u64, bit: u64) -> bool {
         self.grow_if_needed();
-        let (i, found) = self.find(key);
+        let fp = fingerprint(key);
+        let (i, found) = self.find(fp);
         let Some(s) = self.slots.get_mut(i) else { return false };
         if found {
-            let was = s.mask & bit != 0;
-            s.mask |= bit;
+            let was = *s & bit != 0;
+            *s |= bit;
             !was
         } else {
-            *s = Slot { key, mask: bit };
+            *s = (fp << MASK_BITS) | bit;
             self.len = self.len.saturating_add(1);
             true
         }
@@ -131,17 +145,14 @@ impl Table {
 
     /// Clears `bit` for `key`; true if it was set.
     fn unset(&mut self, key: u64, bit: u64) -> bool {
-        if self.slots.is_empty() {
-            return false;
-        }
-        let (i, found) = self.find(key);
+        let (i, found) = self.find(fingerprint(key));
         if !found {
             return false;
         }
         let Some(s) = self.slots.get_mut(i) else { return false };
-        let was = s.mask & bit != 0;
-        s.mask &= !bit;
-        if s.mask == 0 {
+        let was = *s & bit != 0;
+        *s &= !bit;
+        if slot_mask(*s) == 0 {
             self.delete_at(i);
         }
         was
@@ -154,11 +165,11 @@ impl Table {
         loop {
             j = j.wrapping_add(1) & m;
             let Some(&s) = self.slots.get(j) else { break };
-            if s.mask == 0 {
+            if s == 0 {
                 break;
             }
-            let home = self.home(s.key);
-            // Move s into the hole if its home is not cyclically within (hole, j].
+            let home = self.home(slot_fp(s));
+            // Move s into the hole unless its home lies cyclically within (hole, j].
             let dist_home = j.wrapping_sub(home) & m;
             let dist_hole = j.wrapping_sub(hole) & m;
             if dist_home >= dist_hole {
@@ -169,7 +180,7 @@ impl Table {
             }
         }
         if let Some(dst) = self.slots.get_mut(hole) {
-            *dst = Slot::default();
+            *dst = 0;
         }
         self.len = self.len.saturating_sub(1);
     }
@@ -178,14 +189,17 @@ impl Table {
     fn unset_all(&mut self, bit: u64) -> u64 {
         let mut n = 0u64;
         for s in self.slots.iter_mut() {
-            if s.mask & bit != 0 {
-                s.mask &= !bit;
+            if *s & bit != 0 {
+                *s &= !bit;
                 n = n.saturating_add(1);
+                if slot_mask(*s) == 0 {
+                    *s = 0;
+                }
             }
         }
         if n > 0 {
             // Rebuild without the emptied slots (same capacity, or smaller when mostly empty).
-            let live = self.slots.iter().filter(|s| s.mask != 0).count();
+            let live = self.slots.iter().filter(|&&s| s != 0).count();
             let cap = self.slots.len();
             let target = if live.saturating_mul(8) < cap { live.saturating_mul(2) } else { cap };
             self.rehash(target);
@@ -375,20 +389,8 @@ impl ReplicaIndex {
     pub fn memory_bytes(&self) -> usize {
         self.pages
             .iter()
-            .map(|t| t.slots.len().saturating_mul(std::mem::size_of::<Slot>()))
+            .map(|t| t.slots.len().saturating_mul(std::mem::size_of::<u64>()))
             .fold(0, usize::saturating_add)
-    }
-
-    /// Sorted keys `replica` holds (for snapshots and tests).
-    pub fn replica_keys(&self, replica: ReplicaId) -> Vec<u64> {
-        let (p, bit) = Self::page_bit(replica);
-        let mut v: Vec<u64> = self
-            .pages
-            .get(p)
-            .map(|t| t.slots.iter().filter(|s| s.mask & bit != 0).map(|s| s.key).collect())
-            .unwrap_or_default();
-        v.sort_unstable();
-        v
     }
 
     /// Scores a request's block keys: for each replica, the number of leading blocks it holds.
@@ -408,7 +410,7 @@ impl ReplicaIndex {
                 continue;
             }
             let base = p.saturating_mul(PAGE_BITS);
-            let mut alive = u64::MAX;
+            let mut alive = 0xffff_u64;
             let mut run = 0u32;
             // Look up a few keys at a time: the loads are independent, so the CPU overlaps
             // their cache misses; the fold below then stops at the first block nobody holds.

@@ -146,10 +146,23 @@ proptest! {
             prop_assert_eq!(mirrors[i].keys(), after.iter().copied().collect::<Vec<_>>());
             index.apply(r, &changes);
         }
+        let universe: BTreeSet<u64> = stream
+            .iter()
+            .filter_map(|(_, b)| b.as_ref())
+            .flat_map(|b| b.events.iter())
+            .flat_map(|e| match e {
+                WireEvent::BlockStored(s) => s.block_hashes.clone(),
+                WireEvent::BlockRemoved(r) => r.block_hashes.clone(),
+                _ => Vec::new(),
+            })
+            .chain(0..48)
+            .collect();
         for (i, model) in models.iter().enumerate() {
             let r = i as u16;
             let set: BTreeSet<u64> = model.keys().copied().collect();
-            prop_assert_eq!(index.replica_keys(r), set.iter().copied().collect::<Vec<_>>());
+            for k in &universe {
+                prop_assert_eq!(index.holds(r, *k), set.contains(k), "replica {} key {}", r, k);
+            }
             prop_assert_eq!(index.replica_blocks(r), set.len() as u64);
             for q in &queries {
                 let s = index.score(q);
@@ -200,12 +213,18 @@ proptest! {
     #[test]
     fn index_snapshots_replace_a_replica(keys_a in prop::collection::btree_set(any::<u64>(), 0..300), keys_b in prop::collection::btree_set(any::<u64>(), 0..300)) {
         let mut index = ReplicaIndex::new();
+        let holders = |ix: &ReplicaIndex, r: u16| -> BTreeSet<u64> {
+            keys_a.iter().chain(&keys_b).copied().filter(|k| ix.holds(r, *k)).collect()
+        };
         index.replace_replica(5, keys_a.iter().copied());
         index.replace_replica(1, keys_b.iter().copied());
-        prop_assert_eq!(index.replica_keys(5), keys_a.iter().copied().collect::<Vec<_>>());
+        index.replace_replica(40, keys_a.iter().copied()); // another page
+        prop_assert_eq!(&holders(&index, 5), &keys_a);
         index.replace_replica(5, keys_b.iter().copied());
-        prop_assert_eq!(index.replica_keys(5), keys_b.iter().copied().collect::<Vec<_>>());
-        prop_assert_eq!(index.replica_keys(1), keys_b.iter().copied().collect::<Vec<_>>());
+        prop_assert_eq!(&holders(&index, 5), &keys_b);
+        prop_assert_eq!(&holders(&index, 1), &keys_b);
+        prop_assert_eq!(&holders(&index, 40), &keys_a);
+        index.clear_replica(40);
         prop_assert_eq!(index.entries(), 2 * keys_b.len() as u64);
         index.clear_replica(1);
         index.clear_replica(5);
