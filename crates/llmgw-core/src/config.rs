@@ -3,6 +3,7 @@
 
 use crate::hash::{BlockHasher, HashAlgo};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// Why a configuration was refused: the field's path (`profiles[0].block_size`) and the reason.
@@ -45,6 +46,12 @@ fn default_timeout() -> u32 {
 fn default_true() -> bool {
     true
 }
+fn default_tokenizer_cluster() -> String {
+    "llmgw_tokenizer".to_owned()
+}
+fn default_approx_prefix_bytes() -> u32 {
+    1024
+}
 
 /// How the filter obtains a request's token ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -79,13 +86,22 @@ pub struct Profile {
     pub tokenizer_timeout_ms: u32,
     #[serde(default)]
     pub weights: Weights,
+    /// LoRA adapters served under this profile: adapter name (as requests name it in `model`)
+    /// → the path the engines loaded it from (vLLM mixes both into every block hash).
+    #[serde(default)]
+    pub lora_adapters: BTreeMap<String, String>,
+    /// How many leading bytes of the prompt text the approximate fallback hashes.
+    #[serde(default = "default_approx_prefix_bytes")]
+    pub approx_prefix_bytes: u32,
 }
 
 fn default_tokenizer() -> TokenizerEndpoint {
     TokenizerEndpoint::Tokenize
 }
 
-/// Scoring weights: score = prefix × share − load × normalised load.
+/// Scoring weights: score = prefix × share − load × (pressure / (pressure + load_scale) +
+/// kv_usage × kv cache usage), where pressure = in-flight + running + 2 × waiting. Replicas past
+/// any `max_*` limit are overloaded and only chosen when every replica is.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Weights {
@@ -93,6 +109,47 @@ pub struct Weights {
     pub prefix: f64,
     #[serde(default = "half")]
     pub load: f64,
+    /// Pressure at which the load term reaches half its weight.
+    #[serde(default = "default_load_scale")]
+    pub load_scale: f64,
+    /// Weight of the engine's KV cache usage (0..1) inside the load term.
+    #[serde(default = "default_kv_weight")]
+    pub kv_usage: f64,
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: u32,
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+    #[serde(default = "default_max_kv_usage")]
+    pub max_kv_usage: f64,
+    /// Approximate fallback: a replica takes a prefix's request while its pressure stays within
+    /// `spill_factor` × the mean pressure (+ `spill_slack`); past it the request spills to the
+    /// next replica in the prefix's rendezvous order.
+    #[serde(default = "default_spill_factor")]
+    pub spill_factor: f64,
+    #[serde(default = "default_spill_slack")]
+    pub spill_slack: u32,
+}
+
+fn default_load_scale() -> f64 {
+    8.0
+}
+fn default_kv_weight() -> f64 {
+    0.25
+}
+fn default_max_waiting() -> u32 {
+    64
+}
+fn default_max_in_flight() -> u32 {
+    256
+}
+fn default_max_kv_usage() -> f64 {
+    0.99
+}
+fn default_spill_factor() -> f64 {
+    1.25
+}
+fn default_spill_slack() -> u32 {
+    2
 }
 
 fn one() -> f64 {
@@ -104,7 +161,17 @@ fn half() -> f64 {
 
 impl Default for Weights {
     fn default() -> Self {
-        Weights { prefix: one(), load: half() }
+        Weights {
+            prefix: one(),
+            load: half(),
+            load_scale: default_load_scale(),
+            kv_usage: default_kv_weight(),
+            max_waiting: default_max_waiting(),
+            max_in_flight: default_max_in_flight(),
+            max_kv_usage: default_max_kv_usage(),
+            spill_factor: default_spill_factor(),
+            spill_slack: default_spill_slack(),
+        }
     }
 }
 
@@ -115,6 +182,10 @@ pub struct FilterConfig {
     /// Envoy cluster of the llmgw agent's feed.
     #[serde(default = "default_agent_cluster")]
     pub agent_cluster: String,
+    /// Envoy cluster for tokenizer callouts: an `ORIGINAL_DST` cluster honouring
+    /// `destination_header`, so each callout goes to the replica the filter names.
+    #[serde(default = "default_tokenizer_cluster")]
+    pub tokenizer_cluster: String,
     #[serde(default = "default_header")]
     pub destination_header: String,
     #[serde(default = "default_body_limit")]
@@ -143,6 +214,9 @@ impl FilterConfig {
         let bad = |field: String, message: &str| Err(ConfigError { field, message: message.to_owned() });
         if self.agent_cluster.is_empty() {
             return bad("agent_cluster".into(), "must not be empty");
+        }
+        if self.tokenizer_cluster.is_empty() {
+            return bad("tokenizer_cluster".into(), "must not be empty");
         }
         if self.destination_header.is_empty()
             || !self.destination_header.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
@@ -176,10 +250,25 @@ impl FilterConfig {
             if p.tokenizer_timeout_ms == 0 {
                 return bad(f("tokenizer_timeout_ms"), "must be positive");
             }
-            for (name, w) in [("weights.prefix", p.weights.prefix), ("weights.load", p.weights.load)] {
-                if !w.is_finite() || w < 0.0 {
+            let w = &p.weights;
+            for (name, v) in [
+                ("weights.prefix", w.prefix),
+                ("weights.load", w.load),
+                ("weights.kv_usage", w.kv_usage),
+                ("weights.max_kv_usage", w.max_kv_usage),
+            ] {
+                if !v.is_finite() || v < 0.0 {
                     return bad(f(name), "must be a finite, non-negative number");
                 }
+            }
+            if !w.load_scale.is_finite() || w.load_scale <= 0.0 {
+                return bad(f("weights.load_scale"), "must be a finite, positive number");
+            }
+            if !w.spill_factor.is_finite() || w.spill_factor < 1.0 {
+                return bad(f("weights.spill_factor"), "must be a finite number of at least 1");
+            }
+            if p.lora_adapters.keys().any(String::is_empty) {
+                return bad(f("lora_adapters"), "adapter names must not be empty");
             }
         }
         Ok(())
@@ -231,5 +320,20 @@ mod tests {
         assert!(err(r#"{"destination_header":"X Bad","profiles":[{"name":"a","models":["m"]}]}"#)
             .contains("destination_header"));
         assert!(err("{not json").contains("invalid llmgw configuration"));
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"weights":{"spill_factor":0.5}}]}"#)
+            .contains("`profiles[0].weights.spill_factor`"));
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"weights":{"load_scale":0}}]}"#)
+            .contains("`profiles[0].weights.load_scale`"));
+        assert!(
+            err(r#"{"tokenizer_cluster":"","profiles":[{"name":"a","models":["m"]}]}"#).contains("`tokenizer_cluster`")
+        );
+        let c = FilterConfig::from_json(
+            br#"{"profiles":[{"name":"a","models":["m","ad"],"lora_adapters":{"ad":"/l/ad"},"weights":{"load":1}}]}"#,
+        )
+        .unwrap();
+        let p = c.profile_for("ad").unwrap();
+        assert_eq!(p.lora_adapters.get("ad").map(String::as_str), Some("/l/ad"));
+        assert_eq!(p.weights.prefix, 1.0);
+        assert_eq!(p.weights.max_waiting, 64);
     }
 }

@@ -10,6 +10,8 @@
 //!   and checking hash parity.
 //! * [`index`]: block key → replicas holding it, with leading-prefix scoring.
 //! * [`config`]: the filter's configuration, validated with errors naming the field.
+//! * [`request`]: OpenAI request bodies, tokenizer call bodies and answers.
+//! * [`policy`]: replica choice (prefix share blended with load, approximate and load fallbacks).
 //!
 //! Nothing here does I/O, reads a clock or draws random numbers: every input is an argument,
 //! so the same code runs natively (agent, tests, benchmarks) and inside Envoy as wasm.
@@ -24,6 +26,8 @@ pub mod index;
 pub mod mirror;
 pub mod msgpack;
 pub mod pickle;
+pub mod policy;
+pub mod request;
 pub mod wire;
 
 pub use event::{EventBatch, KvEvent};

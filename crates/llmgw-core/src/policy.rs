@@ -1,0 +1,351 @@
+//! Choosing a replica: leading-block share blended with load, and the fallbacks.
+//!
+//! * **Exact**: the index knows the request's blocks. Each eligible replica scores
+//!   `prefix × share − load × load_term`, where `share` is the fraction of the request's blocks
+//!   its leading run covers and `load_term = pressure / (pressure + load_scale) + kv_usage ×
+//!   kv cache usage` (pressure = in-flight + running + 2 × waiting).
+//! * **Approx**: no exact data (or nobody holds block 0). Rendezvous (highest random weight)
+//!   hashing of a hash of the prompt's leading text over the replicas' addresses gives every
+//!   worker and every gateway the same order for the same prefix, with no coordination; the
+//!   first replica in that order whose pressure is within the bounded-load capacity wins, so a
+//!   burst sharing a new prefix lands together until load says otherwise.
+//! * **Load**: nothing to hash: the least-pressured replica.
+//!
+//! A replica that is down never wins; an overloaded one (past any `max_*` limit) wins only when
+//! every replica is overloaded.
+
+use crate::config::Weights;
+use crate::index::{ReplicaId, Scores};
+
+/// One replica as the policy sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate<'a> {
+    pub id: ReplicaId,
+    /// `ip:port`; also the replica's identity for rendezvous hashing.
+    pub address: &'a str,
+    pub up: bool,
+    /// Requests this gateway has sent and not yet finished.
+    pub in_flight: u32,
+    /// Engine-reported running and waiting requests and KV cache usage (0..1).
+    pub running: u32,
+    pub waiting: u32,
+    pub kv_usage: f32,
+}
+
+impl Candidate<'_> {
+    /// in-flight + running + 2 × waiting.
+    pub fn pressure(&self) -> u64 {
+        u64::from(self.in_flight)
+            .saturating_add(u64::from(self.running))
+            .saturating_add(u64::from(self.waiting).saturating_mul(2))
+    }
+
+    fn overloaded(&self, w: &Weights) -> bool {
+        self.waiting > w.max_waiting || self.in_flight >= w.max_in_flight || f64::from(self.kv_usage) > w.max_kv_usage
+    }
+
+    fn load_term(&self, w: &Weights) -> f64 {
+        let p = self.pressure() as f64;
+        let kv = f64::from(self.kv_usage).clamp(0.0, 1.0);
+        p / (p + w.load_scale) + w.kv_usage * kv
+    }
+}
+
+/// How a decision was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// From the index: the winner holds leading blocks of the request.
+    Exact,
+    /// Rendezvous hashing of the prompt's leading text, bounded by load.
+    Approx,
+    /// Least load (nothing to hash, or exact data said the prefix lives on a replica that load
+    /// ruled out and nobody else holds any of it).
+    Load,
+    /// No healthy replica.
+    NoReplica,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Exact => "exact",
+            Outcome::Approx => "approx",
+            Outcome::Load => "load",
+            Outcome::NoReplica => "no_replica",
+        }
+    }
+
+    pub const ALL: [Outcome; 4] = [Outcome::Exact, Outcome::Approx, Outcome::Load, Outcome::NoReplica];
+}
+
+/// The choice: `winner` indexes the candidate slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub winner: Option<usize>,
+    pub outcome: Outcome,
+    /// Leading blocks the winner holds, of `total` in the request (0/0 without exact data).
+    pub matched: u32,
+    pub total: u32,
+}
+
+/// 64-bit FNV-1a followed by a SplitMix64 finaliser: stable across platforms, builds and
+/// processes (no random state), which is what cross-gateway consistency needs.
+pub fn stable_hash(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in data {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix(h)
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The rendezvous weight of `address` for a prefix key.
+pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
+    mix(key ^ stable_hash(address.as_bytes()))
+}
+
+/// Indices of the replicas the policy may pick: up and not overloaded, or, when every up
+/// replica is overloaded, every up replica.
+fn eligible(cands: &[Candidate<'_>], w: &Weights) -> Vec<usize> {
+    let up: Vec<usize> = cands.iter().enumerate().filter(|(_, c)| c.up).map(|(i, _)| i).collect();
+    let ok: Vec<usize> = up.iter().copied().filter(|&i| cands.get(i).is_some_and(|c| !c.overloaded(w))).collect();
+    if ok.is_empty() {
+        up
+    } else {
+        ok
+    }
+}
+
+/// The least-pressured replica among `idx` (ties: lower KV usage, then address order).
+fn least_of(cands: &[Candidate<'_>], idx: &[usize]) -> Option<usize> {
+    idx.iter()
+        .copied()
+        .filter_map(|i| cands.get(i).map(|c| (i, c)))
+        .min_by(|(_, a), (_, b)| {
+            a.pressure().cmp(&b.pressure()).then(a.kv_usage.total_cmp(&b.kv_usage)).then(a.address.cmp(b.address))
+        })
+        .map(|(i, _)| i)
+}
+
+/// The least-loaded healthy replica (used for tokenizer callouts and the load fallback).
+pub fn least_loaded(cands: &[Candidate<'_>], w: &Weights) -> Option<usize> {
+    least_of(cands, &eligible(cands, w))
+}
+
+/// Rendezvous order with bounded-load spillover.
+fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights) -> Option<usize> {
+    let n = idx.len();
+    if n == 0 {
+        return None;
+    }
+    let total: u64 = idx.iter().filter_map(|&i| cands.get(i)).map(|c| c.pressure()).fold(0u64, u64::saturating_add);
+    // capacity = ceil(spill_factor × (total + 1) / n) + spill_slack
+    let mean = (total.saturating_add(1)) as f64 / n as f64;
+    let cap = (w.spill_factor * mean).ceil() as u64;
+    let cap = cap.saturating_add(u64::from(w.spill_slack));
+    let mut order: Vec<(u64, usize)> =
+        idx.iter().filter_map(|&i| cands.get(i).map(|c| (rendezvous_weight(key, c.address), i))).collect();
+    order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    order
+        .iter()
+        .find(|(_, i)| cands.get(*i).is_some_and(|c| c.pressure().saturating_add(1) <= cap))
+        .map(|&(_, i)| i)
+        .or_else(|| least_of(cands, idx))
+}
+
+/// Decides where a request goes.
+///
+/// `exact`: the index's scores for the request's blocks (indexed by replica id), when the
+/// tokens were hashed and the index is synced. `approx_key`: [`stable_hash`] of the prompt's
+/// leading text, when there is any.
+pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Option<u64>, w: &Weights) -> Decision {
+    let idx = eligible(cands, w);
+    let none = Decision { winner: None, outcome: Outcome::NoReplica, matched: 0, total: 0 };
+    if idx.is_empty() {
+        return none;
+    }
+    let leading = |s: &Scores, i: usize| -> u32 {
+        cands.get(i).and_then(|c| s.leading.get(usize::from(c.id))).copied().unwrap_or(0)
+    };
+    if let Some(s) = exact {
+        let any_match = idx.iter().any(|&i| leading(s, i) > 0);
+        if any_match && s.total > 0 {
+            let score = |i: usize| -> f64 {
+                let Some(c) = cands.get(i) else { return f64::NEG_INFINITY };
+                let share = f64::from(leading(s, i)) / f64::from(s.total);
+                w.prefix * share - w.load * c.load_term(w)
+            };
+            let tiebreak = |i: usize| approx_key.and_then(|k| cands.get(i).map(|c| rendezvous_weight(k, c.address)));
+            let best = idx.iter().copied().max_by(|&a, &b| {
+                score(a)
+                    .total_cmp(&score(b))
+                    .then(leading(s, a).cmp(&leading(s, b)))
+                    .then(tiebreak(a).cmp(&tiebreak(b)))
+                    .then(b.cmp(&a))
+            });
+            if let Some(b) = best {
+                let matched = leading(s, b);
+                let outcome = if matched > 0 { Outcome::Exact } else { Outcome::Load };
+                return Decision { winner: Some(b), outcome, matched, total: s.total };
+            }
+        }
+    }
+    let total = exact.map_or(0, |s| s.total);
+    match approx_key {
+        Some(k) => Decision { winner: approx_pick(cands, &idx, k, w), outcome: Outcome::Approx, matched: 0, total },
+        None => Decision { winner: least_of(cands, &idx), outcome: Outcome::Load, matched: 0, total },
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+
+    const ADDRS: [&str; 4] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"];
+
+    fn fleet(n: usize) -> Vec<Candidate<'static>> {
+        (0..n)
+            .map(|i| Candidate {
+                id: i as ReplicaId,
+                address: ADDRS[i],
+                up: true,
+                in_flight: 0,
+                running: 0,
+                waiting: 0,
+                kv_usage: 0.0,
+            })
+            .collect()
+    }
+
+    fn scores(leading: &[u32], total: u32) -> Scores {
+        Scores { leading: leading.to_vec(), total }
+    }
+
+    #[test]
+    fn exact_longest_prefix_wins() {
+        let w = Weights::default();
+        let c = fleet(3);
+        let d = decide(&c, Some(&scores(&[2, 8, 0], 10)), Some(1), &w);
+        assert_eq!(d, Decision { winner: Some(1), outcome: Outcome::Exact, matched: 8, total: 10 });
+        // Mild load does not move a long prefix.
+        let mut c = fleet(3);
+        c[1].in_flight = 2;
+        c[1].running = 3;
+        assert_eq!(decide(&c, Some(&scores(&[2, 8, 0], 10)), None, &w).winner, Some(1));
+    }
+
+    #[test]
+    fn load_blend_prefers_idle_replica_for_a_short_prefix() {
+        let w = Weights::default();
+        let mut c = fleet(3);
+        c[0].running = 30;
+        c[0].waiting = 10;
+        // Replica 0 holds 1 of 10 blocks but is busy; 1 holds nothing: load wins.
+        let d = decide(&c, Some(&scores(&[1, 0, 0], 10)), None, &w);
+        assert_eq!(d.outcome, Outcome::Load);
+        assert_ne!(d.winner, Some(0));
+    }
+
+    #[test]
+    fn overloaded_or_down_replica_loses_despite_longest_prefix() {
+        let w = Weights::default();
+        let mut c = fleet(3);
+        c[1].waiting = w.max_waiting + 1;
+        let d = decide(&c, Some(&scores(&[3, 10, 0], 10)), None, &w);
+        assert_eq!(d, Decision { winner: Some(0), outcome: Outcome::Exact, matched: 3, total: 10 });
+        let mut c = fleet(3);
+        c[1].kv_usage = 1.0;
+        assert_eq!(decide(&c, Some(&scores(&[3, 10, 0], 10)), None, &w).winner, Some(0));
+        let mut c = fleet(3);
+        c[1].up = false;
+        assert_eq!(decide(&c, Some(&scores(&[0, 10, 0], 10)), Some(5), &w).outcome, Outcome::Approx);
+        assert_ne!(decide(&c, Some(&scores(&[0, 10, 0], 10)), Some(5), &w).winner, Some(1));
+        // All overloaded: still routed, to the least loaded.
+        let mut c = fleet(2);
+        c[0].waiting = 100;
+        c[1].waiting = 90;
+        assert_eq!(decide(&c, None, None, &w).winner, Some(1));
+        assert_eq!(least_loaded(&c, &w), Some(1));
+    }
+
+    #[test]
+    fn no_healthy_replica() {
+        let w = Weights::default();
+        let mut c = fleet(2);
+        c[0].up = false;
+        c[1].up = false;
+        assert_eq!(decide(&c, None, Some(1), &w).outcome, Outcome::NoReplica);
+        assert_eq!(decide(&[], None, None, &w).winner, None);
+        assert_eq!(least_loaded(&c, &w), None);
+    }
+
+    #[test]
+    fn fallback_is_consistent_across_independent_instances() {
+        let w = Weights::default();
+        // Two gateways build their candidate lists in different orders (different replica ids);
+        // the same prefix still lands on the same address.
+        let a = fleet(4);
+        let mut b: Vec<Candidate<'static>> = fleet(4).into_iter().rev().collect();
+        for (i, c) in b.iter_mut().enumerate() {
+            c.id = i as ReplicaId;
+        }
+        let mut hits = [0u32; 4];
+        for p in 0..200u32 {
+            let key = stable_hash(format!("system prompt {p}").as_bytes());
+            let da = decide(&a, None, Some(key), &w);
+            let db = decide(&b, None, Some(key), &w);
+            assert_eq!(da.outcome, Outcome::Approx);
+            let (wa, wb) = (da.winner.unwrap(), db.winner.unwrap());
+            assert_eq!(a[wa].address, b[wb].address);
+            // With exact data that matches nowhere, the same approximate choice is made.
+            let dz = decide(&a, Some(&scores(&[0, 0, 0, 0], 7)), Some(key), &w);
+            assert_eq!(dz.winner, Some(wa));
+            hits[wa] += 1;
+        }
+        // Different prefixes spread over the fleet.
+        assert!(hits.iter().all(|&h| h > 20), "{hits:?}");
+        assert_eq!(stable_hash(b"abc"), stable_hash(b"abc"));
+        assert_ne!(stable_hash(b"abc"), stable_hash(b"abd"));
+    }
+
+    #[test]
+    fn approx_spills_under_load_then_returns() {
+        let w = Weights::default();
+        let key = stable_hash(b"shared prefix");
+        let c = fleet(3);
+        let home = decide(&c, None, Some(key), &w).winner.unwrap();
+        // A burst stays together while within the bound.
+        let mut c2 = fleet(3);
+        c2[home].in_flight = 2;
+        assert_eq!(decide(&c2, None, Some(key), &w).winner, Some(home));
+        // Far past the bound: spills elsewhere.
+        c2[home].in_flight = 40;
+        let spill = decide(&c2, None, Some(key), &w).winner.unwrap();
+        assert_ne!(spill, home);
+        // Spillover is consistent too: the second replica in the prefix's order.
+        let mut c3 = fleet(3);
+        c3[home].running = 40;
+        assert_eq!(decide(&c3, None, Some(key), &w).winner, Some(spill));
+    }
+
+    #[test]
+    fn load_fallback_without_prompt() {
+        let w = Weights::default();
+        let mut c = fleet(3);
+        c[0].in_flight = 3;
+        c[1].in_flight = 1;
+        c[2].in_flight = 2;
+        assert_eq!(
+            decide(&c, None, None, &w),
+            Decision { winner: Some(1), outcome: Outcome::Load, matched: 0, total: 0 }
+        );
+        assert_eq!(least_loaded(&c, &w), Some(1));
+    }
+}

@@ -1,0 +1,434 @@
+//! OpenAI-style request bodies as the router needs them: which API, which model, the prompt
+//! (text, token ids or chat messages), the cache salt and LoRA adapter that change block
+//! hashes; the body of the tokenizer call that yields the engine's own tokens; and the
+//! tokenizer's answer.
+//!
+//! Tokenizer call forms (vLLM's `/tokenize`): completions send
+//! `{model, prompt, add_special_tokens: true}` (the completions endpoint's default); chats send
+//! `{model, messages, add_generation_prompt, continue_final_message, chat_template_kwargs,
+//! tools, add_special_tokens: false}` (the chat endpoint's default: the template supplies BOS).
+//! The render endpoints (`/v1/completions/render`, `/v1/chat/completions/render`) take the
+//! generation request's body unchanged.
+
+use crate::config::TokenizerEndpoint;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// Which OpenAI API a request path names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApiKind {
+    Completions,
+    Chat,
+    Other,
+}
+
+impl ApiKind {
+    /// From the `:path` header (query string ignored).
+    pub fn from_path(path: &str) -> ApiKind {
+        let p = path.split(['?', '#']).next().unwrap_or_default().trim_end_matches('/');
+        match p {
+            "/v1/completions" => ApiKind::Completions,
+            "/v1/chat/completions" => ApiKind::Chat,
+            _ => ApiKind::Other,
+        }
+    }
+}
+
+/// The prompt in the form the request carried it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A completion prompt as text (needs tokenizing).
+    Text(String),
+    /// A completion prompt as token ids: the engine caches exactly these.
+    Tokens(Vec<u32>),
+    /// Chat messages, kept as sent so the tokenizer renders them as the engine will.
+    Chat(Vec<Value>),
+    /// Nothing usable (empty, or an API the router does not read).
+    None,
+}
+
+/// What the router reads from a request body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedRequest {
+    pub kind: ApiKind,
+    pub model: Option<String>,
+    pub stream: bool,
+    pub cache_salt: Option<String>,
+    pub prompt: Prompt,
+    /// Chat template inputs forwarded to `/tokenize`.
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub chat_template: Option<Value>,
+    pub chat_template_kwargs: Option<Value>,
+    pub tools: Option<Value>,
+}
+
+/// Why a body could not be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    /// Not JSON, or JSON of the wrong shape.
+    Unparseable(String),
+    /// The tokenizer's answer carried no token ids.
+    BadTokenizerResponse(String),
+}
+
+impl fmt::Display for RequestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RequestError::Unparseable(m) => write!(f, "unparseable request body: {m}"),
+            RequestError::BadTokenizerResponse(m) => write!(f, "unusable tokenizer response: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for RequestError {}
+
+#[derive(Deserialize)]
+struct RawRequest {
+    #[serde(default)]
+    model: Option<Value>,
+    #[serde(default)]
+    stream: Option<Value>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
+    #[serde(default)]
+    prompt: Option<Value>,
+    #[serde(default)]
+    messages: Option<Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<Value>,
+    #[serde(default)]
+    continue_final_message: Option<Value>,
+    #[serde(default)]
+    add_special_tokens: Option<Value>,
+    #[serde(default)]
+    chat_template: Option<Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+}
+
+fn string(v: Option<Value>) -> Option<String> {
+    match v {
+        Some(Value::String(s)) => Some(s),
+        _ => None,
+    }
+}
+
+fn boolean(v: &Option<Value>) -> Option<bool> {
+    v.as_ref().and_then(Value::as_bool)
+}
+
+fn non_null(v: Option<Value>) -> Option<Value> {
+    v.filter(|v| !v.is_null())
+}
+
+/// Token ids from a JSON array, if every element is a u32.
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items.iter().map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+}
+
+fn completion_prompt(v: Option<Value>) -> Prompt {
+    match v {
+        Some(Value::String(s)) if !s.is_empty() => Prompt::Text(s),
+        Some(Value::Array(items)) => {
+            match items.first() {
+                // A batch of prompts: each is its own engine request; route by the first.
+                Some(Value::String(s)) => Prompt::Text(s.clone()),
+                Some(Value::Array(inner)) => token_ids(inner).map_or(Prompt::None, Prompt::Tokens),
+                Some(_) => token_ids(&items).map_or(Prompt::None, Prompt::Tokens),
+                None => Prompt::None,
+            }
+        }
+        _ => Prompt::None,
+    }
+}
+
+/// Parses a generation request body for the API its path names.
+pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, RequestError> {
+    // serde would also read a struct from a JSON array (by position): only objects are requests.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(RequestError::Unparseable("not a JSON object".into()));
+    }
+    let raw: RawRequest = serde_json::from_slice(body).map_err(|e| RequestError::Unparseable(e.to_string()))?;
+    let prompt = match kind {
+        ApiKind::Completions => completion_prompt(raw.prompt),
+        ApiKind::Chat => match raw.messages {
+            Some(Value::Array(m)) if !m.is_empty() => Prompt::Chat(m),
+            Some(Value::Array(_)) | None => Prompt::None,
+            Some(_) => return Err(RequestError::Unparseable("`messages` is not an array".into())),
+        },
+        ApiKind::Other => Prompt::None,
+    };
+    Ok(ParsedRequest {
+        kind,
+        stream: boolean(&raw.stream).unwrap_or(false),
+        add_generation_prompt: boolean(&raw.add_generation_prompt),
+        continue_final_message: boolean(&raw.continue_final_message),
+        add_special_tokens: boolean(&raw.add_special_tokens),
+        model: string(raw.model),
+        cache_salt: string(raw.cache_salt).filter(|s| !s.is_empty()),
+        prompt,
+        chat_template: non_null(raw.chat_template),
+        chat_template_kwargs: non_null(raw.chat_template_kwargs),
+        tools: non_null(raw.tools),
+    })
+}
+
+/// A tokenizer call to make on a replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizerCall {
+    pub path: &'static str,
+    pub body: Vec<u8>,
+}
+
+impl ParsedRequest {
+    /// The call that yields the engine's tokens for this request, or `None` when no call is
+    /// needed (token ids given) or possible (no prompt). `raw_body` is the request body, sent
+    /// unchanged to the render endpoints.
+    pub fn tokenizer_call(&self, endpoint: TokenizerEndpoint, raw_body: &[u8]) -> Option<TokenizerCall> {
+        if matches!(self.prompt, Prompt::Tokens(_) | Prompt::None) {
+            return None;
+        }
+        if endpoint == TokenizerEndpoint::Render {
+            let path = match self.kind {
+                ApiKind::Completions => "/v1/completions/render",
+                ApiKind::Chat => "/v1/chat/completions/render",
+                ApiKind::Other => return None,
+            };
+            return Some(TokenizerCall { path, body: raw_body.to_vec() });
+        }
+        let mut m = Map::new();
+        if let Some(model) = &self.model {
+            m.insert("model".into(), Value::String(model.clone()));
+        }
+        match &self.prompt {
+            Prompt::Text(t) => {
+                m.insert("prompt".into(), Value::String(t.clone()));
+                m.insert("add_special_tokens".into(), Value::Bool(self.add_special_tokens.unwrap_or(true)));
+            }
+            Prompt::Chat(msgs) => {
+                m.insert("messages".into(), Value::Array(msgs.clone()));
+                let cont = self.continue_final_message.unwrap_or(false);
+                // vLLM refuses both at once; continuing the final message implies no prompt.
+                let gen = self.add_generation_prompt.unwrap_or(!cont) && !cont;
+                m.insert("add_generation_prompt".into(), Value::Bool(gen));
+                m.insert("continue_final_message".into(), Value::Bool(cont));
+                for (k, v) in [
+                    ("chat_template", &self.chat_template),
+                    ("chat_template_kwargs", &self.chat_template_kwargs),
+                    ("tools", &self.tools),
+                ] {
+                    if let Some(v) = v {
+                        m.insert(k.into(), v.clone());
+                    }
+                }
+                m.insert("add_special_tokens".into(), Value::Bool(self.add_special_tokens.unwrap_or(false)));
+            }
+            Prompt::Tokens(_) | Prompt::None => return None,
+        }
+        serde_json::to_vec(&Value::Object(m)).ok().map(|body| TokenizerCall { path: "/tokenize", body })
+    }
+
+    /// Up to `max` leading bytes of the prompt as text, for the approximate fallback: the
+    /// completion text, the token ids (little-endian), or each chat message's role and text
+    /// parts. Requests sharing a leading prompt share this prefix.
+    pub fn leading_text(&self, max: usize, out: &mut Vec<u8>) {
+        out.clear();
+        match &self.prompt {
+            Prompt::Text(t) => push_capped(out, t.as_bytes(), max),
+            Prompt::Tokens(ts) => {
+                for t in ts {
+                    if out.len() >= max {
+                        break;
+                    }
+                    push_capped(out, &t.to_le_bytes(), max);
+                }
+            }
+            Prompt::Chat(msgs) => {
+                for msg in msgs {
+                    if out.len() >= max {
+                        break;
+                    }
+                    let role = msg.get("role").and_then(Value::as_str).unwrap_or_default();
+                    push_capped(out, role.as_bytes(), max);
+                    push_capped(out, b"\n", max);
+                    match msg.get("content") {
+                        Some(Value::String(s)) => push_capped(out, s.as_bytes(), max),
+                        Some(Value::Array(parts)) => {
+                            for p in parts {
+                                if let Some(t) = p.get("text").and_then(Value::as_str) {
+                                    push_capped(out, t.as_bytes(), max);
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                    push_capped(out, b"\n", max);
+                }
+            }
+            Prompt::None => {}
+        }
+    }
+}
+
+fn push_capped(out: &mut Vec<u8>, b: &[u8], max: usize) {
+    let room = max.saturating_sub(out.len());
+    out.extend(b.iter().take(room));
+}
+
+#[derive(Deserialize)]
+struct TokenizeResponse {
+    #[serde(default)]
+    tokens: Option<Vec<u32>>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+}
+
+/// Token ids from a `/tokenize` answer (`tokens`) or a render answer (`token_ids`, possibly one
+/// object per prompt in an array: the first is used, as for routing).
+pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
+    let bad = |m: String| RequestError::BadTokenizerResponse(m);
+    let v: Value = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
+    let obj = match v {
+        Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
+        other => other,
+    };
+    let r: TokenizeResponse = serde_json::from_value(obj).map_err(|e| bad(e.to_string()))?;
+    r.tokens.or(r.token_ids).ok_or_else(|| bad("no `tokens` or `token_ids`".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(v: Value) -> Vec<u8> {
+        serde_json::to_vec(&v).unwrap()
+    }
+
+    #[test]
+    fn paths() {
+        assert_eq!(ApiKind::from_path("/v1/completions"), ApiKind::Completions);
+        assert_eq!(ApiKind::from_path("/v1/chat/completions?x=1"), ApiKind::Chat);
+        assert_eq!(ApiKind::from_path("/v1/chat/completions/"), ApiKind::Chat);
+        assert_eq!(ApiKind::from_path("/v1/models"), ApiKind::Other);
+    }
+
+    #[test]
+    fn completion_text_and_tokens() {
+        let r = parse_request(
+            ApiKind::Completions,
+            &body(json!({"model":"m","prompt":"hello","stream":true,"cache_salt":"s1","max_tokens":3})),
+        )
+        .unwrap();
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert!(r.stream);
+        assert_eq!(r.cache_salt.as_deref(), Some("s1"));
+        assert_eq!(r.prompt, Prompt::Text("hello".into()));
+        let call = r.tokenizer_call(TokenizerEndpoint::Tokenize, b"").unwrap();
+        assert_eq!(call.path, "/tokenize");
+        let sent: Value = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(sent, json!({"model":"m","prompt":"hello","add_special_tokens":true}));
+
+        let r = parse_request(ApiKind::Completions, &body(json!({"model":"m","prompt":[1,2,3]}))).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert!(!r.stream);
+        assert_eq!(r.tokenizer_call(TokenizerEndpoint::Tokenize, b""), None);
+        let r = parse_request(ApiKind::Completions, &body(json!({"prompt":[[7,8],[9]]}))).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![7, 8]));
+        let r = parse_request(ApiKind::Completions, &body(json!({"prompt":["a","b"]}))).unwrap();
+        assert_eq!(r.prompt, Prompt::Text("a".into()));
+        let r = parse_request(ApiKind::Completions, &body(json!({"prompt":[1,-2]}))).unwrap();
+        assert_eq!(r.prompt, Prompt::None);
+        let r = parse_request(ApiKind::Completions, &body(json!({"prompt":"x","add_special_tokens":false}))).unwrap();
+        let sent: Value =
+            serde_json::from_slice(&r.tokenizer_call(TokenizerEndpoint::Tokenize, b"").unwrap().body).unwrap();
+        assert_eq!(sent["add_special_tokens"], json!(false));
+    }
+
+    #[test]
+    fn chat_tokenize_form() {
+        let req = json!({
+            "model": "m",
+            "messages": [
+                {"role":"system","content":"be brief"},
+                {"role":"user","content":[{"type":"text","text":"hi "},{"type":"text","text":"there"}]}
+            ],
+            "tools": [{"type":"function","function":{"name":"f"}}],
+            "chat_template_kwargs": {"enable_thinking": false},
+            "temperature": 0.1
+        });
+        let r = parse_request(ApiKind::Chat, &body(req.clone())).unwrap();
+        let call = r.tokenizer_call(TokenizerEndpoint::Tokenize, b"").unwrap();
+        assert_eq!(call.path, "/tokenize");
+        let sent: Value = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(
+            sent,
+            json!({
+                "model": "m",
+                "messages": req["messages"],
+                "add_generation_prompt": true,
+                "continue_final_message": false,
+                "chat_template_kwargs": {"enable_thinking": false},
+                "tools": req["tools"],
+                "add_special_tokens": false
+            })
+        );
+        let mut lead = Vec::new();
+        r.leading_text(1000, &mut lead);
+        assert_eq!(lead, b"system\nbe brief\nuser\nhi there\n");
+        r.leading_text(9, &mut lead);
+        assert_eq!(lead, b"system\nbe");
+
+        let r = parse_request(
+            ApiKind::Chat,
+            &body(json!({"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true})),
+        )
+        .unwrap();
+        let sent: Value =
+            serde_json::from_slice(&r.tokenizer_call(TokenizerEndpoint::Tokenize, b"").unwrap().body).unwrap();
+        assert_eq!(sent["add_generation_prompt"], json!(false));
+        assert_eq!(sent["continue_final_message"], json!(true));
+        assert!(sent.get("model").is_none());
+    }
+
+    #[test]
+    fn render_sends_the_body_unchanged() {
+        let raw = body(json!({"model":"m","messages":[{"role":"user","content":"x"}]}));
+        let r = parse_request(ApiKind::Chat, &raw).unwrap();
+        let call = r.tokenizer_call(TokenizerEndpoint::Render, &raw).unwrap();
+        assert_eq!(call.path, "/v1/chat/completions/render");
+        assert_eq!(call.body, raw);
+        let raw = body(json!({"model":"m","prompt":"x"}));
+        let r = parse_request(ApiKind::Completions, &raw).unwrap();
+        assert_eq!(r.tokenizer_call(TokenizerEndpoint::Render, &raw).unwrap().path, "/v1/completions/render");
+    }
+
+    #[test]
+    fn bad_bodies() {
+        assert!(matches!(parse_request(ApiKind::Chat, b"not json"), Err(RequestError::Unparseable(_))));
+        assert!(matches!(parse_request(ApiKind::Chat, br#"{"messages":"x"}"#), Err(RequestError::Unparseable(_))));
+        assert!(matches!(parse_request(ApiKind::Chat, b"[1,2]"), Err(RequestError::Unparseable(_))));
+        let r = parse_request(ApiKind::Chat, br#"{"model":3,"messages":[]}"#).unwrap();
+        assert_eq!(r.model, None);
+        assert_eq!(r.prompt, Prompt::None);
+        assert_eq!(r.tokenizer_call(TokenizerEndpoint::Tokenize, b""), None);
+    }
+
+    #[test]
+    fn tokenizer_responses() {
+        assert_eq!(
+            parse_tokenizer_response(br#"{"count":3,"max_model_len":9,"tokens":[1,2,3],"token_strs":null}"#).unwrap(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(parse_tokenizer_response(br#"{"request_id":"x","token_ids":[4,5]}"#).unwrap(), vec![4, 5]);
+        assert_eq!(parse_tokenizer_response(br#"[{"token_ids":[6]},{"token_ids":[7]}]"#).unwrap(), vec![6]);
+        assert!(parse_tokenizer_response(br#"{"error":{"code":404}}"#).is_err());
+        assert!(parse_tokenizer_response(b"<html>").is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[-1]}"#).is_err());
+    }
+}
