@@ -23,6 +23,8 @@ const PAGE_BITS: usize = 16;
 const MASK_BITS: u32 = 16;
 const FP_BITS: u32 = 48;
 const MIN_CAPACITY: usize = 16;
+/// Table size cap; `1 << 40` does not fit a 32-bit usize (wasm32).
+const MAX_CAPACITY: usize = if usize::BITS > 32 { 1 << (usize::BITS - 24) } else { 1 << 30 };
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The 48-bit fingerprint of a key (never all of a slot: the mask of an occupied slot is set).
@@ -101,8 +103,8 @@ impl Table {
     }
 
     fn with_capacity(cap: usize) -> Table {
-        // At most 2^48 slots: the fingerprint must cover the home index.
-        let cap = cap.clamp(MIN_CAPACITY, 1 << 40).next_power_of_two();
+        // At most 2^40 slots (2^30 where usize is 32 bits, as in wasm32): the fingerprint must cover the home index.
+        let cap = cap.clamp(MIN_CAPACITY, MAX_CAPACITY).next_power_of_two();
         Table { slots: vec![0; cap], len: 0, shift: FP_BITS.saturating_sub(cap.trailing_zeros()) }
     }
 
