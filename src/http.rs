@@ -1,0 +1,373 @@
+//! One request: strip the client's destination header, buffer the body, tokenize on a
+//! replica, hash, score, set the destination header, resume.
+
+use crate::inflight;
+use crate::metrics::{Fallback, TokenizerFailure};
+use crate::{now_ns, Shared};
+use llmgw_core::config::{FilterConfig, Profile, Weights};
+use llmgw_core::hash::RequestExtras;
+use llmgw_core::policy::{self, Candidate, Decision, Outcome};
+use llmgw_core::request::{parse_request, parse_tokenizer_response, ApiKind, ParsedRequest, Prompt};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, MapType};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+const EXPLAIN_HEADER: &str = "x-llmgw-decision";
+/// Leading bytes hashed by the approximate fallback when no profile says otherwise.
+const DEFAULT_APPROX_BYTES: usize = 1024;
+
+/// A tokenizer call in flight.
+struct Pending {
+    token: u32,
+    started_ns: u64,
+    profile: usize,
+    parsed: ParsedRequest,
+    approx_key: Option<u64>,
+}
+
+pub struct Request {
+    shared: Option<Rc<RefCell<Shared>>>,
+    path: String,
+    pending: Option<Pending>,
+    /// Address whose in-flight counter this request holds.
+    counted: Option<String>,
+    explain: Option<String>,
+    /// The filter's own time (parse, hash, score), without the tokenizer round trip.
+    busy_ns: u64,
+    done: bool,
+}
+
+fn header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+}
+
+fn elapsed_us(since_ns: u64) -> u64 {
+    now_ns().saturating_sub(since_ns) / 1_000
+}
+
+/// Replicas that serve `model` (all replicas when the model is unknown), with their loads.
+fn candidates<'a>(s: &'a Shared, model: Option<&str>) -> Vec<Candidate<'a>> {
+    s.feed
+        .replicas
+        .iter()
+        .filter(|r| match model {
+            Some(m) => r.models.is_empty() || r.models.iter().any(|x| x == m),
+            None => true,
+        })
+        .filter_map(|r| {
+            let id = u16::try_from(r.id).ok()?;
+            let load = s.feed.loads.iter().find(|l| l.replica == r.id);
+            Some(Candidate {
+                id,
+                address: r.address.as_str(),
+                up: r.up && !r.address.is_empty(),
+                in_flight: inflight::get(&r.address),
+                running: load.map_or(0, |l| l.running),
+                waiting: load.map_or(0, |l| l.waiting),
+                kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
+            })
+        })
+        .collect()
+}
+
+fn profile_index(cfg: &FilterConfig, model: Option<&str>) -> Option<usize> {
+    let p = cfg.profile_for(model.unwrap_or_default())?;
+    cfg.profiles.iter().position(|x| std::ptr::eq(x, p))
+}
+
+fn weights(cfg: &FilterConfig, profile: Option<usize>) -> Weights {
+    profile.and_then(|i| cfg.profiles.get(i)).map(|p| p.weights.clone()).unwrap_or_default()
+}
+
+fn approx_bytes(p: Option<&Profile>) -> usize {
+    p.map_or(DEFAULT_APPROX_BYTES, |p| usize::try_from(p.approx_prefix_bytes).unwrap_or(DEFAULT_APPROX_BYTES))
+}
+
+impl Request {
+    pub fn new(_context_id: u32, shared: Option<Rc<RefCell<Shared>>>) -> Request {
+        Request { shared, path: String::new(), pending: None, counted: None, explain: None, busy_ns: 0, done: false }
+    }
+
+    /// Hashes `tokens` for the profile and scores them against the index; `None` when the
+    /// request has no full block or hashing failed.
+    fn exact_scores(s: &mut Shared, profile: usize, parsed: &ParsedRequest, tokens: &[u32]) -> Option<()> {
+        let p = s.config.profiles.get(profile)?;
+        let block_size = usize::try_from(p.block_size).ok()?;
+        let extras = RequestExtras {
+            cache_salt: parsed.cache_salt.clone(),
+            lora: parsed.model.as_ref().and_then(|m| p.lora_adapters.get(m).map(|path| (m.clone(), path.clone()))),
+            mm: Vec::new(),
+        };
+        let Shared { hashers, scratch, feed, .. } = s;
+        let hasher = hashers.get_mut(profile)?.as_mut()?;
+        scratch.hashes.clear();
+        hasher.hash_request_into(tokens, block_size, &extras, &mut scratch.hashes).ok()?;
+        scratch.keys.clear();
+        scratch.keys.extend(scratch.hashes.iter().map(|h| h.key));
+        feed.index.score_into(&scratch.keys, &mut scratch.scores);
+        Some(())
+    }
+
+    /// Routes with whatever is known. `exact`: the scores in the scratch space are valid.
+    /// Returns false when the request was answered locally (no healthy replica).
+    fn finish(
+        &mut self,
+        s: &Shared,
+        model: Option<&str>,
+        profile: Option<usize>,
+        exact: bool,
+        approx_key: Option<u64>,
+        why: Option<Fallback>,
+    ) -> bool {
+        let w = weights(&s.config, profile);
+        let cands = candidates(s, model);
+        let scores = if exact { Some(&s.scratch.scores) } else { None };
+        let d: Decision = policy::decide(&cands, scores, approx_key, &w);
+        let winner = d.winner.and_then(|i| cands.get(i)).map(|c| c.address.to_owned());
+        drop(cands);
+        s.metrics.outcome(d.outcome);
+        if let Some(why) = why {
+            s.metrics.fallback(why);
+        } else if exact && d.outcome == Outcome::Approx {
+            s.metrics.fallback(Fallback::NoMatch);
+        }
+        if exact {
+            s.metrics.matched_blocks(d.matched);
+        }
+        let Some(addr) = winner else {
+            let model = model.unwrap_or("(none)");
+            let body = serde_json::json!({
+                "error": {
+                    "message": format!("no healthy replica for model `{model}`"),
+                    "type": "llmgw_no_replica",
+                    "code": 503
+                }
+            });
+            let body = serde_json::to_vec(&body).unwrap_or_default();
+            let _ = hostcalls::send_http_response(
+                503,
+                vec![("content-type", "application/json"), (EXPLAIN_HEADER, "outcome=no_replica")],
+                Some(&body),
+            );
+            self.done = true;
+            return false;
+        };
+        let dest = s.config.destination_header.clone();
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &dest, Some(&addr));
+        inflight::increment(&addr);
+        if s.config.explain_header {
+            self.explain =
+                Some(format!("outcome={}; replica={addr}; matched={}/{}", d.outcome.as_str(), d.matched, d.total));
+        }
+        self.counted = Some(addr);
+        self.done = true;
+        true
+    }
+
+    /// The body is complete (or too large to read): decide or start the tokenizer call.
+    /// Returns the action for the current callback.
+    fn on_body(&mut self, body: &[u8], too_large: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Ok(mut s) = shared.try_borrow_mut() else { return Action::Continue };
+        let t0 = now_ns();
+        let kind = ApiKind::from_path(&self.path);
+        let parsed = if too_large { None } else { parse_request(kind, body).ok() };
+        let model = parsed.as_ref().and_then(|p| p.model.clone());
+        let profile = profile_index(&s.config, model.as_deref());
+        let nbytes = approx_bytes(profile.and_then(|i| s.config.profiles.get(i)));
+        // The approximate key: the prompt's leading text, or the raw body's leading bytes.
+        let mut lead = std::mem::take(&mut s.scratch.lead);
+        match &parsed {
+            Some(p) if p.prompt != Prompt::None => p.leading_text(nbytes, &mut lead),
+            _ => {
+                lead.clear();
+                lead.extend(body.iter().take(nbytes));
+            }
+        }
+        let approx_key = if lead.is_empty() { None } else { Some(policy::stable_hash(&lead)) };
+        s.scratch.lead = lead;
+
+        let why = match (&parsed, profile) {
+            _ if too_large => Some(Fallback::BodyTooLarge),
+            (None, _) => Some(Fallback::Unparseable),
+            (Some(p), _) if p.prompt == Prompt::None => Some(Fallback::NoPrompt),
+            (Some(_), None) => Some(Fallback::NoProfile),
+            (Some(_), Some(i)) if !s.config.profiles.get(i).is_some_and(|p| p.kv_events) => Some(Fallback::NoKvEvents),
+            (Some(_), Some(_)) if !s.index_usable() => Some(Fallback::NotSynced),
+            _ => None,
+        };
+        let (Some(parsed), Some(pi), None) = (parsed, profile, why) else {
+            let routed = self.finish(&s, model.as_deref(), profile, false, approx_key, why);
+            self.record_busy(&s, t0);
+            return if routed { Action::Continue } else { Action::Pause };
+        };
+        if let Prompt::Tokens(tokens) = &parsed.prompt {
+            let exact = Self::exact_scores(&mut s, pi, &parsed, tokens).is_some();
+            let why = if exact { None } else { Some(Fallback::Hash) };
+            let routed = self.finish(&s, model.as_deref(), profile, exact, approx_key, why);
+            self.record_busy(&s, t0);
+            return if routed { Action::Continue } else { Action::Pause };
+        }
+        // Tokenize on the least-loaded healthy replica of the model.
+        let Some(p) = s.config.profiles.get(pi) else { return Action::Continue };
+        let call = parsed.tokenizer_call(p.tokenizer, body);
+        let timeout = Duration::from_millis(u64::from(p.tokenizer_timeout_ms));
+        let w = p.weights.clone();
+        let target = {
+            let cands = candidates(&s, model.as_deref());
+            policy::least_loaded(&cands, &w).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
+        };
+        let why = if call.is_none() { Some(Fallback::NoPrompt) } else { None };
+        let (Some(call), Some(target)) = (call, target) else {
+            // No call possible; without a replica `finish` answers 503.
+            let routed = self.finish(&s, model.as_deref(), profile, false, approx_key, why);
+            self.record_busy(&s, t0);
+            return if routed { Action::Continue } else { Action::Pause };
+        };
+        let dest = s.config.destination_header.clone();
+        let cluster = s.config.tokenizer_cluster.clone();
+        let headers = vec![
+            (":method", "POST"),
+            (":path", call.path),
+            (":authority", target.as_str()),
+            ("content-type", "application/json"),
+            (dest.as_str(), target.as_str()),
+        ];
+        self.record_busy(&s, t0);
+        match hostcalls::dispatch_http_call(&cluster, headers, Some(&call.body), Vec::new(), timeout) {
+            Ok(token) => {
+                self.pending = Some(Pending { token, started_ns: now_ns(), profile: pi, parsed, approx_key });
+                Action::Pause
+            }
+            Err(e) => {
+                log::warn!("llmgw: tokenizer callout to cluster `{cluster}` refused: {e:?}");
+                s.metrics.tokenizer_failure(TokenizerFailure::Dispatch);
+                let t1 = now_ns();
+                let routed = self.finish(&s, model.as_deref(), profile, false, approx_key, Some(Fallback::Tokenizer));
+                self.record_busy(&s, t1);
+                if routed {
+                    Action::Continue
+                } else {
+                    Action::Pause
+                }
+            }
+        }
+    }
+
+    fn record_busy(&mut self, s: &Shared, since_ns: u64) {
+        self.busy_ns = self.busy_ns.saturating_add(now_ns().saturating_sub(since_ns));
+        if self.done {
+            s.metrics.decision_us(self.busy_ns / 1_000);
+        }
+    }
+}
+
+impl Context for Request {
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        let Some(pending) = self.pending.take_if(|p| p.token == token_id) else { return };
+        let Some(shared) = self.shared.clone() else {
+            let _ = hostcalls::resume_http_request();
+            return;
+        };
+        let Ok(mut s) = shared.try_borrow_mut() else {
+            let _ = hostcalls::resume_http_request();
+            return;
+        };
+        s.metrics.tokenizer_latency_us(elapsed_us(pending.started_ns));
+        let t0 = now_ns();
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
+        let tokens = match status.as_deref() {
+            _ if num_headers == 0 => Err(TokenizerFailure::Reset),
+            Some("200") => {
+                let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
+                parse_tokenizer_response(&body).map_err(|_| TokenizerFailure::BadResponse)
+            }
+            Some("504") => Err(TokenizerFailure::Timeout),
+            Some("503") => Err(TokenizerFailure::Unavailable),
+            _ => Err(TokenizerFailure::Status),
+        };
+        let model = pending.parsed.model.clone();
+        let (exact, why) = match tokens {
+            Ok(tokens) => {
+                // The index may have lost its sync while the call was out.
+                if !s.index_usable() {
+                    (false, Some(Fallback::NotSynced))
+                } else if Self::exact_scores(&mut s, pending.profile, &pending.parsed, &tokens).is_some() {
+                    (true, None)
+                } else {
+                    (false, Some(Fallback::Hash))
+                }
+            }
+            Err(f) => {
+                log::debug!("llmgw: tokenizer call failed: {} ({status:?})", f.as_str());
+                s.metrics.tokenizer_failure(f);
+                (false, Some(Fallback::Tokenizer))
+            }
+        };
+        let routed = self.finish(&s, model.as_deref(), Some(pending.profile), exact, pending.approx_key, why);
+        self.record_busy(&s, t0);
+        if routed {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let dest = match shared.try_borrow() {
+            Ok(s) => s.config.destination_header.clone(),
+            Err(_) => return Action::Continue,
+        };
+        // Never trust a client-supplied destination: ORIGINAL_DST forwards to any address.
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &dest, None);
+        self.path = header(":path").unwrap_or_default();
+        if end_of_stream {
+            return self.on_body(&[], false);
+        }
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.done || self.pending.is_some() {
+            return if self.pending.is_some() { Action::Pause } else { Action::Continue };
+        }
+        let limit = self
+            .shared
+            .as_ref()
+            .and_then(|s| s.try_borrow().ok().map(|s| s.config.max_body_bytes))
+            .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
+        if body_size > limit {
+            // Route without reading the whole body (its leading bytes still give a key).
+            let head = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, DEFAULT_APPROX_BYTES)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            return self.on_body(&head, true);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        self.on_body(&body, false)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(e) = self.explain.take() {
+            let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, EXPLAIN_HEADER, Some(&e));
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if let Some(addr) = self.counted.take() {
+            inflight::decrement(&addr);
+        }
+    }
+}
