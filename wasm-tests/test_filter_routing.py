@@ -1,0 +1,189 @@
+"""End-to-end tests of llmgw.wasm in the real Envoy binary: a stub feed server (gRPC,
+llmgw.feed.v1) tells the filter which blocks each stub vLLM replica holds; requests through
+Envoy must land where the filter says, whatever the client sends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import free_port, wait_port
+from filter_support import (FeedStub, Replica, block_keys, chat_tokens, completion_tokens, envoy_config, http,
+                            load_feed_proto, metric, wait_ready, wait_until)
+
+MODEL = "m1"
+BLOCK = 4
+DEST = "x-gateway-destination-endpoint"
+
+
+def filter_cfg(**profile) -> dict:
+    p = {"name": "default", "models": [MODEL], "kv_events": True, "block_size": BLOCK, "hash_algo": "sha256_cbor",
+         "seed": "0", "tokenizer": "tokenize", "tokenizer_timeout_ms": 1000}
+    p.update(profile)
+    return {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "explain_header": True,
+            "max_body_bytes": 33554432, "profiles": [p]}
+
+
+class Gateway:
+    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2):
+        self.listen = free_port()
+        self.admin = free_port()
+        self.replicas = replicas
+        self.feed = feed
+        path = tmp_path / "envoy.yaml"
+        path.write_text(envoy_config(wasm_path, self.listen, self.admin, feed.port, cfg))
+        self.proc = procs.start([envoy_bin, "-c", path, "--concurrency", concurrency, "--disable-hot-restart",
+                                 "--log-level", "info"], "envoy")
+        wait_port(self.admin)
+        wait_ready(self.admin)
+        # Every VM that ticks (one per worker and the main thread's) subscribes and applies the
+        # snapshot before traffic starts.
+        per_sub = len(feed.initial_messages())
+        wait_until(lambda: feed.snapshots_sent >= concurrency + 1
+                   and metric(self.admin, "llmgw_feed_messages_total") >= feed.snapshots_sent * per_sub,
+                   what="feed snapshot applied by every VM")
+
+    def post(self, path: str, body, headers: dict | None = None):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        h = {"content-type": "application/json", "connection": "close"}
+        h.update(headers or {})
+        return http("POST", f"http://127.0.0.1:{self.listen}{path}", data, h)
+
+    def served_by(self, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
+        status, hdrs, raw = self.post(path, body, headers)
+        assert status == 200, (status, raw[:300])
+        text = raw.decode()
+        if text.startswith("data: "):
+            text = text.split("\n", 1)[0][len("data: "):]
+        return json.loads(text)["port"], hdrs
+
+
+@pytest.fixture
+def feed_pb(tmp_path):
+    return load_feed_proto(tmp_path / "gen")
+
+
+@pytest.fixture
+def fleet():
+    reps = [Replica(free_port()) for _ in range(3)]
+    yield reps
+    for r in reps:
+        r.stop()
+
+
+def table(reps, up=True, models=(MODEL,)):
+    return [{"id": i, "name": f"r{i}", "address": r.address, "models": list(models), "up": up}
+            for i, r in enumerate(reps)]
+
+
+def start_feed(feed_pb, reps, blocks, **kw):
+    pb, pb_grpc = feed_pb
+    return FeedStub(pb, pb_grpc, free_port(), table(reps, **kw), blocks)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
+MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": [{"type": "text", "text": "Name three primes."}]}]
+
+
+def test_filter_exact_routing_to_the_replica_holding_the_prefix(procs, envoy_bin, wasm_path, tmp_path, feed_pb,
+                                                              fleet):
+    # Replica 1 holds the completion prompt's blocks; replica 2 holds the chat's; replica 0 holds
+    # the first block of the completion only (shorter prefix).
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    chat = block_keys(chat_tokens(MESSAGES), BLOCK)
+    salted = block_keys(completion_tokens(PROMPT), BLOCK, cache_salt="tenant-a")
+    feed = start_feed(feed_pb, fleet, {0: comp[:1] + salted, 1: comp, 2: chat})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
+        port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert port == fleet[1].port
+        assert hdrs.get("x-llmgw-decision", "").startswith(
+            f"outcome=exact; replica={fleet[1].address}; matched={len(comp)}/{len(comp)}"), hdrs
+
+        # A client-supplied destination naming another replica is overwritten.
+        port, _ = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": True},
+                               headers={DEST: fleet[2].address})
+        assert port == fleet[1].port
+        assert all(r["headers"].get(DEST) == fleet[1].address for r in fleet[1].requests)
+
+        # Chat: tokenized with the chat form (no special tokens, generation prompt on).
+        port, hdrs = gw.served_by("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES})
+        assert port == fleet[2].port, hdrs
+        calls = [c for r in fleet for c in r.tokenize_calls if "messages" in c]
+        assert calls and calls[-1]["add_special_tokens"] is False and calls[-1]["add_generation_prompt"] is True
+
+        # The cache salt changes every block hash: the salted copy lives on replica 0.
+        port, _ = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "cache_salt": "tenant-a"})
+        assert port == fleet[0].port
+
+        # Token-id prompts need no tokenizer call.
+        before = sum(len(r.tokenize_calls) for r in fleet)
+        port, _ = gw.served_by("/v1/completions", {"model": MODEL, "prompt": completion_tokens(PROMPT)})
+        assert port == fleet[1].port
+        assert sum(len(r.tokenize_calls) for r in fleet) == before
+
+        assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="exact"') >= 5
+        wait_until(lambda: metric(gw.admin, "llmgw_matched_blocks_count") >= 5
+                   and metric(gw.admin, "llmgw_decision_us_count") >= 5
+                   and metric(gw.admin, "llmgw_tokenizer_latency_us_count") >= 4, timeout=5, what="histograms")
+    finally:
+        feed.stop()
+
+
+def test_filter_tokenizer_down_falls_back_to_approx(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    for r in fleet:
+        r.tokenize_status = 500
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = start_feed(feed_pb, fleet, {1: comp})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
+        ports = set()
+        for _ in range(6):  # fresh connections: several workers
+            port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+            assert hdrs.get("x-llmgw-decision", "").startswith("outcome=approx"), hdrs
+            ports.add(port)
+        # The approximate choice is consistent across requests and workers.
+        assert len(ports) == 1
+        assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="approx"') >= 6
+        assert metric(gw.admin, "llmgw_tokenizer_failures_total", 'reason="status"') >= 6
+        assert metric(gw.admin, "llmgw_fallbacks_total", 'reason="tokenizer"') >= 6
+    finally:
+        feed.stop()
+
+
+def test_filter_routes_non_json_and_large_bodies(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    feed = start_feed(feed_pb, fleet, {})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
+        port, hdrs = gw.served_by("/v1/completions", b"this is not json", {"content-type": "text/plain"})
+        assert port in {r.port for r in fleet}
+        assert metric(gw.admin, "llmgw_fallbacks_total", 'reason="unparseable"') >= 1
+
+        big = {"model": MODEL, "prompt": "x" * (8 * 1024 * 1024), "stream": True}
+        port, hdrs = gw.served_by("/v1/completions", big)
+        assert port in {r.port for r in fleet}
+        landed = [r for r in fleet if r.port == port][0]
+        assert landed.requests[-1]["size"] > 8 * 1024 * 1024
+
+        # No body at all (GET): routed by load.
+        status, _, raw = http("GET", f"http://127.0.0.1:{gw.listen}/v1/models")
+        assert status == 200 and json.loads(raw)["port"] in {r.port for r in fleet}
+    finally:
+        feed.stop()
+
+
+def test_filter_no_healthy_replica_is_a_503_with_json(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    feed = start_feed(feed_pb, fleet, {}, up=False)
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
+        status, hdrs, raw = gw.post("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+        assert status == 503
+        assert hdrs.get("content-type") == "application/json"
+        err = json.loads(raw)["error"]
+        assert "no healthy replica" in err["message"] and MODEL in err["message"]
+        assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="no_replica"') >= 1
+        assert not any(r.requests for r in fleet)
+    finally:
+        feed.stop()
