@@ -3,7 +3,10 @@
 
 mod tools;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use llmgw_agent::config::Config;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -15,6 +18,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the agent: subscribe to every replica's KV events and serve the feed.
+    Run(RunArgs),
+    /// Print the vLLM flags and environment matching the configuration, for replicas
+    /// started elsewhere.
+    VllmArgs(ConfigArgs),
+    /// Check a configuration file and print the engines it describes.
+    CheckConfig(ConfigArgs),
     /// Hash token ids (a JSON array on stdin) into vLLM block hashes.
     Hash(tools::HashArgs),
     /// Decode one KVEventBatch payload (msgpack on stdin) into JSON.
@@ -24,9 +34,76 @@ enum Command {
     Replay(tools::ReplayArgs),
 }
 
+#[derive(Args)]
+struct ConfigArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    config: PathBuf,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    config: PathBuf,
+    /// gRPC feed listener (overrides feed.listen).
+    #[arg(long)]
+    feed_listen: Option<SocketAddr>,
+    /// HTTP listener for /metrics, /healthz, /debug/replicas (overrides http.listen).
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
+    /// Allow the feed to listen on a non-loopback address (needs a token).
+    #[arg(long)]
+    feed_allow_non_loopback: bool,
+    /// Shared token feed subscribers must present (overrides feed.token).
+    #[arg(long)]
+    feed_token: Option<String>,
+    /// Log filter level: error, warn, info, debug.
+    #[arg(long, default_value = "info")]
+    log_level: tracing::Level,
+}
+
+fn load(path: &Path) -> Result<Config, String> {
+    Config::load(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn run(a: RunArgs) -> Result<(), String> {
+    tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
+    let mut cfg = load(&a.config)?;
+    if let Some(l) = a.feed_listen {
+        cfg.feed.listen = l;
+    }
+    if let Some(l) = a.http_listen {
+        cfg.http.listen = l;
+    }
+    if a.feed_allow_non_loopback {
+        cfg.feed.allow_non_loopback = true;
+    }
+    if a.feed_token.is_some() {
+        cfg.feed.token = a.feed_token;
+    }
+    cfg.validate().map_err(|e| e.to_string())?;
+    llmgw_agent::run(cfg)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(a) => run(a),
+        Command::VllmArgs(a) => load(&a.config).map(|cfg| print!("{}", llmgw_agent::vllm::render(&cfg))),
+        Command::CheckConfig(a) => load(&a.config).map(|cfg| {
+            for e in cfg.engines() {
+                println!(
+                    "{} id={} {} {:?} {} replay={}",
+                    e.label(),
+                    e.id,
+                    e.address,
+                    e.mode,
+                    e.endpoint,
+                    e.replay_endpoint.as_deref().unwrap_or("-")
+                );
+            }
+        }),
         Command::Hash(a) => tools::hash(&a),
         Command::Decode(a) => tools::decode(&a),
         Command::Replay(a) => tools::replay(&a),

@@ -1,0 +1,126 @@
+//! The gRPC feed `llmgw.feed.v1.Feed/Subscribe`, served with llmgw-core's message structs.
+
+use crate::hub::Hub;
+use llmgw_core::feed::{Body, FeedMessage, Heartbeat, SubscribeRequest};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+/// Server and client generated from `proto/llmgw/feed/v1/feed.proto`, using llmgw-core's
+/// message types.
+#[allow(clippy::all)]
+pub mod service {
+    include!(concat!(env!("OUT_DIR"), "/service/llmgw.feed.v1.rs"));
+}
+
+/// The messages generated from the `.proto` on their own (used to check field numbers).
+#[allow(clippy::all)]
+pub mod generated {
+    include!(concat!(env!("OUT_DIR"), "/messages/llmgw.feed.v1.rs"));
+}
+
+/// Metadata key a subscriber may use instead of `SubscribeRequest.token`.
+pub const TOKEN_HEADER: &str = "x-llmgw-token";
+
+pub struct FeedService {
+    hub: Arc<Hub>,
+    token: Option<String>,
+}
+
+impl FeedService {
+    pub fn new(hub: Arc<Hub>, token: Option<String>) -> Self {
+        Self { hub, token: token.filter(|t| !t.is_empty()) }
+    }
+
+    fn authorised<T>(&self, req: &Request<T>, body_token: &str) -> bool {
+        let Some(want) = &self.token else { return true };
+        let meta = req.metadata();
+        let header = meta.get(TOKEN_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned).or_else(|| {
+            meta.get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer ").map(str::to_owned))
+        });
+        constant_time_eq(body_token.as_bytes(), want.as_bytes())
+            || header.is_some_and(|h| constant_time_eq(h.as_bytes(), want.as_bytes()))
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[tonic::async_trait]
+impl service::feed_server::Feed for FeedService {
+    type SubscribeStream = ReceiverStream<Result<FeedMessage, Status>>;
+
+    async fn subscribe(&self, req: Request<SubscribeRequest>) -> Result<Response<Self::SubscribeStream>, Status> {
+        let peer = req.remote_addr();
+        if !self.authorised(&req, &req.get_ref().token) {
+            let mut st = self.hub.state();
+            st.feed.rejected_token = st.feed.rejected_token.saturating_add(1);
+            warn!(?peer, "feed subscription rejected: bad or missing token");
+            return Err(Status::unauthenticated("bad or missing token"));
+        }
+        let name = req.into_inner().subscriber;
+        info!(subscriber = %name, ?peer, "feed subscriber connected");
+        let sub = self.hub.subscribe(name);
+        let hub = self.hub.clone();
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            loop {
+                match sub.pop(&hub) {
+                    Some(m) => {
+                        if tx.send(Ok(m)).await.is_err() {
+                            break;
+                        }
+                    }
+                    None => {
+                        tokio::select! {
+                            _ = sub.notify.notified() => {}
+                            _ = tx.closed() => break,
+                        }
+                    }
+                }
+            }
+            info!(subscriber = %sub.name, "feed subscriber gone");
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Serves the feed on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    hub: Arc<Hub>,
+    token: Option<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let svc = service::feed_server::FeedServer::new(FeedService::new(hub, token));
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        .add_service(svc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await
+}
+
+/// Sends a heartbeat to every subscriber every `period`.
+pub async fn heartbeats(hub: Arc<Hub>, period: Duration) {
+    let mut t = tokio::time::interval(period);
+    t.tick().await;
+    loop {
+        t.tick().await;
+        hub.state().publish(Body::Heartbeat(Heartbeat {}));
+    }
+}
+
+/// Whether an address is safe to listen on without a token.
+pub fn is_loopback(addr: &SocketAddr) -> bool {
+    addr.ip().is_loopback()
+}

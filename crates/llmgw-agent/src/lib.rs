@@ -1,0 +1,136 @@
+//! llmgw-agent: keeps a live mirror of every vLLM engine's KV cache from its ZMQ events and
+//! streams it to the llmgw filters over gRPC.
+//!
+//! * [`config`]: the TOML configuration and the engines it describes.
+//! * [`seq`]: the per-publisher sequence discipline (gaps, replay, restarts), no I/O.
+//! * [`zmqsub`]: one thread per engine with a libzmq SUB socket and replay DEALER.
+//! * [`hub`]: mirrors, feed subscribers, snapshots and counters.
+//! * [`feed`]: the `llmgw.feed.v1.Feed/Subscribe` gRPC service.
+//! * [`http`]: `/metrics`, `/healthz`, `/debug/replicas`.
+//! * [`load`]: scraping each replica's `/metrics` for load and liveness.
+//! * [`vllm`]: the vLLM flags and environment matching the agent's configuration.
+
+pub mod config;
+pub mod feed;
+pub mod http;
+pub mod hub;
+pub mod load;
+pub mod seq;
+pub mod vllm;
+pub mod zmqsub;
+
+use config::Config;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Runs the agent until SIGINT or SIGTERM.
+pub fn run(cfg: Config) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("llmgw-agent")
+        .build()
+        .map_err(|e| format!("cannot start runtime: {e}"))?;
+    rt.block_on(run_async(cfg))
+}
+
+async fn run_async(cfg: Config) -> Result<(), String> {
+    let engines = cfg.engines();
+    let hub = hub::Hub::new(engines.clone(), cfg.feed.max_queue, cfg.zmq.max_blocks_per_engine);
+    let feed_listener = tokio::net::TcpListener::bind(cfg.feed.listen)
+        .await
+        .map_err(|e| format!("feed.listen {}: {e}", cfg.feed.listen))?;
+    let http_listener = tokio::net::TcpListener::bind(cfg.http.listen)
+        .await
+        .map_err(|e| format!("http.listen {}: {e}", cfg.http.listen))?;
+    if !cfg.http.listen.ip().is_loopback() {
+        warn!(listen = %cfg.http.listen, "observability endpoints listen on a non-loopback address");
+    }
+    info!(
+        feed = %feed_listener.local_addr().map_err(|e| e.to_string())?,
+        http = %http_listener.local_addr().map_err(|e| e.to_string())?,
+        engines = engines.len(),
+        "llmgw-agent listening"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let ctx = zmq::Context::new();
+    let mut threads = Vec::new();
+    for spec in &engines {
+        let t = zmqsub::Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), ctx.clone(), stop.clone())
+            .map_err(|e| format!("cannot start engine thread: {e}"))?;
+        threads.push(t);
+    }
+
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|v| *v).await;
+    };
+    let feed_task = tokio::spawn(feed::serve(feed_listener, hub.clone(), cfg.feed.token.clone(), wait(rx.clone())));
+    let http_task = tokio::spawn(http::serve(http_listener, hub.clone(), wait(rx.clone())));
+    let mut background = vec![
+        tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
+        tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
+    ];
+    if cfg.load.enabled {
+        for spec in &engines {
+            background.push(tokio::spawn(load::scrape_engine(hub.clone(), spec.clone(), cfg.load.clone())));
+        }
+        background.push(tokio::spawn(load::publish_loads(hub.clone(), Duration::from_millis(cfg.load.interval_ms))));
+    }
+
+    shutdown_signal().await;
+    info!("shutting down");
+    let _ = tx.send(true);
+    stop.store(true, Ordering::SeqCst);
+    for b in background {
+        b.abort();
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(3), feed_task).await;
+    let _ = tokio::time::timeout(Duration::from_secs(3), http_task).await;
+    tokio::task::spawn_blocking(move || {
+        for t in threads {
+            let _ = t.join();
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}
+
+/// Logs a warning when an engine's hash parity drops below the threshold.
+async fn parity_watch(hub: Arc<hub::Hub>, threshold: f64, min_verified: u64) {
+    let mut t = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        t.tick().await;
+        let alarms = hub.state().parity_alarms(threshold, min_verified);
+        for (replica, ratio, matched, mismatched) in alarms {
+            warn!(
+                %replica,
+                mismatch_ratio = ratio,
+                matched,
+                mismatched,
+                "block hashes published by this replica do not match the configured hashing: \
+                 its PYTHONHASHSEED or --prefix-caching-hash-algo likely differ from the agent's [hash] settings \
+                 (requests will not score against its cache)"
+            );
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Load scraping: each replica's vLLM `/metrics` (running, waiting, KV-cache usage) every
+//! interval; a replica unreachable for `down_after` is marked down and its blocks leave.
+
+use crate::config::{EngineSpec, LoadConfig};
+use crate::hub::Hub;
+use llmgw_core::feed::ReplicaLoad;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::{info, warn};
+
+/// Largest /metrics body read.
+const MAX_BODY: u64 = 16 << 20;
+
+/// Load figures parsed from one /metrics page.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Load {
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_cache_usage: f64,
+}
+
+/// Parses vLLM's Prometheus text. Series with an `engine` label other than `rank` are left
+/// out (one API server can front several data-parallel engines); the rest are summed (usage:
+/// the largest).
+pub fn parse_load(text: &str, rank: u32) -> Load {
+    let mut l = Load::default();
+    let rank = rank.to_string();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (name, labels, rest) = match line.find('{') {
+            Some(i) => {
+                let Some(j) = line.rfind('}') else { continue };
+                let (Some(name), Some(labels), Some(rest)) = (line.get(..i), line.get(i + 1..j), line.get(j + 1..))
+                else {
+                    continue;
+                };
+                (name, labels, rest)
+            }
+            None => match line.split_once(' ') {
+                Some((n, r)) => (n, "", r),
+                None => continue,
+            },
+        };
+        let Some(value) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else { continue };
+        if !value.is_finite() {
+            continue;
+        }
+        if let Some(engine) = label(labels, "engine") {
+            if engine != rank {
+                continue;
+            }
+        }
+        match name {
+            "vllm:num_requests_running" => l.running += value,
+            "vllm:num_requests_waiting" => l.waiting += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => l.kv_cache_usage = l.kv_cache_usage.max(value),
+            _ => {}
+        }
+    }
+    l
+}
+
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// GET `url` (plain http) and return the body of a 200 response.
+pub async fn http_get(url: &str, timeout: Duration) -> Result<String, String> {
+    let rest = url.strip_prefix("http://").ok_or("only http:// URLs are supported")?;
+    let (hostport, path) = match rest.find('/') {
+        Some(i) => (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")),
+        None => (rest, "/"),
+    };
+    let fut = async {
+        let mut s = tokio::net::TcpStream::connect(hostport).await.map_err(|e| e.to_string())?;
+        let req =
+            format!("GET {path} HTTP/1.0\r\nHost: {hostport}\r\nAccept: text/plain\r\nUser-Agent: llmgw-agent\r\n\r\n");
+        s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
+        let mut buf = Vec::new();
+        s.take(MAX_BODY).read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+        Ok::<Vec<u8>, String>(buf)
+    };
+    let buf = tokio::time::timeout(timeout, fut).await.map_err(|_| "timed out".to_owned())??;
+    let text = String::from_utf8_lossy(&buf);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed HTTP response")?;
+    let status = head.lines().next().unwrap_or("");
+    if status.split_whitespace().nth(1) != Some("200") {
+        return Err(format!("HTTP status {status:?}"));
+    }
+    Ok(body.to_owned())
+}
+
+/// Scrapes one engine's replica forever.
+pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
+    let Some(url) = spec.metrics_url.clone() else { return };
+    let idx = usize::try_from(spec.id).unwrap_or(usize::MAX);
+    let mut t = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let down_after = Duration::from_millis(cfg.down_after_ms);
+    let mut last_ok = Instant::now();
+    let mut failing = false;
+    loop {
+        t.tick().await;
+        match http_get(&url, Duration::from_millis(cfg.timeout_ms)).await {
+            Ok(body) => {
+                last_ok = Instant::now();
+                if failing {
+                    info!(replica = %spec.label(), %url, "replica reachable again");
+                    failing = false;
+                }
+                let l = parse_load(&body, spec.dp_rank);
+                let mut st = hub.state();
+                if st.set_up(idx, true, "reachable") {
+                    info!(replica = %spec.label(), "replica up; mirror starts clean");
+                }
+                st.set_load(
+                    idx,
+                    ReplicaLoad {
+                        replica: spec.id,
+                        running: to_u32(l.running),
+                        waiting: to_u32(l.waiting),
+                        kv_cache_usage: l.kv_cache_usage as f32,
+                    },
+                );
+            }
+            Err(e) => {
+                if !failing {
+                    warn!(replica = %spec.label(), %url, error = %e, "load scrape failed");
+                    failing = true;
+                }
+                if last_ok.elapsed() >= down_after && hub.state().set_up(idx, false, "unreachable") {
+                    warn!(replica = %spec.label(), %url, "replica unreachable; marked down, its blocks leave the index");
+                }
+            }
+        }
+    }
+}
+
+fn to_u32(v: f64) -> u32 {
+    if v.is_finite() && v > 0.0 {
+        v.round().min(f64::from(u32::MAX)) as u32
+    } else {
+        0
+    }
+}
+
+/// Publishes a LoadReport with every up engine's latest load each interval.
+pub async fn publish_loads(hub: Arc<Hub>, interval: Duration) {
+    let mut t = tokio::time::interval(interval);
+    loop {
+        t.tick().await;
+        hub.state().publish_loads();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 5.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:num_requests_running_other 99
+"#;
+
+    #[test]
+    fn parses_per_rank() {
+        assert_eq!(parse_load(PAGE, 0), Load { running: 3.0, waiting: 2.0, kv_cache_usage: 0.25 });
+        assert_eq!(parse_load(PAGE, 1), Load { running: 5.0, waiting: 0.0, kv_cache_usage: 0.5 });
+        let unlabelled = "vllm:num_requests_running 4\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.1\n";
+        assert_eq!(parse_load(unlabelled, 0), Load { running: 4.0, waiting: 1.0, kv_cache_usage: 0.1 });
+        assert_eq!(parse_load("garbage{\n{}\nvllm:num_requests_running{x=\"1\"} NaN\n", 0), Load::default());
+    }
+
+    #[test]
+    fn rounding() {
+        assert_eq!(to_u32(2.6), 3);
+        assert_eq!(to_u32(-1.0), 0);
+        assert_eq!(to_u32(f64::NAN), 0);
+        assert_eq!(to_u32(1e20), u32::MAX);
+    }
+}

@@ -1,0 +1,148 @@
+//! The vLLM flags and environment that make a replica publish what this agent expects.
+
+use crate::config::{parse_tcp, Config, Mode, ReplicaConfig};
+use serde_json::json;
+
+/// Flags and environment for one replica (rank 0; vLLM offsets the ports of other ranks).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmArgs {
+    pub replica: String,
+    pub env: Vec<(String, String)>,
+    pub args: Vec<String>,
+}
+
+fn is_loopback(host: &str) -> bool {
+    matches!(host, "127.0.0.1" | "localhost" | "[::ffff:127.0.0.1]")
+}
+
+/// vLLM binds its PUB when the endpoint has `*` or `::`, and connects otherwise.
+fn publisher_endpoint(r: &ReplicaConfig) -> String {
+    let Ok((host, port)) = parse_tcp(&r.endpoint) else { return r.endpoint.clone() };
+    match r.mode {
+        // The agent binds: vLLM must connect, so no `*` or `::` in the address.
+        Mode::Bind => {
+            let host = if host.contains("::ffff:127.0.0.1") { "127.0.0.1".to_owned() } else { host };
+            format!("tcp://{host}:{port}")
+        }
+        // The agent connects: vLLM must bind; the IPv4-mapped loopback form binds 127.0.0.1 only.
+        Mode::Connect if is_loopback(&host) => format!("tcp://[::ffff:127.0.0.1]:{port}"),
+        Mode::Connect => format!("tcp://*:{port}"),
+    }
+}
+
+/// vLLM always binds the replay ROUTER.
+fn replay_endpoint(e: &str) -> String {
+    match parse_tcp(e) {
+        Ok((host, port)) if is_loopback(&host) => format!("tcp://{host}:{port}"),
+        Ok((_, port)) => format!("tcp://*:{port}"),
+        Err(_) => e.to_owned(),
+    }
+}
+
+pub fn for_replica(cfg: &Config, r: &ReplicaConfig) -> VllmArgs {
+    let hash = r.hash.clone().unwrap_or_else(|| cfg.hash.clone());
+    let mut kv = json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": publisher_endpoint(r),
+        "topic": r.topic,
+    });
+    if let (Some(rep), Some(obj)) = (&r.replay_endpoint, kv.as_object_mut()) {
+        obj.insert("replay_endpoint".into(), json!(replay_endpoint(rep)));
+    }
+    let mut env = Vec::new();
+    if let Some(seed) = &hash.seed {
+        env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
+    }
+    let args = vec![
+        "--enable-prefix-caching".to_owned(),
+        "--prefix-caching-hash-algo".to_owned(),
+        hash.algo.clone(),
+        "--block-size".to_owned(),
+        hash.block_size.to_string(),
+        "--kv-events-config".to_owned(),
+        kv.to_string(),
+    ];
+    VllmArgs { replica: r.name.clone(), env, args }
+}
+
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./:=@,+".contains(&b)) {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// Shell lines for every replica.
+pub fn render(cfg: &Config) -> String {
+    let mut out = String::new();
+    for r in &cfg.replicas {
+        let a = for_replica(cfg, r);
+        out.push_str(&format!(
+            "# replica {} ({} data-parallel rank(s); vLLM adds the rank to both ports)\n",
+            a.replica, r.dp_ranks
+        ));
+        let env: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={}", shell_quote(v))).collect();
+        let args: Vec<String> = a.args.iter().map(|s| shell_quote(s)).collect();
+        let model = r.models.first().map(|m| shell_quote(m)).unwrap_or_else(|| "MODEL".to_owned());
+        let mut line = env.join(" ");
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(&format!("vllm serve {model} {}\n", args.join(" ")));
+        out.push_str(&line);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_match_modes() {
+        let cfg = Config::parse(
+            r#"
+[hash]
+seed = "0"
+[[replicas]]
+name = "a"
+address = "10.0.0.5:8000"
+models = ["m"]
+endpoint = "tcp://10.0.0.5:5557"
+replay_endpoint = "tcp://10.0.0.5:5558"
+topic = "kv-events"
+[[replicas]]
+name = "b"
+address = "127.0.0.1:8001"
+endpoint = "tcp://127.0.0.1:6000"
+mode = "bind"
+[[replicas]]
+name = "c"
+address = "127.0.0.1:8002"
+endpoint = "tcp://127.0.0.1:6100"
+"#,
+        )
+        .unwrap();
+        let a = for_replica(&cfg, &cfg.replicas[0]);
+        assert_eq!(a.env, vec![("PYTHONHASHSEED".to_owned(), "0".to_owned())]);
+        assert_eq!(
+            a.args[..5],
+            ["--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor", "--block-size", "16"]
+        );
+        let kv: serde_json::Value = serde_json::from_str(&a.args[6]).unwrap();
+        assert_eq!(kv["endpoint"], "tcp://*:5557");
+        assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
+        assert_eq!(kv["topic"], "kv-events");
+        assert_eq!(kv["enable_kv_cache_events"], true);
+        let b = for_replica(&cfg, &cfg.replicas[1]);
+        let kv: serde_json::Value = serde_json::from_str(&b.args[6]).unwrap();
+        assert_eq!(kv["endpoint"], "tcp://127.0.0.1:6000");
+        let c = for_replica(&cfg, &cfg.replicas[2]);
+        let kv: serde_json::Value = serde_json::from_str(&c.args[6]).unwrap();
+        assert_eq!(kv["endpoint"], "tcp://[::ffff:127.0.0.1]:6100");
+        let text = render(&cfg);
+        assert!(text.contains("PYTHONHASHSEED=0 vllm serve m --enable-prefix-caching"), "{text}");
+    }
+}

@@ -1,0 +1,273 @@
+//! One thread per engine: a libzmq SUB socket (bound or connected), a monitor on it, and
+//! replay through a fresh DEALER whenever the sequence discipline asks for a fill.
+
+use crate::config::{EngineSpec, Mode, ZmqConfig};
+use crate::hub::Hub;
+use crate::seq::{Cause, Fill, FillStep, SeqTracker, Verdict};
+use llmgw_core::event::EventBatch;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Sequence frame of the end-of-replay marker.
+const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// A publisher's sequence frame: 8 bytes big-endian (24 when a publisher id follows).
+pub fn parse_seq(frame: &[u8]) -> Option<u64> {
+    if frame.len() != 8 && frame.len() != 24 {
+        return None;
+    }
+    let b: [u8; 8] = frame.get(..8)?.try_into().ok()?;
+    Some(u64::from_be_bytes(b))
+}
+
+pub struct Engine {
+    idx: usize,
+    spec: EngineSpec,
+    hub: Arc<Hub>,
+    cfg: ZmqConfig,
+    ctx: zmq::Context,
+    stop: Arc<AtomicBool>,
+    rebuild: Arc<AtomicBool>,
+    tracker: SeqTracker,
+}
+
+impl Engine {
+    pub fn spawn(
+        spec: EngineSpec,
+        hub: Arc<Hub>,
+        cfg: ZmqConfig,
+        ctx: zmq::Context,
+        stop: Arc<AtomicBool>,
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let idx = usize::try_from(spec.id).unwrap_or(usize::MAX);
+        let rebuild = hub.rebuild_flag(idx).unwrap_or_default();
+        let name = format!("zmq-{}", spec.label());
+        let mut e = Engine { idx, spec, hub, cfg, ctx, stop, rebuild, tracker: SeqTracker::new() };
+        std::thread::Builder::new().name(name).spawn(move || e.run())
+    }
+
+    fn run(&mut self) {
+        let mut attempt: u64 = 0;
+        while !self.stop.load(Ordering::SeqCst) {
+            match self.session(attempt) {
+                Ok(()) => return,
+                Err(e) => {
+                    warn!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, error = %e, "zmq socket failed; retrying in 1 s");
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    fn session(&mut self, attempt: u64) -> Result<(), zmq::Error> {
+        let sub = self.ctx.socket(zmq::SUB)?;
+        sub.set_rcvhwm(self.cfg.rcvhwm)?;
+        sub.set_linger(0)?;
+        sub.set_reconnect_ivl(100)?;
+        sub.set_reconnect_ivl_max(self.cfg.reconnect_ivl_max_ms)?;
+        if self.spec.endpoint.contains('[') {
+            sub.set_ipv6(true)?;
+        }
+        sub.set_subscribe(self.spec.topic.as_bytes())?;
+        let mon_ep = format!("inproc://llmgw-monitor-{}-{attempt}", self.idx);
+        let events = zmq::SocketEvent::CONNECTED as i32
+            | zmq::SocketEvent::ACCEPTED as i32
+            | zmq::SocketEvent::DISCONNECTED as i32;
+        sub.monitor(&mon_ep, events)?;
+        let mon = self.ctx.socket(zmq::PAIR)?;
+        mon.set_linger(0)?;
+        mon.connect(&mon_ep)?;
+        match self.spec.mode {
+            Mode::Bind => sub.bind(&self.spec.endpoint)?,
+            Mode::Connect => sub.connect(&self.spec.endpoint)?,
+        }
+        info!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, mode = ?self.spec.mode, topic = %self.spec.topic, "subscribed to KV events");
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            if self.rebuild.swap(false, Ordering::SeqCst) {
+                self.tracker.forget();
+            }
+            let (sub_ready, mon_ready) = {
+                let mut items = [sub.as_poll_item(zmq::POLLIN), mon.as_poll_item(zmq::POLLIN)];
+                zmq::poll(&mut items, 200)?;
+                let [a, b] = &items;
+                (a.is_readable(), b.is_readable())
+            };
+            // Data first: messages of a dropped connection are handled before its disconnect.
+            if sub_ready {
+                for _ in 0..4096 {
+                    match sub.recv_multipart(zmq::DONTWAIT) {
+                        Ok(frames) => self.live(frames),
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            if mon_ready {
+                loop {
+                    match mon.recv_multipart(zmq::DONTWAIT) {
+                        Ok(frames) => self.monitor_event(&frames),
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+    }
+
+    fn monitor_event(&mut self, frames: &[Vec<u8>]) {
+        let Some(head) = frames.first() else { return };
+        let Some(code) = head.get(..2).and_then(|b| <[u8; 2]>::try_from(b).ok()) else { return };
+        let event = zmq::SocketEvent::from_raw(u16::from_le_bytes(code));
+        match event {
+            zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
+                info!(replica = %self.spec.label(), "publisher connected");
+                self.hub.state().connection(self.idx, true);
+            }
+            zmq::SocketEvent::DISCONNECTED => {
+                // A new connection may be a restarted engine: the next message decides.
+                warn!(replica = %self.spec.label(), "publisher disconnected (possible engine restart)");
+                self.tracker.mark_reconnect();
+                self.hub.state().connection(self.idx, false);
+            }
+            _ => {}
+        }
+    }
+
+    fn live(&mut self, frames: Vec<Vec<u8>>) {
+        self.hub.state().received(self.idx);
+        let [_topic, seq_frame, payload] = frames.as_slice() else {
+            self.hub.state().skipped(self.idx, "bad_frames");
+            return;
+        };
+        let Some(seq) = parse_seq(seq_frame) else {
+            self.hub.state().skipped(self.idx, "bad_seq");
+            return;
+        };
+        if let Verdict::Fill { from, until, reset, cause } = self.tracker.observe(seq) {
+            self.fill(from, until, reset, cause);
+        }
+        self.apply_payload(seq, payload);
+        self.tracker.applied(seq);
+    }
+
+    fn apply_payload(&self, seq: u64, payload: &[u8]) {
+        match EventBatch::decode(payload) {
+            Ok(batch) => self.hub.state().apply(self.idx, seq, &batch),
+            Err(e) => {
+                warn!(replica = %self.spec.label(), seq, error = %e, "malformed event batch skipped");
+                self.hub.state().skipped(self.idx, "malformed");
+            }
+        }
+    }
+
+    fn fill(&mut self, from: u64, until: u64, reset: bool, cause: Cause) {
+        {
+            let mut st = self.hub.state();
+            if cause == Cause::Gap {
+                st.count_gap(self.idx);
+            }
+            if reset {
+                st.reset(self.idx, cause.as_str());
+            }
+        }
+        if from >= until {
+            info!(replica = %self.spec.label(), cause = cause.as_str(), "sequence restarted at 0");
+            return;
+        }
+        let complete = match self.spec.replay_endpoint.clone() {
+            None => false,
+            Some(ep) => {
+                let (complete, n) = match self.replay(&ep, from, until) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        warn!(replica = %self.spec.label(), error = %e, "replay socket failed");
+                        (false, 0)
+                    }
+                };
+                self.hub.state().count_replay(self.idx, complete, n);
+                complete
+            }
+        };
+        if complete {
+            info!(replica = %self.spec.label(), cause = cause.as_str(), from, until, "missing batches replayed");
+        } else {
+            warn!(replica = %self.spec.label(), cause = cause.as_str(), from, until, "missing batches could not be replayed; mirror reset");
+            self.hub.state().reset(self.idx, &format!("{}_unrepaired", cause.as_str()));
+        }
+    }
+
+    /// Requests batches from `from` on a fresh DEALER and applies those in `from..until`.
+    /// Returns whether the whole range was applied, and how many batches were.
+    fn replay(&self, endpoint: &str, from: u64, until: u64) -> Result<(bool, u64), zmq::Error> {
+        let d = self.ctx.socket(zmq::DEALER)?;
+        d.set_linger(0)?;
+        d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
+        if endpoint.contains('[') {
+            d.set_ipv6(true)?;
+        }
+        d.connect(endpoint)?;
+        let start = from.to_be_bytes();
+        d.send_multipart([&[][..], &start[..]], 0)?;
+        let mut fill = Fill::new(from, until);
+        let mut applied: u64 = 0;
+        loop {
+            let frames = match d.recv_multipart(0) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => {
+                    warn!(replica = %self.spec.label(), endpoint, "replay timed out");
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            // [b"", topic, seq8, payload] since vLLM 0.29; [b"", seq8, payload] before.
+            let (seq_frame, payload) = match frames.as_slice() {
+                [e, _topic, s, p] if e.is_empty() => (s, p),
+                [e, s, p] if e.is_empty() => (s, p),
+                _ => {
+                    self.hub.state().skipped(self.idx, "bad_replay_frames");
+                    continue;
+                }
+            };
+            if seq_frame.as_slice() == END_SEQ {
+                break;
+            }
+            let Some(seq) = parse_seq(seq_frame) else {
+                self.hub.state().skipped(self.idx, "bad_seq");
+                continue;
+            };
+            match fill.step(seq) {
+                FillStep::Skip => continue,
+                FillStep::Apply => {
+                    self.apply_payload(seq, payload);
+                    applied = applied.saturating_add(1);
+                }
+                FillStep::Done | FillStep::Hole => break,
+            }
+            if fill.complete() {
+                break;
+            }
+        }
+        Ok((fill.complete(), applied))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_frames() {
+        assert_eq!(parse_seq(&7u64.to_be_bytes()), Some(7));
+        let mut long = 9u64.to_be_bytes().to_vec();
+        long.extend_from_slice(&[1u8; 16]);
+        assert_eq!(parse_seq(&long), Some(9));
+        assert_eq!(parse_seq(&[0u8; 4]), None);
+        assert_eq!(parse_seq(&[]), None);
+    }
+}
