@@ -74,7 +74,7 @@ run_tests() {
   PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
   if ls wasm-tests/test_*.py >/dev/null 2>&1; then
     log "end-to-end tests (real Envoy, agent, publishers on loopback)"
-    cargo build -q --release -p llmgw-agent
+    cargo build -q --release -p llmgw-agent -p llmgw-sim
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider wasm-tests
   fi
   log "all tests passed"

@@ -9,4 +9,6 @@
 //! The pieces here do no I/O and read no clock, so they are tested directly.
 
 pub mod pool;
+pub mod publisher;
+pub mod server;
 pub mod tokenizer;

@@ -1,0 +1,394 @@
+//! The simulated replica's HTTP API (vLLM's paths and shapes) and its time model:
+//! time to first token = queueing + uncached prompt tokens at `prefill_tps`; then one token
+//! per `decode_ms × (1 + decode_slowdown × (running − 1))`; at most `max_batch` requests run,
+//! the rest wait.
+
+use crate::pool::BlockPool;
+use crate::publisher::PubCmd;
+use crate::tokenizer::{self, ChatMessage};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use llmgw_core::hash::RequestExtras;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{Notify, Semaphore};
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub name: String,
+    pub model: String,
+    pub max_model_len: usize,
+    pub prefill_tps: f64,
+    pub decode_ms: f64,
+    pub decode_slowdown: f64,
+    pub max_batch: usize,
+    pub default_max_tokens: usize,
+    /// `/kv_event_sources` answer (rank → publisher settings).
+    pub kv_event_sources: Value,
+}
+
+pub struct Engine {
+    pub cfg: EngineConfig,
+    pool: Mutex<BlockPool>,
+    publisher: Mutex<std::sync::mpsc::Sender<PubCmd>>,
+    batch: Semaphore,
+    freed: Notify,
+    running: AtomicU32,
+    waiting: AtomicU32,
+    served: AtomicU64,
+    next_id: AtomicU64,
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig, pool: BlockPool, publisher: std::sync::mpsc::Sender<PubCmd>) -> Arc<Engine> {
+        let max_batch = cfg.max_batch.max(1);
+        Arc::new(Engine {
+            cfg,
+            pool: Mutex::new(pool),
+            publisher: Mutex::new(publisher),
+            batch: Semaphore::new(max_batch),
+            freed: Notify::new(),
+            running: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            served: AtomicU64::new(0),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn with_pool<T>(&self, f: impl FnOnce(&mut BlockPool) -> T) -> T {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        let out = f(&mut pool);
+        let events = pool.take_events();
+        if !events.is_empty() {
+            let tx = self.publisher.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = tx.send(PubCmd::Batch(events));
+        }
+        out
+    }
+}
+
+pub fn router(engine: Arc<Engine>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/v1/completions/render", post(render_completion))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/metrics", get(metrics))
+        .route("/kv_event_sources", get(kv_event_sources))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/sim/restart", post(restart))
+        .with_state(engine)
+}
+
+fn bad_request(msg: impl Into<String>) -> Response {
+    let msg = msg.into();
+    (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": msg, "type": "BadRequestError", "code": 400}})))
+        .into_response()
+}
+
+#[allow(clippy::result_large_err)]
+fn check_model(e: &Engine, body: &Value) -> Result<(), Response> {
+    match body.get("model").and_then(Value::as_str) {
+        Some(m) if m != e.cfg.model => Err((
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": {"message": format!("The model `{m}` does not exist."), "type": "NotFoundError", "code": 404}})),
+        )
+            .into_response()),
+        _ => Ok(()),
+    }
+}
+
+fn messages_of(body: &Value) -> Option<Vec<ChatMessage>> {
+    let msgs = body.get("messages")?.as_array()?;
+    Some(
+        msgs.iter()
+            .map(|m| {
+                let role = m.get("role").and_then(Value::as_str).unwrap_or("user").to_owned();
+                let content = match m.get("content") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                    _ => String::new(),
+                };
+                ChatMessage { role, content }
+            })
+            .collect(),
+    )
+}
+
+/// Token ids of a completion prompt: text (with BOS unless add_special_tokens is false) or ids.
+fn prompt_tokens(body: &Value, default_special: bool) -> Result<Vec<u32>, String> {
+    let special = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(default_special);
+    match body.get("prompt") {
+        Some(Value::String(s)) => Ok(tokenizer::encode(s, special)),
+        Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or("token id out of range".into()))
+            .collect(),
+        Some(Value::Array(items)) => match items.first() {
+            Some(Value::String(s)) => Ok(tokenizer::encode(s, special)),
+            _ => Err("unsupported prompt".into()),
+        },
+        _ => Err("prompt is required".into()),
+    }
+}
+
+fn chat_tokens(body: &Value) -> Option<Vec<u32>> {
+    let msgs = messages_of(body)?;
+    let gen = body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true);
+    let mut t = tokenizer::apply_chat_template(&msgs, gen);
+    if body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false) {
+        t.insert(0, tokenizer::BOS);
+    }
+    Some(t)
+}
+
+async fn models(State(e): State<Arc<Engine>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": e.cfg.model, "object": "model", "owned_by": "llmgw-sim", "max_model_len": e.cfg.max_model_len}]}),
+    )
+}
+
+async fn tokenize(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    if let Err(r) = check_model(&e, &body) {
+        return r;
+    }
+    // As in vLLM, a body with messages is the chat form.
+    let tokens = if body.get("messages").is_some() {
+        match chat_tokens(&body) {
+            Some(t) => t,
+            None => return bad_request("messages must be a list"),
+        }
+    } else {
+        match prompt_tokens(&body, true) {
+            Ok(t) => t,
+            Err(m) => return bad_request(m),
+        }
+    };
+    Json(json!({"count": tokens.len(), "max_model_len": e.cfg.max_model_len, "tokens": tokens, "token_strs": null}))
+        .into_response()
+}
+
+async fn detokenize(Json(body): Json<Value>) -> Response {
+    let tokens: Vec<u32> = body
+        .get("tokens")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect())
+        .unwrap_or_default();
+    Json(json!({"prompt": tokenizer::decode(&tokens)})).into_response()
+}
+
+fn render_reply(e: &Engine, tokens: Vec<u32>) -> Response {
+    Json(json!({"request_id": format!("render-{}", e.next_id.fetch_add(1, Ordering::Relaxed)), "token_ids": tokens, "features": null}))
+        .into_response()
+}
+
+async fn render_completion(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    if let Err(r) = check_model(&e, &body) {
+        return r;
+    }
+    match prompt_tokens(&body, true) {
+        Ok(t) => render_reply(&e, t),
+        Err(m) => bad_request(m),
+    }
+}
+
+async fn render_chat(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    if let Err(r) = check_model(&e, &body) {
+        return r;
+    }
+    match chat_tokens(&body) {
+        Some(t) => render_reply(&e, t),
+        None => bad_request("messages must be a list"),
+    }
+}
+
+async fn completions(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    if let Err(r) = check_model(&e, &body) {
+        return r;
+    }
+    match prompt_tokens(&body, true) {
+        Ok(t) => generate(e, body, t, false).await,
+        Err(m) => bad_request(m),
+    }
+}
+
+async fn chat_completions(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    if let Err(r) = check_model(&e, &body) {
+        return r;
+    }
+    match chat_tokens(&body) {
+        Some(t) => generate(e, body, t, true).await,
+        None => bad_request("messages must be a list"),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Runs one request through the time model; streams SSE chunks or returns one JSON body.
+async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> Response {
+    if prompt.len() >= e.cfg.max_model_len {
+        return bad_request(format!("prompt of {} tokens exceeds max_model_len {}", prompt.len(), e.cfg.max_model_len));
+    }
+    let max_tokens = body
+        .get("max_completion_tokens")
+        .or_else(|| body.get("max_tokens"))
+        .and_then(Value::as_u64)
+        .map_or(e.cfg.default_max_tokens, |m| m as usize)
+        .min(e.cfg.max_model_len - prompt.len());
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let extras = RequestExtras {
+        cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
+        ..Default::default()
+    };
+    let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, e.next_id.fetch_add(1, Ordering::Relaxed));
+    let (tx, rx) = tokio::sync::mpsc::channel::<Value>(64);
+    let engine = e.clone();
+    let task_id = id.clone();
+    let started = Instant::now();
+    tokio::spawn(async move {
+        let e = engine;
+        e.waiting.fetch_add(1, Ordering::Relaxed);
+        let permit = e.batch.acquire().await;
+        // Admission: wait for blocks when the pool is full.
+        let (seq, cached) = loop {
+            match e.with_pool(|p| p.admit(prompt.clone(), extras.clone(), None)) {
+                Ok(x) => break x,
+                Err(_) => {
+                    let _ = tokio::time::timeout(Duration::from_millis(50), e.freed.notified()).await;
+                }
+            }
+        };
+        e.waiting.fetch_sub(1, Ordering::Relaxed);
+        e.running.fetch_add(1, Ordering::Relaxed);
+        let uncached = prompt.len().saturating_sub(cached);
+        tokio::time::sleep(Duration::from_secs_f64(uncached as f64 / e.cfg.prefill_tps.max(1.0))).await;
+        let generated = tokenizer::generated_tokens(&prompt, max_tokens);
+        let mut produced = 0usize;
+        let mut finish = "length";
+        for (i, &t) in generated.iter().enumerate() {
+            if i > 0 {
+                let running = f64::from(e.running.load(Ordering::Relaxed).max(1));
+                let step = e.cfg.decode_ms * (1.0 + e.cfg.decode_slowdown * (running - 1.0));
+                tokio::time::sleep(Duration::from_secs_f64(step / 1000.0)).await;
+            }
+            if e.with_pool(|p| p.append(seq, t)).is_err() {
+                finish = "abort";
+                break;
+            }
+            produced += 1;
+            let text = format!(" w{t}");
+            let chunk = if chat {
+                json!({"id": task_id, "object": "chat.completion.chunk", "created": unix_now(), "model": e.cfg.model,
+                       "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})
+            } else {
+                json!({"id": task_id, "object": "text_completion", "created": unix_now(), "model": e.cfg.model,
+                       "choices": [{"index": 0, "text": text, "finish_reason": null}]})
+            };
+            if tx.send(chunk).await.is_err() {
+                finish = "abort";
+                break;
+            }
+        }
+        e.with_pool(|p| p.finish(seq));
+        e.running.fetch_sub(1, Ordering::Relaxed);
+        e.served.fetch_add(1, Ordering::Relaxed);
+        drop(permit);
+        e.freed.notify_waiters();
+        let usage = json!({"prompt_tokens": prompt.len(), "completion_tokens": produced,
+                           "total_tokens": prompt.len() + produced,
+                           "prompt_tokens_details": {"cached_tokens": cached}});
+        let _ = tx.send(json!({"__final": true, "finish_reason": finish, "usage": usage})).await;
+    });
+    let name = e.cfg.name.clone();
+    if stream {
+        let s = futures_util::stream::unfold(rx, |mut rx| async move {
+            match rx.recv().await {
+                Some(v) if v.get("__final").is_some() => {
+                    Some((Ok::<_, std::convert::Infallible>("data: [DONE]\n\n".to_owned()), rx))
+                }
+                Some(v) => Some((Ok(format!("data: {v}\n\n")), rx)),
+                None => None,
+            }
+        });
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header("x-llmgw-sim-replica", name)
+            .body(Body::from_stream(s))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let mut rx = rx;
+    let mut text = String::new();
+    let mut fin = json!(null);
+    while let Some(v) = rx.recv().await {
+        if v.get("__final").is_some() {
+            fin = v;
+            break;
+        }
+        let piece = if chat { &v["choices"][0]["delta"]["content"] } else { &v["choices"][0]["text"] };
+        text.push_str(piece.as_str().unwrap_or_default());
+    }
+    let choice = if chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin["finish_reason"]})
+    } else {
+        json!({"index": 0, "text": text, "finish_reason": fin["finish_reason"]})
+    };
+    let reply = json!({"id": id, "object": if chat { "chat.completion" } else { "text_completion" },
+                       "created": unix_now(), "model": e.cfg.model, "choices": [choice], "usage": fin["usage"],
+                       "llmgw_sim": {"replica": name, "elapsed_ms": started.elapsed().as_secs_f64() * 1000.0}});
+    ([("x-llmgw-sim-replica", e.cfg.name.clone())], Json(reply)).into_response()
+}
+
+async fn metrics(State(e): State<Arc<Engine>>) -> Response {
+    let (usage, stats) = e.with_pool(|p| (p.usage(), p.stats()));
+    let m = &e.cfg.model;
+    let body = format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n\
+         # TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:request_success counter\nvllm:request_success_total{{model_name=\"{m}\"}} {}\n",
+        e.running.load(Ordering::Relaxed),
+        e.waiting.load(Ordering::Relaxed),
+        stats.queries_tokens,
+        stats.hits_tokens,
+        e.served.load(Ordering::Relaxed),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn kv_event_sources(State(e): State<Arc<Engine>>) -> Json<Value> {
+    Json(e.cfg.kv_event_sources.clone())
+}
+
+async fn reset_prefix_cache(State(e): State<Arc<Engine>>) -> Response {
+    if e.with_pool(|p| p.reset_prefix_cache()) {
+        StatusCode::OK.into_response()
+    } else {
+        (StatusCode::CONFLICT, "blocks in use").into_response()
+    }
+}
+
+/// Simulates an engine restart: the cache is empty and the publisher's sequence restarts at 0.
+async fn restart(State(e): State<Arc<Engine>>) -> Response {
+    e.with_pool(|p| p.restart());
+    let tx = e.publisher.lock().unwrap_or_else(|p| p.into_inner());
+    let _ = tx.send(PubCmd::Restart);
+    StatusCode::OK.into_response()
+}
