@@ -1,0 +1,203 @@
+"""Helpers for the agent's interop tests: publishers that copy vLLM's ZMQ framing (live PUB frames
+[topic, seq u64 BE, msgpack payload]; replay ROUTER answering [id, "", seq8] with
+[id, "", topic, seq8, payload] per buffered batch and [id, "", "", ff*8, ""] at the end), vLLM 0.33.0
+captured payloads, a Python model of the mirror, and an agent runner observed through its HTTP API."""
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "crates" / "llmgw-core" / "tests" / "data" / "vllm-0.33.0"
+END_SEQ = b"\xff" * 8
+
+
+def capture(name: str = "batches_native_seed0.jsonl"):
+    """[(seq, payload bytes, decoded events)] of a real vLLM 0.33.0 capture (events decoded from
+    the native file, whose events the legacy file re-encodes)."""
+    native = [json.loads(line) for line in (DATA / "batches_native_seed0.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (DATA / name).read_text().splitlines()]
+    return [(r["seq"], bytes.fromhex(r["payload_hex"]), n["decoded"][1]) for r, n in zip(rows, native)]
+
+
+def stored(hashes, ts=1.0, rank=0) -> bytes:
+    ev = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": None,
+          "token_ids": [1] * (16 * len(hashes)), "block_size": 16, "lora_id": None, "medium": "GPU",
+          "lora_name": None}
+    return msgpack.packb([ts, [ev], rank])
+
+
+def removed(hashes, ts=1.0, rank=0) -> bytes:
+    ev = {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
+    return msgpack.packb([ts, [ev], rank])
+
+
+def cleared(ts=1.0, rank=0) -> bytes:
+    return msgpack.packb([ts, [{"type": "AllBlocksCleared"}], rank])
+
+
+class Model:
+    """What a mirror should hold: a refcounted multiset of GPU, group-0 block keys."""
+
+    def __init__(self):
+        self.count: dict[int, int] = {}
+
+    def apply(self, events):
+        for ev in events:
+            kind = ev["type"] if isinstance(ev, dict) else ev[0]
+            if kind == "BlockStored":
+                for h in ev["block_hashes"]:
+                    self.count[h] = self.count.get(h, 0) + 1
+            elif kind == "BlockRemoved":
+                for h in ev["block_hashes"]:
+                    if h in self.count:
+                        self.count[h] -= 1
+                        if self.count[h] == 0:
+                            del self.count[h]
+            elif kind == "AllBlocksCleared":
+                self.count.clear()
+
+    def apply_payload(self, payload: bytes):
+        self.apply(msgpack.unpackb(payload, strict_map_key=False)[1])
+
+    def keys(self):
+        return sorted(self.count)
+
+
+class Publisher:
+    """A vLLM-like publisher. The live socket is an XPUB (same wire behaviour as vLLM's PUB) so the
+    test can wait until the agent's subscription arrived instead of sleeping; the replay socket is
+    a ROUTER served from a thread, like vLLM's."""
+
+    def __init__(self, endpoint: str, bind: bool, topic: bytes = b"", replay_endpoint: str | None = None):
+        self.ctx = zmq.Context()
+        self.topic = topic
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.SNDHWM, 100000)
+        self.pub.setsockopt(zmq.LINGER, 2000)
+        (self.pub.bind if bind else self.pub.connect)(endpoint)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_requests: list[int] = []
+        self._stop = threading.Event()
+        self._thread = None
+        if replay_endpoint:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(replay_endpoint)
+            self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+            self._thread.start()
+
+    def wait_subscribed(self, timeout: float = 20.0):
+        """Blocks until a subscriber's subscription reached the publisher."""
+        if not self.pub.poll(int(timeout * 1000)):
+            raise TimeoutError("no subscriber subscribed")
+        msg = self.pub.recv()
+        assert msg[:1] == b"\x01", msg
+
+    def send(self, seq: int, payload: bytes, live: bool = True, buffered: bool = True):
+        """Publishes batch `seq`; `live=False` keeps it only in the replay buffer (a lost message)."""
+        if buffered:
+            self.buffer.append((seq, payload))
+        if live:
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def _serve_replay(self):
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not dict(poller.poll(50)):
+                continue
+            frames = self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            ident, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            for seq, payload in list(self.buffer):
+                if seq >= start_seq:
+                    self.router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    def close(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+            self.router.close(0)
+        self.pub.close(0)
+        self.ctx.term()
+
+
+class Agent:
+    """An llmgw-agent process with a generated config, observed over its HTTP endpoints."""
+
+    def __init__(self, procs, agent_bin, tmp: Path, free_port, replicas: list[dict], extra: str = "",
+                 name: str = "agent"):
+        self.http = free_port()
+        self.feed = free_port()
+        lines = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n', f'[http]\nlisten = "127.0.0.1:{self.http}"\n',
+                 '[zmq]\nreplay_timeout_ms = 2000\n', extra]
+        if "[load]" not in extra:
+            lines.append("[load]\nenabled = false\n")
+        if "[hash]" not in extra:
+            lines.append('[hash]\nalgo = "sha256_cbor"\nseed = "0"\n')
+        for r in replicas:
+            lines.append("[[replicas]]\n")
+            for k, v in r.items():
+                lines.append(f"{k} = {json.dumps(v)}\n")
+        self.config = tmp / f"{name}.toml"
+        self.config.write_text("".join(lines))
+        self.proc = procs.start([agent_bin, "run", "--config", self.config], name)
+        self.log_path = self.proc.log_path
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}{path}", timeout=5) as r:
+            return r.read()
+
+    def replicas(self) -> list[dict]:
+        return json.loads(self.get("/debug/replicas"))["replicas"]
+
+    def replica(self, name: str, rank: int = 0) -> dict:
+        return next(r for r in self.replicas() if r["replica"] == name and r["dp_rank"] == rank)
+
+    def metrics(self) -> str:
+        return self.get("/metrics").decode()
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.get("/healthz").strip() == b"ok":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"agent not ready:\n{self.log()}")
+
+    def wait_for(self, name: str, cond, what: str, timeout: float = 20.0, rank: int = 0) -> dict:
+        """Polls /debug/replicas until cond(replica) holds; returns that replica's entry."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = self.replica(name, rank)
+            if cond(last):
+                return last
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(last)[:3000]}\n{self.log()[-4000:]}")
+
+
+def newest_agent_bin() -> Path:
+    """The most recently built llmgw-agent (release or debug), so a stale build is never tested."""
+    found = [p for p in (ROOT / "target" / prof / "llmgw-agent" for prof in ("release", "debug")) if p.exists()]
+    if not found:
+        raise FileNotFoundError("llmgw-agent not built (run ./build.sh build)")
+    return max(found, key=lambda p: p.stat().st_mtime)

@@ -1,0 +1,251 @@
+"""llmgw-agent against real libzmq peers (pyzmq), on loopback: both socket modes, real vLLM 0.33.0
+payloads in both encodings, gap repair by replay, unrepairable gaps, restarts, clears, malformed
+payloads and hash parity. Results are read from the agent's /debug/replicas and /metrics."""
+
+import re
+
+import pytest
+
+from agent_support import Agent, Model, Publisher, capture, cleared, newest_agent_bin, removed, stored
+from conftest import free_port
+
+
+@pytest.fixture(scope="session")
+def agent_bin():
+    return newest_agent_bin()
+
+
+def seq_is(n):
+    return lambda r: r["last_seq"] == n
+
+
+def start_agent(procs, agent_bin, tmp_path, replicas, **kw):
+    a = Agent(procs, agent_bin, tmp_path, free_port, replicas, **kw)
+    a.wait_ready()
+    return a
+
+
+@pytest.mark.parametrize("encoding", ["batches_native_seed0.jsonl", "batches_legacy_seed0.jsonl"])
+def test_agent_bind_mode_real_capture_gives_exact_blocks_then_clear(procs, agent_bin, tmp_path, encoding):
+    port = free_port()
+    agent = start_agent(procs, agent_bin, tmp_path, [
+        {"name": "r0", "address": "127.0.0.1:18000", "models": ["m"], "mode": "bind",
+         "endpoint": f"tcp://127.0.0.1:{port}"}])
+    # vLLM given a concrete address connects its PUB to the agent.
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
+    try:
+        pub.wait_subscribed()
+        batches = capture(encoding)
+        model = Model()
+        for seq, payload, events in batches[:-1]:
+            pub.send(seq, payload)
+            model.apply(events)
+        last = batches[-2][0]
+        r = agent.wait_for("r0", seq_is(last), f"seq {last}")
+        assert r["block_keys"] == model.keys()
+        assert r["blocks"] == len(model.keys()) > 0
+        assert r["up"] and r["connected"]
+        assert r["gaps"] == 0 and r["resets"] == {}
+        # PYTHONHASHSEED=0 + sha256_cbor, as the capture: every verifiable block matches.
+        assert r["parity"]["matched"] > 0 and r["parity"]["mismatched"] == 0
+        # The capture's last batch is AllBlocksCleared.
+        seq, payload, _ = batches[-1]
+        pub.send(seq, payload)
+        r = agent.wait_for("r0", seq_is(seq), "clear")
+        assert r["blocks"] == 0 and r["clears"] == 1
+        m = agent.metrics()
+        assert 'llmgw_agent_blocks{replica="r0",dp_rank="0"} 0' in m
+        assert f'llmgw_agent_events_received_total{{replica="r0",dp_rank="0"}} {len(batches)}' in m
+        assert 'llmgw_agent_parity_mismatched_total{replica="r0",dp_rank="0"} 0' in m
+    finally:
+        pub.close()
+
+
+def test_agent_connect_mode_publisher_binds_loopback(procs, agent_bin, tmp_path):
+    port = free_port()
+    # vLLM started with tcp://[::ffff:127.0.0.1]:PORT binds 127.0.0.1 only; the agent connects.
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, topic=b"kv-events")
+    try:
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "mode": "connect", "topic": "kv-events",
+             "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}"}])
+        pub.wait_subscribed()
+        model = Model()
+        for seq, payload, events in capture()[:-1]:
+            pub.send(seq, payload)
+            model.apply(events)
+        r = agent.wait_for("r0", seq_is(15), "seq 15")
+        assert r["block_keys"] == model.keys()
+        assert r["mode"] == "connect" and r["connected"]
+    finally:
+        pub.close()
+
+
+def test_agent_gap_is_repaired_by_replay_to_the_exact_state(procs, agent_bin, tmp_path):
+    port, rport = free_port(), free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}")
+    try:
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}",
+             "replay_endpoint": f"tcp://127.0.0.1:{rport}"}])
+        pub.wait_subscribed()
+        model = Model()
+        for seq, payload, events in capture()[:-1]:
+            # Batches 5..8 never reach the agent live; the replay buffer has them.
+            pub.send(seq, payload, live=not 5 <= seq <= 8)
+            model.apply(events)
+        r = agent.wait_for("r0", seq_is(15), "seq 15")
+        assert r["block_keys"] == model.keys()
+        assert r["gaps"] == 1
+        assert r["replays"] == {"complete": 1, "incomplete": 0, "batches": 4}
+        assert r["resets"] == {}
+        assert pub.replay_requests == [5]
+        assert 'llmgw_agent_replays_total{replica="r0",dp_rank="0",result="complete"} 1' in agent.metrics()
+    finally:
+        pub.close()
+
+
+def test_agent_gap_without_replay_resets_and_counts(procs, agent_bin, tmp_path):
+    port = free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
+    try:
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}])
+        pub.wait_subscribed()
+        for s in range(5):
+            pub.send(s, stored([100 + s]))
+        agent.wait_for("r0", lambda r: r["blocks"] == 5, "5 blocks")
+        after = Model()
+        pub.send(8, stored([200, 201]))  # 5..7 lost, no replay socket
+        after.apply([{"type": "BlockStored", "block_hashes": [200, 201]}])
+        pub.send(9, removed([100, 200]))  # 100 was dropped by the reset: nothing to remove
+        after.apply([{"type": "BlockRemoved", "block_hashes": [100, 200]}])
+        r = agent.wait_for("r0", seq_is(9), "seq 9")
+        assert r["gaps"] == 1
+        assert r["resets"] == {"gap_unrepaired": 1}
+        assert r["block_keys"] == after.keys() == [201]
+        m = agent.metrics()
+        assert 'llmgw_agent_gaps_total{replica="r0",dp_rank="0"} 1' in m
+        assert 'llmgw_agent_resets_total{replica="r0",dp_rank="0",reason="gap_unrepaired"} 1' in m
+    finally:
+        pub.close()
+
+
+def test_agent_sequence_regression_resets(procs, agent_bin, tmp_path):
+    port = free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
+    try:
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}])
+        pub.wait_subscribed()
+        for s in range(6):
+            pub.send(s, stored([10 + s]))
+        agent.wait_for("r0", seq_is(5), "seq 5")
+        # The engine restarted behind the same endpoint: numbering starts over.
+        pub.send(0, stored([77]))
+        r = agent.wait_for("r0", lambda r: r["resets"].get("restart") == 1 and r["last_seq"] == 0, "restart")
+        assert r["block_keys"] == [77]
+        assert r["gaps"] == 0
+    finally:
+        pub.close()
+
+
+def test_agent_publisher_restart_in_bind_mode_starts_clean(procs, agent_bin, tmp_path):
+    port = free_port()
+    agent = start_agent(procs, agent_bin, tmp_path, [
+        {"name": "r0", "address": "127.0.0.1:18000", "mode": "bind", "endpoint": f"tcp://127.0.0.1:{port}"}])
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
+    try:
+        pub.wait_subscribed()
+        for s in range(10):
+            pub.send(s, stored([1000 + s]))
+        agent.wait_for("r0", lambda r: r["blocks"] == 10, "10 blocks")
+    finally:
+        pub.close()
+    # The old engine is gone; the agent sees the disconnect.
+    agent.wait_for("r0", lambda r: not r["connected"] and r["disconnects"] >= 1, "disconnect")
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
+    try:
+        pub.wait_subscribed()
+        pub.send(0, stored([5]))
+        pub.send(1, stored([6]))
+        r = agent.wait_for("r0", lambda r: r["last_seq"] == 1 and r["connected"], "new engine")
+        assert r["block_keys"] == [5, 6]
+        assert sum(r["resets"].values()) == 1, r["resets"]
+        assert set(r["resets"]) <= {"restart", "reconnect"}
+    finally:
+        pub.close()
+
+
+def test_agent_late_start_catches_up_through_replay(procs, agent_bin, tmp_path):
+    port, rport = free_port(), free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}")
+    try:
+        model = Model()
+        batches = capture()[:-1]
+        # Published before the agent existed: PUB/SUB drops them, the replay buffer keeps them.
+        for seq, payload, events in batches[:10]:
+            pub.send(seq, payload)
+            model.apply(events)
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}",
+             "replay_endpoint": f"tcp://127.0.0.1:{rport}"}])
+        pub.wait_subscribed()
+        for seq, payload, events in batches[10:]:
+            pub.send(seq, payload)
+            model.apply(events)
+        r = agent.wait_for("r0", seq_is(15), "seq 15")
+        assert r["block_keys"] == model.keys()
+        assert r["replays"]["complete"] == 1 and r["resets"] == {}
+        assert pub.replay_requests == [0]
+    finally:
+        pub.close()
+
+
+def test_agent_malformed_payload_is_counted_and_skipped(procs, agent_bin, tmp_path):
+    port = free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
+    try:
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}])
+        pub.wait_subscribed()
+        pub.send(0, stored([1, 2]))
+        pub.send(1, b"\xc1\xff\x00not msgpack")
+        pub.send(2, stored([3]))
+        # A frame with a bad sequence number.
+        pub.pub.send_multipart([b"", b"\x01\x02", stored([4])])
+        pub.send(3, cleared())
+        pub.send(4, stored([9]))
+        r = agent.wait_for("r0", seq_is(4), "seq 4")
+        assert r["block_keys"] == [9]
+        assert r["skipped"] == {"malformed": 1, "bad_seq": 1}
+        assert r["gaps"] == 0 and r["resets"] == {}
+        assert agent.proc.poll() is None
+        assert re.search(r'llmgw_agent_events_skipped_total\{replica="r0",dp_rank="0",reason="malformed"\} 1', agent.metrics())
+    finally:
+        pub.close()
+
+
+def test_agent_parity_mismatch_is_reported_with_cause(procs, agent_bin, tmp_path):
+    port = free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
+    try:
+        # The capture was produced with PYTHONHASHSEED=0; the agent expects seed 1.
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "wrong-seed", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}],
+            extra='[hash]\nalgo = "sha256_cbor"\nseed = "1"\n')
+        pub.wait_subscribed()
+        for seq, payload, _ in capture()[:-1]:
+            pub.send(seq, payload)
+        r = agent.wait_for("wrong-seed", seq_is(15), "seq 15")
+        assert r["parity"]["mismatched"] > 0 and r["parity"]["matched"] == 0
+        assert r["parity"]["match_ratio"] == 0
+        # The warning names the replica and the likely cause.
+        import time
+        deadline = time.monotonic() + 10
+        while "PYTHONHASHSEED" not in agent.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        line = next(l for l in agent.log().splitlines() if "PYTHONHASHSEED" in l)
+        assert "wrong-seed" in line and "hash-algo" in line
+    finally:
+        pub.close()
