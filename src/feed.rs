@@ -4,7 +4,7 @@
 //! new subscription resyncs from the agent's snapshot while the previous index keeps serving.
 
 use crate::{now_ns, Shared};
-use llmgw_core::feed::{FeedError, FeedMessage, SubscribeRequest};
+use llmgw_core::feed::{FeedError, FeedMessage, FeedState, SubscribeRequest};
 use prost::Message;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::BufferType;
@@ -82,27 +82,41 @@ impl FeedClient {
             }
         };
         if self.fresh {
-            // A new subscription: the agent starts over with its table and snapshot. Until the
-            // snapshot completes, the index we had keeps serving.
+            // A new subscription: the agent starts over with its table and snapshot. A VM that
+            // had a complete index keeps serving it until the new snapshot is complete.
             self.fresh = false;
             self.connected = true;
             self.backoff_ms = 0;
-            s.serve_stale = s.feed.synced || s.serve_stale;
-            s.feed.restart();
+            if s.feed.synced {
+                s.resync = Some(FeedState::default());
+            } else {
+                s.resync = None;
+                s.feed = FeedState::default();
+            }
             s.metrics.feed_connect();
             log::info!("llmgw: feed connected");
         }
-        let was_usable = s.index_usable();
-        match s.feed.apply(&msg) {
+        let shared_state = &mut *s;
+        let serving_synced = shared_state.feed.synced;
+        let target = match shared_state.resync.as_mut() {
+            Some(r) => r,
+            None => &mut shared_state.feed,
+        };
+        match target.apply(&msg) {
             Ok(()) => {
                 s.metrics.feed_message(false);
-                if s.feed.synced {
-                    s.serve_stale = false;
+                if s.resync.as_ref().is_some_and(|r| r.synced) {
+                    if let Some(r) = s.resync.take() {
+                        s.feed = r;
+                    }
                 }
             }
             Err(FeedError::Gap { expected, got }) => {
                 log::warn!("llmgw: feed gap (expected {expected}, got {got}): resubscribing");
-                s.serve_stale = was_usable;
+                // The serving index misses a few changes but stays more useful than none.
+                if s.resync.take().is_none() {
+                    s.feed.synced = serving_synced;
+                }
                 s.metrics.feed_message(true);
                 drop(s);
                 self.reset();

@@ -40,8 +40,10 @@ pub struct Request {
     done: bool,
 }
 
+/// A request header (bytes, so a non-UTF-8 value cannot trip the SDK's UTF-8 conversion).
 fn header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    let v = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()?;
+    Some(String::from_utf8_lossy(&v).into_owned())
 }
 
 fn elapsed_us(since_ns: u64) -> u64 {
@@ -278,18 +280,23 @@ impl Context for Request {
         };
         s.metrics.tokenizer_latency_us(elapsed_us(pending.started_ns));
         let t0 = now_ns();
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
+        // A reset or overflowed callout has no headers at all; the SDK panics when asked for one.
+        let status = if num_headers == 0 {
+            None
+        } else {
+            hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten()
+        };
         let tokens = match status.as_deref() {
             _ if num_headers == 0 => Err(TokenizerFailure::Reset),
-            Some("200") => {
+            Some(b"200") => {
                 let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                     .ok()
                     .flatten()
                     .unwrap_or_default();
                 parse_tokenizer_response(&body).map_err(|_| TokenizerFailure::BadResponse)
             }
-            Some("504") => Err(TokenizerFailure::Timeout),
-            Some("503") => Err(TokenizerFailure::Unavailable),
+            Some(b"504") => Err(TokenizerFailure::Timeout),
+            Some(b"503") => Err(TokenizerFailure::Unavailable),
             _ => Err(TokenizerFailure::Status),
         };
         let model = pending.parsed.model.clone();
@@ -305,7 +312,7 @@ impl Context for Request {
                 }
             }
             Err(f) => {
-                log::debug!("llmgw: tokenizer call failed: {} ({status:?})", f.as_str());
+                log::debug!("llmgw: tokenizer call failed: {}", f.as_str());
                 s.metrics.tokenizer_failure(f);
                 (false, Some(Fallback::Tokenizer))
             }

@@ -54,16 +54,18 @@ pub(crate) struct Shared {
     pub config: Rc<FilterConfig>,
     /// One hasher per profile (same order as `config.profiles`).
     pub hashers: Vec<Option<BlockHasher>>,
+    /// The state requests are served from.
     pub feed: FeedState,
-    /// The index of an earlier subscription, kept serving while a new one resyncs.
-    pub serve_stale: bool,
+    /// A new subscription's state while it receives its snapshot; replaces `feed` once complete,
+    /// so the previous index keeps serving during the resync (memory doubles meanwhile).
+    pub resync: Option<FeedState>,
     pub metrics: Metrics,
     pub scratch: Scratch,
 }
 
 impl Shared {
     pub fn index_usable(&self) -> bool {
-        self.feed.synced || self.serve_stale
+        self.feed.synced
     }
 }
 
@@ -141,7 +143,7 @@ impl RootContext for Root {
                     metrics: Metrics::define(cfg.metrics, &self.vm_tag),
                     config: cfg,
                     feed: FeedState::default(),
-                    serve_stale: false,
+                    resync: None,
                     scratch: Scratch::default(),
                 })));
             }

@@ -110,6 +110,7 @@ class Replica:
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self.tokenize_status = tokenize_status
+        self.tokenize_delay = 0.0
         self.tokenize_calls: list[dict] = []
         self.requests: list[dict] = []
         replica = self
@@ -139,6 +140,8 @@ class Replica:
                     except ValueError:
                         req = {"unparseable": True}
                     replica.tokenize_calls.append(req)
+                    if replica.tokenize_delay:
+                        time.sleep(replica.tokenize_delay)
                     if replica.tokenize_status != 200:
                         return self._reply(replica.tokenize_status, b'{"error":"tokenizer down"}')
                     if "messages" in req:

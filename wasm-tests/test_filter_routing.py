@@ -44,6 +44,10 @@ class Gateway:
                    and metric(self.admin, "llmgw_feed_messages_total") >= feed.snapshots_sent * per_sub,
                    what="feed snapshot applied by every VM")
 
+    def assert_no_panic(self):
+        log = self.proc.log_path.read_text(errors="replace")
+        assert "panicked" not in log, "the filter panicked (see envoy.log)"
+
     def post(self, path: str, body, headers: dict | None = None):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         h = {"content-type": "application/json", "connection": "close"}
@@ -128,6 +132,7 @@ def test_filter_exact_routing_to_the_replica_holding_the_prefix(procs, envoy_bin
         wait_until(lambda: metric(gw.admin, "llmgw_matched_blocks_count") >= 5
                    and metric(gw.admin, "llmgw_decision_us_count") >= 5
                    and metric(gw.admin, "llmgw_tokenizer_latency_us_count") >= 4, timeout=5, what="histograms")
+        gw.assert_no_panic()
     finally:
         feed.stop()
 
@@ -149,6 +154,7 @@ def test_filter_tokenizer_down_falls_back_to_approx(procs, envoy_bin, wasm_path,
         assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="approx"') >= 6
         assert metric(gw.admin, "llmgw_tokenizer_failures_total", 'reason="status"') >= 6
         assert metric(gw.admin, "llmgw_fallbacks_total", 'reason="tokenizer"') >= 6
+        gw.assert_no_panic()
     finally:
         feed.stop()
 
@@ -170,6 +176,7 @@ def test_filter_routes_non_json_and_large_bodies(procs, envoy_bin, wasm_path, tm
         # No body at all (GET): routed by load.
         status, _, raw = http("GET", f"http://127.0.0.1:{gw.listen}/v1/models")
         assert status == 200 and json.loads(raw)["port"] in {r.port for r in fleet}
+        gw.assert_no_panic()
     finally:
         feed.stop()
 
@@ -185,5 +192,59 @@ def test_filter_no_healthy_replica_is_a_503_with_json(procs, envoy_bin, wasm_pat
         assert "no healthy replica" in err["message"] and MODEL in err["message"]
         assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="no_replica"') >= 1
         assert not any(r.requests for r in fleet)
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
+
+
+def test_filter_load_overrides_prefix_and_survives_agent_restart(procs, envoy_bin, wasm_path, tmp_path, feed_pb,
+                                                                 fleet):
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = start_feed(feed_pb, fleet, {1: comp})
+    pb = feed_pb[0]
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
+        req = {"model": MODEL, "prompt": PROMPT}
+        assert gw.served_by("/v1/completions", req)[0] == fleet[1].port
+
+        # The agent reports replica 1 overloaded (queue past max_waiting): it loses its prefix.
+        feed.publish({"load": pb.LoadReport(loads=[pb.ReplicaLoad(replica=1, running=8, waiting=500)])})
+        wait_until(lambda: gw.served_by("/v1/completions", req)[0] != fleet[1].port, timeout=5,
+                   what="load report applied")
+        feed.publish({"load": pb.LoadReport(loads=[pb.ReplicaLoad(replica=1, running=0, waiting=0)])})
+        wait_until(lambda: gw.served_by("/v1/completions", req)[0] == fleet[1].port, timeout=5,
+                   what="load recovered")
+
+        # The agent goes away: routing continues from the last index.
+        connects = metric(gw.admin, "llmgw_feed_connects_total")
+        feed.stop()
+        wait_until(lambda: metric(gw.admin, "llmgw_feed_disconnects_total") >= 3, what="feed disconnects")
+        port, hdrs = gw.served_by("/v1/completions", req)
+        assert port == fleet[1].port and hdrs["x-llmgw-decision"].startswith("outcome=exact"), hdrs
+
+        # It comes back (same port) with the blocks now on replica 2: every VM resubscribes and
+        # resyncs from the new snapshot.
+        pb_, pb_grpc = feed_pb
+        feed = FeedStub(pb_, pb_grpc, feed.port, table(fleet), {2: comp})
+        wait_until(lambda: metric(gw.admin, "llmgw_feed_connects_total") >= connects + 3, timeout=30,
+                   what="feed reconnects")
+        wait_until(lambda: gw.served_by("/v1/completions", req)[0] == fleet[2].port, timeout=5,
+                   what="resynced index")
+        wait_until(lambda: metric(gw.admin, "llmgw_feed_connected") >= 3, timeout=5, what="feed_connected gauges")
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
+
+
+def test_filter_tokenizer_timeout_is_a_fallback(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    for r in fleet:
+        r.tokenize_delay = 2.0
+    feed = start_feed(feed_pb, fleet, {1: block_keys(completion_tokens(PROMPT), BLOCK)})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(tokenizer_timeout_ms=200))
+        port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+        assert hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
+        assert metric(gw.admin, "llmgw_tokenizer_failures_total", 'reason="timeout"') >= 1
+        gw.assert_no_panic()
     finally:
         feed.stop()
