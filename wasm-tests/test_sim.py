@@ -71,11 +71,11 @@ def test_events_hashes_hits_replay_restart(sim, agent_bin):
     assert len(toks) == 71
     # PUB/SUB drops messages sent before the subscription is live: retry a first request
     # until its events arrive (the readiness signal), then check its hashes.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     stored = []
     while not stored and time.monotonic() < deadline:
         post(f"{url}/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
-        _, stored = recv_batches(sub, 4, timeout=1.0)
+        _, stored = recv_batches(sub, 4, timeout=2.0)
     expected = json.loads(subprocess.run([agent_bin, "hash", "--algo", "sha256_cbor", "--seed", "0", "--block-size", "16"],
                                          input=json.dumps(toks).encode(), capture_output=True, check=True).stdout)
     assert stored[:4] == [b["u64"] for b in expected["blocks"]]
