@@ -136,10 +136,10 @@ class Agent:
     """An llmgw-agent process with a generated config, observed over its HTTP endpoints."""
 
     def __init__(self, procs, agent_bin, tmp: Path, free_port, replicas: list[dict], extra: str = "",
-                 name: str = "agent"):
+                 name: str = "agent", feed_extra: str = ""):
         self.http = free_port()
         self.feed = free_port()
-        lines = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n', f'[http]\nlisten = "127.0.0.1:{self.http}"\n',
+        lines = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n{feed_extra}', f'[http]\nlisten = "127.0.0.1:{self.http}"\n',
                  '[zmq]\nreplay_timeout_ms = 2000\n', extra]
         if "[load]" not in extra:
             lines.append("[load]\nenabled = false\n")
@@ -201,3 +201,80 @@ def newest_agent_bin() -> Path:
     if not found:
         raise FileNotFoundError("llmgw-agent not built (run ./build.sh build)")
     return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def feed_proto(out_dir: Path):
+    """Python messages and gRPC stubs generated from proto/llmgw/feed/v1/feed.proto."""
+    import importlib
+    import sys
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    if "llmgw.feed.v1.feed_pb2_grpc" not in sys.modules:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        include = Path(grpc_tools.__file__).parent / "_proto"
+        proto_dir = ROOT / "proto"
+        rc = protoc.main(["protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out_dir}",
+                          f"--grpc_python_out={out_dir}", str(proto_dir / "llmgw/feed/v1/feed.proto")])
+        assert rc == 0, "protoc failed"
+        for d in (out_dir / "llmgw", out_dir / "llmgw/feed", out_dir / "llmgw/feed/v1"):
+            (d / "__init__.py").touch()
+        sys.path.insert(0, str(out_dir))
+    return importlib.import_module("llmgw.feed.v1.feed_pb2"), importlib.import_module("llmgw.feed.v1.feed_pb2_grpc")
+
+
+class FeedSubscriber:
+    """Subscribes to the agent's feed in a thread and keeps what a filter would know."""
+
+    def __init__(self, pb, pb_grpc, port: int, name: str, token: str = ""):
+        import grpc
+
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.FeedStub(self.channel)
+        self.call = stub.Subscribe(pb.SubscribeRequest(subscriber=name, token=token))
+        self.lock = threading.Lock()
+        self.messages = []
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for m in self.call:
+                with self.lock:
+                    self.messages.append(m)
+        except Exception as e:  # cancelled at close, or an RPC error the test inspects
+            self.error = e
+
+    def state(self):
+        """(seqs, replicas {id: (name, rank, up)}, blocks {id: set}, synced, loads {id: running})."""
+        with self.lock:
+            msgs = list(self.messages)
+        replicas, blocks, loads, synced = {}, {}, {}, False
+        for m in msgs:
+            kind = m.WhichOneof("body")
+            if kind == "replicas":
+                replicas = {r.id: (r.name, r.dp_rank, r.up) for r in m.replicas.replicas}
+                blocks = {k: v for k, v in blocks.items() if k in replicas}
+            elif kind == "snapshot":
+                if m.snapshot.first:
+                    blocks[m.snapshot.replica] = set()
+                blocks.setdefault(m.snapshot.replica, set()).update(m.snapshot.blocks)
+            elif kind == "snapshot_complete":
+                synced = True
+            elif kind == "delta":
+                b = blocks.setdefault(m.delta.replica, set())
+                b.difference_update(m.delta.removed)
+                b.update(m.delta.added)
+            elif kind == "reset":
+                blocks[m.reset.replica] = set()
+            elif kind == "load":
+                for l in m.load.loads:
+                    loads[l.replica] = l.running
+        return [m.seq for m in msgs], replicas, blocks, synced, loads, [m.WhichOneof("body") for m in msgs]
+
+    def close(self):
+        self.call.cancel()
+        self.thread.join(timeout=5)
+        self.channel.close()
