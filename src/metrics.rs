@@ -115,8 +115,11 @@ pub struct Metrics {
     feed_disconnects: Option<u32>,
     feed_messages: Option<u32>,
     feed_rejected: Option<u32>,
-    feed_connected: Option<u32>,
-    index_blocks: Option<u32>,
+    /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
+    /// would otherwise export a gauge that stays 0).
+    feed_connected: std::cell::Cell<Option<Option<u32>>>,
+    index_blocks: std::cell::Cell<Option<Option<u32>>>,
+    vm_tag: String,
     enabled: bool,
 }
 
@@ -127,7 +130,6 @@ impl Metrics {
         }
         let c = |n: &str| define(MetricType::Counter, n);
         let h = |n: &str| define(MetricType::Histogram, n);
-        let g = |n: &str| define(MetricType::Gauge, n);
         Metrics {
             outcomes: Outcome::ALL
                 .iter()
@@ -148,8 +150,9 @@ impl Metrics {
             feed_disconnects: c("llmgw_feed_disconnects_total"),
             feed_messages: c("llmgw_feed_messages_total"),
             feed_rejected: c("llmgw_feed_rejected_total"),
-            feed_connected: g(&format!("llmgw_feed_connected.vm.{vm_tag}")),
-            index_blocks: g(&format!("llmgw_index_blocks.vm.{vm_tag}")),
+            feed_connected: std::cell::Cell::new(None),
+            index_blocks: std::cell::Cell::new(None),
+            vm_tag: vm_tag.to_owned(),
             enabled,
         }
     }
@@ -211,10 +214,19 @@ impl Metrics {
         }
     }
 
+    fn gauge(cell: &std::cell::Cell<Option<Option<u32>>>, name: &str, tag: &str) -> Option<u32> {
+        if let Some(id) = cell.get() {
+            return id;
+        }
+        let id = define(MetricType::Gauge, &format!("{name}.vm.{tag}"));
+        cell.set(Some(id));
+        id
+    }
+
     pub fn feed_state(&self, connected: bool, index_blocks: u64) {
         if self.enabled {
-            Self::record(self.feed_connected, u64::from(connected));
-            Self::record(self.index_blocks, index_blocks);
+            Self::record(Self::gauge(&self.feed_connected, "llmgw_feed_connected", &self.vm_tag), u64::from(connected));
+            Self::record(Self::gauge(&self.index_blocks, "llmgw_index_blocks", &self.vm_tag), index_blocks);
         }
     }
 }

@@ -292,12 +292,17 @@ struct TokenizeResponse {
 /// object per prompt in an array: the first is used, as for routing).
 pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
     let bad = |m: String| RequestError::BadTokenizerResponse(m);
-    let v: Value = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
-    let obj = match v {
-        Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
-        other => other,
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    let r: TokenizeResponse = if first == Some(&b'[') {
+        let mut items: Vec<TokenizeResponse> = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
+        if items.is_empty() {
+            return Err(bad("empty array".into()));
+        }
+        items.swap_remove(0)
+    } else {
+        // Straight into the struct: no intermediate `Value` for thousands of token ids.
+        serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?
     };
-    let r: TokenizeResponse = serde_json::from_value(obj).map_err(|e| bad(e.to_string()))?;
     r.tokens.or(r.token_ids).ok_or_else(|| bad("no `tokens` or `token_ids`".into()))
 }
 
@@ -430,5 +435,7 @@ mod tests {
         assert!(parse_tokenizer_response(br#"{"error":{"code":404}}"#).is_err());
         assert!(parse_tokenizer_response(b"<html>").is_err());
         assert!(parse_tokenizer_response(br#"{"tokens":[-1]}"#).is_err());
+        assert!(parse_tokenizer_response(b"[]").is_err());
+        assert!(parse_tokenizer_response(b"[1,2]").is_err());
     }
 }
