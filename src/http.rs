@@ -149,11 +149,11 @@ impl Request {
                 }
             });
             let body = serde_json::to_vec(&body).unwrap_or_default();
-            let _ = hostcalls::send_http_response(
-                503,
-                vec![("content-type", "application/json"), (EXPLAIN_HEADER, "outcome=no_replica")],
-                Some(&body),
-            );
+            let mut headers = vec![("content-type", "application/json")];
+            if s.config.explain_header {
+                headers.push((EXPLAIN_HEADER, "outcome=no_replica"));
+            }
+            let _ = hostcalls::send_http_response(503, headers, Some(&body));
             self.done = true;
             return false;
         };

@@ -154,6 +154,17 @@ class Replica:
                         toks = tokenize_text(req.get("prompt", ""), req.get("add_special_tokens", True))
                     return self._reply(200, json.dumps(
                         {"count": len(toks), "max_model_len": 1 << 20, "tokens": toks, "token_strs": None}).encode())
+                if self.path.endswith("/render"):
+                    # vLLM's render endpoints take the generation body and return token_ids.
+                    req = json.loads(raw)
+                    replica.tokenize_calls.append({"render": self.path, **req})
+                    if replica.tokenize_status != 200:
+                        return self._reply(replica.tokenize_status, b'{"error":"render down"}')
+                    if "messages" in req:
+                        toks = chat_tokens(req["messages"])
+                    else:
+                        toks = completion_tokens(req.get("prompt", ""))
+                    return self._reply(200, json.dumps({"request_id": "r", "token_ids": toks}).encode())
                 replica.requests.append({"path": self.path, "headers": dict(self.headers.items()), "size": len(raw)})
                 stream = False
                 try:

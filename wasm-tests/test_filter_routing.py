@@ -248,3 +248,25 @@ def test_filter_tokenizer_timeout_is_a_fallback(procs, envoy_bin, wasm_path, tmp
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+def test_filter_render_endpoint_and_lora(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    # Blocks of a LoRA request carry ("lora", name, path) in every hash: the adapter's copy of
+    # the chat lives on replica 0, the base model's on replica 2.
+    chat = chat_tokens(MESSAGES)
+    feed = start_feed(feed_pb, fleet, {0: block_keys(chat, BLOCK, lora=("sql-lora", "/adapters/sql")),
+                                       2: block_keys(chat, BLOCK)}, models=(MODEL, "sql-lora"))
+    try:
+        cfg = filter_cfg(tokenizer="render", models=[MODEL, "sql-lora"], lora_adapters={"sql-lora": "/adapters/sql"})
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, cfg)
+        body = {"model": MODEL, "messages": MESSAGES, "temperature": 0.2}
+        port, hdrs = gw.served_by("/v1/chat/completions", body)
+        assert port == fleet[2].port, hdrs
+        renders = [c for r in fleet for c in r.tokenize_calls if c.get("render")]
+        assert renders and renders[-1]["render"] == "/v1/chat/completions/render"
+        assert renders[-1]["temperature"] == 0.2  # the generation body, unchanged
+        port, hdrs = gw.served_by("/v1/chat/completions", dict(body, model="sql-lora"))
+        assert port == fleet[0].port, hdrs
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
