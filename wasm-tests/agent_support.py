@@ -136,11 +136,11 @@ class Agent:
     """An llmgw-agent process with a generated config, observed over its HTTP endpoints."""
 
     def __init__(self, procs, agent_bin, tmp: Path, free_port, replicas: list[dict], extra: str = "",
-                 name: str = "agent", feed_extra: str = ""):
+                 name: str = "agent", feed_extra: str = "", zmq_extra: str = ""):
         self.http = free_port()
         self.feed = free_port()
         lines = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n{feed_extra}', f'[http]\nlisten = "127.0.0.1:{self.http}"\n',
-                 '[zmq]\nreplay_timeout_ms = 2000\n', extra]
+                 f'[zmq]\nreplay_timeout_ms = 2000\n{zmq_extra}', extra]
         if "[load]" not in extra:
             lines.append("[load]\nenabled = false\n")
         if "[hash]" not in extra:

@@ -249,3 +249,60 @@ def test_agent_parity_mismatch_is_reported_with_cause(procs, agent_bin, tmp_path
         assert "wrong-seed" in line and "hash-algo" in line
     finally:
         pub.close()
+
+
+def test_agent_connect_mode_restart_whose_seq_passed_the_old_one_is_rebuilt_by_replay(procs, agent_bin, tmp_path):
+    port, rport = free_port(), free_port()
+    ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
+    pub = Publisher(ep, bind=True, replay_endpoint=rep)
+    try:
+        agent = start_agent(procs, agent_bin, tmp_path, [
+            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": ep, "replay_endpoint": rep}])
+        pub.wait_subscribed()
+        for s in range(5):
+            pub.send(s, stored([1000 + s]))
+        agent.wait_for("r0", lambda r: r["blocks"] == 5, "5 blocks")
+    finally:
+        pub.close()
+    agent.wait_for("r0", lambda r: r["disconnects"] >= 1, "disconnect")
+    # The engine came back and published 20 batches while the agent was reconnecting: its
+    # numbering already passed the old engine's, so only the reconnect tells a restart.
+    pub = Publisher(ep, bind=True, replay_endpoint=rep)
+    try:
+        for s in range(20):
+            pub.send(s, stored([2000 + s]), live=False)
+        pub.wait_subscribed()
+        pub.send(20, stored([3000]))
+        r = agent.wait_for("r0", seq_is(20), "seq 20")
+        assert r["resets"] == {"reconnect": 1}
+        assert r["block_keys"] == [2000 + s for s in range(20)] + [3000]
+        assert r["replays"]["complete"] == 1 and pub.replay_requests == [0]
+        assert r["gaps"] == 0
+    finally:
+        pub.close()
+
+
+def test_agent_replica_without_publisher_goes_down_and_comes_back_clean(procs, agent_bin, tmp_path):
+    port = free_port()
+    agent = start_agent(procs, agent_bin, tmp_path, [
+        {"name": "r0", "address": "127.0.0.1:18000", "mode": "bind", "endpoint": f"tcp://127.0.0.1:{port}"}],
+        zmq_extra="down_after_disconnect_ms = 500\n")
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
+    try:
+        pub.wait_subscribed()
+        pub.send(0, stored([1, 2]))
+        r = agent.wait_for("r0", lambda r: r["blocks"] == 2 and r["up"], "2 blocks, up")
+        gone_before = r["resets"].get("publisher_gone", 0)
+    finally:
+        pub.close()
+    r = agent.wait_for("r0", lambda r: not r["up"], "down after the publisher left")
+    assert r["blocks"] == 0 and r["resets"]["publisher_gone"] == gone_before + 1
+    assert not r["publisher_ok"]
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
+    try:
+        pub.wait_subscribed()
+        pub.send(0, stored([7]))
+        r = agent.wait_for("r0", lambda r: r["up"] and r["last_seq"] == 0 and r["blocks"] == 1, "back up")
+        assert r["block_keys"] == [7]
+    finally:
+        pub.close()

@@ -97,6 +97,10 @@ pub struct ZmqConfig {
     /// How long to wait for each replay reply before giving up, milliseconds.
     #[serde(default = "default_replay_timeout")]
     pub replay_timeout_ms: u64,
+    /// A publisher disconnected (or never connected) for this long marks its replica down and
+    /// its blocks leave; 0 disables the check.
+    #[serde(default = "default_publisher_down")]
+    pub down_after_disconnect_ms: u64,
     /// Blocks one engine may hold; past it the engine's mirror is reset (flood bound).
     #[serde(default = "default_max_blocks")]
     pub max_blocks_per_engine: usize,
@@ -192,6 +196,9 @@ fn default_reconnect_max() -> i32 {
 fn default_replay_timeout() -> u64 {
     2000
 }
+fn default_publisher_down() -> u64 {
+    30_000
+}
 fn default_max_blocks() -> usize {
     16 << 20
 }
@@ -248,6 +255,7 @@ impl Default for ZmqConfig {
             reconnect_ivl_max_ms: default_reconnect_max(),
             replay_timeout_ms: default_replay_timeout(),
             max_blocks_per_engine: default_max_blocks(),
+            down_after_disconnect_ms: default_publisher_down(),
         }
     }
 }

@@ -43,10 +43,22 @@ pub struct EngineCounters {
     pub block_limit_hits: u64,
 }
 
+/// Who judges a replica's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Its HTTP /metrics answers.
+    Http,
+    /// Its event publisher is connected.
+    Publisher,
+}
+
 pub struct EngineState {
     pub spec: EngineSpec,
     pub mirror: EngineMirror,
+    /// Up = reachable over HTTP and the publisher connected (each within its grace period).
     pub up: bool,
+    pub http_ok: bool,
+    pub publisher_ok: bool,
     pub connected: bool,
     pub last_seq: Option<u64>,
     pub last_event: Option<Instant>,
@@ -141,6 +153,8 @@ impl Hub {
                 mirror: EngineMirror::new(spec.hasher()),
                 spec,
                 up: true,
+                http_ok: true,
+                publisher_ok: true,
                 connected: false,
                 last_seq: None,
                 last_event: None,
@@ -369,10 +383,16 @@ impl HubState {
         }
     }
 
-    /// Marks engines of a replica up or down. Down: blocks leave. Up: the engine starts clean
-    /// and rebuilds from its publisher's replay buffer.
-    pub fn set_up(&mut self, engine: usize, up: bool, reason: &str) -> bool {
+    /// Records one health source's verdict. The engine is up when every source is fine. Going
+    /// down: its blocks leave (a ReplicaReset with `reason`). Coming up: it starts clean and
+    /// rebuilds from its publisher's replay buffer. Returns whether `up` changed.
+    pub fn set_health(&mut self, engine: usize, source: Health, ok: bool, reason: &str) -> bool {
         let Some(e) = self.engine(engine) else { return false };
+        match source {
+            Health::Http => e.http_ok = ok,
+            Health::Publisher => e.publisher_ok = ok,
+        }
+        let up = e.http_ok && e.publisher_ok;
         if e.up == up {
             return false;
         }
@@ -442,6 +462,8 @@ impl HubState {
                     "endpoint": e.spec.endpoint,
                     "mode": match e.spec.mode { crate::config::Mode::Bind => "bind", crate::config::Mode::Connect => "connect" },
                     "up": e.up,
+                    "http_ok": e.http_ok,
+                    "publisher_ok": e.publisher_ok,
                     "connected": e.connected,
                     "blocks": e.mirror.len(),
                     "block_keys": blocks,
@@ -793,14 +815,18 @@ mod tests {
         for m in drain(&sub, &h) {
             fs.apply(&m).unwrap();
         }
-        assert!(h.state().set_up(0, false, "unreachable"));
+        assert!(h.state().set_health(0, Health::Http, false, "unreachable"));
         h.state().apply(0, 1, &batch(vec![stored(vec![3])]));
         for m in drain(&sub, &h) {
             fs.apply(&m).unwrap();
         }
         assert_eq!(state_of(&fs, 2)[0], Vec::<u64>::new());
         assert!(!fs.replicas[0].up);
-        assert!(h.state().set_up(0, true, "reachable"));
+        // Both sources must agree before it is up again.
+        assert!(!h.state().set_health(0, Health::Publisher, false, "publisher_gone"));
+        assert!(!h.state().set_health(0, Health::Http, true, "reachable"));
+        assert!(!h.state().engines[0].up);
+        assert!(h.state().set_health(0, Health::Publisher, true, "publisher_back"));
         assert!(h.state().engines[0].rebuild.load(Ordering::SeqCst));
         for m in drain(&sub, &h) {
             fs.apply(&m).unwrap();

@@ -2,7 +2,7 @@
 //! interval; a replica unreachable for `down_after` is marked down and its blocks leave.
 
 use crate::config::{EngineSpec, LoadConfig};
-use crate::hub::Hub;
+use crate::hub::{Health, Hub};
 use llmgw_core::feed::ReplicaLoad;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -117,7 +117,7 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
                 }
                 let l = parse_load(&body, spec.dp_rank);
                 let mut st = hub.state();
-                if st.set_up(idx, true, "reachable") {
+                if st.set_health(idx, Health::Http, true, "reachable") {
                     info!(replica = %spec.label(), "replica up; mirror starts clean");
                 }
                 st.set_load(
@@ -135,7 +135,7 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
                     warn!(replica = %spec.label(), %url, error = %e, "load scrape failed");
                     failing = true;
                 }
-                if last_ok.elapsed() >= down_after && hub.state().set_up(idx, false, "unreachable") {
+                if last_ok.elapsed() >= down_after && hub.state().set_health(idx, Health::Http, false, "unreachable") {
                     warn!(replica = %spec.label(), %url, "replica unreachable; marked down, its blocks leave the index");
                 }
             }

@@ -2,16 +2,26 @@
 //! replay through a fresh DEALER whenever the sequence discipline asks for a fill.
 
 use crate::config::{EngineSpec, Mode, ZmqConfig};
-use crate::hub::Hub;
+use crate::hub::{Health, Hub};
 use crate::seq::{Cause, Fill, FillStep, SeqTracker, Verdict};
 use llmgw_core::event::EventBatch;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// Sequence frame of the end-of-replay marker.
 const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// A monitor message: `Some(true)` for a new connection, `Some(false)` for a lost one.
+fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
+    let code = frames.first()?.get(..2).and_then(|b| <[u8; 2]>::try_from(b).ok())?;
+    match zmq::SocketEvent::from_raw(u16::from_le_bytes(code)) {
+        zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => Some(true),
+        zmq::SocketEvent::DISCONNECTED => Some(false),
+        _ => None,
+    }
+}
 
 /// A publisher's sequence frame: 8 bytes big-endian (24 when a publisher id follows).
 pub fn parse_seq(frame: &[u8]) -> Option<u64> {
@@ -31,6 +41,10 @@ pub struct Engine {
     stop: Arc<AtomicBool>,
     rebuild: Arc<AtomicBool>,
     tracker: SeqTracker,
+    /// Since when no publisher is connected (`None` while one is).
+    disconnected_since: Option<Instant>,
+    /// Publisher connections currently open.
+    connections: u32,
 }
 
 impl Engine {
@@ -44,7 +58,18 @@ impl Engine {
         let idx = usize::try_from(spec.id).unwrap_or(usize::MAX);
         let rebuild = hub.rebuild_flag(idx).unwrap_or_default();
         let name = format!("zmq-{}", spec.label());
-        let mut e = Engine { idx, spec, hub, cfg, ctx, stop, rebuild, tracker: SeqTracker::new() };
+        let mut e = Engine {
+            idx,
+            spec,
+            hub,
+            cfg,
+            ctx,
+            stop,
+            rebuild,
+            tracker: SeqTracker::new(),
+            disconnected_since: Some(Instant::now()),
+            connections: 0,
+        };
         std::thread::Builder::new().name(name).spawn(move || e.run())
     }
 
@@ -85,12 +110,10 @@ impl Engine {
             Mode::Connect => sub.connect(&self.spec.endpoint)?,
         }
         info!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, mode = ?self.spec.mode, topic = %self.spec.topic, "subscribed to KV events");
+        self.connections = 0;
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return Ok(());
-            }
-            if self.rebuild.swap(false, Ordering::SeqCst) {
-                self.tracker.forget();
             }
             let (sub_ready, mon_ready) = {
                 let mut items = [sub.as_poll_item(zmq::POLLIN), mon.as_poll_item(zmq::POLLIN)];
@@ -98,7 +121,25 @@ impl Engine {
                 let [a, b] = &items;
                 (a.is_readable(), b.is_readable())
             };
-            // Data first: messages of a dropped connection are handled before its disconnect.
+            let mut events = Vec::new();
+            if mon_ready {
+                loop {
+                    match mon.recv_multipart(zmq::DONTWAIT) {
+                        Ok(frames) => events.extend(monitor_event(&frames)),
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            // New connections first (a replica coming back up starts clean before its data),
+            // then data, then disconnects: messages of a dropped connection are handled before
+            // the disconnect marks an epoch boundary.
+            for _ in events.iter().filter(|c| **c) {
+                self.on_connected();
+            }
+            if self.rebuild.swap(false, Ordering::SeqCst) {
+                self.tracker.forget();
+            }
             if sub_ready {
                 for _ in 0..4096 {
                     match sub.recv_multipart(zmq::DONTWAIT) {
@@ -108,34 +149,43 @@ impl Engine {
                     }
                 }
             }
-            if mon_ready {
-                loop {
-                    match mon.recv_multipart(zmq::DONTWAIT) {
-                        Ok(frames) => self.monitor_event(&frames),
-                        Err(zmq::Error::EAGAIN) => break,
-                        Err(e) => return Err(e),
-                    }
-                }
+            for _ in events.iter().filter(|c| !**c) {
+                self.on_disconnected();
             }
+            self.check_publisher_down();
         }
     }
 
-    fn monitor_event(&mut self, frames: &[Vec<u8>]) {
-        let Some(head) = frames.first() else { return };
-        let Some(code) = head.get(..2).and_then(|b| <[u8; 2]>::try_from(b).ok()) else { return };
-        let event = zmq::SocketEvent::from_raw(u16::from_le_bytes(code));
-        match event {
-            zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => {
-                info!(replica = %self.spec.label(), "publisher connected");
-                self.hub.state().connection(self.idx, true);
-            }
-            zmq::SocketEvent::DISCONNECTED => {
-                // A new connection may be a restarted engine: the next message decides.
-                warn!(replica = %self.spec.label(), "publisher disconnected (possible engine restart)");
-                self.tracker.mark_reconnect();
-                self.hub.state().connection(self.idx, false);
-            }
-            _ => {}
+    fn on_connected(&mut self) {
+        info!(replica = %self.spec.label(), "publisher connected");
+        self.connections = self.connections.saturating_add(1);
+        self.disconnected_since = None;
+        let mut st = self.hub.state();
+        st.connection(self.idx, true);
+        if st.set_health(self.idx, Health::Publisher, true, "publisher_connected") {
+            info!(replica = %self.spec.label(), "replica up; mirror starts clean");
+        }
+    }
+
+    fn on_disconnected(&mut self) {
+        // A new connection may be a restarted engine: the next message decides.
+        warn!(replica = %self.spec.label(), "publisher disconnected (possible engine restart)");
+        self.tracker.mark_reconnect();
+        self.connections = self.connections.saturating_sub(1);
+        if self.connections == 0 {
+            self.disconnected_since = Some(Instant::now());
+        }
+        self.hub.state().connection(self.idx, self.connections > 0);
+    }
+
+    fn check_publisher_down(&mut self) {
+        let limit = self.cfg.down_after_disconnect_ms;
+        let Some(since) = self.disconnected_since else { return };
+        if limit == 0 || since.elapsed() < Duration::from_millis(limit) {
+            return;
+        }
+        if self.hub.state().set_health(self.idx, Health::Publisher, false, "publisher_gone") {
+            warn!(replica = %self.spec.label(), "no publisher connection; replica marked down, its blocks leave the index");
         }
     }
 
