@@ -52,7 +52,9 @@ impl FeedClient {
         match hostcalls::open_grpc_stream(&cluster, "llmgw.feed.v1.Feed", "Subscribe", Vec::new()) {
             Ok(token) => {
                 let req = SubscribeRequest { subscriber: format!("llmgw-vm-{vm_tag}"), token: String::new() };
-                if hostcalls::send_grpc_stream_message(token, Some(&req.encode_to_vec()), false).is_err() {
+                // Half-close after the request: a server-streaming call has exactly one request
+                // message, and servers (tonic among them) wait for the end of it before replying.
+                if hostcalls::send_grpc_stream_message(token, Some(&req.encode_to_vec()), true).is_err() {
                     let _ = hostcalls::cancel_grpc_stream(token);
                     self.schedule_retry();
                     return;
