@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# llmgw build driver. Usage: ./build.sh [setup|build|test|demo|bench|fuzz|clean]
+# llmgw build driver. Usage: ./build.sh [setup|build|test|demo|replay|bench|fuzz|clean]
 #   build  native binaries (release) and dist/llmgw.wasm
 #   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation
-#   demo   replays a real vLLM 0.33.0 KV-event capture through the mirror and index
+#   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
+#   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  criterion benchmarks of the core (hashing, decode+apply, lookup, memory)
 #   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
 set -euo pipefail
@@ -82,6 +83,20 @@ run_tests() {
 
 demo() {
   setup
+  log "building (release): agent, simulator, llmgw.wasm"
+  cargo build -q --release -p llmgw-agent -p llmgw-sim
+  build_wasm
+  setup_envoy
+  if ! cmp -s demo/requirements.txt "$VENV/.demo-requirements.installed"; then
+    log "installing the demo's chart library into .venv"
+    "$VENV/bin/pip" install -q -r demo/requirements.txt
+    cp demo/requirements.txt "$VENV/.demo-requirements.installed"
+  fi
+  "$VENV/bin/python" demo/demo.py --envoy "$VENV/bin/envoy" "$@"
+}
+
+replay() {
+  setup
   cargo build -q --release -p llmgw-agent
   local data=crates/llmgw-core/tests/data/vllm-0.33.0
   log "replaying vLLM 0.33.0's captured KV events (PYTHONHASHSEED=0, sha256_cbor, block size 16)"
@@ -111,9 +126,10 @@ case "$cmd" in
   setup) setup; setup_envoy ;;
   build) build ;;
   test) run_tests ;;
-  demo) demo ;;
+  demo) demo "$@" ;;
+  replay) replay ;;
   bench) bench "$@" ;;
   fuzz) fuzz ;;
   clean) cargo clean; rm -rf dist ;;
-  *) echo "usage: $0 [setup|build|test|demo|bench|fuzz|clean]" >&2; exit 2 ;;
+  *) echo "usage: $0 [setup|build|test|demo|replay|bench|fuzz|clean]" >&2; exit 2 ;;
 esac
