@@ -24,6 +24,8 @@ pub struct FeedClient {
     connected: bool,
     backoff_ms: u64,
     next_attempt_ns: u64,
+    /// When the current stream last showed life (opened or delivered a message).
+    last_activity_ns: u64,
 }
 
 impl FeedClient {
@@ -44,14 +46,26 @@ impl FeedClient {
     pub fn on_tick(&mut self, shared: &Rc<RefCell<Shared>>, vm_tag: &str) {
         let Ok(s) = shared.try_borrow() else { return };
         s.metrics.feed_state(self.connected, s.feed.index.entries());
-        if self.stream.is_some() || now_ns() < self.next_attempt_ns {
+        let now = now_ns();
+        let idle_ns = u64::from(s.config.feed_idle_timeout_ms).saturating_mul(MS);
+        if self.stream.is_some() && now.saturating_sub(self.last_activity_ns) > idle_ns {
+            log::warn!("llmgw: feed silent for {} ms: reconnecting", s.config.feed_idle_timeout_ms);
+            if self.connected {
+                s.metrics.feed_disconnect();
+            }
+            self.reset();
+            self.schedule_retry();
+            return;
+        }
+        if self.stream.is_some() || now < self.next_attempt_ns {
             return;
         }
         let cluster = s.config.agent_cluster.clone();
+        let agent_token = s.config.agent_token.clone();
         drop(s);
         match hostcalls::open_grpc_stream(&cluster, "llmgw.feed.v1.Feed", "Subscribe", Vec::new()) {
             Ok(token) => {
-                let req = SubscribeRequest { subscriber: format!("llmgw-vm-{vm_tag}"), token: String::new() };
+                let req = SubscribeRequest { subscriber: format!("llmgw-vm-{vm_tag}"), token: agent_token };
                 // Half-close after the request: a server-streaming call has exactly one request
                 // message, and servers (tonic among them) wait for the end of it before replying.
                 if hostcalls::send_grpc_stream_message(token, Some(&req.encode_to_vec()), true).is_err() {
@@ -61,6 +75,7 @@ impl FeedClient {
                 }
                 self.stream = Some(token);
                 self.fresh = true;
+                self.last_activity_ns = now;
             }
             Err(e) => {
                 log::warn!("llmgw: cannot open the feed stream to cluster `{cluster}`: {e:?}");
@@ -73,6 +88,7 @@ impl FeedClient {
         if self.stream != Some(token) {
             return;
         }
+        self.last_activity_ns = now_ns();
         let Ok(mut s) = shared.try_borrow_mut() else { return };
         let body = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten().unwrap_or_default();
         let msg = match FeedMessage::decode(body.as_slice()) {

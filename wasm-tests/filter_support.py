@@ -214,7 +214,8 @@ class FeedStub:
     """Serves every subscriber the replica table, a snapshot and SnapshotComplete, then the
     messages pushed with `publish`, with heartbeats in between."""
 
-    def __init__(self, pb, pb_grpc, port: int, replicas: list[dict], blocks: dict[int, list[int]]):
+    def __init__(self, pb, pb_grpc, port: int, replicas: list[dict], blocks: dict[int, list[int]],
+                 heartbeats: bool = True):
         import grpc
 
         self.pb = pb
@@ -223,6 +224,7 @@ class FeedStub:
         self.blocks = blocks
         self.subscriptions = 0
         self.snapshots_sent = 0
+        self.tokens: list[str] = []
         self._queues: list[queue.Queue] = []
         self._lock = threading.Lock()
         stub = self
@@ -232,6 +234,7 @@ class FeedStub:
                 q: queue.Queue = queue.Queue()
                 with stub._lock:
                     stub.subscriptions += 1
+                    stub.tokens.append(request.token)
                     stub._queues.append(q)
                 seq = 0
                 for body in stub.initial_messages():
@@ -243,6 +246,8 @@ class FeedStub:
                     try:
                         body = q.get(timeout=0.5)
                     except queue.Empty:
+                        if not heartbeats:
+                            continue
                         body = {"heartbeat": pb.Heartbeat()}
                     yield pb.FeedMessage(seq=seq, **body)
                     seq += 1

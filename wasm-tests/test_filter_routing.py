@@ -270,3 +270,20 @@ def test_filter_render_endpoint_and_lora(procs, envoy_bin, wasm_path, tmp_path, 
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+def test_filter_resubscribes_when_the_feed_goes_silent(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    pb, pb_grpc = feed_pb
+    feed = FeedStub(pb, pb_grpc, free_port(), table(fleet), {1: block_keys(completion_tokens(PROMPT), BLOCK)},
+                    heartbeats=False)
+    try:
+        cfg = dict(filter_cfg(), feed_idle_timeout_ms=1000, agent_token="s3cret")
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, cfg)
+        first = feed.subscriptions
+        assert set(feed.tokens) == {"s3cret"}
+        # No heartbeats: each VM drops the silent stream and subscribes again, serving meanwhile.
+        wait_until(lambda: feed.subscriptions >= 2 * first, timeout=10, what="resubscription")
+        assert gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT})[0] == fleet[1].port
+        gw.assert_no_panic()
+    finally:
+        feed.stop()

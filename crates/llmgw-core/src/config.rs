@@ -49,6 +49,9 @@ fn default_true() -> bool {
 fn default_tokenizer_cluster() -> String {
     "llmgw_tokenizer".to_owned()
 }
+fn default_feed_idle_timeout() -> u32 {
+    15_000
+}
 fn default_approx_prefix_bytes() -> u32 {
     1024
 }
@@ -186,6 +189,13 @@ pub struct FilterConfig {
     /// `destination_header`, so each callout goes to the replica the filter names.
     #[serde(default = "default_tokenizer_cluster")]
     pub tokenizer_cluster: String,
+    /// Token sent in the feed subscription (the agent requires one off loopback).
+    #[serde(default)]
+    pub agent_token: String,
+    /// A feed stream silent for this long (no message, not even a heartbeat) is dropped and
+    /// reopened.
+    #[serde(default = "default_feed_idle_timeout")]
+    pub feed_idle_timeout_ms: u32,
     #[serde(default = "default_header")]
     pub destination_header: String,
     #[serde(default = "default_body_limit")]
@@ -214,6 +224,9 @@ impl FilterConfig {
         let bad = |field: String, message: &str| Err(ConfigError { field, message: message.to_owned() });
         if self.agent_cluster.is_empty() {
             return bad("agent_cluster".into(), "must not be empty");
+        }
+        if self.feed_idle_timeout_ms == 0 {
+            return bad("feed_idle_timeout_ms".into(), "must be positive");
         }
         if self.tokenizer_cluster.is_empty() {
             return bad("tokenizer_cluster".into(), "must not be empty");
