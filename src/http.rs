@@ -194,6 +194,7 @@ impl Request {
 
         let why = match (&parsed, profile) {
             _ if too_large => Some(Fallback::BodyTooLarge),
+            (None, _) if body.is_empty() => Some(Fallback::NoPrompt),
             (None, _) => Some(Fallback::Unparseable),
             (Some(p), _) if p.prompt == Prompt::None => Some(Fallback::NoPrompt),
             (Some(_), None) => Some(Fallback::NoProfile),
@@ -362,6 +363,23 @@ impl HttpContext for Request {
             return Action::Pause;
         }
         let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        self.on_body(&body, false)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A body followed by trailers never reports its end: it is complete now.
+        if self.pending.is_some() {
+            return Action::Pause;
+        }
+        if self.done {
+            return Action::Continue;
+        }
+        let limit = self
+            .shared
+            .as_ref()
+            .and_then(|s| s.try_borrow().ok().map(|s| s.config.max_body_bytes))
+            .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, limit).ok().flatten().unwrap_or_default();
         self.on_body(&body, false)
     }
 
