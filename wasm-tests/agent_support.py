@@ -136,7 +136,8 @@ class Agent:
     """An llmgw-agent process with a generated config, observed over its HTTP endpoints."""
 
     def __init__(self, procs, agent_bin, tmp: Path, free_port, replicas: list[dict], extra: str = "",
-                 name: str = "agent", feed_extra: str = "", zmq_extra: str = ""):
+                 name: str = "agent", feed_extra: str = "", zmq_extra: str = "", launch: list | None = None,
+                 env: dict | None = None):
         self.http = free_port()
         self.feed = free_port()
         lines = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n{feed_extra}', f'[http]\nlisten = "127.0.0.1:{self.http}"\n',
@@ -151,7 +152,8 @@ class Agent:
                 lines.append(f"{k} = {json.dumps(v)}\n")
         self.config = tmp / f"{name}.toml"
         self.config.write_text("".join(lines))
-        self.proc = procs.start([agent_bin, "run", "--config", self.config], name)
+        cmd = [agent_bin, "launch", "--config", self.config, *launch] if launch else [agent_bin, "run", "--config", self.config]
+        self.proc = procs.start(cmd, name, **({"env": env} if env else {}))
         self.log_path = self.proc.log_path
 
     def get(self, path: str) -> bytes:

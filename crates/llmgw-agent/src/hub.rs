@@ -211,6 +211,18 @@ impl HubState {
         self.engines.get_mut(id)
     }
 
+    /// (name, messages queued, snapshots sent) of every live subscriber.
+    pub fn subscriber_lags(&self) -> Vec<(String, usize, u64)> {
+        self.subscribers
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|s| {
+                let q = s.queue();
+                (s.name.clone(), q.msgs.len(), q.resyncs)
+            })
+            .collect()
+    }
+
     pub fn live_subscribers(&self) -> usize {
         self.subscribers.iter().filter(|w| w.strong_count() > 0).count()
     }
@@ -488,7 +500,12 @@ impl HubState {
                 })
             })
             .collect();
-        json!({ "replicas": engines, "subscribers": self.live_subscribers() })
+        let subs: Vec<Value> = self
+            .subscriber_lags()
+            .into_iter()
+            .map(|(name, queued, snapshots)| json!({"name": name, "queued": queued, "snapshots": snapshots}))
+            .collect();
+        json!({ "replicas": engines, "subscribers": self.live_subscribers(), "feed": subs })
     }
 
     /// `/metrics` in Prometheus text format.

@@ -9,11 +9,13 @@
 //! * [`http`]: `/metrics`, `/healthz`, `/debug/replicas`.
 //! * [`load`]: scraping each replica's `/metrics` for load and liveness.
 //! * [`vllm`]: the vLLM flags and environment matching the agent's configuration.
+//! * [`launch`]: running and supervising one vLLM replica under the agent.
 
 pub mod config;
 pub mod feed;
 pub mod http;
 pub mod hub;
+pub mod launch;
 pub mod load;
 pub mod seq;
 pub mod vllm;
@@ -27,16 +29,21 @@ use tracing::{info, warn};
 
 /// Runs the agent until SIGINT or SIGTERM.
 pub fn run(cfg: Config) -> Result<(), String> {
+    run_with(cfg, None)
+}
+
+/// Runs the agent, and with `launch` also supervises a vLLM process, until SIGINT or SIGTERM.
+pub fn run_with(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("llmgw-agent")
         .build()
         .map_err(|e| format!("cannot start runtime: {e}"))?;
-    rt.block_on(run_async(cfg))
+    rt.block_on(run_async(cfg, launch))
 }
 
-async fn run_async(cfg: Config) -> Result<(), String> {
+async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), String> {
     let engines = cfg.engines();
     let hub = hub::Hub::new(engines.clone(), cfg.feed.max_queue, cfg.zmq.max_blocks_per_engine);
     let feed_listener = tokio::net::TcpListener::bind(cfg.feed.listen)
@@ -81,9 +88,18 @@ async fn run_async(cfg: Config) -> Result<(), String> {
         background.push(tokio::spawn(load::publish_loads(hub.clone(), Duration::from_millis(cfg.load.interval_ms))));
     }
 
+    let supervisor = launch.map(|spec| tokio::spawn(launch::supervise(cfg.clone(), spec, hub.clone(), rx.clone())));
+
     shutdown_signal().await;
     info!("shutting down");
     let _ = tx.send(true);
+    if let Some(s) = supervisor {
+        match s.await {
+            Ok(Err(e)) => warn!(error = %e, "launcher failed"),
+            Err(e) => warn!(error = %e, "launcher task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
     stop.store(true, Ordering::SeqCst);
     for b in background {
         b.abort();

@@ -20,6 +20,10 @@ struct Cli {
 enum Command {
     /// Run the agent: subscribe to every replica's KV events and serve the feed.
     Run(RunArgs),
+    /// Run the agent and one vLLM replica under it: `launch --config FILE -- vllm serve MODEL ...`.
+    /// The matching flags and PYTHONHASHSEED are added; the process is restarted when it exits
+    /// (its blocks leave the index) and receives SIGTERM when the agent stops.
+    Launch(LaunchArgs),
     /// Print the vLLM flags and environment matching the configuration, for replicas
     /// started elsewhere.
     VllmArgs(ConfigArgs),
@@ -63,11 +67,26 @@ struct RunArgs {
     log_level: tracing::Level,
 }
 
+#[derive(Args)]
+struct LaunchArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Which configured replica the process is (default: the only one).
+    #[arg(long)]
+    replica: Option<String>,
+    /// Seconds to wait for vLLM after forwarding SIGTERM before killing it.
+    #[arg(long, default_value_t = 30)]
+    stop_timeout_secs: u64,
+    /// The vLLM command line, after `--`.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
 fn load(path: &Path) -> Result<Config, String> {
     Config::load(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn run(a: RunArgs) -> Result<(), String> {
+fn prepare(a: RunArgs) -> Result<Config, String> {
     tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
     let mut cfg = load(&a.config)?;
     if let Some(l) = a.feed_listen {
@@ -83,13 +102,33 @@ fn run(a: RunArgs) -> Result<(), String> {
         cfg.feed.token = a.feed_token;
     }
     cfg.validate().map_err(|e| e.to_string())?;
-    llmgw_agent::run(cfg)
+    Ok(cfg)
+}
+
+fn launch(a: LaunchArgs) -> Result<(), String> {
+    let cfg = prepare(a.run)?;
+    let replica = match &a.replica {
+        Some(name) => cfg
+            .replicas
+            .iter()
+            .position(|r| &r.name == name)
+            .ok_or_else(|| format!("--replica {name:?} is not in the configuration"))?,
+        None if cfg.replicas.len() == 1 => 0,
+        None => return Err("the configuration has several replicas: choose one with --replica".into()),
+    };
+    let spec = llmgw_agent::launch::LaunchSpec {
+        replica,
+        command: a.command,
+        stop_timeout: std::time::Duration::from_secs(a.stop_timeout_secs),
+    };
+    llmgw_agent::run_with(cfg, Some(spec))
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(a) => run(a),
+        Command::Run(a) => prepare(a).and_then(llmgw_agent::run),
+        Command::Launch(a) => launch(a),
         Command::VllmArgs(a) => load(&a.config).map(|cfg| print!("{}", llmgw_agent::vllm::render(&cfg))),
         Command::CheckConfig(a) => load(&a.config).map(|cfg| {
             for e in cfg.engines() {

@@ -1,0 +1,128 @@
+//! `llmgw-agent launch -- vllm serve MODEL ...`: runs one vLLM replica under the agent with the
+//! flags and environment that match the agent's configuration, restarts it when it exits (its
+//! blocks leave the index at once), and forwards SIGTERM/SIGINT to it on shutdown.
+
+use crate::config::Config;
+use crate::hub::Hub;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::process::{Child, Command};
+use tracing::{info, warn};
+
+/// What to launch.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    /// Index of the replica in the configuration.
+    pub replica: usize,
+    /// The command, e.g. `vllm serve MODEL --port 8000`; the matching flags are appended.
+    pub command: Vec<String>,
+    /// How long to wait for the child after forwarding a signal before killing it.
+    pub stop_timeout: Duration,
+}
+
+/// Environment variables as (name, value).
+pub type Env = Vec<(String, String)>;
+
+/// The full command line and environment for the child.
+pub fn command_line(cfg: &Config, spec: &LaunchSpec) -> Result<(Vec<String>, Env), String> {
+    let r = cfg.replicas.get(spec.replica).ok_or("no such replica")?;
+    if spec.command.is_empty() {
+        return Err("launch needs a command after --, e.g. -- vllm serve MODEL".into());
+    }
+    let extra = crate::vllm::for_replica(cfg, r);
+    let mut argv = spec.command.clone();
+    argv.extend(extra.args);
+    Ok((argv, extra.env))
+}
+
+fn spawn(argv: &[String], env: &[(String, String)]) -> Result<Child, String> {
+    let (prog, args) = argv.split_first().ok_or("empty command")?;
+    let mut c = Command::new(prog);
+    c.args(args).envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str()))).kill_on_drop(true);
+    c.spawn().map_err(|e| format!("cannot start {prog}: {e}"))
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    if let Some(pid) = child.id().and_then(|p| libc::pid_t::try_from(p).ok()) {
+        // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped yet.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+/// Runs and restarts the child until `shutdown` fires; then forwards SIGTERM and waits.
+pub async fn supervise(
+    cfg: Config,
+    spec: LaunchSpec,
+    hub: Arc<Hub>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), String> {
+    let (argv, env) = command_line(&cfg, &spec)?;
+    let name = cfg.replicas.get(spec.replica).map(|r| r.name.clone()).unwrap_or_default();
+    let engines: Vec<usize> =
+        hub.state().engines.iter().enumerate().filter(|(_, e)| e.spec.replica == name).map(|(i, _)| i).collect();
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        info!(replica = %name, command = ?argv, env = ?env, "starting vLLM");
+        let mut child = spawn(&argv, &env)?;
+        let started = tokio::time::Instant::now();
+        let exited = tokio::select! {
+            status = child.wait() => Some(status),
+            _ = shutdown.wait_for(|v| *v) => None,
+        };
+        let Some(status) = exited else {
+            info!(replica = %name, "forwarding SIGTERM to vLLM");
+            signal(&child, libc::SIGTERM);
+            match tokio::time::timeout(spec.stop_timeout, child.wait()).await {
+                Ok(status) => info!(replica = %name, status = ?status, "vLLM stopped"),
+                Err(_) => {
+                    warn!(replica = %name, "vLLM did not stop in time; killing it");
+                    let _ = child.kill().await;
+                }
+            }
+            return Ok(());
+        };
+        let status = status.map_err(|e| e.to_string())?;
+        warn!(replica = %name, %status, "vLLM exited; its blocks leave the index and it is restarted");
+        {
+            let mut st = hub.state();
+            for &i in &engines {
+                st.reset(i, "engine_exited");
+            }
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            backoff = Duration::from_secs(1);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = shutdown.wait_for(|v| *v) => return Ok(()),
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appends_matching_flags() {
+        let cfg = Config::parse(
+            "[hash]\nseed = \"0\"\n[[replicas]]\nname = \"a\"\naddress = \"127.0.0.1:8000\"\nmode = \"bind\"\nendpoint = \"tcp://127.0.0.1:5557\"\nreplay_endpoint = \"tcp://127.0.0.1:5558\"\n",
+        )
+        .unwrap();
+        let spec = LaunchSpec {
+            replica: 0,
+            command: vec!["vllm".into(), "serve".into(), "m".into()],
+            stop_timeout: Duration::from_secs(1),
+        };
+        let (argv, env) = command_line(&cfg, &spec).unwrap();
+        assert_eq!(argv[..4], ["vllm", "serve", "m", "--enable-prefix-caching"]);
+        assert!(argv.iter().any(|a| a.contains(r#""endpoint":"tcp://127.0.0.1:5557""#)));
+        assert!(argv.iter().any(|a| a.contains(r#""replay_endpoint":"tcp://127.0.0.1:5558""#)));
+        assert_eq!(env, vec![("PYTHONHASHSEED".to_owned(), "0".to_owned())]);
+        let empty = LaunchSpec { command: vec![], ..spec };
+        assert!(command_line(&cfg, &empty).is_err());
+    }
+}
