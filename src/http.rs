@@ -161,8 +161,13 @@ impl Request {
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &dest, Some(&addr));
         inflight::increment(&addr);
         if s.config.explain_header {
-            self.explain =
-                Some(format!("outcome={}; replica={addr}; matched={}/{}", d.outcome.as_str(), d.matched, d.total));
+            self.explain = Some(format!(
+                "outcome={}; replica={addr}; matched={}/{}; vm={}",
+                d.outcome.as_str(),
+                d.matched,
+                d.total,
+                s.vm_tag
+            ));
         }
         self.counted = Some(addr);
         self.done = true;

@@ -61,6 +61,8 @@ pub(crate) struct Shared {
     pub resync: Option<FeedState>,
     pub metrics: Metrics,
     pub scratch: Scratch,
+    /// This VM's tag (metrics, explain header).
+    pub vm_tag: String,
 }
 
 impl Shared {
@@ -145,6 +147,7 @@ impl RootContext for Root {
                     feed: FeedState::default(),
                     resync: None,
                     scratch: Scratch::default(),
+                    vm_tag: self.vm_tag.clone(),
                 })));
             }
         }

@@ -144,12 +144,16 @@ def test_filter_tokenizer_down_falls_back_to_approx(procs, envoy_bin, wasm_path,
     feed = start_feed(feed_pb, fleet, {1: comp})
     try:
         gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
-        ports = set()
-        for _ in range(6):  # fresh connections: several workers
+        ports, vms = set(), set()
+        for _ in range(40):  # fresh connections: both workers
             port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT})
             assert hdrs.get("x-llmgw-decision", "").startswith("outcome=approx"), hdrs
             ports.add(port)
-        # The approximate choice is consistent across requests and workers.
+            vms.add(hdrs["x-llmgw-decision"].rsplit("vm=", 1)[1])
+            if len(vms) > 1 and _ >= 6:
+                break
+        # The approximate choice is consistent across requests and across the two workers.
+        assert len(vms) == 2, vms
         assert len(ports) == 1
         assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="approx"') >= 6
         assert metric(gw.admin, "llmgw_tokenizer_failures_total", 'reason="status"') >= 6
