@@ -291,6 +291,9 @@ struct TokenizeResponse {
 /// Token ids from a `/tokenize` answer (`tokens`) or a render answer (`token_ids`, possibly one
 /// object per prompt in an array: the first is used, as for routing).
 pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
+    if let Some(tokens) = fast_tokens(body) {
+        return Ok(tokens);
+    }
     let bad = |m: String| RequestError::BadTokenizerResponse(m);
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     let r: TokenizeResponse = if first == Some(&b'[') {
@@ -304,6 +307,58 @@ pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
         serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?
     };
     r.tokens.or(r.token_ids).ok_or_else(|| bad("no `tokens` or `token_ids`".into()))
+}
+
+/// Fast path for `/tokenize` answers (`{"count":..,"max_model_len":..,"tokens":[..],..}`): the
+/// first `"tokens":` key followed by an array of plain unsigned integers. A JSON string cannot
+/// contain an unescaped quote, so the key cannot be matched inside a string value. Anything
+/// unexpected returns `None` and the caller parses the body fully.
+fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
+    const KEY: &[u8] = b"\"tokens\":";
+    let at = body.windows(KEY.len()).position(|w| w == KEY)?;
+    // The character before the key must be one that can precede an object key.
+    let before = body.get(..at)?.iter().rev().find(|b| !b.is_ascii_whitespace())?;
+    if *before != b'{' && *before != b',' {
+        return None;
+    }
+    let mut i = at.checked_add(KEY.len())?;
+    let skip_ws = |i: &mut usize| {
+        while body.get(*i).is_some_and(u8::is_ascii_whitespace) {
+            *i = i.saturating_add(1);
+        }
+    };
+    skip_ws(&mut i);
+    if body.get(i) != Some(&b'[') {
+        return None;
+    }
+    i = i.saturating_add(1);
+    let mut out = Vec::with_capacity(body.len().saturating_sub(i) / 6);
+    skip_ws(&mut i);
+    if body.get(i) == Some(&b']') {
+        return Some(out);
+    }
+    loop {
+        skip_ws(&mut i);
+        let mut v: u32 = 0;
+        let start = i;
+        while let Some(d) = body.get(i).filter(|b| b.is_ascii_digit()) {
+            v = v.checked_mul(10)?.checked_add(u32::from(d.wrapping_sub(b'0')))?;
+            i = i.saturating_add(1);
+        }
+        if i == start {
+            return None;
+        }
+        skip_ws(&mut i);
+        match body.get(i) {
+            Some(b',') => i = i.saturating_add(1),
+            Some(b']') => {
+                out.push(v);
+                return Some(out);
+            }
+            _ => return None,
+        }
+        out.push(v);
+    }
 }
 
 #[cfg(test)]
@@ -436,6 +491,22 @@ mod tests {
         assert!(parse_tokenizer_response(b"<html>").is_err());
         assert!(parse_tokenizer_response(br#"{"tokens":[-1]}"#).is_err());
         assert!(parse_tokenizer_response(b"[]").is_err());
+        // The fast path agrees with the full parse, and defers to it on anything unusual.
+        assert_eq!(parse_tokenizer_response(br#"{"tokens" : [ 1 , 22,333 ] }"#).unwrap(), vec![1, 22, 333]);
+        assert_eq!(parse_tokenizer_response(br#"{"tokens":[]}"#).unwrap(), Vec::<u32>::new());
+        assert_eq!(fast_tokens(br#"{"tokens":[1.5]}"#), None);
+        assert!(parse_tokenizer_response(br#"{"tokens":[1.5]}"#).is_err());
+        assert_eq!(fast_tokens(br#"{"tokens":[4294967296]}"#), None);
+        assert!(parse_tokenizer_response(br#"{"tokens":[4294967296]}"#).is_err());
+        assert_eq!(fast_tokens(br#"{"a":"x\"tokens\":[9]","tokens":[1]}"#), Some(vec![1]));
+        assert_eq!(parse_tokenizer_response(br#"{"a":"x\"tokens\":[9]","tokens":[1]}"#).unwrap(), vec![1]);
+        assert_eq!(fast_tokens(br#"{"tokens":[1,2"#), None);
+        assert_eq!(fast_tokens(br#"{"tokens":[1,]}"#), None);
+        let big: Vec<u32> = (0..5000).map(|i| i * 7919 % 150_000).collect();
+        let body =
+            serde_json::to_vec(&json!({"count": 5000, "max_model_len": 8192, "tokens": big, "token_strs": null}))
+                .unwrap();
+        assert_eq!(fast_tokens(&body).as_ref(), Some(&big));
         assert!(parse_tokenizer_response(b"[1,2]").is_err());
     }
 }
