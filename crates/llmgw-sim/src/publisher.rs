@@ -43,17 +43,7 @@ fn now() -> f64 {
 /// on its own thread until the command channel closes.
 pub fn spawn(cfg: PublisherConfig, rx: Receiver<PubCmd>) -> Result<std::thread::JoinHandle<()>, String> {
     let ctx = zmq::Context::new();
-    let pub_sock = ctx.socket(zmq::PUB).map_err(|e| format!("PUB socket: {e}"))?;
-    pub_sock.set_sndhwm(100_000).map_err(|e| e.to_string())?;
-    pub_sock.set_linger(0).map_err(|e| e.to_string())?;
-    if cfg.endpoint.contains('[') {
-        pub_sock.set_ipv6(true).map_err(|e| e.to_string())?;
-    }
-    if binds(&cfg.endpoint) {
-        pub_sock.bind(&cfg.endpoint).map_err(|e| format!("bind {}: {e}", cfg.endpoint))?;
-    } else {
-        pub_sock.connect(&cfg.endpoint).map_err(|e| format!("connect {}: {e}", cfg.endpoint))?;
-    }
+    let pub_sock = open_pub(&ctx, &cfg.endpoint)?;
     let router = match &cfg.replay_endpoint {
         Some(ep) => {
             let r = ctx.socket(zmq::ROUTER).map_err(|e| format!("ROUTER socket: {e}"))?;
@@ -69,11 +59,33 @@ pub fn spawn(cfg: PublisherConfig, rx: Receiver<PubCmd>) -> Result<std::thread::
     };
     std::thread::Builder::new()
         .name("kv-publisher".into())
-        .spawn(move || run(cfg, pub_sock, router, rx))
+        .spawn(move || run(ctx, cfg, pub_sock, router, rx))
         .map_err(|e| e.to_string())
 }
 
-fn run(cfg: PublisherConfig, pub_sock: zmq::Socket, router: Option<zmq::Socket>, rx: Receiver<PubCmd>) {
+fn open_pub(ctx: &zmq::Context, endpoint: &str) -> Result<zmq::Socket, String> {
+    let s = ctx.socket(zmq::PUB).map_err(|e| format!("PUB socket: {e}"))?;
+    s.set_sndhwm(100_000).map_err(|e| e.to_string())?;
+    s.set_linger(0).map_err(|e| e.to_string())?;
+    if endpoint.contains('[') {
+        s.set_ipv6(true).map_err(|e| e.to_string())?;
+    }
+    if binds(endpoint) {
+        s.bind(endpoint).map_err(|e| format!("bind {endpoint}: {e}"))?;
+    } else {
+        s.connect(endpoint).map_err(|e| format!("connect {endpoint}: {e}"))?;
+    }
+    Ok(s)
+}
+
+fn run(
+    ctx: zmq::Context,
+    cfg: PublisherConfig,
+    pub_sock: zmq::Socket,
+    router: Option<zmq::Socket>,
+    rx: Receiver<PubCmd>,
+) {
+    let mut pub_sock = pub_sock;
     let mut seq: u64 = 0;
     let mut buffer: VecDeque<(u64, Vec<u8>)> = VecDeque::new();
     let topic = cfg.topic.as_bytes().to_vec();
@@ -92,8 +104,31 @@ fn run(cfg: PublisherConfig, pub_sock: zmq::Socket, router: Option<zmq::Socket>,
                 seq += 1;
             }
             Ok(PubCmd::Restart) => {
+                // A restarted engine is a new process: its connection drops and a new
+                // publisher starts from sequence 0.
                 seq = 0;
                 buffer.clear();
+                drop(std::mem::replace(
+                    &mut pub_sock,
+                    match ctx.socket(zmq::PUB) {
+                        Ok(s) => s,
+                        Err(_) => return,
+                    },
+                ));
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                loop {
+                    match open_pub(&ctx, &cfg.endpoint) {
+                        Ok(s) => {
+                            pub_sock = s;
+                            break;
+                        }
+                        Err(e) if std::time::Instant::now() > deadline => {
+                            eprintln!("llmgw-sim: cannot reopen the event publisher: {e}");
+                            return;
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
