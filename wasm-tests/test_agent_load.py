@@ -20,18 +20,19 @@ def agent_bin():
 class MetricsServer:
     """Serves a vLLM-like Prometheus page on 127.0.0.1:port until stopped."""
 
-    def __init__(self, port: int, running: int, waiting: int, usage: float):
+    def __init__(self, port: int, running: int, waiting: int, usage: float, extra: dict | None = None):
         page = (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}.0\n'
             f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}.0\n'
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {usage}\n'
         ).encode()
+        pages = {"/metrics": page, **{k: v.encode() for k, v in (extra or {}).items()}}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                body = page if self.path == "/metrics" else b"not found"
-                self.send_response(200 if self.path == "/metrics" else 404)
+                body = pages.get(self.path, b"not found")
+                self.send_response(200 if self.path in pages else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -116,3 +117,47 @@ def test_agent_dp_ranks_are_separate_engines_on_offset_ports(procs, agent_bin, t
     finally:
         p0.close()
         p1.close()
+
+
+def test_agent_discovers_replica_by_dns_and_kv_event_sources(procs, agent_bin, tmp_path):
+    """A DNS name (here `localhost`) is resolved; each address's GET /kv_event_sources gives the
+    per-rank publishers (vLLM bound them on loopback with the IPv4-mapped form)."""
+    import json as _json
+
+    http_port = free_port()
+    p0 = Publisher(f"tcp://127.0.0.1:{free_port()}", bind=True, topic=b"kv-events")
+    p1 = Publisher(f"tcp://127.0.0.1:{free_port()}", bind=True, topic=b"kv-events")
+    ports = [int(p.pub.getsockopt(zmq_last_endpoint()).decode().rsplit(":", 1)[1]) for p in (p0, p1)]
+    sources = {str(rank): {"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}", "replay_endpoint": None,
+                           "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": "kv-events"}
+               for rank, port in enumerate(ports)}
+    server = MetricsServer(http_port, running=2, waiting=1, usage=0.5, extra={"/kv_event_sources": _json.dumps(sources)})
+    try:
+        agent = Agent(procs, agent_bin, tmp_path, free_port, [],
+                      extra=("[load]\nenabled = true\ninterval_ms = 100\n"
+                             f'[[discovery]]\nname = "pool"\ndns = "localhost"\nport = {http_port}\n'
+                             'models = ["m"]\nrefresh_ms = 200\n'))
+        agent.wait_ready()
+        p0.wait_subscribed()
+        p1.wait_subscribed()
+        p0.send(0, stored([1, 2]))
+        p1.send(0, stored([3]))
+        name = "pool-127.0.0.1"
+        r0 = agent.wait_for(name, lambda r: r["blocks"] == 2 and r["load"] is not None, "rank 0", rank=0)
+        r1 = agent.wait_for(name, lambda r: r["blocks"] == 1 and r["load"] is not None, "rank 1", rank=1)
+        assert r0["address"] == f"127.0.0.1:{http_port}" and r0["models"] == ["m"]
+        assert r1["endpoint"] == f"tcp://[::ffff:127.0.0.1]:{ports[1]}"
+        # The page's series carry engine="0": rank 0's load; rank 1 has none.
+        assert r0["load"]["running"] == 2 and r1["load"]["running"] == 0
+        assert r0["block_keys"] == [1, 2] and r1["block_keys"] == [3]
+    finally:
+        p0.close()
+        p1.close()
+        server.stop()
+
+
+def zmq_last_endpoint():
+    import zmq
+
+    return zmq.LAST_ENDPOINT

@@ -45,6 +45,58 @@ pub struct Config {
     pub parity: ParityConfig,
     #[serde(default)]
     pub replicas: Vec<ReplicaConfig>,
+    #[serde(default)]
+    pub discovery: Vec<DiscoveryConfig>,
+}
+
+/// Where a discovered replica's event endpoints come from.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Sources {
+    /// vLLM's `GET /kv_event_sources` (per rank: endpoint, replay endpoint, topic).
+    KvEventSources,
+    /// Fixed ports (`events_port`, `replay_port`), the same on every replica.
+    Static,
+}
+
+/// Replicas found by re-resolving a DNS name (e.g. a Kubernetes headless Service).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Prefix of the replicas' names (`{name}-{ip}`).
+    pub name: String,
+    /// Host name resolved every `refresh_ms`; each address is a replica.
+    pub dns: String,
+    /// HTTP port of each replica's OpenAI server.
+    pub port: u16,
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default = "default_refresh")]
+    pub refresh_ms: u64,
+    #[serde(default = "default_sources")]
+    pub sources: Sources,
+    /// With `sources = "static"`: the publisher port of rank 0 (vLLM started with tcp://*:PORT).
+    #[serde(default)]
+    pub events_port: Option<u16>,
+    /// With `sources = "static"`: the replay port of rank 0.
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+    #[serde(default)]
+    pub topic: String,
+    #[serde(default = "default_dp")]
+    pub dp_ranks: u32,
+    /// Scrape load from `http://{ip}:{port}/metrics`.
+    #[serde(default = "default_true")]
+    pub scrape: bool,
+    #[serde(default)]
+    pub hash: Option<HashConfig>,
+}
+
+fn default_refresh() -> u64 {
+    10_000
+}
+fn default_sources() -> Sources {
+    Sources::KvEventSources
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -427,6 +479,30 @@ impl Config {
                 if !u.is_empty() && !u.starts_with("http://") {
                     return Err(err(f("metrics_url"), "must start with http:// (or be empty to disable scraping)"));
                 }
+            }
+        }
+        for (i, d) in self.discovery.iter().enumerate() {
+            let f = |name: &str| format!("discovery[{i}].{name}");
+            if d.name.is_empty() || names.contains(d.name.as_str()) {
+                return Err(err(f("name"), "must be non-empty and differ from every replica name"));
+            }
+            if d.dns.is_empty() {
+                return Err(err(f("dns"), "must name a host"));
+            }
+            if d.port == 0 {
+                return Err(err(f("port"), "must be non-zero"));
+            }
+            if d.refresh_ms < 100 {
+                return Err(err(f("refresh_ms"), "must be at least 100"));
+            }
+            if d.dp_ranks == 0 || d.dp_ranks > 1024 {
+                return Err(err(f("dp_ranks"), "must be between 1 and 1024"));
+            }
+            if d.sources == Sources::Static && d.events_port.is_none_or(|p| p == 0) {
+                return Err(err(f("events_port"), "sources = \"static\" needs the publisher port"));
+            }
+            if let Some(h) = &d.hash {
+                check_hash(&f("hash"), h)?;
             }
         }
         let engines: u64 = self.replicas.iter().map(|r| u64::from(r.dp_ranks)).sum();

@@ -65,6 +65,10 @@ pub struct EngineState {
     pub load: Option<ReplicaLoad>,
     pub counters: EngineCounters,
     pub parity_warned: bool,
+    /// Removed by discovery: no longer in the table; its id is never reused.
+    pub gone: bool,
+    /// Tells the engine's thread to stop (discovery removed it).
+    pub stop: Arc<AtomicBool>,
     /// Set when the engine thread must forget its sequence position and rebuild by replay.
     pub rebuild: Arc<AtomicBool>,
 }
@@ -147,23 +151,7 @@ pub struct Hub {
 
 impl Hub {
     pub fn new(specs: Vec<EngineSpec>, max_queue: usize, max_blocks: usize) -> Arc<Hub> {
-        let engines = specs
-            .into_iter()
-            .map(|spec| EngineState {
-                mirror: EngineMirror::new(spec.hasher()),
-                spec,
-                up: true,
-                http_ok: true,
-                publisher_ok: true,
-                connected: false,
-                last_seq: None,
-                last_event: None,
-                load: None,
-                counters: EngineCounters::default(),
-                parity_warned: false,
-                rebuild: Arc::new(AtomicBool::new(false)),
-            })
-            .collect();
+        let engines = specs.into_iter().map(EngineState::new).collect();
         Arc::new(Hub {
             state: Mutex::new(HubState {
                 engines,
@@ -176,7 +164,30 @@ impl Hub {
             started: Instant::now(),
         })
     }
+}
 
+impl EngineState {
+    fn new(spec: EngineSpec) -> EngineState {
+        EngineState {
+            mirror: EngineMirror::new(spec.hasher()),
+            spec,
+            up: true,
+            http_ok: true,
+            publisher_ok: true,
+            connected: false,
+            last_seq: None,
+            last_event: None,
+            load: None,
+            counters: EngineCounters::default(),
+            parity_warned: false,
+            rebuild: Arc::new(AtomicBool::new(false)),
+            gone: false,
+            stop: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl Hub {
     pub fn state(&self) -> MutexGuard<'_, HubState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -209,6 +220,38 @@ impl Hub {
 impl HubState {
     fn engine(&mut self, id: usize) -> Option<&mut EngineState> {
         self.engines.get_mut(id)
+    }
+
+    /// Engines currently configured or discovered (removed ones excluded).
+    pub fn live(&self) -> impl Iterator<Item = &EngineState> {
+        self.engines.iter().filter(|e| !e.gone)
+    }
+
+    /// Adds an engine (discovery); its id is the next free one. Returns its index.
+    pub fn add_engine(&mut self, mut spec: EngineSpec) -> usize {
+        let idx = self.engines.len();
+        spec.id = u32::try_from(idx).unwrap_or(u32::MAX);
+        self.engines.push(EngineState::new(spec));
+        let table = self.table();
+        self.publish(Body::Replicas(table));
+        idx
+    }
+
+    /// Removes an engine (discovery): its blocks leave, it leaves the table, its thread stops.
+    pub fn remove_engine(&mut self, idx: usize) {
+        let Some(e) = self.engines.get(idx) else { return };
+        if e.gone {
+            return;
+        }
+        self.reset(idx, "removed");
+        if let Some(e) = self.engine(idx) {
+            e.gone = true;
+            e.up = false;
+            e.load = None;
+            e.stop.store(true, Ordering::SeqCst);
+        }
+        let table = self.table();
+        self.publish(Body::Replicas(table));
     }
 
     /// (name, messages queued, snapshots sent) of every live subscriber.
@@ -263,8 +306,7 @@ impl HubState {
     pub fn table(&self) -> ReplicaTable {
         ReplicaTable {
             replicas: self
-                .engines
-                .iter()
+                .live()
                 .map(|e| Replica {
                     id: e.spec.id,
                     name: e.spec.replica.clone(),
@@ -281,7 +323,7 @@ impl HubState {
     /// [`CHUNK_BLOCKS`] blocks each), SnapshotComplete, and the latest loads.
     pub fn snapshot_bodies(&self) -> Vec<Body> {
         let mut out = vec![Body::Replicas(self.table())];
-        for e in &self.engines {
+        for e in self.live() {
             let keys = if e.up { e.mirror.keys() } else { Vec::new() };
             if keys.is_empty() {
                 out.push(Body::Snapshot(SnapshotChunk { replica: e.spec.id, first: true, blocks: Vec::new() }));
@@ -291,7 +333,7 @@ impl HubState {
             }
         }
         out.push(Body::SnapshotComplete(SnapshotComplete {}));
-        let loads: Vec<ReplicaLoad> = self.engines.iter().filter_map(|e| e.load.clone()).collect();
+        let loads: Vec<ReplicaLoad> = self.live().filter_map(|e| e.load.clone()).collect();
         if !loads.is_empty() {
             out.push(Body::Load(LoadReport { loads }));
         }
@@ -332,6 +374,9 @@ impl HubState {
         let mut changes = std::mem::take(&mut self.changes);
         let Some(e) = self.engines.get_mut(engine) else { return };
         e.last_seq = Some(seq);
+        if e.gone {
+            return;
+        }
         if !e.up {
             let c = e.counters.skipped.entry("replica_down").or_insert(0);
             *c = c.saturating_add(1);
@@ -428,7 +473,7 @@ impl HubState {
 
     /// Publishes the current loads of all up engines.
     pub fn publish_loads(&mut self) {
-        let loads: Vec<ReplicaLoad> = self.engines.iter().filter(|e| e.up).filter_map(|e| e.load.clone()).collect();
+        let loads: Vec<ReplicaLoad> = self.live().filter(|e| e.up).filter_map(|e| e.load.clone()).collect();
         if !loads.is_empty() {
             self.publish(Body::Load(LoadReport { loads }));
         }
@@ -438,7 +483,7 @@ impl HubState {
     /// crossed above the threshold since the last call.
     pub fn parity_alarms(&mut self, threshold: f64, min_verified: u64) -> Vec<(String, f64, u64, u64)> {
         let mut out = Vec::new();
-        for e in &mut self.engines {
+        for e in self.engines.iter_mut().filter(|e| !e.gone) {
             let p = &e.mirror.stats().parity;
             let verified = p.matched.saturating_add(p.mismatched);
             if verified < min_verified || verified == 0 {
@@ -458,8 +503,7 @@ impl HubState {
     pub fn debug_json(&self) -> Value {
         let now = Instant::now();
         let engines: Vec<Value> = self
-            .engines
-            .iter()
+            .live()
             .map(|e| {
                 let s = e.mirror.stats();
                 let p = &s.parity;
@@ -524,7 +568,7 @@ impl HubState {
             }
         };
         let per = |f: &dyn Fn(&EngineState) -> u64| -> Vec<(String, f64)> {
-            self.engines.iter().map(|e| (lbl(e), f(e) as f64)).collect()
+            self.live().map(|e| (lbl(e), f(e) as f64)).collect()
         };
         counter(
             "events_received_total",
@@ -539,7 +583,7 @@ impl HubState {
             per(&|e| e.counters.applied),
         );
         let mut skipped = Vec::new();
-        for e in &self.engines {
+        for e in self.live() {
             for (reason, n) in &e.counters.skipped {
                 skipped.push((format!("{},reason=\"{reason}\"", lbl(e)), *n as f64));
             }
@@ -547,7 +591,7 @@ impl HubState {
         counter("events_skipped_total", "Event batches not applied, by reason.", "counter", skipped);
         counter("gaps_total", "Sequence gaps detected.", "counter", per(&|e| e.counters.gaps));
         let mut replays = Vec::new();
-        for e in &self.engines {
+        for e in self.live() {
             replays.push((format!("{},result=\"complete\"", lbl(e)), e.counters.replays_complete as f64));
             replays.push((format!("{},result=\"incomplete\"", lbl(e)), e.counters.replays_incomplete as f64));
         }
@@ -559,7 +603,7 @@ impl HubState {
             per(&|e| e.counters.replayed_batches),
         );
         let mut resets = Vec::new();
-        for e in &self.engines {
+        for e in self.live() {
             for (reason, n) in &e.counters.resets {
                 resets.push((format!("{},reason=\"{}\"", lbl(e), esc(reason)), *n as f64));
             }
@@ -596,7 +640,7 @@ impl HubState {
             per(&|e| e.mirror.stats().parity.unverifiable),
         );
         let ratio: Vec<(String, f64)> =
-            self.engines.iter().filter_map(|e| e.mirror.stats().parity.match_ratio().map(|r| (lbl(e), r))).collect();
+            self.live().filter_map(|e| e.mirror.stats().parity.match_ratio().map(|r| (lbl(e), r))).collect();
         counter("parity_match_ratio", "Share of verified blocks whose hash matched.", "gauge", ratio);
         counter("blocks", "Blocks held per engine.", "gauge", per(&|e| e.mirror.len() as u64));
         counter("replica_up", "1 when the replica is up.", "gauge", per(&|e| u64::from(e.up)));
@@ -606,8 +650,7 @@ impl HubState {
             "gauge",
             per(&|e| u64::from(e.connected)),
         );
-        let last: Vec<(String, f64)> =
-            self.engines.iter().filter_map(|e| e.last_seq.map(|q| (lbl(e), q as f64))).collect();
+        let last: Vec<(String, f64)> = self.live().filter_map(|e| e.last_seq.map(|q| (lbl(e), q as f64))).collect();
         counter("last_seq", "Last publisher sequence number applied.", "gauge", last);
         counter(
             "subscribers",
@@ -850,6 +893,40 @@ mod tests {
         }
         assert!(fs.replicas[0].up);
         assert_eq!(h.state().engines[0].mirror.len(), 0);
+    }
+
+    #[test]
+    fn discovered_engines_join_and_leave_the_table() {
+        let h = hub(1, 64);
+        let sub = h.subscribe("t".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        let mut spec = h.state().engines[0].spec.clone();
+        spec.replica = "pool-10.0.0.7".into();
+        let idx = h.state().add_engine(spec);
+        assert_eq!(idx, 1);
+        h.state().apply(idx, 0, &batch(vec![stored(vec![5, 6])]));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert_eq!(fs.replicas.len(), 2);
+        assert_eq!(fs.replicas[1].id, 1);
+        assert_eq!(state_of(&fs, 2)[1], vec![5, 6]);
+        h.state().remove_engine(idx);
+        assert!(h.state().engines[idx].stop.load(Ordering::SeqCst));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert_eq!(fs.replicas.len(), 1);
+        assert_eq!(state_of(&fs, 2)[1], Vec::<u64>::new());
+        // Late events for a removed engine change nothing; a new engine gets a fresh id.
+        h.state().apply(idx, 1, &batch(vec![stored(vec![7])]));
+        assert_eq!(h.state().engines[idx].mirror.len(), 0);
+        let spec = h.state().engines[0].spec.clone();
+        assert_eq!(h.state().add_engine(spec), 2);
+        assert!(!h.state().metrics_text().contains("pool-10.0.0.7"));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! streams it to the llmgw filters over gRPC.
 //!
 //! * [`config`]: the TOML configuration and the engines it describes.
+//! * [`discovery`]: replicas found by DNS, with endpoints from vLLM's `/kv_event_sources`.
 //! * [`seq`]: the per-publisher sequence discipline (gaps, replay, restarts), no I/O.
 //! * [`zmqsub`]: one thread per engine with a libzmq SUB socket and replay DEALER.
 //! * [`hub`]: mirrors, feed subscribers, snapshots and counters.
@@ -12,6 +13,7 @@
 //! * [`launch`]: running and supervising one vLLM replica under the agent.
 
 pub mod config;
+pub mod discovery;
 pub mod feed;
 pub mod http;
 pub mod hub;
@@ -81,6 +83,9 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
     ];
+    for i in 0..cfg.discovery.len() {
+        background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), ctx.clone(), stop.clone())));
+    }
     if cfg.load.enabled {
         for spec in &engines {
             background.push(tokio::spawn(load::scrape_engine(hub.clone(), spec.clone(), cfg.load.clone())));

@@ -39,6 +39,8 @@ pub struct Engine {
     cfg: ZmqConfig,
     ctx: zmq::Context,
     stop: Arc<AtomicBool>,
+    /// Set when discovery removed this engine.
+    own_stop: Arc<AtomicBool>,
     rebuild: Arc<AtomicBool>,
     tracker: SeqTracker,
     /// Since when no publisher is connected (`None` while one is).
@@ -57,6 +59,7 @@ impl Engine {
     ) -> std::io::Result<std::thread::JoinHandle<()>> {
         let idx = usize::try_from(spec.id).unwrap_or(usize::MAX);
         let rebuild = hub.rebuild_flag(idx).unwrap_or_default();
+        let own_stop = hub.state().engines.get(idx).map(|e| e.stop.clone()).unwrap_or_default();
         let name = format!("zmq-{}", spec.label());
         let mut e = Engine {
             idx,
@@ -65,6 +68,7 @@ impl Engine {
             cfg,
             ctx,
             stop,
+            own_stop,
             rebuild,
             tracker: SeqTracker::new(),
             disconnected_since: Some(Instant::now()),
@@ -75,7 +79,7 @@ impl Engine {
 
     fn run(&mut self) {
         let mut attempt: u64 = 0;
-        while !self.stop.load(Ordering::SeqCst) {
+        while !self.stopped() {
             match self.session(attempt) {
                 Ok(()) => return,
                 Err(e) => {
@@ -85,6 +89,10 @@ impl Engine {
             }
             attempt = attempt.saturating_add(1);
         }
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst) || self.own_stop.load(Ordering::SeqCst)
     }
 
     fn session(&mut self, attempt: u64) -> Result<(), zmq::Error> {
@@ -112,7 +120,7 @@ impl Engine {
         info!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, mode = ?self.spec.mode, topic = %self.spec.topic, "subscribed to KV events");
         self.connections = 0;
         loop {
-            if self.stop.load(Ordering::SeqCst) {
+            if self.stopped() {
                 return Ok(());
             }
             let (sub_ready, mon_ready) = {
