@@ -74,7 +74,8 @@ class Publisher:
     test can wait until the agent's subscription arrived instead of sleeping; the replay socket is
     a ROUTER served from a thread, like vLLM's."""
 
-    def __init__(self, endpoint: str, bind: bool, topic: bytes = b"", replay_endpoint: str | None = None):
+    def __init__(self, endpoint: str, bind: bool, topic: bytes = b"", replay_endpoint: str | None = None,
+                 legacy_replay: bool = False):
         self.ctx = zmq.Context()
         self.topic = topic
         self.pub = self.ctx.socket(zmq.XPUB)
@@ -83,6 +84,8 @@ class Publisher:
         (self.pub.bind if bind else self.pub.connect)(endpoint)
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests: list[int] = []
+        # vLLM before 0.29 replied without the topic frame.
+        self.legacy_replay = legacy_replay
         self._stop = threading.Event()
         self._thread = None
         if replay_endpoint:
@@ -118,10 +121,12 @@ class Publisher:
             ident, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            topic = [] if self.legacy_replay else [self.topic]
             for seq, payload in list(self.buffer):
                 if seq >= start_seq:
-                    self.router.send_multipart([ident, b"", self.topic, seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+                    self.router.send_multipart([ident, b"", *topic, seq.to_bytes(8, "big"), payload])
+            end = [] if self.legacy_replay else [b""]
+            self.router.send_multipart([ident, b"", *end, END_SEQ, b""])
 
     def close(self):
         self._stop.set()

@@ -81,9 +81,11 @@ def test_agent_connect_mode_publisher_binds_loopback(procs, agent_bin, tmp_path)
         pub.close()
 
 
-def test_agent_gap_is_repaired_by_replay_to_the_exact_state(procs, agent_bin, tmp_path):
+@pytest.mark.parametrize("legacy_replay", [False, True], ids=["replay-0.29+", "replay-pre-0.29"])
+def test_agent_gap_is_repaired_by_replay_to_the_exact_state(procs, agent_bin, tmp_path, legacy_replay):
     port, rport = free_port(), free_port()
-    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}")
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}",
+                    legacy_replay=legacy_replay)
     try:
         agent = start_agent(procs, agent_bin, tmp_path, [
             {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}",

@@ -930,6 +930,21 @@ mod tests {
     }
 
     #[test]
+    fn flood_past_the_block_limit_resets_the_engine() {
+        let cfg =
+            Config::parse("[[replicas]]\nname = \"r\"\naddress = \"127.0.0.1:1\"\nendpoint = \"tcp://127.0.0.1:2\"\n")
+                .unwrap();
+        let h = Hub::new(cfg.engines(), 64, 10);
+        h.state().apply(0, 0, &batch(vec![stored((1..=10).collect())]));
+        assert_eq!(h.state().engines[0].mirror.len(), 10);
+        h.state().apply(0, 1, &batch(vec![stored(vec![11])]));
+        let st = h.state();
+        assert_eq!(st.engines[0].mirror.len(), 0);
+        assert_eq!(st.engines[0].counters.block_limit_hits, 1);
+        assert_eq!(st.engines[0].counters.resets.get("block_limit"), Some(&1));
+    }
+
+    #[test]
     fn metrics_name_every_engine() {
         let h = hub(2, 64);
         h.state().apply(1, 0, &batch(vec![stored(vec![1, 2])]));
