@@ -143,22 +143,32 @@ class Agent:
     def __init__(self, procs, agent_bin, tmp: Path, free_port, replicas: list[dict], extra: str = "",
                  name: str = "agent", feed_extra: str = "", zmq_extra: str = "", launch: list | None = None,
                  env: dict | None = None):
-        self.http = free_port()
-        self.feed = free_port()
-        lines = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n{feed_extra}', f'[http]\nlisten = "127.0.0.1:{self.http}"\n',
-                 f'[zmq]\nreplay_timeout_ms = 2000\n{zmq_extra}', extra]
+        self.procs, self.agent_bin, self.free_port, self.name = procs, agent_bin, free_port, name
+        self.launch, self.env = launch, env
+        self.body = [f'[zmq]\nreplay_timeout_ms = 2000\n{zmq_extra}', extra]
         if "[load]" not in extra:
-            lines.append("[load]\nenabled = false\n")
+            self.body.append("[load]\nenabled = false\n")
         if "[hash]" not in extra:
-            lines.append('[hash]\nalgo = "sha256_cbor"\nseed = "0"\n')
+            self.body.append('[hash]\nalgo = "sha256_cbor"\nseed = "0"\n')
         for r in replicas:
-            lines.append("[[replicas]]\n")
+            self.body.append("[[replicas]]\n")
             for k, v in r.items():
-                lines.append(f"{k} = {json.dumps(v)}\n")
+                self.body.append(f"{k} = {json.dumps(v)}\n")
+        self.feed_extra = feed_extra
         self.config = tmp / f"{name}.toml"
-        self.config.write_text("".join(lines))
-        cmd = [agent_bin, "launch", "--config", self.config, *launch] if launch else [agent_bin, "run", "--config", self.config]
-        self.proc = procs.start(cmd, name, **({"env": env} if env else {}))
+        self.attempts = 0
+        self._start()
+
+    def _start(self):
+        """Writes the config with fresh loopback ports and starts the agent."""
+        self.attempts += 1
+        self.http = self.free_port()
+        self.feed = self.free_port()
+        head = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n{self.feed_extra}', f'[http]\nlisten = "127.0.0.1:{self.http}"\n']
+        self.config.write_text("".join(head + self.body))
+        cmd = ([self.agent_bin, "launch", "--config", self.config, *self.launch] if self.launch
+               else [self.agent_bin, "run", "--config", self.config])
+        self.proc = self.procs.start(cmd, f"{self.name}-{self.attempts}", **({"env": self.env} if self.env else {}))
         self.log_path = self.proc.log_path
 
     def get(self, path: str) -> bytes:
@@ -181,9 +191,13 @@ class Agent:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # A port picked as free was taken in the meantime by another process: retry.
+                if "Address already in use" in self.log() and self.attempts < 4:
+                    self._start()
+                    continue
                 raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if self.get("/healthz").strip() == b"ok":
+                if self.get("/healthz").strip() == b"ok" and self.proc.poll() is None:
                     return
             except OSError:
                 pass
