@@ -505,6 +505,19 @@ impl Config {
                 check_hash(&f("hash"), h)?;
             }
         }
+        // Two engines on one endpoint would mix two publishers' sequences (or fail to bind).
+        let mut seen: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+        for (i, r) in self.replicas.iter().enumerate() {
+            for rank in 0..r.dp_ranks {
+                let ep = offset_port(&r.endpoint, rank).unwrap_or_else(|| r.endpoint.clone());
+                if let Some(j) = seen.insert(ep.clone(), i) {
+                    return Err(err(
+                        format!("replicas[{i}].endpoint"),
+                        format!("{ep} is already used by replicas[{j}] (data-parallel ranks use port + rank)"),
+                    ));
+                }
+            }
+        }
         let engines: u64 = self.replicas.iter().map(|r| u64::from(r.dp_ranks)).sum();
         if engines > 65_535 {
             return Err(err("replicas", "too many engines (replicas x dp_ranks > 65535)"));
@@ -668,6 +681,8 @@ metrics_url = ""
             (OK.replace("tcp://127.0.0.1:5557", "ipc:///tmp/x"), "replicas[0].endpoint"),
             (OK.replace("tcp://127.0.0.1:5558", "tcp://*:5558"), "replicas[0].replay_endpoint"),
             (OK.replace("dp_ranks = 2", "dp_ranks = 0"), "replicas[0].dp_ranks"),
+            // Rank 1 of replica a is on 5558; b may not use it.
+            (OK.replace("tcp://127.0.0.1:6000", "tcp://127.0.0.1:5558"), "replicas[1].endpoint"),
             (OK.replace("tcp://127.0.0.1:5557", "tcp://127.0.0.1:65535"), "replicas[0].endpoint"),
             (format!("[feed]\nlisten = \"0.0.0.0:7070\"\n{OK}"), "feed.listen"),
             (format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\n{OK}"), "feed.token"),
