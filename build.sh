@@ -4,7 +4,7 @@
 #   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
-#   bench  criterion benchmarks of the core (hashing, decode+apply, lookup, memory)
+#   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core benchmarks
 #   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -104,10 +104,38 @@ replay() {
     --capture "$data/batches_native_seed0.jsonl" --requests "$data/requests_seed0.jsonl"
 }
 
+setup_peers() {
+  # Peer routers from PyPI, in their own virtualenv (never committed): sglang-router, vllm-router.
+  local peers=$ROOT/.venv-peers
+  if [ ! -x "$peers/bin/sglang-router" ] || [ ! -x "$peers/bin/vllm-router" ]; then
+    log "installing peer routers (PyPI sglang-router, vllm-router) into .venv-peers"
+    python3 -m venv "$peers"
+    "$peers/bin/pip" install -q sglang-router vllm-router ||
+      log "peer routers could not be installed: the benchmark reports them as not run"
+  fi
+}
+
 bench() {
+  # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core)
+  # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   setup
-  log "criterion benchmarks (core)"
-  cargo bench -p llmgw-core --bench core -- "$@"
+  if [ "${1:-}" = core ]; then
+    shift
+    log "criterion benchmarks (core)"
+    cargo bench -p llmgw-core --bench core -- "$@"
+    return
+  fi
+  log "building (release): agent, simulator, llmgw.wasm"
+  cargo build -q --release -p llmgw-agent -p llmgw-sim
+  build_wasm
+  setup_envoy
+  if ! cmp -s demo/requirements.txt "$VENV/.demo-requirements.installed"; then
+    log "installing the chart library into .venv"
+    "$VENV/bin/pip" install -q -r demo/requirements.txt
+    cp demo/requirements.txt "$VENV/.demo-requirements.installed"
+  fi
+  setup_peers
+  "$VENV/bin/python" bench/bench.py "$@"
 }
 
 fuzz() {

@@ -87,6 +87,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/kv_event_sources", get(kv_event_sources))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/sim/restart", post(restart))
+        .route("/sim/probe", post(probe))
         .with_state(engine)
 }
 
@@ -391,4 +392,34 @@ async fn restart(State(e): State<Arc<Engine>>) -> Response {
     let tx = e.publisher.lock().unwrap_or_else(|p| p.into_inner());
     let _ = tx.send(PubCmd::Restart);
     StatusCode::OK.into_response()
+}
+
+/// Benchmark oracle: how many leading blocks of this request (a chat or completion body) the
+/// pool holds now, of its full prompt blocks, and the engine's load. Admits nothing.
+async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    let tokens = if body.get("messages").is_some() {
+        match chat_tokens(&body) {
+            Some(t) => t,
+            None => return bad_request("messages must be a list"),
+        }
+    } else {
+        match prompt_tokens(&body, true) {
+            Ok(t) => t,
+            Err(m) => return bad_request(m),
+        }
+    };
+    let extras = RequestExtras {
+        cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
+        ..Default::default()
+    };
+    let (cached, block_size, usage) = e.with_pool(|p| (p.probe(&tokens, &extras), p.block_size(), p.usage()));
+    Json(json!({
+        "cached_blocks": cached,
+        "total_blocks": tokens.len() / block_size.max(1),
+        "prompt_tokens": tokens.len(),
+        "running": e.running.load(Ordering::Relaxed),
+        "waiting": e.waiting.load(Ordering::Relaxed),
+        "kv_cache_usage": usage,
+    }))
+    .into_response()
 }

@@ -1,0 +1,610 @@
+#!/usr/bin/env python3
+"""llmgw fleet benchmark: simulated vLLM replicas (llmgw-sim) behind each routing policy, on
+identical seeded traffic, with the replicas restarted (empty caches) before every run.
+
+Workloads: shared-prefix groups (like SGLang's generated-shared-prefix benchmark), multi-turn
+chat, a mix of shared-prefix and unique prompts, and skewed (Zipf) prefix popularity; each at a
+low and a high concurrency.
+
+Policies: Envoy ROUND_ROBIN and LEAST_REQUEST, an oracle that reads every replica's true cache
+contents and load (POST /sim/probe) and sends directly, llmgw (Envoy + llmgw.wasm + llmgw-agent)
+with only its approximate fallback and with KV events, and peer routers from PyPI
+(sglang-router cache_aware, vllm-router cache_aware and kv_aware) in front of the same replicas.
+
+Writes results/bench/bench.md (tables, targets, the command), bench.json and one PNG per
+workload. Everything listens on 127.0.0.1; every process started is stopped at exit, also on
+Ctrl-C. Absolute timings depend on the machine: compare policies within one run."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import random
+import re
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "demo"))
+import demo  # noqa: E402  (process control, Envoy/agent config, client helpers)
+
+MODEL = demo.MODEL
+BLOCK = 16
+REPLICAS = 4
+
+POLICIES = {
+    "rr": "Envoy round-robin",
+    "lr": "Envoy least-request",
+    "oracle": "oracle (true cache + load)",
+    "approx": "llmgw approximate only",
+    "exact": "llmgw with KV events",
+    "sglang": "sglang-router cache_aware",
+    "vllm-ca": "vllm-router cache_aware",
+    "vllm-kv": "vllm-router kv_aware (KV events)",
+}
+PEERS = ("sglang", "vllm-ca", "vllm-kv")
+WORKLOADS = {
+    "shared-prefix": "groups of requests sharing long system prompts",
+    "multi-turn": "conversations, each turn extends the last",
+    "mixed": "half shared-prefix, half unique prompts",
+    "skewed": "Zipf popularity over many system prompts",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Workloads: lists of "sessions"; a session is a list of chat bodies sent one after another by
+# one client worker (single-request sessions make an open pool; multi-turn sessions are
+# conversations). Everything is derived from the seed, so every policy gets the same traffic.
+
+
+def words(rng: random.Random, tag: str, n: int) -> str:
+    return " ".join(f"{tag}{rng.randrange(100000)}" for _ in range(n))
+
+
+def body(messages: list[dict], max_tokens: int) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
+
+
+def make_workload(name: str, seed: int, scale: float, max_tokens: int) -> list[list[dict]]:
+    rng = random.Random(f"{name}-{seed}")
+    n = lambda x: max(1, int(round(x * scale)))  # noqa: E731
+    if name in ("shared-prefix", "mixed", "skewed"):
+        groups = {"shared-prefix": 16, "mixed": 8, "skewed": 32}[name]
+        sys_len = {"shared-prefix": 800, "mixed": 800, "skewed": 600}[name]
+        systems = [words(rng, f"g{g}s", sys_len) for g in range(groups)]
+        sessions = []
+        if name == "skewed":
+            weights = [1.0 / (g + 1) ** 1.1 for g in range(groups)]
+            picks = rng.choices(range(groups), weights, k=n(256))
+        else:
+            per = n(16)
+            picks = [g for g in range(groups) for _ in range(per)]
+        for g in picks:
+            msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": words(rng, "q", rng.randrange(40, 120))}]
+            sessions.append([body(msgs, max_tokens)])
+        if name == "mixed":
+            for _ in range(len(picks)):
+                msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(500, 900))}]
+                sessions.append([body(msgs, max_tokens)])
+        rng.shuffle(sessions)
+        return sessions
+    if name == "multi-turn":
+        sessions = []
+        for c in range(n(48)):
+            msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
+            conv = []
+            first = True
+            for t in range(4):
+                msgs = msgs + [{"role": "user", "content": words(rng, f"c{c}t{t}u", rng.randrange(300, 500) if first else rng.randrange(40, 120))}]
+                first = False
+                conv.append(body(list(msgs), max_tokens))
+                msgs = msgs + [{"role": "assistant", "content": words(rng, f"c{c}t{t}a", 24)}]
+            sessions.append(conv)
+        rng.shuffle(sessions)
+        return sessions
+    raise ValueError(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fleet
+
+
+class Fleet:
+    """REPLICAS llmgw-sim processes. `events`: "agent" (they connect to the agent's bound
+    ports, topic kv-events) or "bind" (they bind on loopback, topic "", for vllm-router)."""
+
+    def __init__(self, procs: demo.Procs, args, events: str):
+        self.procs, self.args, self.events = procs, args, events
+        self.sims = [{"name": f"r{i}", "port": demo.free_port(), "kv": demo.free_port(), "replay": demo.free_port()} for i in range(REPLICAS)]
+        self.running: list = []
+
+    def start(self) -> None:
+        a = self.args
+        for s in self.sims:
+            if self.events == "agent":
+                ev = ["--kv-endpoint", f"tcp://127.0.0.1:{s['kv']}", "--replay-endpoint", f"tcp://127.0.0.1:{s['replay']}"]
+            else:
+                ev = ["--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{s['kv']}", "--replay-endpoint",
+                      f"tcp://[::ffff:127.0.0.1]:{s['replay']}", "--topic", ""]
+            self.running.append(self.procs.start(
+                [a.sim_bin, "--port", s["port"], "--name", s["name"], "--model", MODEL, "--blocks", a.blocks,
+                 "--seed", "0", "--block-size", BLOCK, "--prefill-tps", a.prefill_tps, "--decode-ms", a.decode_ms,
+                 "--max-batch", a.max_batch, *ev], f"{s['name']}-{self.events}"))
+        for s in self.sims:
+            demo.wait_until(lambda s=s: demo.http_get(f"http://127.0.0.1:{s['port']}/health") == "", 20, f"replica {s['name']}")
+
+    def restart(self) -> None:
+        for s in self.sims:
+            demo.http_post(f"http://127.0.0.1:{s['port']}/sim/restart")
+
+    def stop(self) -> None:
+        for p in self.running:
+            self.procs.stop(p)
+        self.running = []
+
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{s['port']}" for s in self.sims]
+
+
+# ----------------------------------------------------------------------------------------------
+# Routers: each is started fresh for every run (no state carried between runs) and exposes
+# `send(body) -> (ttft, total, status)` plus `trivial()` for the overhead probe.
+
+
+def envoy_lb_config(listen: int, admin: int, sims: list[dict], lb: str) -> str:
+    text = demo.envoy_round_robin_config(listen, admin, sims)
+    return text.replace("lb_policy: ROUND_ROBIN", f"lb_policy: {lb}")
+
+
+def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool, weights: dict | None) -> str:
+    """demo's llmgw bootstrap with this run's profile (and any weight overrides)."""
+    text = demo.envoy_llmgw_config(wasm, listen, admin, agent, kv_events)
+    profile = {"name": "bench", "models": ["*"], "kv_events": kv_events, "block_size": BLOCK,
+               "hash_algo": "sha256_cbor", "seed": "0", "tokenizer": "tokenize", "tokenizer_timeout_ms": 500}
+    if weights:
+        profile["weights"] = weights
+    cfg = {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "profiles": [profile]}
+    text, n = re.subn(r"value: \".*\"\n", lambda _m: f"value: {json.dumps(json.dumps(cfg))}\n", text, count=1)
+    if n != 1:
+        raise RuntimeError("filter configuration not found in the generated Envoy config")
+    return text
+
+
+class Router:
+    def __init__(self, bench: "Bench", policy: str):
+        self.b, self.policy = bench, policy
+        self.port = 0
+        self.procs_started: list = []
+
+    def _start(self, args, name):
+        p = self.b.procs.start(args, name)
+        self.procs_started.append(p)
+        return p
+
+    def start(self, fleet: Fleet) -> None:
+        b, pol = self.b, self.policy
+        sims = fleet.sims
+        if pol == "oracle":
+            self.oracle = Oracle(b.args, sims)
+            return
+        self.port, admin = demo.free_port(), demo.free_port()
+        if pol in ("rr", "lr", "approx", "exact"):
+            if pol in ("approx", "exact"):
+                feed, agent_http = demo.free_port(), demo.free_port()
+                cfg = b.logdir / f"agent-{pol}.toml"
+                cfg.write_text(demo.agent_config(sims, feed, agent_http))
+                self._start([b.args.agent_bin, "run", "--config", cfg], f"agent-{pol}")
+                demo.wait_until(lambda: demo.http_get(f"http://127.0.0.1:{agent_http}/healthz") is not None, 20, "the agent")
+                text = envoy_llmgw_config(b.args.wasm, self.port, admin, feed, pol == "exact", b.weights)
+            else:
+                text = envoy_lb_config(self.port, admin, sims, "ROUND_ROBIN" if pol == "rr" else "LEAST_REQUEST")
+            path = b.logdir / f"envoy-{pol}.yaml"
+            path.write_text(text)
+            self._start([b.args.envoy, "-c", path, "--concurrency", "2", "--log-level", "warn"], f"envoy-{pol}")
+            demo.wait_until(lambda: demo.http_get(f"http://127.0.0.1:{admin}/ready").strip() == "LIVE", 30, "Envoy")
+            if pol in ("approx", "exact"):
+                def feed_up() -> bool:
+                    vals = re.findall(r"llmgw_feed_connected\S*: (\d+)", demo.http_get(f"http://127.0.0.1:{admin}/stats?filter=llmgw_feed_connected"))
+                    return bool(vals) and all(v == "1" for v in vals)
+                demo.wait_until(feed_up, 20, "the filter's feed subscriptions")
+            return
+        peers = b.args.peers_venv / "bin"
+        prom = demo.free_port()
+        if pol == "sglang":
+            cmd = [peers / "sglang-router", "launch", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *fleet.urls(),
+                   "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warn"]
+        else:
+            cmd = [peers / "vllm-router", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *fleet.urls(),
+                   "--policy", "cache_aware" if pol == "vllm-ca" else "kv_aware",
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warning"]
+            if pol == "vllm-kv":
+                for s in sims:
+                    url = f"http://127.0.0.1:{s['port']}"
+                    cmd += ["--kv-event-source", f"{url}=tcp://[::ffff:127.0.0.1]:{s['kv']}",
+                            "--kv-event-replay-source", f"{url}=tcp://[::ffff:127.0.0.1]:{s['replay']}"]
+                cmd += ["--kv-event-block-size", BLOCK, "--kv-event-model", MODEL]
+        self.cmd = " ".join(shlex.quote(str(c)) for c in cmd)
+        self._start(cmd, pol)
+
+        def ready() -> bool:
+            return self.trivial()[2] == 200
+        demo.wait_until(ready, 60, f"{pol} to route")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs_started):
+            self.b.procs.stop(p)
+        self.procs_started = []
+
+    def send(self, body: dict):
+        if self.policy == "oracle":
+            return self.oracle.send(body)
+        return demo.stream_request(self.port, body)
+
+    def trivial(self):
+        """A trivial non-streaming request (prompt shorter than a block: nothing is cached)."""
+        b = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        if self.policy == "oracle":
+            t0 = time.monotonic()
+            port = self.oracle.pick(b)[0]
+            t1 = time.monotonic()
+            r = plain_request(port, b)
+            return (r[0] + (t1 - t0), r[1], r[2])
+        return plain_request(self.port, b)
+
+
+def plain_request(port: int, b: dict):
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(b), headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return (time.monotonic() - t0, time.monotonic() - t0, resp.status)
+    except OSError:
+        return (float("nan"), time.monotonic() - t0, 0)
+    finally:
+        conn.close()
+
+
+class Oracle:
+    """Reads every replica's true prefix-cache hit for the request and its load, and picks the
+    replica with the lowest estimated time to first token: uncached prompt tokens at the
+    prefill rate plus the queueing its in-flight requests imply. Ties (e.g. a new prefix
+    everywhere) go to a stable hash of the prompt's start, so a burst of a new prefix lands
+    together until load spreads it. Its probe time is reported as its overhead, not counted in
+    TTFT: it is the yardstick, not a deployable router."""
+
+    def __init__(self, args, sims):
+        self.args, self.sims = args, sims
+        self.inflight = [0] * len(sims)
+        self.lock = threading.Lock()
+
+    def probe(self, s: dict, b: dict) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{s['port']}/sim/probe", data=json.dumps(b).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def pick(self, b: dict) -> tuple[int, int]:
+        a = self.args
+        probes = [self.probe(s, b) for s in self.sims]
+        key = json.dumps(b.get("messages") or b.get("prompt"))[:1024]
+        service_ms = a.max_tokens * a.decode_ms + 20.0
+        with self.lock:
+            def cost(i: int):
+                p = probes[i]
+                uncached = max(0, p["prompt_tokens"] - p["cached_blocks"] * BLOCK)
+                load = max(self.inflight[i], p["running"] + p["waiting"])
+                queue = max(0, load + 1 - a.max_batch) * service_ms / a.max_batch
+                return (uncached / a.prefill_tps * 1000 + queue, load, hash((key, i)) & 0xFFFF)
+            best = min(range(len(self.sims)), key=cost)
+            self.inflight[best] += 1
+        return self.sims[best]["port"], best
+
+    def send(self, b: dict):
+        port, i = self.pick(b)
+        try:
+            return demo.stream_request(port, b)
+        finally:
+            with self.lock:
+                self.inflight[i] -= 1
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run_traffic(label: str, router: Router, sims: list[dict], sessions, concurrency: int) -> dict:
+    before = [demo.scrape(s["port"]) for s in sims]
+    results: list = []
+    lock = threading.Lock()
+    total = sum(len(c) for c in sessions)
+    t_start = time.monotonic()
+
+    def worker(conv):
+        for b in conv:
+            r = router.send(b)
+            with lock:
+                results.append(r)
+
+    stop = threading.Event()
+
+    def progress():
+        while not stop.wait(0.5):
+            with lock:
+                n = len(results)
+            sys.stdout.write(f"\r  {label:<58} {n:>4}/{total}  {time.monotonic() - t_start:5.1f}s")
+            sys.stdout.flush()
+
+    th = threading.Thread(target=progress, daemon=True)
+    th.start()
+    with ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(worker, sessions))
+    stop.set()
+    th.join()
+    elapsed = time.monotonic() - t_start
+    after = [demo.scrape(s["port"]) for s in sims]
+    d = lambda k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]  # noqa: E731
+    q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
+    served = d("vllm:request_success_total")
+    ttfts = [r[0] for r in results if r[2] == 200 and r[0] == r[0]]
+    errors = sum(1 for r in results if r[2] != 200 or r[0] != r[0])
+    shares = [s / max(1, sum(served)) for s in served]
+    out = {
+        "hit_rate": h / q if q else 0.0,
+        "ttft_p50": demo.pct(ttfts, 50) * 1000,
+        "ttft_p99": demo.pct(ttfts, 99) * 1000,
+        "ttft_mean": (sum(ttfts) / len(ttfts) * 1000) if ttfts else float("nan"),
+        "throughput": len(results) / elapsed,
+        "shares": shares,
+        "max_share_x_fair": max(shares) * len(shares) if sum(served) else float("nan"),
+        "min_share_x_fair": min(shares) * len(shares) if sum(served) else float("nan"),
+        "errors": errors,
+        "requests": len(results),
+        "elapsed_s": elapsed,
+    }
+    sys.stdout.write(f"\r  {label:<58} {total:>4}/{total}  {elapsed:5.1f}s  hit {out['hit_rate'] * 100:5.1f}%  "
+                     f"TTFT p50 {out['ttft_p50']:6.1f} ms  mean {out['ttft_mean']:6.1f} ms  max share {out['max_share_x_fair']:.2f}x  err {errors}\n")
+    return out
+
+
+def overhead(router: Router, fleet: Fleet, n: int) -> float:
+    """Median latency of a trivial request through the router minus the same request sent
+    straight to a replica (interleaved, same moment)."""
+    via, direct = [], []
+    for i in range(n):
+        r = router.trivial()
+        if r[2] == 200:
+            via.append(r[0])
+        d = plain_request(fleet.sims[i % len(fleet.sims)]["port"], {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        if d[2] == 200:
+            direct.append(d[0])
+    if not via or not direct:
+        return float("nan")
+    return (statistics.median(via) - statistics.median(direct)) * 1000
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.weights = json.loads(args.llmgw_weights) if args.llmgw_weights else None
+        self.logdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+        self.procs = demo.Procs(self.logdir)
+        self.results: list[dict] = []
+        self.skipped: dict[str, str] = {}
+
+    def run(self) -> None:
+        a = self.args
+        cells = [(w, c) for w in a.workloads for c in a.concurrency]
+        sessions = {w: make_workload(w, a.seed, a.scale, a.max_tokens) for w in a.workloads}
+        n_req = {w: sum(len(s) for s in sessions[w]) for w in a.workloads}
+        print(f"llmgw fleet benchmark: {REPLICAS} llmgw-sim replicas ({a.blocks} KV blocks of {BLOCK} tokens, prefill "
+              f"{a.prefill_tps:.0f} tok/s, decode {a.decode_ms} ms/token, max batch {a.max_batch}), {a.max_tokens} output tokens")
+        for w in a.workloads:
+            print(f"  {w}: {n_req[w]} requests ({WORKLOADS[w]})")
+        print(f"  concurrency {', '.join(map(str, a.concurrency))}; policies: {', '.join(a.policies)}; logs in {self.logdir}")
+        groups = [("agent", [p for p in a.policies if p != "vllm-kv"]), ("bind", [p for p in a.policies if p == "vllm-kv"])]
+        for events, pols in groups:
+            if not pols:
+                continue
+            fleet = Fleet(self.procs, a, events)
+            fleet.start()
+            try:
+                for pol in pols:
+                    if pol in PEERS and not (a.peers_venv / "bin").exists():
+                        self.skipped[pol] = f"peer routers not installed in {a.peers_venv.name}/"
+                        continue
+                    for w, c in cells:
+                        fleet.restart()
+                        router = Router(self, pol)
+                        try:
+                            router.start(fleet)
+                            ovh = overhead(router, fleet, a.overhead_samples)
+                            r = run_traffic(f"{w} c={c} {POLICIES[pol]}", router, fleet.sims, sessions[w], c)
+                        except (TimeoutError, OSError, RuntimeError) as e:
+                            self.skipped[pol] = f"{type(e).__name__}: {e} (log: {self.logdir})"
+                            print(f"\n  {POLICIES[pol]}: could not run: {e}")
+                            break
+                        finally:
+                            router.stop()
+                        r.update({"workload": w, "concurrency": c, "policy": pol, "label": POLICIES[pol], "overhead_ms": ovh})
+                        self.results.append(r)
+            finally:
+                fleet.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt_row(r: dict) -> str:
+    shares = "/".join(f"{s * 100:.0f}" for s in r["shares"])
+    return (f"| {r['label']} | {r['hit_rate'] * 100:.1f} % | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['ttft_mean']:.0f} | "
+            f"{r['throughput']:.1f} | {r['max_share_x_fair']:.2f} / {r['min_share_x_fair']:.2f} ({shares}) | {r['errors']} | "
+            f"{r['overhead_ms']:+.1f} |")
+
+
+def tables(results: list[dict]) -> str:
+    out = []
+    keys = sorted({(r["workload"], r["concurrency"]) for r in results}, key=lambda k: (list(WORKLOADS).index(k[0]), k[1]))
+    for w, c in keys:
+        out.append(f"\n**{w}**, concurrency {c} ({next(r['requests'] for r in results if r['workload'] == w and r['concurrency'] == c)} requests)\n")
+        out.append("| policy | hit rate | TTFT p50 ms | p99 ms | mean ms | req/s | max / min share × fair (% per replica) | errors | overhead ms |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in results:
+            if r["workload"] == w and r["concurrency"] == c:
+                out.append(fmt_row(r))
+    return "\n".join(out)
+
+
+def targets(results: list[dict]) -> list[str]:
+    """The issue's targets on the shared-prefix workload."""
+    lines = []
+    sp = [r for r in results if r["workload"] == "shared-prefix"]
+    get = lambda p, c: next((r for r in sp if r["policy"] == p and r["concurrency"] == c), None)  # noqa: E731
+    for c in sorted({r["concurrency"] for r in sp}):
+        oracle, rr = get("oracle", c), get("rr", c)
+        peers = [get(p, c) for p in PEERS if get(p, c)]
+        for pol in ("approx", "exact"):
+            me = get(pol, c)
+            if not me:
+                continue
+            name = f"{POLICIES[pol]}, concurrency {c}"
+            if oracle:
+                ratio = me["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else float("nan")
+                lines.append(f"- {name}: hit rate {me['hit_rate'] * 100:.1f} % = {ratio * 100:.0f} % of the oracle's "
+                             f"{oracle['hit_rate'] * 100:.1f} % (target ≥ 90 %): {'met' if ratio >= 0.9 else f'MISSED by {(0.9 - ratio) * 100:.0f} points'}")
+            if rr:
+                ratio = me["ttft_mean"] / rr["ttft_mean"]
+                lines.append(f"- {name}: mean TTFT {me['ttft_mean']:.0f} ms = {ratio:.2f} × round-robin's {rr['ttft_mean']:.0f} ms "
+                             f"(target ≤ 0.50): {'met' if ratio <= 0.5 else f'MISSED by {ratio - 0.5:.2f}'}")
+            mx = me["max_share_x_fair"]
+            lines.append(f"- {name}: busiest replica {mx:.2f} × its fair share (target ≤ 1.5): {'met' if mx <= 1.5 else f'MISSED by {mx - 1.5:.2f}'}")
+            if peers:
+                worse = [p for p in peers if not (me["ttft_p50"] < p["ttft_p50"] and me["errors"] <= p["errors"])]
+                desc = ", ".join(f"{p['label']} {p['ttft_p50']:.0f} ms/{p['errors']} err" for p in peers)
+                lines.append(f"- {name}: TTFT p50 {me['ttft_p50']:.0f} ms, {me['errors']} errors vs peers ({desc}): "
+                             + ("met" if not worse else "MISSED against " + ", ".join(p["label"] for p in worse)))
+    return lines
+
+
+def chart(results: list[dict], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no charts)")
+        return []
+    paths = []
+    for w in WORKLOADS:
+        rs = [r for r in results if r["workload"] == w]
+        if not rs:
+            continue
+        concs = sorted({r["concurrency"] for r in rs})
+        pols = [p for p in POLICIES if any(r["policy"] == p for r in rs)]
+        fig, axes = plt.subplots(1, 5, figsize=(22, 4.2))
+        metrics = [("hit_rate", "prefix-cache hit rate (%)", 100), ("ttft_p50", "TTFT p50 (ms)", 1),
+                   ("ttft_mean", "TTFT mean (ms)", 1), ("throughput", "throughput (req/s)", 1),
+                   ("max_share_x_fair", "busiest replica (× fair share)", 1)]
+        width = 0.8 / max(1, len(pols))
+        for ax, (key, title, mul) in zip(axes, metrics):
+            for j, p in enumerate(pols):
+                vals = [next((r[key] * mul for r in rs if r["policy"] == p and r["concurrency"] == c), float("nan")) for c in concs]
+                ax.bar([i + (j - (len(pols) - 1) / 2) * width for i in range(len(concs))], vals, width, label=POLICIES[p], color=f"C{j}")
+            ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
+            ax.set_title(title, fontsize=10)
+            if key == "max_share_x_fair":
+                ax.axhline(1.5, color="k", ls="--", lw=0.8)
+        axes[0].legend(fontsize=7, loc="lower left")
+        fig.suptitle(f"{w}: {WORKLOADS[w]}")
+        fig.tight_layout()
+        p = out / f"{w}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="half the requests, shared-prefix and multi-turn only")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None)
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[4, 16], help="low and high (default 4 16)")
+    ap.add_argument("--scale", type=float, default=None, help="request count multiplier (default 1, --quick 0.5)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--blocks", type=int, default=256, help="KV blocks per replica")
+    ap.add_argument("--prefill-tps", type=float, default=8000.0)
+    ap.add_argument("--decode-ms", type=float, default=5.0)
+    ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--overhead-samples", type=int, default=20)
+    ap.add_argument("--llmgw-weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
+    ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")
+    ap.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
+    args = ap.parse_args()
+    if args.workloads is None:
+        args.workloads = ["shared-prefix", "multi-turn"] if args.quick else list(WORKLOADS)
+    if args.scale is None:
+        args.scale = 0.5 if args.quick else 1.0
+    args.sim_bin = ROOT / "target" / "release" / "llmgw-sim"
+    args.agent_bin = ROOT / "target" / "release" / "llmgw-agent"
+    args.wasm = ROOT / "dist" / "llmgw.wasm"
+    for p in (args.sim_bin, args.agent_bin, args.wasm, args.envoy):
+        if not p.exists():
+            print(f"missing {p}: run ./build.sh build", file=sys.stderr)
+            return 1
+    command = "./build.sh bench" + ("" if len(sys.argv) <= 1 else " " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+    bench = Bench(args)
+
+    def on_signal(signum, frame):
+        bench.procs.stop_all()
+        print("\ninterrupted: every process stopped", file=sys.stderr)
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.monotonic()
+    try:
+        bench.run()
+    finally:
+        bench.procs.stop_all()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tgt = targets(bench.results)
+    md = [f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.monotonic() - t0:.0f} s)\n",
+          f"{REPLICAS} llmgw-sim replicas, {args.blocks} KV blocks of {BLOCK} tokens each, prefill {args.prefill_tps:.0f} tok/s, "
+          f"decode {args.decode_ms} ms/token, max batch {args.max_batch}, {args.max_tokens} output tokens, seed {args.seed}"
+          + (f", llmgw weights {args.llmgw_weights}" if args.llmgw_weights else "") + ".",
+          "Hit rate = prefix-cache hits / queries (tokens, from the replicas' /metrics deltas); TTFT = time to the first "
+          "SSE data line at the client; share = vllm:request_success_total deltas (1.00 = fair share); overhead = median "
+          "latency of a trivial request via the router minus direct to a replica (the oracle: its probe time).",
+          tables(bench.results)]
+    if tgt:
+        md += ["\n**Targets** (shared-prefix workload, 4 replicas):\n", *tgt]
+    if bench.skipped:
+        md += ["\n**Not run:**\n", *[f"- {POLICIES[p]}: {why}" for p, why in bench.skipped.items()]]
+    text = "\n".join(md) + "\n"
+    (args.out / "bench.md").write_text(text)
+    (args.out / "bench.json").write_text(json.dumps({"command": command, "args": {k: str(v) for k, v in vars(args).items()},
+                                                      "results": bench.results, "skipped": bench.skipped}, indent=2))
+    charts = chart(bench.results, args.out)
+    print()
+    print(text)
+    rel = lambda p: p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
+    print(f"written: {rel(args.out / 'bench.md')}, {rel(args.out / 'bench.json')}" + "".join(f", {rel(p)}" for p in charts))
+    return 0 if bench.results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
