@@ -75,14 +75,14 @@ class Publisher:
     a ROUTER served from a thread, like vLLM's."""
 
     def __init__(self, endpoint: str, bind: bool, topic: bytes = b"", replay_endpoint: str | None = None,
-                 legacy_replay: bool = False):
+                 legacy_replay: bool = False, buffer: list | None = None):
         self.ctx = zmq.Context()
         self.topic = topic
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, 100000)
         self.pub.setsockopt(zmq.LINGER, 2000)
         (self.pub.bind if bind else self.pub.connect)(endpoint)
-        self.buffer: list[tuple[int, bytes]] = []
+        self.buffer: list[tuple[int, bytes]] = list(buffer or [])
         self.replay_requests: list[int] = []
         # vLLM before 0.29 replied without the topic frame.
         self.legacy_replay = legacy_replay

@@ -308,3 +308,47 @@ def test_agent_replica_without_publisher_goes_down_and_comes_back_clean(procs, a
         assert r["block_keys"] == [7]
     finally:
         pub.close()
+
+
+def test_agent_verified_reconnect_drops_a_restarted_engine_at_once_and_keeps_the_same_one(procs, agent_bin, tmp_path):
+    port, rport = free_port(), free_port()
+    ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
+    agent = start_agent(procs, agent_bin, tmp_path, [
+        {"name": "r0", "address": "127.0.0.1:18000", "mode": "bind", "endpoint": ep, "replay_endpoint": rep}],
+        zmq_extra="verify_on_reconnect = true\n")
+    a = Publisher(ep, bind=False, replay_endpoint=rep)
+    try:
+        a.wait_subscribed()
+        for s in range(5):
+            a.send(s, stored([1000 + s]))
+        agent.wait_for("r0", lambda r: r["blocks"] == 5, "5 blocks")
+    finally:
+        a.close()
+    agent.wait_for("r0", lambda r: r["disconnects"] == 1, "disconnect")
+
+    # A restarted engine: its replay buffer does not hold batch 4. Its blocks leave before it
+    # publishes anything.
+    b = Publisher(ep, bind=False, replay_endpoint=rep)
+    try:
+        b.wait_subscribed()
+        r = agent.wait_for("r0", lambda r: r["blocks"] == 0, "restarted engine dropped at once")
+        assert r["resets"] == {"restart_on_reconnect": 1}
+        assert b.replay_requests[:1] == [4]
+        b.send(0, stored([9]))
+        agent.wait_for("r0", lambda r: r["block_keys"] == [9] and r["last_seq"] == 0, "new engine's blocks")
+        kept = list(b.buffer)
+    finally:
+        b.close()
+    agent.wait_for("r0", lambda r: r["disconnects"] == 2, "second disconnect")
+
+    # The same engine reconnecting (a network blip): its buffer holds the last batch, nothing resets.
+    c = Publisher(ep, bind=False, replay_endpoint=rep, buffer=kept)
+    try:
+        c.wait_subscribed()
+        c.send(1, stored([10]))
+        r = agent.wait_for("r0", lambda r: r["last_seq"] == 1, "continued")
+        assert c.replay_requests[:1] == [0]
+        assert r["block_keys"] == [9, 10]
+        assert r["resets"] == {"restart_on_reconnect": 1} and r["gaps"] == 0
+    finally:
+        c.close()

@@ -76,6 +76,12 @@ impl SeqTracker {
         self.reconnected = true;
     }
 
+    /// The reconnected publisher was verified to be the same engine (its replay buffer holds
+    /// the last batch applied here): the next message is judged as if no reconnect happened.
+    pub fn confirm_same_publisher(&mut self) {
+        self.reconnected = false;
+    }
+
     /// Forget everything (the mirror was reset from outside, e.g. the replica went down): the
     /// next message is handled like the first one.
     pub fn forget(&mut self) {
@@ -213,6 +219,15 @@ mod tests {
         t.applied(900);
         // The flag is consumed by one message.
         assert_eq!(t.observe(905), Verdict::Fill { from: 901, until: 905, reset: false, cause: Cause::Gap });
+    }
+
+    #[test]
+    fn confirmed_reconnect_treats_a_jump_as_a_gap() {
+        let mut t = SeqTracker::new();
+        run(&mut t, &[0, 1, 2]);
+        t.mark_reconnect();
+        t.confirm_same_publisher();
+        assert_eq!(t.observe(6), Verdict::Fill { from: 3, until: 6, reset: false, cause: Cause::Gap });
     }
 
     #[test]

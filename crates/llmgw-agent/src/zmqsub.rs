@@ -23,6 +23,23 @@ fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
     }
 }
 
+/// A replay reply: `[b"", topic, seq8, payload]` since vLLM 0.29, `[b"", seq8, payload]` before.
+fn replay_item(frames: &[Vec<u8>]) -> Option<(&[u8], &[u8])> {
+    match frames {
+        [e, _topic, s, p] if e.is_empty() => Some((s, p)),
+        [e, s, p] if e.is_empty() => Some((s, p)),
+        _ => None,
+    }
+}
+
+/// A digest of a payload, to recognise the same batch again.
+fn payload_digest(payload: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    payload.hash(&mut h);
+    h.finish()
+}
+
 /// A publisher's sequence frame: 8 bytes big-endian (24 when a publisher id follows).
 pub fn parse_seq(frame: &[u8]) -> Option<u64> {
     if frame.len() != 8 && frame.len() != 24 {
@@ -47,6 +64,10 @@ pub struct Engine {
     disconnected_since: Option<Instant>,
     /// Publisher connections currently open.
     connections: u32,
+    /// A connection was lost since the last one opened.
+    reconnect_pending: bool,
+    /// Sequence number and digest of the last batch applied (kept for reconnect checks).
+    last_payload: Option<(u64, u64)>,
 }
 
 impl Engine {
@@ -73,6 +94,8 @@ impl Engine {
             tracker: SeqTracker::new(),
             disconnected_since: Some(Instant::now()),
             connections: 0,
+            reconnect_pending: false,
+            last_payload: None,
         };
         std::thread::Builder::new().name(name).spawn(move || e.run())
     }
@@ -173,12 +196,70 @@ impl Engine {
         if st.set_health(self.idx, Health::Publisher, true, "publisher_connected") {
             info!(replica = %self.spec.label(), "replica up; mirror starts clean");
         }
+        drop(st);
+        if std::mem::take(&mut self.reconnect_pending) && self.cfg.verify_on_reconnect {
+            self.verify_reconnect();
+        }
+    }
+
+    /// Asks the reconnected publisher's replay socket for the last batch applied here.
+    fn verify_reconnect(&mut self) {
+        let (Some((seq, digest)), Some(ep)) = (self.last_payload, self.spec.replay_endpoint.clone()) else {
+            return;
+        };
+        let reason = match self.probe(&ep, seq, digest) {
+            Ok(Some(true)) => {
+                info!(replica = %self.spec.label(), seq, "reconnected publisher is the same engine");
+                self.tracker.confirm_same_publisher();
+                return;
+            }
+            Ok(Some(false)) => "restart_on_reconnect",
+            Ok(None) | Err(_) => "reconnect_unverified",
+        };
+        warn!(replica = %self.spec.label(), reason, "reconnected publisher does not hold the last batch seen: engine restarted; mirror reset");
+        self.hub.state().reset(self.idx, reason);
+        self.tracker.forget();
+        self.last_payload = None;
+    }
+
+    /// `Some(same)` once the replay answered about `seq`; `None` on timeout.
+    fn probe(&self, endpoint: &str, seq: u64, digest: u64) -> Result<Option<bool>, zmq::Error> {
+        let d = self.dealer(endpoint)?;
+        d.send_multipart([&[][..], &seq.to_be_bytes()[..]], 0)?;
+        loop {
+            let frames = match d.recv_multipart(0) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let Some((seq_frame, payload)) = replay_item(&frames) else { continue };
+            if seq_frame == END_SEQ {
+                return Ok(Some(false));
+            }
+            match parse_seq(seq_frame) {
+                Some(s) if s == seq => return Ok(Some(payload_digest(payload) == digest)),
+                Some(s) if s > seq => return Ok(Some(false)),
+                _ => continue,
+            }
+        }
+    }
+
+    fn dealer(&self, endpoint: &str) -> Result<zmq::Socket, zmq::Error> {
+        let d = self.ctx.socket(zmq::DEALER)?;
+        d.set_linger(0)?;
+        d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
+        if endpoint.contains('[') {
+            d.set_ipv6(true)?;
+        }
+        d.connect(endpoint)?;
+        Ok(d)
     }
 
     fn on_disconnected(&mut self) {
         // A new connection may be a restarted engine: the next message decides.
         warn!(replica = %self.spec.label(), "publisher disconnected (possible engine restart)");
         self.tracker.mark_reconnect();
+        self.reconnect_pending = true;
         self.connections = self.connections.saturating_sub(1);
         if self.connections == 0 {
             self.disconnected_since = Some(Instant::now());
@@ -214,7 +295,10 @@ impl Engine {
         self.tracker.applied(seq);
     }
 
-    fn apply_payload(&self, seq: u64, payload: &[u8]) {
+    fn apply_payload(&mut self, seq: u64, payload: &[u8]) {
+        if self.cfg.verify_on_reconnect {
+            self.last_payload = Some((seq, payload_digest(payload)));
+        }
         match EventBatch::decode(payload) {
             Ok(batch) => self.hub.state().apply(self.idx, seq, &batch),
             Err(e) => {
@@ -262,14 +346,8 @@ impl Engine {
 
     /// Requests batches from `from` on a fresh DEALER and applies those in `from..until`.
     /// Returns whether the whole range was applied, and how many batches were.
-    fn replay(&self, endpoint: &str, from: u64, until: u64) -> Result<(bool, u64), zmq::Error> {
-        let d = self.ctx.socket(zmq::DEALER)?;
-        d.set_linger(0)?;
-        d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
-        if endpoint.contains('[') {
-            d.set_ipv6(true)?;
-        }
-        d.connect(endpoint)?;
+    fn replay(&mut self, endpoint: &str, from: u64, until: u64) -> Result<(bool, u64), zmq::Error> {
+        let d = self.dealer(endpoint)?;
         let start = from.to_be_bytes();
         d.send_multipart([&[][..], &start[..]], 0)?;
         let mut fill = Fill::new(from, until);
@@ -283,16 +361,11 @@ impl Engine {
                 }
                 Err(e) => return Err(e),
             };
-            // [b"", topic, seq8, payload] since vLLM 0.29; [b"", seq8, payload] before.
-            let (seq_frame, payload) = match frames.as_slice() {
-                [e, _topic, s, p] if e.is_empty() => (s, p),
-                [e, s, p] if e.is_empty() => (s, p),
-                _ => {
-                    self.hub.state().skipped(self.idx, "bad_replay_frames");
-                    continue;
-                }
+            let Some((seq_frame, payload)) = replay_item(&frames) else {
+                self.hub.state().skipped(self.idx, "bad_replay_frames");
+                continue;
             };
-            if seq_frame.as_slice() == END_SEQ {
+            if seq_frame == END_SEQ {
                 break;
             }
             let Some(seq) = parse_seq(seq_frame) else {
