@@ -2,7 +2,6 @@
 
 use crate::hub::Hub;
 use llmgw_core::feed::{Body, FeedMessage, Heartbeat, SubscribeRequest};
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -118,9 +117,4 @@ pub async fn heartbeats(hub: Arc<Hub>, period: Duration) {
         t.tick().await;
         hub.state().publish(Body::Heartbeat(Heartbeat {}));
     }
-}
-
-/// Whether an address is safe to listen on without a token.
-pub fn is_loopback(addr: &SocketAddr) -> bool {
-    addr.ip().is_loopback()
 }
