@@ -207,7 +207,10 @@ def run_traffic(label: str, port: int, sims: list[dict], convs, concurrency: int
 
 def agent_config(sims: list[dict], feed_port: int, http_port: int) -> str:
     out = [f'[feed]\nlisten = "127.0.0.1:{feed_port}"\n', f'[http]\nlisten = "127.0.0.1:{http_port}"\n',
-           '[hash]\nalgo = "sha256_cbor"\nseed = "0"\nblock_size = 16\n']
+           '[hash]\nalgo = "sha256_cbor"\nseed = "0"\nblock_size = 16\n',
+           # A reconnecting publisher is checked through its replay socket: a restarted engine's
+           # blocks leave at once.
+           '[zmq]\nverify_on_reconnect = true\n']
     for s in sims:
         out.append(
             f'[[replicas]]\nname = "{s["name"]}"\naddress = "127.0.0.1:{s["port"]}"\nmodels = ["{MODEL}"]\n'

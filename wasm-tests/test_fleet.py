@@ -121,9 +121,6 @@ def test_followup_goes_to_the_replica_holding_its_prefix(fleet):
     assert 0 < matched < total
 
 
-@pytest.mark.xfail(strict=True, reason="the agent resets a reconnected engine only when its next batch arrives "
-                   "(sequence back to 0); checking the new publisher through its replay socket on reconnect "
-                   "is not implemented yet")
 def test_restarted_replica_loses_its_credit_at_once(fleet):
     first = [SYSTEM, {"role": "user", "content": "restart me " * 20}]
     served_by, _, _ = chat(fleet["listen"], first)
