@@ -148,6 +148,25 @@ fuzz() {
   (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode corpus/decode seeds -- -max_total_time="${FUZZ_SECONDS:-60}")
 }
 
+conformance() {
+  # The real vLLM 0.33.0 server (CPU, model forward pass replaced) behind the agent and Envoy.
+  setup
+  local vvenv=$ROOT/.venv-vllm vllm_version=0.33.0
+  if ! "$vvenv/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$vllm_version')" >/dev/null 2>&1; then
+    log "installing vLLM $vllm_version into .venv-vllm (CUDA wheels, about 3 GB)"
+    python3 -m venv "$vvenv"
+    "$vvenv/bin/pip" install -q "vllm==$vllm_version"
+  fi
+  log "building the local test model (config + tokenizer) into .cache/llmgw-model"
+  "$vvenv/bin/python" conformance/build_model.py .cache/llmgw-model
+  log "building (release): agent, llmgw.wasm"
+  cargo build -q --release -p llmgw-agent
+  build_wasm
+  setup_envoy
+  log "conformance suite against vLLM $vllm_version"
+  (cd conformance && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
+}
+
 cmd=${1:-build}
 shift || true
 case "$cmd" in
@@ -158,6 +177,7 @@ case "$cmd" in
   replay) replay ;;
   bench) bench "$@" ;;
   fuzz) fuzz ;;
+  conformance) conformance "$@" ;;
   clean) cargo clean; rm -rf dist ;;
   *) echo "usage: $0 [setup|build|test|demo|replay|bench|fuzz|clean]" >&2; exit 2 ;;
 esac
