@@ -45,7 +45,8 @@ impl FeedClient {
 
     pub fn on_tick(&mut self, shared: &Rc<RefCell<Shared>>, vm_tag: &str) {
         let Ok(s) = shared.try_borrow() else { return };
-        s.metrics.feed_state(self.connected, s.feed.index.entries());
+        let bytes = u64::try_from(s.feed.index.memory_bytes()).unwrap_or(u64::MAX);
+        s.metrics.feed_state(self.connected, s.feed.index.entries(), bytes);
         let now = now_ns();
         let idle_ns = u64::from(s.config.feed_idle_timeout_ms).saturating_mul(MS);
         if self.stream.is_some() && now.saturating_sub(self.last_activity_ns) > idle_ns {

@@ -119,6 +119,7 @@ pub struct Metrics {
     /// would otherwise export a gauge that stays 0).
     feed_connected: std::cell::Cell<Option<Option<u32>>>,
     index_blocks: std::cell::Cell<Option<Option<u32>>>,
+    index_bytes: std::cell::Cell<Option<Option<u32>>>,
     vm_tag: String,
     enabled: bool,
 }
@@ -152,6 +153,7 @@ impl Metrics {
             feed_rejected: c("llmgw_feed_rejected_total"),
             feed_connected: std::cell::Cell::new(None),
             index_blocks: std::cell::Cell::new(None),
+            index_bytes: std::cell::Cell::new(None),
             vm_tag: vm_tag.to_owned(),
             enabled,
         }
@@ -223,10 +225,12 @@ impl Metrics {
         id
     }
 
-    pub fn feed_state(&self, connected: bool, index_blocks: u64) {
+    /// `index_blocks`: (block, replica) entries of the serving index; `index_bytes`: its tables.
+    pub fn feed_state(&self, connected: bool, index_blocks: u64, index_bytes: u64) {
         if self.enabled {
             Self::record(Self::gauge(&self.feed_connected, "llmgw_feed_connected", &self.vm_tag), u64::from(connected));
             Self::record(Self::gauge(&self.index_blocks, "llmgw_index_blocks", &self.vm_tag), index_blocks);
+            Self::record(Self::gauge(&self.index_bytes, "llmgw_index_bytes", &self.vm_tag), index_bytes);
         }
     }
 }

@@ -202,6 +202,81 @@ pub struct BlockHasher {
     buf: Vec<u8>,
     pickler: Pickler,
     extras: Vec<ExtraKey>,
+    cache: Option<DigestCache>,
+}
+
+/// A memo of recent block digests ([`BlockHasher::with_cache`]): direct-mapped slots keyed by
+/// a keyed 128-bit xxh3 of the block's preimage (parent digest, tokens, extra keys), so a
+/// prefix seen before costs one encoding and one xxh3 per block instead of a sha256. The result
+/// is the same digest: a hit needs the whole preimage's 128-bit tag to match (an accidental
+/// match has probability 2⁻¹²⁸ per lookup; the key is secret, so tags cannot be aimed).
+/// The chain's starting tag (the memo belongs to one hasher, so to one root).
+const CHAIN_ROOT: [u64; 2] = [0x6c6c_6d67_726f_6f74, 1];
+
+struct DigestCache {
+    key: u64,
+    /// (tag, digest bytes, digest length); a zero tag marks an empty slot.
+    slots: Vec<([u64; 2], [u8; 32], u8)>,
+}
+
+impl DigestCache {
+    #[cfg(feature = "xxhash")]
+    fn tag(&self, data: &[u8]) -> [u64; 2] {
+        let t = xxhash_rust::xxh3::xxh3_128_with_seed(data, self.key);
+        // Truncating casts: the two halves of the tag.
+        let hi = (t >> 64) as u64;
+        let lo = t as u64;
+        [hi, if hi == 0 && lo == 0 { 1 } else { lo }]
+    }
+
+    #[cfg(not(feature = "xxhash"))]
+    fn tag(&self, _data: &[u8]) -> [u64; 2] {
+        [0, 0]
+    }
+
+    /// The chained tag of a block of a request without extra keys (see
+    /// `BlockHasher::hash_plain_request_memo`); keyed apart from preimage tags.
+    #[cfg(feature = "xxhash")]
+    fn chain(&self, prev: &[u64; 2], tokens: &[u32], scratch: &mut Vec<u8>) -> [u64; 2] {
+        scratch.clear();
+        scratch.extend_from_slice(&prev[0].to_le_bytes());
+        scratch.extend_from_slice(&prev[1].to_le_bytes());
+        for t in tokens {
+            scratch.extend_from_slice(&t.to_le_bytes());
+        }
+        let t = xxhash_rust::xxh3::xxh3_128_with_seed(scratch, self.key ^ 0x6368_6169_6e65_6421);
+        let hi = (t >> 64) as u64;
+        let lo = t as u64;
+        [hi, if hi == 0 && lo == 0 { 1 } else { lo }]
+    }
+
+    #[cfg(not(feature = "xxhash"))]
+    fn chain(&self, _prev: &[u64; 2], _tokens: &[u32], _scratch: &mut Vec<u8>) -> [u64; 2] {
+        [0, 0]
+    }
+
+    fn slot(&self, tag: &[u64; 2]) -> usize {
+        // `slots.len()` is a power of two; the truncating cast keeps the low bits.
+        (tag[1] as usize) & self.slots.len().wrapping_sub(1)
+    }
+
+    fn get(&self, tag: &[u64; 2]) -> Option<Digest> {
+        let (t, bytes, len) = self.slots.get(self.slot(tag))?;
+        if t != tag || *tag == [0, 0] {
+            return None;
+        }
+        Digest::from_slice(bytes.get(..usize::from(*len))?)
+    }
+
+    fn put(&mut self, tag: [u64; 2], d: &Digest) {
+        if tag == [0, 0] {
+            return;
+        }
+        let i = self.slot(&tag);
+        if let Some(s) = self.slots.get_mut(i) {
+            *s = (tag, d.bytes, d.len);
+        }
+    }
 }
 
 impl BlockHasher {
@@ -221,9 +296,23 @@ impl BlockHasher {
             buf: Vec::with_capacity(256),
             pickler: Pickler::new(),
             extras: Vec::new(),
+            cache: None,
         };
         h.root = h.hash_seed(seed);
         Ok(h)
+    }
+
+    /// Keeps the digests of up to `slots` recent blocks (rounded up to a power of two, 56 bytes
+    /// each; 0 turns the memo off) and reuses them when the same block (same parent, tokens and
+    /// extra keys) comes again: requests sharing a prefix skip its sha256s. `key` keys the memo's
+    /// tags (any value; pass a random one where clients choose the tokens). Digests are the same
+    /// with or without the memo. Needs the `xxhash` feature (without it, this does nothing).
+    pub fn with_cache(mut self, slots: usize, key: u64) -> Self {
+        self.cache = (slots > 0 && cfg!(feature = "xxhash")).then(|| DigestCache {
+            key,
+            slots: vec![([0, 0], [0; 32], 0); slots.checked_next_power_of_two().unwrap_or(1 << 20).min(1 << 20)],
+        });
+        self
     }
 
     pub fn algo(&self) -> HashAlgo {
@@ -263,84 +352,107 @@ impl BlockHasher {
     }
 
     fn encode(&mut self, parent: &Digest, tokens: &[u32], extra: &[ExtraKey]) -> &[u8] {
-        if self.algo.is_cbor() {
-            let b = &mut self.buf;
-            b.clear();
-            cbor::array_header(b, 3);
-            cbor::bytes(b, parent.as_bytes());
-            cbor::array_header(b, tokens.len());
-            for &t in tokens {
-                cbor::uint(b, u64::from(t));
-            }
-            if extra.is_empty() {
-                cbor::null(b);
-            } else {
-                cbor::array_header(b, extra.len());
-                for e in extra {
-                    match e {
-                        ExtraKey::Lora { name, path } => {
-                            cbor::array_header(b, 3);
-                            cbor::text(b, "lora");
-                            cbor::text(b, name);
-                            cbor::text(b, path);
-                        }
-                        ExtraKey::Mm { identifier, offset } => {
-                            cbor::array_header(b, 3);
-                            cbor::text(b, "mm");
-                            cbor::text(b, identifier);
-                            cbor::int(b, *offset);
-                        }
-                        ExtraKey::CacheSalt(s) => {
-                            cbor::array_header(b, 2);
-                            cbor::text(b, "cache_salt");
-                            cbor::text(b, s);
-                        }
-                        ExtraKey::PromptEmbeds(d) => {
-                            cbor::array_header(b, 2);
-                            cbor::text(b, "prompt_embeds");
-                            cbor::bytes(b, d);
-                        }
-                    }
-                }
-            }
-            &self.buf
-        } else {
-            let tag = |s| PyValue::Str { s, interned: true };
-            let plain = |s| PyValue::Str { s, interned: false };
-            let extra_v = if extra.is_empty() {
-                PyValue::None
-            } else {
-                PyValue::Tuple(
-                    extra
-                        .iter()
-                        .map(|e| match e {
-                            ExtraKey::Lora { name, path } => {
-                                PyValue::Tuple(vec![tag("lora"), plain(name), plain(path)])
-                            }
-                            ExtraKey::Mm { identifier, offset } => {
-                                PyValue::Tuple(vec![tag("mm"), plain(identifier), PyValue::Int(*offset)])
-                            }
-                            ExtraKey::CacheSalt(s) => PyValue::Tuple(vec![tag("cache_salt"), plain(s)]),
-                            ExtraKey::PromptEmbeds(d) => PyValue::Tuple(vec![tag("prompt_embeds"), PyValue::Bytes(d)]),
-                        })
-                        .collect(),
-                )
-            };
-            let v = PyValue::Tuple(vec![PyValue::Bytes(parent.as_bytes()), PyValue::UIntTuple(tokens), extra_v]);
-            self.pickler.dumps(&v)
-        }
+        encode(self.algo, &mut self.buf, &mut self.pickler, parent, tokens, extra)
     }
 
     /// `hash_block_tokens(hash_fn, parent, tokens, extra_keys)`.
     pub fn hash_block(&mut self, parent: &Digest, tokens: &[u32], extra: &[ExtraKey]) -> Digest {
         let algo = self.algo;
-        let data = self.encode(parent, tokens, extra);
-        match algo {
-            HashAlgo::Sha256Cbor | HashAlgo::Sha256 => Digest::from_sha256(Sha256::digest(data).into()),
-            HashAlgo::XxhashCbor | HashAlgo::Xxhash => xxh128(data),
+        let data = encode(algo, &mut self.buf, &mut self.pickler, parent, tokens, extra);
+        let Some(cache) = self.cache.as_mut() else { return digest(algo, data) };
+        let tag = cache.tag(data);
+        if let Some(d) = cache.get(&tag) {
+            return d;
         }
+        let d = digest(algo, data);
+        cache.put(tag, &d);
+        d
     }
+}
 
+fn digest(algo: HashAlgo, data: &[u8]) -> Digest {
+    match algo {
+        HashAlgo::Sha256Cbor | HashAlgo::Sha256 => Digest::from_sha256(Sha256::digest(data).into()),
+        HashAlgo::XxhashCbor | HashAlgo::Xxhash => xxh128(data),
+    }
+}
+
+/// The bytes hashed for one block (see [`BlockHasher::preimage`]), in `buf` or the pickler's buffer.
+fn encode<'a>(
+    algo: HashAlgo,
+    buf: &'a mut Vec<u8>,
+    pickler: &'a mut Pickler,
+    parent: &Digest,
+    tokens: &[u32],
+    extra: &[ExtraKey],
+) -> &'a [u8] {
+    if algo.is_cbor() {
+        let b = &mut *buf;
+        b.clear();
+        cbor::array_header(b, 3);
+        cbor::bytes(b, parent.as_bytes());
+        cbor::array_header(b, tokens.len());
+        for &t in tokens {
+            cbor::uint(b, u64::from(t));
+        }
+        if extra.is_empty() {
+            cbor::null(b);
+        } else {
+            cbor::array_header(b, extra.len());
+            for e in extra {
+                match e {
+                    ExtraKey::Lora { name, path } => {
+                        cbor::array_header(b, 3);
+                        cbor::text(b, "lora");
+                        cbor::text(b, name);
+                        cbor::text(b, path);
+                    }
+                    ExtraKey::Mm { identifier, offset } => {
+                        cbor::array_header(b, 3);
+                        cbor::text(b, "mm");
+                        cbor::text(b, identifier);
+                        cbor::int(b, *offset);
+                    }
+                    ExtraKey::CacheSalt(s) => {
+                        cbor::array_header(b, 2);
+                        cbor::text(b, "cache_salt");
+                        cbor::text(b, s);
+                    }
+                    ExtraKey::PromptEmbeds(d) => {
+                        cbor::array_header(b, 2);
+                        cbor::text(b, "prompt_embeds");
+                        cbor::bytes(b, d);
+                    }
+                }
+            }
+        }
+        buf
+    } else {
+        let tag = |s| PyValue::Str { s, interned: true };
+        let plain = |s| PyValue::Str { s, interned: false };
+        let extra_v = if extra.is_empty() {
+            PyValue::None
+        } else {
+            PyValue::Tuple(
+                extra
+                    .iter()
+                    .map(|e| match e {
+                        ExtraKey::Lora { name, path } => PyValue::Tuple(vec![tag("lora"), plain(name), plain(path)]),
+                        ExtraKey::Mm { identifier, offset } => {
+                            PyValue::Tuple(vec![tag("mm"), plain(identifier), PyValue::Int(*offset)])
+                        }
+                        ExtraKey::CacheSalt(s) => PyValue::Tuple(vec![tag("cache_salt"), plain(s)]),
+                        ExtraKey::PromptEmbeds(d) => PyValue::Tuple(vec![tag("prompt_embeds"), PyValue::Bytes(d)]),
+                    })
+                    .collect(),
+            )
+        };
+        let v = PyValue::Tuple(vec![PyValue::Bytes(parent.as_bytes()), PyValue::UIntTuple(tokens), extra_v]);
+        pickler.dumps(&v)
+    }
+}
+
+impl BlockHasher {
     /// Hashes every full block of a request's tokens, as the engine does when the request arrives.
     pub fn hash_request(
         &mut self,
@@ -364,6 +476,10 @@ impl BlockHasher {
         if block_size == 0 {
             return Err(HashError::ZeroBlockSize);
         }
+        if self.cache.is_some() && extras.cache_salt.is_none() && extras.lora.is_none() && extras.mm.is_empty() {
+            self.hash_plain_request_memo(tokens, block_size, out);
+            return Ok(());
+        }
         let mut parent = self.root;
         let mut mm_idx = 0usize;
         let mut extra = std::mem::take(&mut self.extras);
@@ -386,6 +502,37 @@ impl BlockHasher {
         }
         self.extras = extra;
         Ok(())
+    }
+
+    /// [`Self::hash_request_into`] for a request without extra keys, with the memo on: block
+    /// `i`'s memo tag chains the previous block's tag with the block's raw token ids, which
+    /// (like the digest) is a function of the root and every token up to the block's end, so a
+    /// memo hit costs one short xxh3 and no preimage encoding.
+    fn hash_plain_request_memo(&mut self, tokens: &[u32], block_size: usize, out: &mut Vec<BlockHash>) {
+        let Self { algo, root, buf, pickler, cache, .. } = self;
+        let mut parent = *root;
+        let mut prev = CHAIN_ROOT;
+        let mut raw = std::mem::take(buf);
+        for block in tokens.chunks_exact(block_size) {
+            let d = match cache.as_mut() {
+                Some(c) => {
+                    let tag = c.chain(&prev, block, &mut raw);
+                    prev = tag;
+                    match c.get(&tag) {
+                        Some(d) => d,
+                        None => {
+                            let d = digest(*algo, encode(*algo, &mut raw, pickler, &parent, block, &[]));
+                            c.put(tag, &d);
+                            d
+                        }
+                    }
+                }
+                None => digest(*algo, encode(*algo, &mut raw, pickler, &parent, block, &[])),
+            };
+            out.push(BlockHash { digest: d, key: d.key() });
+            parent = d;
+        }
+        *buf = raw;
     }
 }
 
@@ -467,6 +614,35 @@ mod tests {
         let toks: Vec<u32> = (0..47).collect();
         assert_eq!(h.hash_request(&toks, 16, &RequestExtras::default()).map(|v| v.len()), Ok(2));
         assert_eq!(h.hash_request(&toks, 0, &RequestExtras::default()), Err(HashError::ZeroBlockSize));
+    }
+
+    #[test]
+    fn the_digest_memo_changes_no_digest() {
+        for algo in [HashAlgo::Sha256Cbor, HashAlgo::Sha256] {
+            let Ok(mut plain) = BlockHasher::new(algo, Some("0")) else { panic!("hasher") };
+            // 4 slots: most blocks evict each other, some hit.
+            let Ok(memo) = BlockHasher::new(algo, Some("0")) else { panic!("hasher") };
+            let mut memo = memo.with_cache(4, 0x1234);
+            let base: Vec<u32> = (0..64).map(|i| i * 7919 % 150_000).collect();
+            for round in 0..3u32 {
+                for (salt, lora) in [(None, None), (Some("s"), None), (None, Some(("a", "/p")))] {
+                    let mut toks = base.clone();
+                    toks[40] = round;
+                    let ex = RequestExtras {
+                        cache_salt: salt.map(str::to_owned),
+                        lora: lora.map(|(a, b): (&str, &str)| (a.to_owned(), b.to_owned())),
+                        mm: Vec::new(),
+                    };
+                    assert_eq!(memo.hash_request(&toks, 8, &ex), plain.hash_request(&toks, 8, &ex));
+                }
+            }
+            let Ok(big) = BlockHasher::new(algo, Some("0")) else { panic!("hasher") };
+            let mut big = big.with_cache(1024, 7);
+            let ex = RequestExtras::default();
+            let first = big.hash_request(&base, 16, &ex);
+            assert_eq!(big.hash_request(&base, 16, &ex), first);
+            assert_eq!(first, plain.hash_request(&base, 16, &ex));
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@
 
 use crate::config::TokenizerEndpoint;
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::fmt;
 
 /// Which OpenAI API a request path names.
@@ -201,36 +201,41 @@ impl ParsedRequest {
             };
             return Some(TokenizerCall { path, body: raw_body.to_vec() });
         }
-        let mut m = Map::new();
+        // Written field by field into one buffer: the messages are serialized from the parsed
+        // request without being cloned into a new JSON tree first.
+        let mut body = Vec::with_capacity(raw_body.len().saturating_add(256));
+        let mut first = true;
+        body.push(b'{');
         if let Some(model) = &self.model {
-            m.insert("model".into(), Value::String(model.clone()));
+            put(&mut body, &mut first, "model", model)?;
         }
         match &self.prompt {
             Prompt::Text(t) => {
-                m.insert("prompt".into(), Value::String(t.clone()));
-                m.insert("add_special_tokens".into(), Value::Bool(self.add_special_tokens.unwrap_or(true)));
+                put(&mut body, &mut first, "prompt", t)?;
+                put(&mut body, &mut first, "add_special_tokens", &self.add_special_tokens.unwrap_or(true))?;
             }
             Prompt::Chat(msgs) => {
-                m.insert("messages".into(), Value::Array(msgs.clone()));
+                put(&mut body, &mut first, "messages", msgs)?;
                 let cont = self.continue_final_message.unwrap_or(false);
                 // vLLM refuses both at once; continuing the final message implies no prompt.
                 let gen = self.add_generation_prompt.unwrap_or(!cont) && !cont;
-                m.insert("add_generation_prompt".into(), Value::Bool(gen));
-                m.insert("continue_final_message".into(), Value::Bool(cont));
+                put(&mut body, &mut first, "add_generation_prompt", &gen)?;
+                put(&mut body, &mut first, "continue_final_message", &cont)?;
                 for (k, v) in [
                     ("chat_template", &self.chat_template),
                     ("chat_template_kwargs", &self.chat_template_kwargs),
                     ("tools", &self.tools),
                 ] {
                     if let Some(v) = v {
-                        m.insert(k.into(), v.clone());
+                        put(&mut body, &mut first, k, v)?;
                     }
                 }
-                m.insert("add_special_tokens".into(), Value::Bool(self.add_special_tokens.unwrap_or(false)));
+                put(&mut body, &mut first, "add_special_tokens", &self.add_special_tokens.unwrap_or(false))?;
             }
             Prompt::Tokens(_) | Prompt::None => return None,
         }
-        serde_json::to_vec(&Value::Object(m)).ok().map(|body| TokenizerCall { path: "/tokenize", body })
+        body.push(b'}');
+        Some(TokenizerCall { path: "/tokenize", body })
     }
 
     /// Up to `max` leading bytes of the prompt as text, for the approximate fallback: the
@@ -273,6 +278,16 @@ impl ParsedRequest {
             Prompt::None => {}
         }
     }
+}
+
+/// Appends `"key":value` (with a leading comma after the first field) to a JSON object.
+fn put<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, first: &mut bool, key: &str, v: &T) -> Option<()> {
+    if !std::mem::take(first) {
+        out.push(b',');
+    }
+    serde_json::to_writer(&mut *out, key).ok()?;
+    out.push(b':');
+    serde_json::to_writer(&mut *out, v).ok()
 }
 
 fn push_capped(out: &mut Vec<u8>, b: &[u8], max: usize) {
@@ -321,44 +336,90 @@ fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
     if *before != b'{' && *before != b',' {
         return None;
     }
+    let ws = |b: u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
     let mut i = at.checked_add(KEY.len())?;
-    let skip_ws = |i: &mut usize| {
-        while body.get(*i).is_some_and(u8::is_ascii_whitespace) {
-            *i = i.saturating_add(1);
-        }
-    };
-    skip_ws(&mut i);
+    while body.get(i).copied().is_some_and(ws) {
+        i = i.wrapping_add(1);
+    }
     if body.get(i) != Some(&b'[') {
         return None;
     }
-    i = i.saturating_add(1);
+    i = i.wrapping_add(1);
+    // About one id per 6 bytes of a typical answer.
     let mut out = Vec::with_capacity(body.len().saturating_sub(i) / 6);
-    skip_ws(&mut i);
+    while body.get(i).copied().is_some_and(ws) {
+        i = i.wrapping_add(1);
+    }
     if body.get(i) == Some(&b']') {
         return Some(out);
     }
     loop {
-        skip_ws(&mut i);
-        let mut v: u32 = 0;
+        // Fast path: an id of 1 to 7 digits directly followed by `,` or `]`, read 8 bytes at a
+        // time; anything else (whitespace, longer numbers, the last bytes) takes the byte path.
+        if let Some((v, n, sep)) = body.get(i..i.wrapping_add(8)).and_then(eight_digits) {
+            out.push(v);
+            i = i.wrapping_add(n).wrapping_add(1);
+            if sep == b']' {
+                return Some(out);
+            }
+            continue;
+        }
+        while body.get(i).copied().is_some_and(ws) {
+            i = i.wrapping_add(1);
+        }
+        // One unsigned integer; `v` stays below 2³² × 10 + 10, far from u64's limit.
+        let mut v: u64 = 0;
         let start = i;
         while let Some(d) = body.get(i).filter(|b| b.is_ascii_digit()) {
-            v = v.checked_mul(10)?.checked_add(u32::from(d.wrapping_sub(b'0')))?;
-            i = i.saturating_add(1);
+            v = v.wrapping_mul(10).wrapping_add(u64::from(d.wrapping_sub(b'0')));
+            if v > u64::from(u32::MAX) {
+                return None;
+            }
+            i = i.wrapping_add(1);
         }
         if i == start {
             return None;
         }
-        skip_ws(&mut i);
+        out.push(u32::try_from(v).ok()?);
+        while body.get(i).copied().is_some_and(ws) {
+            i = i.wrapping_add(1);
+        }
         match body.get(i) {
-            Some(b',') => i = i.saturating_add(1),
-            Some(b']') => {
-                out.push(v);
-                return Some(out);
-            }
+            Some(b',') => i = i.wrapping_add(1),
+            Some(b']') => return Some(out),
             _ => return None,
         }
-        out.push(v);
     }
+}
+
+/// Reads `digits` followed by `,` or `]` from the start of an 8-byte window, 1 to 7 digits:
+/// (value, number of digits, separator). SWAR: one 64-bit load finds the first non-digit and
+/// converts the digits (little-endian: the first character is the lowest byte).
+fn eight_digits(w: &[u8]) -> Option<(u32, usize, u8)> {
+    let x = u64::from_le_bytes(<[u8; 8]>::try_from(w).ok()?);
+    // A byte's high bit is set in `flags` iff it is not an ASCII digit, for every byte up to
+    // and including the first non-digit (borrows and carries only come from earlier bytes,
+    // which are digits there).
+    let flags =
+        (x.wrapping_sub(0x3030_3030_3030_3030) | x.wrapping_add(0x4646_4646_4646_4646) | x) & 0x8080_8080_8080_8080;
+    let n = flags.trailing_zeros() / 8;
+    if !(1..8).contains(&n) {
+        return None;
+    }
+    let sep = *w.get(usize::try_from(n).ok()?)?;
+    if sep != b',' && sep != b']' {
+        return None;
+    }
+    // Left-pad to eight digits with '0', then the standard eight-digit conversion.
+    let y = x.wrapping_shl(8u32.wrapping_mul(8u32.wrapping_sub(n)))
+        | 0x3030_3030_3030_3030u64.wrapping_shr(n.wrapping_mul(8));
+    let mut d = y.wrapping_sub(0x3030_3030_3030_3030);
+    d = d.wrapping_mul(10).wrapping_add(d.wrapping_shr(8));
+    d = (d & 0x0000_00FF_0000_00FF)
+        .wrapping_mul(100 + (1_000_000 << 32))
+        .wrapping_add((d.wrapping_shr(16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32)))
+        .wrapping_shr(32);
+    Some((u32::try_from(d).ok()?, usize::try_from(n).ok()?, sep))
 }
 
 #[cfg(test)]
@@ -508,5 +569,26 @@ mod tests {
                 .unwrap();
         assert_eq!(fast_tokens(&body).as_ref(), Some(&big));
         assert!(parse_tokenizer_response(b"[1,2]").is_err());
+        // Every length of id, with and without spaces, at every alignment.
+        let mut x: u64 = 1;
+        for case in 0..400 {
+            let ids: Vec<u32> = (0..(case % 23))
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let digits = (x >> 60) % 10 + 1;
+                    ((x >> 16) % 10u64.pow(digits as u32)).min(u64::from(u32::MAX)) as u32
+                })
+                .collect();
+            let sep = if case % 3 == 0 { ", " } else { "," };
+            let list = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(sep);
+            let pad = " ".repeat(case % 5);
+            let body = format!(r#"{{{pad}"tokens":[{list}],"token_strs":null}}"#);
+            assert_eq!(fast_tokens(body.as_bytes()), Some(ids.clone()), "{body}");
+            let body = format!(r#"{{"tokens":[{list}]}}"#);
+            assert_eq!(fast_tokens(body.as_bytes()), Some(ids), "{body}");
+        }
+        assert_eq!(fast_tokens(br#"{"tokens":[4294967295,0,7]}"#), Some(vec![u32::MAX, 0, 7]));
+        assert_eq!(fast_tokens(br#"{"tokens":[12a,3]}"#), None);
+        assert_eq!(fast_tokens(br#"{"tokens":[1,2,3,4,5,6,7,8,9,10"#), None);
     }
 }

@@ -1,0 +1,560 @@
+#!/usr/bin/env python3
+"""llmgw.wasm performance in the real Envoy, against plain Envoy routing to the same backends.
+
+One run measures, for a 16 KB chat body whose prompt is 4,096 tokens (256 blocks of 16):
+
+  (a) the filter's own decision time (body parse, tokenizer call body, tokenizer answer parse,
+      hashing, scoring, routing; not the tokenizer round trip): p50 of the filter's
+      `llmgw_decision_us` histogram, per round, read from Envoy's admin stats;
+  (b) latency added through Envoy at 1 connection (wrk p50, filter minus plain);
+  (c) throughput at 8 connections (wrk requests/s, filter / plain);
+  (d) index memory per VM per (block, replica): the filter's `llmgw_index_bytes` and
+      `llmgw_index_blocks` gauges of one worker VM after the snapshot.
+
+Setup (loopback only):
+  * backend Envoy: one listener per replica, each a direct response (the generation endpoints
+    answer a small JSON, `/tokenize` answers a fixed `{"count":4096,..,"tokens":[...]}` like
+    vLLM's), behind the buffer filter so that every request is read whole. It is the fast
+    tokenizer stub: its own p50 for a /tokenize call is measured and reported;
+  * a stub agent feed (gRPC, llmgw.feed.v1) serving the replica table and a snapshot: replica 0
+    holds every block of the prompt, replica 1 its first half, and every replica holds
+    `--blocks` other blocks;
+  * front Envoy: the shipped bootstrap (envoy/llmgw-local.yaml) with llmgw.wasm, plus a second
+    listener without the filter that routes to replica 0 (the filter's choice) through a
+    static cluster: the baseline;
+  * wrk with a Lua script posting the body.
+
+Method (as in the project's Envoy notes): front Envoy `--concurrency 1` pinned to CPU 0; wrk,
+the backend and the feed stub pinned to CPU 1 (when the machine has 2+ CPUs); interleaved
+rounds (plain, filter, plain, filter, ...; the order alternates per round), ratios per round
+against the baseline measured in the same round, median of rounds.
+
+Usage: .venv/bin/python bench/filter_perf.py [--rounds 10] [--duration 3] [--json out.json]
+Needs wrk (Debian: apt-get install wrk), Envoy in .venv (./build.sh setup) and dist/llmgw.wasm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "wasm-tests"))
+
+from conftest import free_port, wait_port  # noqa: E402
+from filter_support import FeedStub, block_keys, envoy_config, http, load_feed_proto, wait_ready  # noqa: E402
+
+MODEL = "m1"
+BLOCK = 16
+SEED = "0"
+TARGETS = {"decision_us": 150.0, "added_ms": 0.5, "throughput_ratio": 0.60, "bytes_per_entry": 24.0}
+
+WRK_SCRIPT = r"""
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+local f = assert(io.open(os.getenv("LLMGW_BENCH_BODY"), "rb"))
+wrk.body = f:read("*a")
+f:close()
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests":%d,"duration_us":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"non2xx":%d,"errors":%d}\n',
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), e.status, e.connect + e.read + e.write + e.timeout))
+end
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload.
+
+
+def chat_body(target_bytes: int) -> bytes:
+    """An OpenAI chat body of about `target_bytes`: a system prompt and a long user message."""
+    rng = random.Random(7)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+             "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
+    system = "You are a careful assistant. Answer from the documents below and cite them."
+    base = {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": ""}],
+            "max_tokens": 16, "temperature": 0.0, "stream": False}
+    room = target_bytes - len(json.dumps(base).encode())
+    text = []
+    size = 0
+    while size < room:
+        w = rng.choice(words)
+        text.append(w)
+        size += len(w) + 1
+    base["messages"][1]["content"] = " ".join(text)[:room]
+    return json.dumps(base).encode()
+
+
+def prompt_tokens(n: int) -> list[int]:
+    rng = random.Random(11)
+    return [rng.randrange(100, 150_000) for _ in range(n)]
+
+
+def tokenize_answer(tokens: list[int]) -> str:
+    # vLLM's /tokenize answer shape.
+    return json.dumps({"count": len(tokens), "max_model_len": 32768, "tokens": tokens, "token_strs": None},
+                      separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Envoy configurations.
+
+
+def backend_config(admin: int, ports: list[int], tokenize_json: str) -> str:
+    """A backend Envoy: one listener per replica port; /tokenize answers the fixed token list."""
+    listeners = []
+    for i, port in enumerate(ports):
+        listeners.append({
+            "name": f"replica_{i}",
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+            "per_connection_buffer_limit_bytes": 33554432,
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                             ".HttpConnectionManager",
+                    "stat_prefix": f"replica_{i}",
+                    "route_config": {
+                        "max_direct_response_body_size_bytes": 4 << 20,
+                        "virtual_hosts": [{"name": "r", "domains": ["*"], "routes": [
+                            {"match": {"path": "/tokenize"},
+                             "direct_response": {"status": 200, "body": {"inline_string": tokenize_json}}},
+                            {"match": {"prefix": "/"},
+                             "direct_response": {"status": 200, "body": {
+                                 "inline_string": json.dumps({"replica": i, "choices": [{"text": "ok"}]})}}},
+                        ]}]},
+                    "http_filters": [
+                        # Read every request whole before answering (keeps connections reusable).
+                        {"name": "envoy.filters.http.buffer", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                            "max_request_bytes": 33554432}},
+                        {"name": "envoy.filters.http.router", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+                    ]}}]}],
+        })
+    return json.dumps({"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+                       "static_resources": {"listeners": listeners}})
+
+
+def front_config(wasm: Path, listen: int, plain: int, admin: int, agent: int, replica0_port: int,
+                 filter_cfg: dict) -> str:
+    """The shipped bootstrap with the filter, plus a plain listener (no filter) to replica 0."""
+    text = envoy_config(wasm, listen, admin, agent, filter_cfg)
+    listener = f"""  listeners:
+  - name: plain
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {plain}}}}}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: plain
+          route_config:
+            virtual_hosts:
+            - name: vllm
+              domains: ["*"]
+              routes:
+              - match: {{prefix: /}}
+                route: {{cluster: plain_replica, timeout: 300s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+"""
+    cluster = f"""  clusters:
+  - name: plain_replica
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: plain_replica
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {replica0_port}}}}}}}
+"""
+    assert text.count("\n  listeners:\n") == 1 and text.count("\n  clusters:\n") == 1
+    text = text.replace("\n  listeners:\n", "\n" + listener, 1)
+    text = text.replace("\n  clusters:\n", "\n" + cluster, 1)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes.
+
+
+class Procs:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args, name: str, cpu: int | None = None) -> subprocess.Popen:
+        args = [str(a) for a in args]
+        if cpu is not None:
+            args = ["taskset", "-c", str(cpu)] + args
+        log = open(self.tmp / f"{name}.log", "wb")
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    p.wait(timeout=10)
+                except ProcessLookupError:
+                    pass
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def run_wrk(url: str, connections: int, seconds: float, script: Path, body: Path, cpu: int | None) -> dict:
+    args = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(script), url]
+    if cpu is not None:
+        args = ["taskset", "-c", str(cpu)] + args
+    env = dict(os.environ, LLMGW_BENCH_BODY=str(body))
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=seconds + 30)
+    for line in out.stdout.splitlines():
+        if line.startswith("WRKJSON "):
+            r = json.loads(line[len("WRKJSON "):])
+            r["rps"] = r["requests"] / (r["duration_us"] / 1e6) if r["duration_us"] else 0.0
+            return r
+    raise RuntimeError(f"wrk failed: {out.stdout}\n{out.stderr}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Envoy stats.
+
+
+def stats_json(admin: int, flt: str, extra: str = "") -> dict:
+    status, _, body = http("GET", f"http://127.0.0.1:{admin}/stats?format=json&filter={flt}{extra}")
+    if status != 200:
+        raise RuntimeError(f"admin /stats: {status} {body[:200]!r}")
+    return json.loads(body)
+
+
+def decision_buckets(admin: int) -> dict[float, tuple[float, int]]:
+    """The cumulative llmgw_decision_us histogram as {lower_bound: (width, count)}."""
+    doc = stats_json(admin, r"^wasmcustom\.llmgw_decision_us$", "&histogram_buckets=detailed")
+    out: dict[float, tuple[float, int]] = {}
+    for st in doc.get("stats", []):
+        hs = st.get("histograms")
+        if not hs:
+            continue
+        for h in hs.get("details", []) if isinstance(hs, dict) else hs:
+            if h.get("name") != "wasmcustom.llmgw_decision_us":
+                continue
+            for b in h.get("totals", []):
+                out[float(b["lower_bound"])] = (float(b["width"]), int(b["count"]))
+    return out
+
+
+def bucket_p50(before: dict, after: dict) -> tuple[float | None, int]:
+    """p50 (bucket midpoint) and count of the samples recorded between two snapshots."""
+    diff = []
+    for lb, (w, c) in after.items():
+        d = c - before.get(lb, (w, 0))[1]
+        if d > 0:
+            diff.append((lb, w, d))
+    diff.sort()
+    n = sum(d for _, _, d in diff)
+    if n == 0:
+        return None, 0
+    acc = 0
+    for lb, w, d in diff:
+        acc += d
+        if acc * 2 >= n:
+            return lb + w / 2, n
+    return None, n
+
+
+def plain_stats(admin: int) -> dict[str, float]:
+    _, _, body = http("GET", f"http://127.0.0.1:{admin}/stats?filter=wasmcustom")
+    out = {}
+    for line in body.decode().splitlines():
+        name, _, value = line.partition(": ")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def decisions(admin: int) -> dict[str, float]:
+    s = plain_stats(admin)
+    p = "wasmcustom.llmgw_prefix_decisions_total.outcome."
+    return {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
+
+
+def index_memory(admin: int) -> list[tuple[str, float, float]]:
+    """(vm, index bytes, (block, replica) entries) for each VM that reports both."""
+    s = plain_stats(admin)
+    out = []
+    for k, v in s.items():
+        if k.startswith("wasmcustom.llmgw_index_bytes.vm."):
+            vm = k.rsplit(".", 1)[1]
+            entries = s.get(f"wasmcustom.llmgw_index_blocks.vm.{vm}")
+            if entries:
+                out.append((vm, v, entries))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--duration", type=int, default=3, help="seconds per wrk run")
+    ap.add_argument("--connections", type=int, default=8, help="connections for the throughput runs")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=50_000, help="other blocks each replica holds")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--body-bytes", type=int, default=16 * 1024)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    ap.add_argument("--envoy", default=shutil.which("envoy") or str(ROOT / ".venv" / "bin" / "envoy"))
+    ap.add_argument("--wasm", default=str(ROOT / "dist" / "llmgw.wasm"))
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
+    args = ap.parse_args()
+
+    if not shutil.which("wrk"):
+        print("wrk not found (Debian: apt-get install wrk)", file=sys.stderr)
+        return 2
+    pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+    cpu_front, cpu_rest = (0, 1) if pin else (None, None)
+
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-filter-perf-"))
+    procs = Procs(tmp)
+    feed = None
+    load_start = os.getloadavg()
+    try:
+        body = chat_body(args.body_bytes)
+        body_path = tmp / "body.json"
+        body_path.write_bytes(body)
+        script = tmp / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        tokens = prompt_tokens(args.tokens)
+        answer = tokenize_answer(tokens)
+        keys = block_keys(tokens, BLOCK, SEED)
+
+        # Backend Envoy: the replicas and the tokenizer.
+        ports = [free_port() for _ in range(args.replicas)]
+        b_admin = free_port()
+        (tmp / "backend.json").write_text(backend_config(b_admin, ports, answer))
+        backend = procs.start([args.envoy, "-c", tmp / "backend.json", "--concurrency", 1, "--disable-hot-restart",
+                     "--base-id", random.randrange(1000, 60000), "--log-level", "warn"], "backend", cpu_rest)
+        wait_port(b_admin)
+        wait_ready(b_admin)
+
+        # Feed: replica 0 holds the whole prompt, replica 1 its first half, all hold filler.
+        rng = random.Random(3)
+        blocks: dict[int, list[int]] = {}
+        for r in range(args.replicas):
+            filler = [rng.getrandbits(64) for _ in range(args.blocks)]
+            own = keys if r == 0 else keys[: len(keys) // 2] if r == 1 else []
+            blocks[r] = own + filler
+        replicas = [{"id": r, "name": f"r{r}", "address": f"127.0.0.1:{p}", "models": [MODEL], "up": True}
+                    for r, p in enumerate(ports)]
+        pb, pb_grpc = load_feed_proto(tmp / "gen")
+
+        class ChunkedFeed(FeedStub):
+            # Snapshot chunks of at most 20k keys (one message per chunk).
+            def initial_messages(self):
+                msgs = [{"replicas": pb.ReplicaTable(replicas=[pb.Replica(**r) for r in self.replicas])}]
+                for rid, ks in self.blocks.items():
+                    for i in range(0, max(len(ks), 1), 20_000):
+                        msgs.append({"snapshot": pb.SnapshotChunk(replica=rid, first=i == 0,
+                                                                  blocks=ks[i:i + 20_000])})
+                msgs.append({"snapshot_complete": pb.SnapshotComplete()})
+                return msgs
+
+        if pin:
+            os.sched_setaffinity(0, {cpu_rest})
+        feed = ChunkedFeed(pb, pb_grpc, free_port(), replicas, blocks)
+        n_initial = len(feed.initial_messages())
+
+        # Front Envoy: filter listener and plain listener.
+        listen, plain, admin = free_port(), free_port(), free_port()
+        filter_cfg = {
+            "agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "explain_header": False,
+            "max_body_bytes": 33554432,
+            "profiles": [{"name": "default", "models": [MODEL], "kv_events": True, "block_size": BLOCK,
+                          "hash_algo": "sha256_cbor", "seed": SEED, "tokenizer": "tokenize",
+                          "tokenizer_timeout_ms": 2000}]}
+        (tmp / "front.yaml").write_text(front_config(Path(args.wasm).resolve(), listen, plain, admin, feed.port,
+                                                     ports[0], filter_cfg))
+        front = procs.start([args.envoy, "-c", tmp / "front.yaml", "--concurrency", 1, "--disable-hot-restart",
+                     "--base-id", random.randrange(1000, 60000), "--log-level", "warn"], "front", cpu_front)
+        wait_port(admin)
+        wait_ready(admin)
+        deadline = time.monotonic() + 120
+        while True:
+            msgs = plain_stats(admin).get("wasmcustom.llmgw_feed_messages_total", 0)
+            # The worker VM and the main thread's ticking VM each apply the snapshot.
+            if feed.snapshots_sent >= 2 and msgs >= 2 * n_initial:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the filter VMs did not apply the feed snapshot")
+            time.sleep(0.2)
+
+        # (d) index memory, after the snapshot.
+        time.sleep(0.5)
+        mem = index_memory(admin)
+
+        # Correctness check before timing: the filter routes exactly, the plain listener answers.
+        status, _, raw = http("POST", f"http://127.0.0.1:{listen}/v1/chat/completions", body,
+                              {"content-type": "application/json"})
+        assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
+        status, _, raw = http("POST", f"http://127.0.0.1:{plain}/v1/chat/completions", body,
+                              {"content-type": "application/json"})
+        assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
+        d0 = decisions(admin)
+        assert d0.get("exact", 0) >= 1, d0
+
+        # The tokenizer stub's own cost, directly (1 connection).
+        tok_body = tmp / "tok.json"
+        tok_body.write_bytes(json.dumps({"model": MODEL, "messages": json.loads(body)["messages"]}).encode())
+        tok = run_wrk(f"http://127.0.0.1:{ports[0]}/tokenize", 1, min(args.duration, 2.0), script, tok_body, cpu_rest)
+
+        # Warm-up.
+        for url in (f"http://127.0.0.1:{plain}/v1/chat/completions",
+                    f"http://127.0.0.1:{listen}/v1/chat/completions"):
+            run_wrk(url, args.connections, 1.0, script, body_path, cpu_rest)
+
+        rounds = []
+        urls = {"plain": f"http://127.0.0.1:{plain}/v1/chat/completions",
+                "filter": f"http://127.0.0.1:{listen}/v1/chat/completions"}
+        for i in range(args.rounds):
+            order = ["plain", "filter"] if i % 2 == 0 else ["filter", "plain"]
+            rr: dict = {"round": i}
+            for conns, tag in ((1, "c1"), (args.connections, f"c{args.connections}")):
+                for arm in order:
+                    before = decision_buckets(admin) if arm == "filter" else None
+                    cpu0 = (cpu_seconds(front.pid), cpu_seconds(backend.pid))
+                    r = run_wrk(urls[arm], conns, args.duration, script, body_path, cpu_rest)
+                    cpu1 = (cpu_seconds(front.pid), cpu_seconds(backend.pid))
+                    n_req = max(r["requests"], 1)
+                    r["front_cpu_us"] = (cpu1[0] - cpu0[0]) * 1e6 / n_req
+                    r["backend_cpu_us"] = (cpu1[1] - cpu0[1]) * 1e6 / n_req
+                    if arm == "filter":
+                        time.sleep(0.5)  # stats flush (0.2 s)
+                        p50, n = bucket_p50(before, decision_buckets(admin))
+                        r["decision_p50_us"], r["decision_n"] = p50, n
+                    rr[f"{arm}_{tag}"] = r
+            rounds.append(rr)
+            c1f, c1p = rr["filter_c1"], rr["plain_c1"]
+            cnf, cnp = rr[f"filter_c{args.connections}"], rr[f"plain_c{args.connections}"]
+            print(f"round {i}: c1 p50 plain {c1p['p50_us']} µs filter {c1f['p50_us']} µs "
+                  f"(+{(c1f['p50_us'] - c1p['p50_us']) / 1000:.3f} ms); c{args.connections} rps plain "
+                  f"{cnp['rps']:.0f} filter {cnf['rps']:.0f} ({cnf['rps'] / cnp['rps']:.2f}); decision p50 "
+                  f"{c1f['decision_p50_us']} / {cnf['decision_p50_us']} µs; load {os.getloadavg()[0]:.2f}",
+                  flush=True)
+
+        d1 = decisions(admin)
+        errors = sum(rr[k]["non2xx"] + rr[k]["errors"] for rr in rounds for k in rr if k != "round")
+        conn_tag = f"c{args.connections}"
+        decision = med([rr[f"filter_{t}"]["decision_p50_us"] for rr in rounds for t in ("c1", conn_tag)])
+        decision_c1 = med([rr["filter_c1"]["decision_p50_us"] for rr in rounds])
+        added = med([(rr["filter_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds])
+        p50_ratio = med([rr["filter_c1"]["p50_us"] / rr["plain_c1"]["p50_us"] for rr in rounds])
+        tput = med([rr[f"filter_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds])
+        per_entry = [b / e for _, b, e in mem]
+        bpe = max(per_entry) if per_entry else None
+        result = {
+            "command": " ".join([".venv/bin/python", "bench/filter_perf.py"] + sys.argv[1:]),
+            "pinned": pin, "rounds": args.rounds, "duration_s": args.duration,
+            "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+            "body_bytes": len(body), "prompt_tokens": len(tokens), "blocks": len(keys),
+            "tokenizer_stub_p50_us": tok["p50_us"], "tokenizer_stub_rps_c1": tok["rps"],
+            "decisions": {k: d1.get(k, 0) - d0.get(k, 0) for k in d1},
+            "errors": errors,
+            "a_decision_p50_us": decision, "a_decision_p50_us_c1": decision_c1,
+            "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
+            "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
+            "b_added_p50_ms": added, "b_p50_ratio": p50_ratio,
+            "c_plain_rps": med([rr[f"plain_{conn_tag}"]["rps"] for rr in rounds]),
+            "c_filter_rps": med([rr[f"filter_{conn_tag}"]["rps"] for rr in rounds]),
+            "c_throughput_ratio": tput,
+            "front_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["front_cpu_us"] for rr in rounds])
+                                         for arm in ("plain", "filter")},
+            "backend_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["backend_cpu_us"] for rr in rounds])
+                                           for arm in ("plain", "filter")},
+            "d_index": [{"vm": vm, "bytes": b, "entries": e, "bytes_per_entry": b / e} for vm, b, e in mem],
+            "d_bytes_per_entry": bpe,
+            "rounds_detail": rounds,
+        }
+        ok = {
+            "a": decision is not None and decision <= TARGETS["decision_us"],
+            "b": added is not None and added <= TARGETS["added_ms"],
+            "c": tput is not None and tput >= TARGETS["throughput_ratio"],
+            "d": bpe is not None and bpe <= TARGETS["bytes_per_entry"],
+        }
+        result["targets_met"] = ok
+        print()
+        print(f"command: {result['command']}   (pinned: {pin}; load average {load_start[0]:.2f} -> "
+              f"{result['loadavg_end'][0]:.2f})")
+        print(f"body {len(body)} B, {len(tokens)} prompt tokens, {len(keys)} blocks; {args.replicas} replicas x "
+              f"{args.blocks} filler blocks; {args.rounds} interleaved rounds of {args.duration:g} s; "
+              f"decisions in rounds: {result['decisions']}; errors/non-2xx: {errors}")
+        print(f"tokenizer stub alone (backend Envoy direct response, 1 conn): p50 {tok['p50_us']} µs")
+        print(f"(a) decision time p50 (llmgw_decision_us, median of rounds): {decision} µs "
+              f"[target <= {TARGETS['decision_us']:g}] {'MET' if ok['a'] else 'MISSED'}")
+        print(f"(b) 1 conn p50: plain {result['b_plain_p50_ms']:.3f} ms, filter {result['b_filter_p50_ms']:.3f} ms; "
+              f"added {added:.3f} ms (ratio {p50_ratio:.2f}) [target <= {TARGETS['added_ms']:g} ms] "
+              f"{'MET' if ok['b'] else 'MISSED'}")
+        print(f"(c) {args.connections} conns: plain {result['c_plain_rps']:.0f} rps, filter "
+              f"{result['c_filter_rps']:.0f} rps; ratio {tput:.2f} [target >= {TARGETS['throughput_ratio']:g}] "
+              f"{'MET' if ok['c'] else 'MISSED'}")
+        fc, bc = result["front_cpu_us_per_request"], result["backend_cpu_us_per_request"]
+        print(f"    CPU per request at {args.connections} conns: front Envoy plain {fc['plain']:.0f} µs, filter "
+              f"{fc['filter']:.0f} µs (ratio {fc['plain'] / fc['filter']:.2f}); backend plain {bc['plain']:.0f} µs, "
+              f"filter {bc['filter']:.0f} µs (tokenizer stub included)")
+        for d in result["d_index"]:
+            print(f"(d) vm {d['vm']}: index {d['bytes'] / 1e6:.2f} MB for {d['entries']:.0f} (block, replica) "
+                  f"entries = {d['bytes_per_entry']:.1f} B/entry")
+        print(f"(d) worst VM: {bpe} B per (block, replica) [target <= {TARGETS['bytes_per_entry']:g}] "
+              f"{'MET' if ok['d'] else 'MISSED'}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0 if all(ok.values()) and errors == 0 else 1
+    finally:
+        if feed is not None:
+            feed.stop()
+        procs.stop_all()
+        if args.keep:
+            print(f"work directory: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
