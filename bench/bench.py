@@ -25,6 +25,7 @@ import random
 import re
 import shlex
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -202,7 +203,10 @@ class Router:
             if pol in ("approx", "exact"):
                 feed, agent_http = demo.free_port(), demo.free_port()
                 cfg = b.logdir / f"agent-{pol}.toml"
-                cfg.write_text(demo.agent_config(sims, feed, agent_http))
+                text = demo.agent_config(sims, feed, agent_http)
+                if b.args.agent_load_interval_ms:
+                    text += f"\n[load]\ninterval_ms = {b.args.agent_load_interval_ms}\n"
+                cfg.write_text(text)
                 self._start([b.args.agent_bin, "run", "--config", cfg], f"agent-{pol}")
                 demo.wait_until(lambda: demo.http_get(f"http://127.0.0.1:{agent_http}/healthz") is not None, 20, "the agent")
                 text = envoy_llmgw_config(b.args.wasm, self.port, admin, feed, pol == "exact", b.weights)
@@ -210,7 +214,7 @@ class Router:
                 text = envoy_lb_config(self.port, admin, sims, "ROUND_ROBIN" if pol == "rr" else "LEAST_REQUEST")
             path = b.logdir / f"envoy-{pol}.yaml"
             path.write_text(text)
-            self._start([b.args.envoy, "-c", path, "--concurrency", "2", "--log-level", "warn"], f"envoy-{pol}")
+            self._start([b.args.envoy, "-c", path, "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"], f"envoy-{pol}")
             demo.wait_until(lambda: demo.http_get(f"http://127.0.0.1:{admin}/ready").strip() == "LIVE", 30, "Envoy")
             if pol in ("approx", "exact"):
                 def feed_up() -> bool:
@@ -248,7 +252,7 @@ class Router:
     def send(self, body: dict):
         if self.policy == "oracle":
             return self.oracle.send(body)
-        return demo.stream_request(self.port, body)
+        return stream_request(self.port, body)
 
     def trivial(self):
         """A trivial non-streaming request (prompt shorter than a block: nothing is cached)."""
@@ -260,6 +264,52 @@ class Router:
             r = plain_request(port, b)
             return (r[0] + (t1 - t0), r[1], r[2])
         return plain_request(self.port, b)
+
+
+_conns = threading.local()
+
+
+def stream_request(port: int, b: dict, keepalive: bool = False):
+    """One streaming chat request: (ttft seconds, total seconds, status). With `keepalive`, each
+    client thread reuses one connection per port, as a router's upstream pool does (the oracle
+    sends this way, so its replicas see the same transport as behind any router)."""
+    data = json.dumps(b).encode()
+    for attempt in range(2):
+        t0 = time.monotonic()
+        pool = getattr(_conns, "pool", None)
+        if pool is None:
+            pool = _conns.pool = {}
+        conn = pool.pop(port, None) if keepalive else None
+        fresh = conn is None
+        if fresh:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            if fresh:
+                conn.connect()
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.request("POST", "/v1/chat/completions", body=data, headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                resp.read()
+                conn.close()
+                return (float("nan"), time.monotonic() - t0, resp.status)
+            ttft = None
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                if ttft is None and line.startswith(b"data: "):
+                    ttft = time.monotonic() - t0
+            if keepalive and not resp.will_close:
+                pool[port] = conn
+            else:
+                conn.close()
+            return (ttft if ttft is not None else float("nan"), time.monotonic() - t0, 200)
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            if fresh or attempt:
+                return (float("nan"), time.monotonic() - t0, 0)
+    return (float("nan"), 0.0, 0)
 
 
 def plain_request(port: int, b: dict):
@@ -314,7 +364,7 @@ class Oracle:
     def send(self, b: dict):
         port, i = self.pick(b)
         try:
-            return demo.stream_request(port, b)
+            return stream_request(port, b, keepalive=True)
         finally:
             with self.lock:
                 self.inflight[i] -= 1
@@ -550,6 +600,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--overhead-samples", type=int, default=20)
     ap.add_argument("--llmgw-weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
+    ap.add_argument("--agent-load-interval-ms", type=int, default=None,
+                    help="llmgw-agent's /metrics scrape interval (its default when omitted)")
     ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")
     ap.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
@@ -585,7 +637,8 @@ def main() -> int:
     md = [f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.monotonic() - t0:.0f} s)\n",
           f"{REPLICAS} llmgw-sim replicas, {args.blocks} KV blocks of {BLOCK} tokens each, prefill {args.prefill_tps:.0f} tok/s, "
           f"decode {args.decode_ms} ms/token, max batch {args.max_batch}, {args.max_tokens} output tokens, seed {args.seed}"
-          + (f", llmgw weights {args.llmgw_weights}" if args.llmgw_weights else "") + ".",
+          + (f", llmgw weights {args.llmgw_weights}" if args.llmgw_weights else "")
+          + (f", agent load scrape every {args.agent_load_interval_ms} ms" if args.agent_load_interval_ms else "") + ".",
           "Hit rate = prefix-cache hits / queries (tokens, from the replicas' /metrics deltas); TTFT = time to the first "
           "SSE data line at the client; share = vllm:request_success_total deltas (1.00 = fair share); overhead = median "
           "latency of a trivial request via the router minus direct to a replica (the oracle: its probe time).",
