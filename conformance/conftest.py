@@ -180,7 +180,9 @@ class Replica:
         text = (f'[[replicas]]\nname = "{self.name}"\naddress = "{self.address}"\nmodels = ["{self.model}"]\n'
                 f'endpoint = "{ep}"\nmode = "{self.mode}"\nreplay_endpoint = "tcp://127.0.0.1:{self.replay}"\n'
                 f'topic = "kv-events"\n')
-        if (self.algo or "sha256") != "sha256_cbor" or self.seed != "0":
+        # Only D is declared to the agent with its own hash settings; E (another seed) is declared
+        # like the fleet, as an operator would who does not know it was started differently.
+        if self.model != MODEL:
             text += f'[replicas.hash]\nalgo = "{self.algo or "sha256"}"\nblock_size = {BLOCK}\n'
             if self.seed is not None:
                 text += f'seed = "{self.seed}"\n'
