@@ -331,6 +331,17 @@ class Fleet:
         self.envoy: Envoy | None = None
         self.envoy_proc = None
 
+    def start_envoy(self, name: str = "envoy") -> Envoy:
+        listen, admin = free_port(), free_port()
+        (self.logdir / f"{name}.yaml").write_text(envoy_yaml(listen, admin, self.feed))
+        self.envoy_proc = self.procs.start([ENVOY, "-c", self.logdir / f"{name}.yaml", "--concurrency", "2",
+                                            "--log-level", "warn", "--disable-hot-restart"], name)
+        self.envoy = Envoy(listen, admin)
+        wait_until(lambda: http_json(f"http://127.0.0.1:{admin}/ready", timeout=2)[2].strip() == "LIVE", 60,
+                   "Envoy /ready")
+        self.envoy.wait_feed()
+        return self.envoy
+
     def start_replica(self, r: Replica, with_events: bool = True) -> subprocess.Popen:
         r.proc = self.procs.start(r.serve_args(with_events), f"vllm-{r.name}", env=vllm_env(r.seed))
         return r.proc
@@ -431,10 +442,5 @@ def fleet(procs, logdir):
         list(ex.map(lambda r: wait_healthy(r, r.proc), reps))
     for r in reps:
         f.agent.wait_up(r.name)
-    listen, admin = free_port(), free_port()
-    (logdir / "envoy.yaml").write_text(envoy_yaml(listen, admin, f.feed))
-    f.envoy_proc = procs.start([ENVOY, "-c", logdir / "envoy.yaml", "--concurrency", "2", "--log-level", "warn"], "envoy")
-    f.envoy = Envoy(listen, admin)
-    wait_until(lambda: http_json(f"http://127.0.0.1:{admin}/ready", timeout=2)[2].strip() == "LIVE", 60, "Envoy /ready")
-    f.envoy.wait_feed()
+    f.start_envoy()
     yield f
