@@ -155,8 +155,8 @@ pub struct ZmqConfig {
     pub down_after_disconnect_ms: u64,
     /// When a publisher reconnects, ask its replay socket for the last batch applied here: a
     /// different or missing batch means the engine restarted, and its blocks leave at once
-    /// (instead of when its next batch arrives).
-    #[serde(default)]
+    /// (instead of when its next batch arrives). On by default; needs a replay endpoint.
+    #[serde(default = "default_true")]
     pub verify_on_reconnect: bool,
     /// Blocks one engine may hold; past it the engine's mirror is reset (flood bound).
     #[serde(default = "default_max_blocks")]
@@ -313,7 +313,7 @@ impl Default for ZmqConfig {
             replay_timeout_ms: default_replay_timeout(),
             max_blocks_per_engine: default_max_blocks(),
             down_after_disconnect_ms: default_publisher_down(),
-            verify_on_reconnect: false,
+            verify_on_reconnect: true,
         }
     }
 }

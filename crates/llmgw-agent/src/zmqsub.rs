@@ -183,6 +183,12 @@ impl Engine {
             for _ in events.iter().filter(|c| !**c) {
                 self.on_disconnected();
             }
+            // A restart seen within one poll (the old connection's drop and the new one's
+            // arrival together): the new connection is already up, verify it now.
+            if self.connections > 0 && self.reconnect_pending && self.cfg.verify_on_reconnect {
+                self.reconnect_pending = false;
+                self.verify_reconnect();
+            }
             self.check_publisher_down();
         }
     }
