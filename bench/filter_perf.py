@@ -5,7 +5,11 @@ One run measures, for a 16 KB chat body whose prompt is 4,096 tokens (256 blocks
 
   (a) the filter's own decision time (body parse, tokenizer call body, tokenizer answer parse,
       hashing, scoring, routing; not the tokenizer round trip): p50 of the filter's
-      `llmgw_decision_us` histogram, per round, read from Envoy's admin stats;
+      `llmgw_decision_us` histogram, per round, read from Envoy's admin stats. The rounds repeat
+      one prompt, so after the first request its blocks come from the hasher's digest memo; a
+      cold phase afterwards (second front Envoy, Python tokenizer stub) measures prompts that
+      miss the memo: ones the index holds (every block hashed: the worst case) and ones nobody
+      holds (hashing stops at the first batch);
   (b) latency added through Envoy at 1 connection (wrk p50, filter minus plain);
   (c) throughput at 8 connections (wrk requests/s, filter / plain);
   (d) index memory per VM per (block, replica): the filter's `llmgw_index_bytes` and
@@ -57,6 +61,8 @@ from filter_support import FeedStub, block_keys, envoy_config, http, load_feed_p
 MODEL = "m1"
 BLOCK = 16
 SEED = "0"
+# Prompts the cold phase cycles through: 200 x 256 blocks overflow the 8192-block digest memo.
+COLD_PROMPTS = 200
 TARGETS = {"decision_us": 150.0, "added_ms": 0.5, "throughput_ratio": 0.60, "bytes_per_entry": 24.0}
 
 WRK_SCRIPT = r"""
@@ -189,6 +195,81 @@ def front_config(wasm: Path, listen: int, plain: int, admin: int, agent: int, re
     text = text.replace("\n  listeners:\n", "\n" + listener, 1)
     text = text.replace("\n  clusters:\n", "\n" + cluster, 1)
     return text
+
+
+class ColdTokenizer:
+    """A stub replica whose /tokenize answers prompts of the same length as the benchmark's,
+    differing from it (and from each other) in the first token, so no block is in the filter's
+    digest memo: `mode = "indexed"` cycles through `indexed` such prompts (whose blocks the index
+    holds: every block is hashed), `mode = "new"` answers a prompt never seen (nobody holds
+    block 0: hashing stops early). Other paths answer a small JSON. Python: slow, but only the
+    filter's own time is read from it."""
+
+    FIRST = 1_000_000
+
+    def __init__(self, port: int, tokens: list[int], indexed: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        rest = json.dumps(tokens[1:], separators=(",", ":"))[1:].encode()
+        head = f'{{"count":{len(tokens)},"max_model_len":32768,"tokens":['.encode()
+        tail = b',"token_strs":null}'
+        counter = iter(range(1 << 62))
+        lock = threading.Lock()
+        stub = self
+        self.mode = "indexed"
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.path == "/tokenize":
+                    with lock:
+                        n = next(counter)
+                    first = ColdTokenizer.FIRST + (n % indexed if stub.mode == "indexed" else indexed + n)
+                    body = head + str(first).encode() + b"," + rest + tail
+                else:
+                    body = b'{"replica":"cold","choices":[{"text":"ok"}]}'
+                try:
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the load generator closed the connection
+                    self.close_connection = True
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                pass  # connections closed by the load generator at the end of a run
+
+        self.server = Server(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def chunked_feed_class(pb):
+    class ChunkedFeed(FeedStub):
+        # Snapshot chunks of at most 20k keys (one message per chunk).
+        def initial_messages(self):
+            msgs = [{"replicas": pb.ReplicaTable(replicas=[pb.Replica(**r) for r in self.replicas])}]
+            for rid, ks in self.blocks.items():
+                for i in range(0, max(len(ks), 1), 20_000):
+                    msgs.append({"snapshot": pb.SnapshotChunk(replica=rid, first=i == 0, blocks=ks[i:i + 20_000])})
+            msgs.append({"snapshot_complete": pb.SnapshotComplete()})
+            return msgs
+
+    return ChunkedFeed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +435,8 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-filter-perf-"))
     procs = Procs(tmp)
-    feed = None
+    feeds: list = []
+    cold_stub = None
     load_start = os.getloadavg()
     try:
         body = chat_body(args.body_bytes)
@@ -385,46 +467,43 @@ def main() -> int:
         replicas = [{"id": r, "name": f"r{r}", "address": f"127.0.0.1:{p}", "models": [MODEL], "up": True}
                     for r, p in enumerate(ports)]
         pb, pb_grpc = load_feed_proto(tmp / "gen")
-
-        class ChunkedFeed(FeedStub):
-            # Snapshot chunks of at most 20k keys (one message per chunk).
-            def initial_messages(self):
-                msgs = [{"replicas": pb.ReplicaTable(replicas=[pb.Replica(**r) for r in self.replicas])}]
-                for rid, ks in self.blocks.items():
-                    for i in range(0, max(len(ks), 1), 20_000):
-                        msgs.append({"snapshot": pb.SnapshotChunk(replica=rid, first=i == 0,
-                                                                  blocks=ks[i:i + 20_000])})
-                msgs.append({"snapshot_complete": pb.SnapshotComplete()})
-                return msgs
+        ChunkedFeed = chunked_feed_class(pb)
 
         if pin:
             os.sched_setaffinity(0, {cpu_rest})
-        feed = ChunkedFeed(pb, pb_grpc, free_port(), replicas, blocks)
-        n_initial = len(feed.initial_messages())
-
-        # Front Envoy: filter listener and plain listener.
-        listen, plain, admin = free_port(), free_port(), free_port()
         filter_cfg = {
             "agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "explain_header": False,
             "max_body_bytes": 33554432,
             "profiles": [{"name": "default", "models": [MODEL], "kv_events": True, "block_size": BLOCK,
                           "hash_algo": "sha256_cbor", "seed": SEED, "tokenizer": "tokenize",
                           "tokenizer_timeout_ms": 2000}]}
-        (tmp / "front.yaml").write_text(front_config(Path(args.wasm).resolve(), listen, plain, admin, feed.port,
-                                                     ports[0], filter_cfg))
-        front = procs.start([args.envoy, "-c", tmp / "front.yaml", "--concurrency", 1, "--disable-hot-restart",
-                     "--base-id", random.randrange(1000, 60000), "--log-level", "warn"], "front", cpu_front)
-        wait_port(admin)
-        wait_ready(admin)
-        deadline = time.monotonic() + 120
-        while True:
-            msgs = plain_stats(admin).get("wasmcustom.llmgw_feed_messages_total", 0)
-            # The worker VM and the main thread's ticking VM each apply the snapshot.
-            if feed.snapshots_sent >= 2 and msgs >= 2 * n_initial:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the filter VMs did not apply the feed snapshot")
-            time.sleep(0.2)
+
+        def start_front(name: str, reps: list[dict], blks: dict[int, list[int]]):
+            """A feed stub and a front Envoy (filter listener, plain listener to the first replica);
+            returns once the filter VMs applied the snapshot."""
+            fd = ChunkedFeed(pb, pb_grpc, free_port(), reps, blks)
+            feeds.append(fd)
+            n_initial = len(fd.initial_messages())
+            lis, pln, adm = free_port(), free_port(), free_port()
+            first_port = int(reps[0]["address"].rsplit(":", 1)[1])
+            (tmp / f"{name}.yaml").write_text(front_config(Path(args.wasm).resolve(), lis, pln, adm, fd.port,
+                                                           first_port, filter_cfg))
+            proc = procs.start([args.envoy, "-c", tmp / f"{name}.yaml", "--concurrency", 1, "--disable-hot-restart",
+                                "--base-id", random.randrange(1000, 60000), "--log-level", "warn"], name, cpu_front)
+            wait_port(adm)
+            wait_ready(adm)
+            deadline = time.monotonic() + 120
+            while True:
+                msgs = plain_stats(adm).get("wasmcustom.llmgw_feed_messages_total", 0)
+                # The worker VM and the main thread's ticking VM each apply the snapshot.
+                if fd.snapshots_sent >= 2 and msgs >= 2 * n_initial:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the filter VMs did not apply the feed snapshot")
+                time.sleep(0.2)
+            return proc, lis, pln, adm
+
+        front, listen, plain, admin = start_front("front", replicas, blocks)
 
         # (d) index memory, after the snapshot.
         time.sleep(0.5)
@@ -480,10 +559,31 @@ def main() -> int:
                   flush=True)
 
         d1 = decisions(admin)
+
+        # Cold: every request's prompt is new (no block in the digest memo). A second front Envoy
+        # whose only replica is a Python stub answering a fresh prompt per /tokenize call; only
+        # the filter's own time is read (1 connection).
+        cold_stub = ColdTokenizer(free_port(), tokens, COLD_PROMPTS)
+        cold_keys = [k for j in range(COLD_PROMPTS)
+                     for k in block_keys([ColdTokenizer.FIRST + j] + tokens[1:], BLOCK, SEED)]
+        cold_reps = [{"id": 0, "name": "cold", "address": f"127.0.0.1:{cold_stub.server.server_address[1]}",
+                      "models": [MODEL], "up": True}]
+        cold_front, cold_listen, _, cold_admin = start_front("front-cold", cold_reps, {0: cold_keys + blocks[0]})
+        cold_url = f"http://127.0.0.1:{cold_listen}/v1/chat/completions"
+        cold = {}
+        for mode in ("indexed", "new"):
+            cold_stub.mode = mode
+            run_wrk(cold_url, 1, 1, script, body_path, cpu_rest)
+            before = decision_buckets(cold_admin)
+            run_wrk(cold_url, 1, max(args.duration, 4), script, body_path, cpu_rest)
+            time.sleep(0.5)
+            cold[mode] = bucket_p50(before, decision_buckets(cold_admin))
+        cold_decisions = decisions(cold_admin)
+
         errors = sum(rr[k]["non2xx"] + rr[k]["errors"] for rr in rounds for k in rr if k != "round")
         conn_tag = f"c{args.connections}"
-        decision = med([rr[f"filter_{t}"]["decision_p50_us"] for rr in rounds for t in ("c1", conn_tag)])
-        decision_c1 = med([rr["filter_c1"]["decision_p50_us"] for rr in rounds])
+        decision = med([rr["filter_c1"]["decision_p50_us"] for rr in rounds])
+        decision_cn = med([rr[f"filter_{conn_tag}"]["decision_p50_us"] for rr in rounds])
         added = med([(rr["filter_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds])
         p50_ratio = med([rr["filter_c1"]["p50_us"] / rr["plain_c1"]["p50_us"] for rr in rounds])
         tput = med([rr[f"filter_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds])
@@ -497,7 +597,10 @@ def main() -> int:
             "tokenizer_stub_p50_us": tok["p50_us"], "tokenizer_stub_rps_c1": tok["rps"],
             "decisions": {k: d1.get(k, 0) - d0.get(k, 0) for k in d1},
             "errors": errors,
-            "a_decision_p50_us": decision, "a_decision_p50_us_c1": decision_c1,
+            "a_decision_p50_us": decision, f"a_decision_p50_us_{conn_tag}": decision_cn,
+            "a_cold_indexed_decision_p50_us": cold["indexed"][0], "a_cold_indexed_samples": cold["indexed"][1],
+            "a_cold_new_decision_p50_us": cold["new"][0], "a_cold_new_samples": cold["new"][1],
+            "cold_decisions": cold_decisions,
             "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_added_p50_ms": added, "b_p50_ratio": p50_ratio,
@@ -514,6 +617,7 @@ def main() -> int:
         }
         ok = {
             "a": decision is not None and decision <= TARGETS["decision_us"],
+            "a_cold": cold["indexed"][0] is not None and cold["indexed"][0] <= TARGETS["decision_us"],
             "b": added is not None and added <= TARGETS["added_ms"],
             "c": tput is not None and tput >= TARGETS["throughput_ratio"],
             "d": bpe is not None and bpe <= TARGETS["bytes_per_entry"],
@@ -526,8 +630,13 @@ def main() -> int:
               f"{args.blocks} filler blocks; {args.rounds} interleaved rounds of {args.duration:g} s; "
               f"decisions in rounds: {result['decisions']}; errors/non-2xx: {errors}")
         print(f"tokenizer stub alone (backend Envoy direct response, 1 conn): p50 {tok['p50_us']} µs")
-        print(f"(a) decision time p50 (llmgw_decision_us, median of rounds): {decision} µs "
+        print(f"(a) decision time p50 (llmgw_decision_us, 1 conn, median of rounds; this prompt's blocks in the "
+              f"digest memo after the first request): {decision} µs ({conn_tag}: {decision_cn} µs) "
               f"[target <= {TARGETS['decision_us']:g}] {'MET' if ok['a'] else 'MISSED'}")
+        print(f"(a) memo-cold, the index holds the prompt (256 sha256; {cold['indexed'][1]} samples): "
+              f"{cold['indexed'][0]} µs [target <= {TARGETS['decision_us']:g}] {'MET' if ok['a_cold'] else 'MISSED'}")
+        print(f"(a) a prompt nobody holds (hashing stops after the first batch; {cold['new'][1]} samples): "
+              f"{cold['new'][0]} µs; cold decisions: {cold_decisions}")
         print(f"(b) 1 conn p50: plain {result['b_plain_p50_ms']:.3f} ms, filter {result['b_filter_p50_ms']:.3f} ms; "
               f"added {added:.3f} ms (ratio {p50_ratio:.2f}) [target <= {TARGETS['added_ms']:g} ms] "
               f"{'MET' if ok['b'] else 'MISSED'}")
@@ -547,9 +656,11 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return 0 if all(ok.values()) and errors == 0 else 1
     finally:
-        if feed is not None:
-            feed.stop()
+        for fd in feeds:
+            fd.stop()
         procs.stop_all()
+        if cold_stub is not None:
+            cold_stub.stop()
         if args.keep:
             print(f"work directory: {tmp}")
         else:

@@ -16,6 +16,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 const EXPLAIN_HEADER: &str = "x-llmgw-decision";
+/// Blocks hashed before the first look at the index (see `Request::exact_scores`).
+const FIRST_HASH_BATCH: usize = 8;
 /// Leading bytes hashed by the approximate fallback when no profile says otherwise.
 const DEFAULT_APPROX_BYTES: usize = 1024;
 
@@ -93,8 +95,11 @@ impl Request {
         Request { shared, path: String::new(), pending: None, counted: None, explain: None, busy_ns: 0, done: false }
     }
 
-    /// Hashes `tokens` for the profile and scores them against the index; `None` when the
-    /// request has no full block or hashing failed.
+    /// Hashes `tokens` for the profile and scores them against the index; `None` when hashing
+    /// failed. Only the leading run some replica holds matters, so blocks are hashed in growing
+    /// batches (8, 16, 32, ...) and hashing stops once no replica holds the last block hashed:
+    /// a prompt nobody has cached costs a few sha256s, not one per block. Each batch rescores
+    /// from block 0, so at most about twice the needed blocks are looked up.
     fn exact_scores(s: &mut Shared, profile: usize, parsed: &ParsedRequest, tokens: &[u32]) -> Option<()> {
         let p = s.config.profiles.get(profile)?;
         let block_size = usize::try_from(p.block_size).ok()?;
@@ -105,11 +110,24 @@ impl Request {
         };
         let Shared { hashers, scratch, feed, .. } = s;
         let hasher = hashers.get_mut(profile)?.as_mut()?;
+        let full = tokens.len().checked_div(block_size)?;
         scratch.hashes.clear();
-        hasher.hash_request_into(tokens, block_size, &extras, &mut scratch.hashes).ok()?;
         scratch.keys.clear();
-        scratch.keys.extend(scratch.hashes.iter().map(|h| h.key));
-        feed.index.score_into(&scratch.keys, &mut scratch.scores);
+        let mut batch = FIRST_HASH_BATCH;
+        loop {
+            let added = hasher.hash_request_more(tokens, block_size, &extras, &mut scratch.hashes, batch).ok()?;
+            let from = scratch.keys.len();
+            scratch.keys.extend(scratch.hashes.iter().skip(from).map(|h| h.key));
+            feed.index.score_into(&scratch.keys, &mut scratch.scores);
+            let hashed = scratch.keys.len();
+            let someone_holds_all = scratch.scores.leading.iter().any(|&l| usize::try_from(l).ok() == Some(hashed));
+            if added == 0 || hashed >= full || !someone_holds_all {
+                break;
+            }
+            batch = batch.saturating_mul(2);
+        }
+        // Shares are of the whole request, hashed or not.
+        scratch.scores.total = u32::try_from(full).unwrap_or(u32::MAX);
         Some(())
     }
 

@@ -210,9 +210,6 @@ pub struct BlockHasher {
 /// prefix seen before costs one encoding and one xxh3 per block instead of a sha256. The result
 /// is the same digest: a hit needs the whole preimage's 128-bit tag to match (an accidental
 /// match has probability 2⁻¹²⁸ per lookup; the key is secret, so tags cannot be aimed).
-/// The chain's starting tag (the memo belongs to one hasher, so to one root).
-const CHAIN_ROOT: [u64; 2] = [0x6c6c_6d67_726f_6f74, 1];
-
 struct DigestCache {
     key: u64,
     /// (tag, digest bytes, digest length); a zero tag marks an empty slot.
@@ -234,24 +231,23 @@ impl DigestCache {
         [0, 0]
     }
 
-    /// The chained tag of a block of a request without extra keys (see
-    /// `BlockHasher::hash_plain_request_memo`); keyed apart from preimage tags.
+    /// The tag of a block without extra keys: the parent digest and the raw token ids (which
+    /// determine its preimage), keyed apart from preimage tags.
     #[cfg(feature = "xxhash")]
-    fn chain(&self, prev: &[u64; 2], tokens: &[u32], scratch: &mut Vec<u8>) -> [u64; 2] {
+    fn plain_tag(&self, parent: &Digest, tokens: &[u32], scratch: &mut Vec<u8>) -> [u64; 2] {
         scratch.clear();
-        scratch.extend_from_slice(&prev[0].to_le_bytes());
-        scratch.extend_from_slice(&prev[1].to_le_bytes());
+        scratch.extend_from_slice(parent.as_bytes());
         for t in tokens {
             scratch.extend_from_slice(&t.to_le_bytes());
         }
-        let t = xxhash_rust::xxh3::xxh3_128_with_seed(scratch, self.key ^ 0x6368_6169_6e65_6421);
+        let t = xxhash_rust::xxh3::xxh3_128_with_seed(scratch, self.key ^ 0x706c_6169_6e21_2121);
         let hi = (t >> 64) as u64;
         let lo = t as u64;
         [hi, if hi == 0 && lo == 0 { 1 } else { lo }]
     }
 
     #[cfg(not(feature = "xxhash"))]
-    fn chain(&self, _prev: &[u64; 2], _tokens: &[u32], _scratch: &mut Vec<u8>) -> [u64; 2] {
+    fn plain_tag(&self, _parent: &Digest, _tokens: &[u32], _scratch: &mut Vec<u8>) -> [u64; 2] {
         [0, 0]
     }
 
@@ -473,17 +469,73 @@ impl BlockHasher {
         extras: &RequestExtras,
         out: &mut Vec<BlockHash>,
     ) -> Result<(), HashError> {
+        let root = self.root;
+        self.hash_blocks(tokens, block_size, extras, 0, root, usize::MAX, out).map(|_| ())
+    }
+
+    /// Hashes a request's blocks a few at a time: `done` holds the hashes of its first blocks
+    /// (from earlier calls, empty at first); appends those of up to `n` more full blocks and
+    /// returns how many. A router that only needs the leading run some replica holds can stop
+    /// at the first block nobody holds instead of hashing the whole prompt.
+    pub fn hash_request_more(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        extras: &RequestExtras,
+        done: &mut Vec<BlockHash>,
+        n: usize,
+    ) -> Result<usize, HashError> {
+        let parent = done.last().map_or(self.root, |b| b.digest);
+        self.hash_blocks(tokens, block_size, extras, done.len(), parent, n, done)
+    }
+
+    /// Hashes up to `n` full blocks from block `first` (whose parent is `parent`), appending.
+    #[allow(clippy::too_many_arguments)]
+    fn hash_blocks(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        extras: &RequestExtras,
+        first: usize,
+        mut parent: Digest,
+        n: usize,
+        out: &mut Vec<BlockHash>,
+    ) -> Result<usize, HashError> {
         if block_size == 0 {
             return Err(HashError::ZeroBlockSize);
         }
+        let blocks = tokens.chunks_exact(block_size).enumerate().skip(first).take(n);
+        let mut added = 0usize;
         if self.cache.is_some() && extras.cache_salt.is_none() && extras.lora.is_none() && extras.mm.is_empty() {
-            self.hash_plain_request_memo(tokens, block_size, out);
-            return Ok(());
+            // No extra keys: the memo's tag is taken over the parent digest and the raw token ids
+            // (what the preimage encodes), so a memo hit needs no preimage encoding.
+            let Self { algo, buf, pickler, cache, .. } = self;
+            let mut raw = std::mem::take(buf);
+            for (_, block) in blocks {
+                let d = match cache.as_mut() {
+                    Some(c) => {
+                        let tag = c.plain_tag(&parent, block, &mut raw);
+                        match c.get(&tag) {
+                            Some(d) => d,
+                            None => {
+                                let d = digest(*algo, encode(*algo, &mut raw, pickler, &parent, block, &[]));
+                                c.put(tag, &d);
+                                d
+                            }
+                        }
+                    }
+                    None => digest(*algo, encode(*algo, &mut raw, pickler, &parent, block, &[])),
+                };
+                out.push(BlockHash { digest: d, key: d.key() });
+                parent = d;
+                added = added.saturating_add(1);
+            }
+            *buf = raw;
+            return Ok(added);
         }
-        let mut parent = self.root;
         let mut mm_idx = 0usize;
         let mut extra = std::mem::take(&mut self.extras);
-        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+        for (i, block) in blocks {
             let start = (i as u64).saturating_mul(block_size as u64);
             let end = start.saturating_add(block_size as u64);
             extra.clear();
@@ -499,40 +551,10 @@ impl BlockHasher {
             let digest = self.hash_block(&parent, block, &extra);
             out.push(BlockHash { digest, key: digest.key() });
             parent = digest;
+            added = added.saturating_add(1);
         }
         self.extras = extra;
-        Ok(())
-    }
-
-    /// [`Self::hash_request_into`] for a request without extra keys, with the memo on: block
-    /// `i`'s memo tag chains the previous block's tag with the block's raw token ids, which
-    /// (like the digest) is a function of the root and every token up to the block's end, so a
-    /// memo hit costs one short xxh3 and no preimage encoding.
-    fn hash_plain_request_memo(&mut self, tokens: &[u32], block_size: usize, out: &mut Vec<BlockHash>) {
-        let Self { algo, root, buf, pickler, cache, .. } = self;
-        let mut parent = *root;
-        let mut prev = CHAIN_ROOT;
-        let mut raw = std::mem::take(buf);
-        for block in tokens.chunks_exact(block_size) {
-            let d = match cache.as_mut() {
-                Some(c) => {
-                    let tag = c.chain(&prev, block, &mut raw);
-                    prev = tag;
-                    match c.get(&tag) {
-                        Some(d) => d,
-                        None => {
-                            let d = digest(*algo, encode(*algo, &mut raw, pickler, &parent, block, &[]));
-                            c.put(tag, &d);
-                            d
-                        }
-                    }
-                }
-                None => digest(*algo, encode(*algo, &mut raw, pickler, &parent, block, &[])),
-            };
-            out.push(BlockHash { digest: d, key: d.key() });
-            parent = d;
-        }
-        *buf = raw;
+        Ok(added)
     }
 }
 
@@ -642,6 +664,31 @@ mod tests {
             let first = big.hash_request(&base, 16, &ex);
             assert_eq!(big.hash_request(&base, 16, &ex), first);
             assert_eq!(first, plain.hash_request(&base, 16, &ex));
+        }
+    }
+
+    #[test]
+    fn hashing_a_few_blocks_at_a_time_gives_the_same_chain() {
+        let toks: Vec<u32> = (0..200).map(|i| i * 31 % 50_000).collect();
+        let mm = vec![MmFeature { identifier: "img".into(), offset: 20, length: 30 }];
+        for memo in [0, 64] {
+            for ex in [
+                RequestExtras::default(),
+                RequestExtras { cache_salt: Some("s".into()), ..Default::default() },
+                RequestExtras { lora: Some(("a".into(), "/p".into())), mm: mm.clone(), ..Default::default() },
+            ] {
+                let Ok(h) = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")) else { panic!("hasher") };
+                let mut h = h.with_cache(memo, 9);
+                let whole = h.hash_request(&toks, 16, &ex).unwrap_or_default();
+                assert_eq!(whole.len(), 12);
+                let mut done = Vec::new();
+                let mut steps = Vec::new();
+                for n in [1, 2, 4, 8, 16] {
+                    steps.push(h.hash_request_more(&toks, 16, &ex, &mut done, n).unwrap_or(99));
+                }
+                assert_eq!(steps, vec![1, 2, 4, 5, 0]);
+                assert_eq!(done, whole);
+            }
         }
     }
 
