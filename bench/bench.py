@@ -199,6 +199,7 @@ class Router:
             self.oracle = Oracle(b.args, sims)
             return
         self.port, admin = demo.free_port(), demo.free_port()
+        self.admin = admin
         if pol in ("rr", "lr", "approx", "exact"):
             if pol in ("approx", "exact"):
                 feed, agent_http = demo.free_port(), demo.free_port()
@@ -224,6 +225,7 @@ class Router:
             return
         peers = b.args.peers_venv / "bin"
         prom = demo.free_port()
+        self.prom = prom
         if pol == "sglang":
             cmd = [peers / "sglang-router", "launch", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *fleet.urls(),
                    "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warn"]
@@ -243,6 +245,22 @@ class Router:
         def ready() -> bool:
             return self.trivial()[2] == 200
         demo.wait_until(ready, 60, f"{pol} to route")
+
+    def stats(self) -> dict:
+        """The router's own view: llmgw's decisions by outcome; vllm-router's KV lookups."""
+        out: dict = {}
+        try:
+            if self.policy in ("approx", "exact"):
+                text = demo.http_get(f"http://127.0.0.1:{self.admin}/stats?filter=llmgw_prefix_decisions_total")
+                for name, v in re.findall(r"llmgw_prefix_decisions_total\.outcome\.(\w+): (\d+)", text):
+                    out[name] = out.get(name, 0) + int(v)
+            elif self.policy == "vllm-kv":
+                text = demo.http_get(f"http://127.0.0.1:{self.prom}/metrics")
+                for res, v in re.findall(r'vllm_router_kv_placement_lookups_total\{result="(\w+)"\} ([0-9.]+)', text):
+                    out[f"lookup_{res}"] = int(float(v))
+        except OSError:
+            pass
+        return out
 
     def stop(self) -> None:
         for p in reversed(self.procs_started):
@@ -480,6 +498,7 @@ class Bench:
                             router.start(fleet)
                             ovh = overhead(router, fleet, a.overhead_samples)
                             r = run_traffic(f"{w} c={c} {POLICIES[pol]}", router, fleet.sims, sessions[w], c)
+                            r["router_stats"] = router.stats()
                         except (TimeoutError, OSError, RuntimeError) as e:
                             self.skipped[pol] = f"{type(e).__name__}: {e} (log: {self.logdir})"
                             print(f"\n  {POLICIES[pol]}: could not run: {e}")
