@@ -559,6 +559,9 @@ def main() -> int:
                   flush=True)
 
         d1 = decisions(admin)
+        _, _, raw = http("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
+        upstream = {line.split(": ")[0].replace("cluster.", ""): int(line.split(": ")[1])
+                    for line in raw.decode().splitlines() if ": " in line}
 
         # Cold: every request's prompt is new (no block in the digest memo). A second front Envoy
         # whose only replica is a Python stub answering a fresh prompt per /tokenize call; only
@@ -601,6 +604,7 @@ def main() -> int:
             "a_cold_indexed_decision_p50_us": cold["indexed"][0], "a_cold_indexed_samples": cold["indexed"][1],
             "a_cold_new_decision_p50_us": cold["new"][0], "a_cold_new_samples": cold["new"][1],
             "cold_decisions": cold_decisions,
+            "upstream_connections_requests": upstream,
             "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_added_p50_ms": added, "b_p50_ratio": p50_ratio,
@@ -629,6 +633,7 @@ def main() -> int:
         print(f"body {len(body)} B, {len(tokens)} prompt tokens, {len(keys)} blocks; {args.replicas} replicas x "
               f"{args.blocks} filler blocks; {args.rounds} interleaved rounds of {args.duration:g} s; "
               f"decisions in rounds: {result['decisions']}; errors/non-2xx: {errors}")
+        print(f"upstream connections / requests (front Envoy): {upstream}")
         print(f"tokenizer stub alone (backend Envoy direct response, 1 conn): p50 {tok['p50_us']} µs")
         print(f"(a) decision time p50 (llmgw_decision_us, 1 conn, median of rounds; this prompt's blocks in the "
               f"digest memo after the first request): {decision} µs ({conn_tag}: {decision_cn} µs) "

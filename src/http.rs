@@ -98,8 +98,8 @@ impl Request {
     /// Hashes `tokens` for the profile and scores them against the index; `None` when hashing
     /// failed. Only the leading run some replica holds matters, so blocks are hashed in growing
     /// batches (8, 16, 32, ...) and hashing stops once no replica holds the last block hashed:
-    /// a prompt nobody has cached costs a few sha256s, not one per block. Each batch rescores
-    /// from block 0, so at most about twice the needed blocks are looked up.
+    /// a prompt nobody has cached costs a few sha256s, not one per block. Each batch is scored
+    /// on its own and joined to the runs so far, so every block is looked up once.
     fn exact_scores(s: &mut Shared, profile: usize, parsed: &ParsedRequest, tokens: &[u32]) -> Option<()> {
         let p = s.config.profiles.get(profile)?;
         let block_size = usize::try_from(p.block_size).ok()?;
@@ -118,7 +118,19 @@ impl Request {
             let added = hasher.hash_request_more(tokens, block_size, &extras, &mut scratch.hashes, batch).ok()?;
             let from = scratch.keys.len();
             scratch.keys.extend(scratch.hashes.iter().skip(from).map(|h| h.key));
-            feed.index.score_into(&scratch.keys, &mut scratch.scores);
+            let new_keys = scratch.keys.get(from..).unwrap_or_default();
+            if from == 0 {
+                feed.index.score_into(new_keys, &mut scratch.scores);
+            } else {
+                // Leading runs over the concatenation: a replica that held every block so far
+                // extends its run by its run in the new batch.
+                feed.index.score_into(new_keys, &mut scratch.batch);
+                for (l, &more) in scratch.scores.leading.iter_mut().zip(&scratch.batch.leading) {
+                    if usize::try_from(*l).ok() == Some(from) {
+                        *l = l.saturating_add(more);
+                    }
+                }
+            }
             let hashed = scratch.keys.len();
             let someone_holds_all = scratch.scores.leading.iter().any(|&l| usize::try_from(l).ok() == Some(hashed));
             if added == 0 || hashed >= full || !someone_holds_all {

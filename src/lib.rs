@@ -46,6 +46,8 @@ pub(crate) struct Scratch {
     pub hashes: Vec<BlockHash>,
     pub keys: Vec<u64>,
     pub scores: Scores,
+    /// One hashing batch's scores (see `http::Request::exact_scores`).
+    pub batch: Scores,
     pub lead: Vec<u8>,
 }
 
