@@ -72,16 +72,14 @@ impl ParityStats {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Held {
-    count: u32,
-    /// The full digest, when this mirror recomputed it and it matched the published key.
-    digest: Option<Digest>,
-}
-
 /// One engine's (replica, data-parallel rank) mirror.
+///
+/// Memory: a held block costs one map entry (key and copy count). Full digests, needed to
+/// verify a later run that continues from a block, are kept only for the last block of each
+/// verified run (where decode-filled blocks and follow-up turns continue) while it is held.
 pub struct EngineMirror {
-    held: KeyMap<Held>,
+    held: KeyMap<u32>,
+    tails: KeyMap<Digest>,
     hasher: Option<BlockHasher>,
     lora_paths: BTreeMap<String, String>,
     stats: MirrorStats,
@@ -94,6 +92,7 @@ impl EngineMirror {
     pub fn new(parity: Option<BlockHasher>) -> Self {
         Self {
             held: KeyMap::default(),
+            tails: KeyMap::default(),
             hasher: parity,
             lora_paths: BTreeMap::new(),
             stats: MirrorStats::default(),
@@ -127,7 +126,7 @@ impl EngineMirror {
 
     /// How many copies of `key` the engine holds.
     pub fn count(&self, key: u64) -> u32 {
-        self.held.get(&key).map_or(0, |h| h.count)
+        self.held.get(&key).copied().unwrap_or(0)
     }
 
     /// Every held block key, sorted (a snapshot).
@@ -143,6 +142,7 @@ impl EngineMirror {
         self.stats.resets = self.stats.resets.saturating_add(1);
         let mut keys = self.keys();
         self.held.clear();
+        self.tails.clear();
         out.extend(keys.drain(..).map(NetChange::Removed));
     }
 
@@ -164,6 +164,7 @@ impl EngineMirror {
                         self.touch(k);
                     }
                     self.held.clear();
+                    self.tails.clear();
                 }
                 KvEvent::Unknown(_) => self.stats.unknown_events = self.stats.unknown_events.saturating_add(1),
             }
@@ -208,16 +209,15 @@ impl EngineMirror {
             return;
         }
         self.stats.events_applied = self.stats.events_applied.saturating_add(1);
-        let digests = self.check_parity(s);
-        for (i, &k) in s.hashes.iter().enumerate() {
+        let tail = self.check_parity(s);
+        for &k in &s.hashes {
             self.touch(k);
-            let digest = digests.get(i).copied().flatten();
-            let h = self.held.entry(k).or_insert(Held { count: 0, digest: None });
-            h.count = h.count.saturating_add(1);
-            if h.digest.is_none() {
-                h.digest = digest;
-            }
+            let c = self.held.entry(k).or_insert(0);
+            *c = c.saturating_add(1);
             self.stats.blocks_stored = self.stats.blocks_stored.saturating_add(1);
+        }
+        if let Some((k, d)) = tail {
+            self.tails.insert(k, d);
         }
     }
 
@@ -229,9 +229,10 @@ impl EngineMirror {
         for &k in &r.hashes {
             self.touch(k);
             match self.held.get_mut(&k) {
-                Some(h) if h.count > 1 => h.count = h.count.saturating_sub(1),
+                Some(c) if *c > 1 => *c = c.saturating_sub(1),
                 Some(_) => {
                     self.held.remove(&k);
+                    self.tails.remove(&k);
                 }
                 None => self.stats.removed_not_held = self.stats.removed_not_held.saturating_add(1),
             }
@@ -239,12 +240,13 @@ impl EngineMirror {
         }
     }
 
-    /// Recomputes the stored run's hashes where possible; returns the verified digest per block.
-    fn check_parity(&mut self, s: &StoredBlocks) -> Vec<Option<Digest>> {
+    /// Recomputes the stored run's hashes where possible; returns the last block's key and
+    /// digest when the whole run verified (a later run may continue from it).
+    fn check_parity(&mut self, s: &StoredBlocks) -> Option<(u64, Digest)> {
         let n = s.hashes.len();
         let unverifiable = |stats: &mut MirrorStats| {
             stats.parity.unverifiable = stats.parity.unverifiable.saturating_add(n as u64);
-            Vec::new()
+            None
         };
         let Some(hasher) = self.hasher.as_mut() else {
             return unverifiable(&mut self.stats);
@@ -257,32 +259,37 @@ impl EngineMirror {
         }
         let parent = match s.parent {
             None => Some(hasher.root()),
-            Some(p) => self.held.get(&p).and_then(|h| h.digest),
+            Some(p) => self.tails.get(&p).copied(),
         };
         let Some(mut parent) = parent else {
             return unverifiable(&mut self.stats);
         };
-        let mut out = Vec::with_capacity(n);
+        let mut all_matched = true;
+        let mut last: Option<(u64, Digest)> = None;
         let lora_paths = &self.lora_paths;
         for (i, (block, &published)) in s.token_ids.chunks_exact(bs).zip(&s.hashes).enumerate() {
             let Some(extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
                 let rest = n.saturating_sub(i) as u64;
                 self.stats.parity.unverifiable = self.stats.parity.unverifiable.saturating_add(rest);
-                break;
+                return None;
             };
             let d = hasher.hash_block(&parent, block, &extra);
             if d.key() == published {
                 self.stats.parity.matched = self.stats.parity.matched.saturating_add(1);
-                out.push(Some(d));
+                last = Some((published, d));
             } else {
                 self.stats.parity.mismatched = self.stats.parity.mismatched.saturating_add(1);
                 self.stats.parity.last_mismatch = Some((published, d.key()));
-                out.push(None);
+                all_matched = false;
             }
             // On a mismatch the engine's true digest is unknown; chaining on ours keeps a
             // wrong seed or algorithm visible on every block of the run.
             parent = d;
         }
-        out
+        if all_matched {
+            last
+        } else {
+            None
+        }
     }
 }
