@@ -34,7 +34,10 @@ rounds (plain, filter, plain, filter, ...; the order alternates per round), rati
 against the baseline measured in the same round, median of rounds.
 
 Usage: .venv/bin/python bench/filter_perf.py [--rounds 10] [--duration 3] [--json out.json]
-Needs wrk (Debian: apt-get install wrk), Envoy in .venv (./build.sh setup) and dist/llmgw.wasm.
+   or: ./build.sh bench filter [same options]
+Needs wrk (Debian: apt-get install wrk), Envoy in .venv and a current dist/llmgw.wasm. Exits 1
+when a target is missed. The machine's other load changes every figure: read the ratios, the
+CPU per request and the load average printed with them.
 """
 
 from __future__ import annotations
@@ -312,6 +315,27 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+def perf_split(pid: int, url: str, args, script: Path, body: Path, cpu, out: Path) -> dict[str, float]:
+    """CPU per request of the front Envoy by code region (Envoy, kernel, JIT = V8's wasm code,
+    libc, ...), sampled with perf during one wrk run."""
+    rec = subprocess.Popen(["perf", "record", "-F", "4999", "-p", str(pid), "-o", str(out), "--", "sleep",
+                            str(max(args.duration, 3) - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cpu0 = cpu_seconds(pid)
+    time.sleep(0.5)
+    r = run_wrk(url, args.connections, max(args.duration, 3), script, body, cpu)
+    rec.wait(timeout=30)
+    busy_us = (cpu_seconds(pid) - cpu0) * 1e6 / max(r["requests"], 1)
+    rep = subprocess.run(["perf", "report", "-i", str(out), "--sort", "dso", "--stdio"], capture_output=True,
+                         text=True).stdout
+    shares: dict[str, float] = {}
+    for line in rep.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith("%"):
+            name = "JIT (wasm)" if parts[1] == "[JIT]" else parts[1]
+            shares[name] = shares.get(name, 0.0) + float(parts[0].rstrip("%"))
+    return {"total": busy_us, **{k: busy_us * v / 100 for k, v in shares.items()}}
+
+
 def run_wrk(url: str, connections: int, seconds: float, script: Path, body: Path, cpu: int | None) -> dict:
     args = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(script), url]
     if cpu is not None:
@@ -424,6 +448,8 @@ def main() -> int:
     ap.add_argument("--envoy", default=shutil.which("envoy") or str(ROOT / ".venv" / "bin" / "envoy"))
     ap.add_argument("--wasm", default=str(ROOT / "dist" / "llmgw.wasm"))
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile", action="store_true",
+                    help="also sample the front Envoy with perf during one extra run of each arm (where the CPU goes)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
     args = ap.parse_args()
 
@@ -529,6 +555,14 @@ def main() -> int:
                     f"http://127.0.0.1:{listen}/v1/chat/completions"):
             run_wrk(url, args.connections, 1.0, script, body_path, cpu_rest)
 
+        profile = {}
+        if args.profile and shutil.which("perf"):
+            for arm, url in (("plain", f"http://127.0.0.1:{plain}/v1/chat/completions"),
+                             ("filter", f"http://127.0.0.1:{listen}/v1/chat/completions")):
+                profile[arm] = perf_split(front.pid, url, args, script, body_path, cpu_rest, tmp / f"perf-{arm}.data")
+                print(f"perf, front Envoy, {arm} at {args.connections} conns: " + ", ".join(
+                    f"{k} {v:.0f} µs/request" for k, v in profile[arm].items()), flush=True)
+
         rounds = []
         urls = {"plain": f"http://127.0.0.1:{plain}/v1/chat/completions",
                 "filter": f"http://127.0.0.1:{listen}/v1/chat/completions"}
@@ -604,6 +638,7 @@ def main() -> int:
             "a_cold_indexed_decision_p50_us": cold["indexed"][0], "a_cold_indexed_samples": cold["indexed"][1],
             "a_cold_new_decision_p50_us": cold["new"][0], "a_cold_new_samples": cold["new"][1],
             "cold_decisions": cold_decisions,
+            "perf_front_us_per_request": profile,
             "upstream_connections_requests": upstream,
             "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
