@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -410,6 +411,8 @@ class Fleet:
 def logdir() -> Path:
     d = LOG_DIR / time.strftime("%Y%m%d-%H%M%S")
     d.mkdir(parents=True, exist_ok=True)
+    for old in sorted(p for p in LOG_DIR.iterdir() if p.is_dir())[:-10]:  # keep the last 10 runs
+        shutil.rmtree(old, ignore_errors=True)
     return d
 
 
