@@ -535,6 +535,20 @@ def tables(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def summary(results: list[dict]) -> str:
+    """One row per policy: hit rate / mean TTFT / busiest replica for every (workload, concurrency)."""
+    keys = sorted({(r["workload"], r["concurrency"]) for r in results}, key=lambda k: (list(WORKLOADS).index(k[0]), k[1]))
+    out = ["| policy | " + " | ".join(f"{w} c={c}" for w, c in keys) + " |", "|---|" + "---|" * len(keys)]
+    for p in POLICIES:
+        cells = []
+        for w, c in keys:
+            r = next((r for r in results if r["policy"] == p and r["workload"] == w and r["concurrency"] == c), None)
+            cells.append("—" if r is None else f"{r['hit_rate'] * 100:.0f} % / {r['ttft_mean']:.0f} ms / {r['max_share_x_fair']:.2f}")
+        if any(c != "—" for c in cells):
+            out.append(f"| {POLICIES[p]} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def targets(results: list[dict]) -> list[str]:
     """The issue's targets on the shared-prefix workload."""
     lines = []
@@ -551,7 +565,7 @@ def targets(results: list[dict]) -> list[str]:
             if oracle:
                 ratio = me["hit_rate"] / oracle["hit_rate"] if oracle["hit_rate"] else float("nan")
                 lines.append(f"- {name}: hit rate {me['hit_rate'] * 100:.1f} % = {ratio * 100:.0f} % of the oracle's "
-                             f"{oracle['hit_rate'] * 100:.1f} % (target ≥ 90 %): {'met' if ratio >= 0.9 else f'MISSED by {(0.9 - ratio) * 100:.0f} points'}")
+                             f"{oracle['hit_rate'] * 100:.1f} % (target ≥ 90 %): {'met' if ratio >= 0.9 else f'MISSED by {(0.9 - ratio) * 100:.1f} points'}")
             if rr:
                 ratio = me["ttft_mean"] / rr["ttft_mean"]
                 lines.append(f"- {name}: mean TTFT {me['ttft_mean']:.0f} ms = {ratio:.2f} × round-robin's {rr['ttft_mean']:.0f} ms "
@@ -624,6 +638,7 @@ def main() -> int:
     ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")
     ap.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
+    ap.add_argument("--from-json", type=Path, default=None, help="rewrite the report from a saved bench.json (no runs)")
     args = ap.parse_args()
     if args.workloads is None:
         args.workloads = ["shared-prefix", "multi-turn"] if args.quick else list(WORKLOADS)
@@ -646,36 +661,50 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        header = saved.get("header") or [f"Command: `{saved['command']}`\n", setup_line(saved["args"])]
+        return report(args.out, header, saved["results"], saved["skipped"], saved["command"])
     t0 = time.monotonic()
     try:
         bench.run()
     finally:
         bench.procs.stop_all()
-    args.out.mkdir(parents=True, exist_ok=True)
-    tgt = targets(bench.results)
-    md = [f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.monotonic() - t0:.0f} s)\n",
-          f"{REPLICAS} llmgw-sim replicas, {args.blocks} KV blocks of {BLOCK} tokens each, prefill {args.prefill_tps:.0f} tok/s, "
-          f"decode {args.decode_ms} ms/token, max batch {args.max_batch}, {args.max_tokens} output tokens, seed {args.seed}"
-          + (f", llmgw weights {args.llmgw_weights}" if args.llmgw_weights else "")
-          + (f", agent load scrape every {args.agent_load_interval_ms} ms" if args.agent_load_interval_ms else "") + ".",
+    header = [f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.monotonic() - t0:.0f} s)\n",
+              setup_line({k: str(v) for k, v in vars(args).items()})]
+    return report(args.out, header, bench.results, bench.skipped, command)
+
+
+def setup_line(a: dict) -> str:
+    return (f"{REPLICAS} llmgw-sim replicas, {a['blocks']} KV blocks of {BLOCK} tokens each, prefill {float(a['prefill_tps']):.0f} tok/s, "
+            f"decode {a['decode_ms']} ms/token, max batch {a['max_batch']}, {a['max_tokens']} output tokens, seed {a['seed']}"
+            + (f", llmgw weights {a['llmgw_weights']}" if a.get("llmgw_weights") not in (None, "None") else "")
+            + (f", agent load scrape every {a['agent_load_interval_ms']} ms" if a.get("agent_load_interval_ms") not in (None, "None") else "")
+            + ". Timings share 2 cores with everything else on the machine: compare policies within one run.")
+
+
+def report(out: Path, header: list[str], results: list[dict], skipped: dict, command: str) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    tgt = targets(results)
+    md = [*header,
           "Hit rate = prefix-cache hits / queries (tokens, from the replicas' /metrics deltas); TTFT = time to the first "
           "SSE data line at the client; share = vllm:request_success_total deltas (1.00 = fair share); overhead = median "
           "latency of a trivial request via the router minus direct to a replica (the oracle: its probe time).",
-          tables(bench.results)]
+          "\n**All workloads**: hit rate / mean TTFT / busiest replica (× fair share)\n", summary(results),
+          tables(results)]
     if tgt:
         md += ["\n**Targets** (shared-prefix workload, 4 replicas):\n", *tgt]
-    if bench.skipped:
-        md += ["\n**Not run:**\n", *[f"- {POLICIES[p]}: {why}" for p, why in bench.skipped.items()]]
+    if skipped:
+        md += ["\n**Not run:**\n", *[f"- {POLICIES[p]}: {why}" for p, why in skipped.items()]]
     text = "\n".join(md) + "\n"
-    (args.out / "bench.md").write_text(text)
-    (args.out / "bench.json").write_text(json.dumps({"command": command, "args": {k: str(v) for k, v in vars(args).items()},
-                                                      "results": bench.results, "skipped": bench.skipped}, indent=2))
-    charts = chart(bench.results, args.out)
+    (out / "bench.md").write_text(text)
+    (out / "bench.json").write_text(json.dumps({"command": command, "header": header, "results": results, "skipped": skipped}, indent=2))
+    charts = chart(results, out)
     print()
     print(text)
     rel = lambda p: p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
-    print(f"written: {rel(args.out / 'bench.md')}, {rel(args.out / 'bench.json')}" + "".join(f", {rel(p)}" for p in charts))
-    return 0 if bench.results else 1
+    print(f"written: {rel(out / 'bench.md')}, {rel(out / 'bench.json')}" + "".join(f", {rel(p)}" for p in charts))
+    return 0 if results else 1
 
 
 if __name__ == "__main__":
