@@ -608,9 +608,10 @@ def chart(results: list[dict], out: Path) -> list[Path]:
             ax.set_title(title, fontsize=10)
             if key == "max_share_x_fair":
                 ax.axhline(1.5, color="k", ls="--", lw=0.8)
-        axes[0].legend(fontsize=7, loc="lower left")
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(pols), fontsize=8, frameon=False)
         fig.suptitle(f"{w}: {WORKLOADS[w]}")
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
         p = out / f"{w}.png"
         fig.savefig(p, dpi=100)
         plt.close(fig)
