@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import math
 import random
 import re
 import shlex
@@ -32,6 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -277,9 +277,12 @@ class Router:
         b = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
         if self.policy == "oracle":
             t0 = time.monotonic()
-            port = self.oracle.pick(b)[0]
+            port, i = self.oracle.pick(b)
             t1 = time.monotonic()
-            r = plain_request(port, b)
+            try:
+                r = plain_request(port, b)
+            finally:
+                self.oracle.done(i)
             return (r[0] + (t1 - t0), r[1], r[2])
         return plain_request(self.port, b)
 
@@ -374,18 +377,21 @@ class Oracle:
                 uncached = max(0, p["prompt_tokens"] - p["cached_blocks"] * BLOCK)
                 load = max(self.inflight[i], p["running"] + p["waiting"])
                 queue = max(0, load + 1 - a.max_batch) * service_ms / a.max_batch
-                return (uncached / a.prefill_tps * 1000 + queue, load, hash((key, i)) & 0xFFFF)
+                return (uncached / a.prefill_tps * 1000 + queue, load, zlib.crc32(f"{i}|{key}".encode()))
             best = min(range(len(self.sims)), key=cost)
             self.inflight[best] += 1
         return self.sims[best]["port"], best
+
+    def done(self, i: int) -> None:
+        with self.lock:
+            self.inflight[i] -= 1
 
     def send(self, b: dict):
         port, i = self.pick(b)
         try:
             return stream_request(port, b, keepalive=True)
         finally:
-            with self.lock:
-                self.inflight[i] -= 1
+            self.done(i)
 
 
 # ----------------------------------------------------------------------------------------------
