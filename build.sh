@@ -118,7 +118,16 @@ setup_peers() {
 bench() {
   # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core)
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
+  # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
   setup
+  if [ "${1:-}" = filter ]; then
+    shift
+    build_wasm
+    setup_envoy
+    command -v wrk >/dev/null || { echo "wrk not found (apt-get install wrk)" >&2; exit 1; }
+    PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/filter_perf.py "$@"
+    return
+  fi
   if [ "${1:-}" = core ]; then
     shift
     log "criterion benchmarks (core)"
