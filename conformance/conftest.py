@@ -226,7 +226,10 @@ def wait_healthy(r: Replica, proc: subprocess.Popen, timeout: float = STARTUP_TI
 def agent_toml(replicas: list[Replica], feed: int, http: int) -> str:
     parts = [f'[feed]\nlisten = "127.0.0.1:{feed}"\n', f'[http]\nlisten = "127.0.0.1:{http}"\n',
              f'[hash]\nalgo = "sha256_cbor"\nseed = "0"\nblock_size = {BLOCK}\n',
-             '[parity]\nmin_verified = 1\n']
+             '[parity]\nmin_verified = 1\n',
+             # Long down timers: a restarted replica must lose its blocks because the agent sees the
+             # restart (new publisher, sequence back to 0), not because it was unreachable for a while.
+             '[load]\ndown_after_ms = 300000\n', '[zmq]\ndown_after_disconnect_ms = 300000\n']
     parts += [r.agent_toml() for r in replicas]
     return "\n".join(parts)
 

@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
-# A token of the local vocabulary that is neither special nor EOS ("the"-like filler).
+# An ordinary token id of the local vocabulary (neither special nor EOS).
 SAMPLED_TOKEN = 300
 
 
