@@ -332,7 +332,7 @@ def main() -> int:
             path = logdir / f"envoy-{mode}.yaml"
             path.write_text(envoy_round_robin_config(listen, admin, sims) if mode == "rr"
                             else envoy_llmgw_config(wasm, listen, admin, feed_port, mode == "exact"))
-            envoy = procs.start([args.envoy, "-c", path, "--concurrency", "2", "--log-level", "warn"], f"envoy-{mode}")
+            envoy = procs.start([args.envoy, "-c", path, "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"], f"envoy-{mode}")
             wait_until(lambda: http_get(f"http://127.0.0.1:{admin}/ready").strip() == "LIVE", 30, "Envoy")
             if mode != "rr":
                 # The replica table comes from the agent's feed: wait for every VM's subscription.

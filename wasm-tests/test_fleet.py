@@ -73,7 +73,7 @@ def fleet(procs, tmp_path, agent_bin, wasm_path, envoy_bin):
     cfg = demo.envoy_llmgw_config(wasm_path, listen, admin, feed, True).replace('\\"agent_cluster\\"', '\\"explain_header\\":true,\\"agent_cluster\\"')
     assert "explain_header" in cfg
     (tmp_path / "envoy.yaml").write_text(cfg)
-    procs.start([envoy_bin, "-c", tmp_path / "envoy.yaml", "--concurrency", "2", "--log-level", "warn"], "envoy")
+    procs.start([envoy_bin, "-c", tmp_path / "envoy.yaml", "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"], "envoy")
 
     def ready():
         try:

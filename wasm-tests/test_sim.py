@@ -66,16 +66,17 @@ def test_events_hashes_hits_replay_restart(sim, agent_bin):
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     sub.connect(f"tcp://127.0.0.1:{sim['kv']}")
     url = sim["url"]
-    prompt = " ".join(f"word{i}" for i in range(70))  # 71 tokens with BOS: 4 full blocks
-    toks = post(f"{url}/tokenize", {"model": "m", "prompt": prompt})["tokens"]
-    assert len(toks) == 71
-    # PUB/SUB drops messages sent before the subscription is live: retry a first request
-    # until its events arrive (the readiness signal), then check its hashes.
+    # PUB/SUB drops messages sent before the subscription is live: send first requests (a new
+    # prompt each time, so each stores new blocks) until their events arrive.
     deadline = time.monotonic() + 30
-    stored = []
+    stored, attempt = [], 0
     while not stored and time.monotonic() < deadline:
+        prompt = f"attempt{attempt} " + " ".join(f"word{i}" for i in range(69))  # 71 tokens with BOS: 4 full blocks
+        toks = post(f"{url}/tokenize", {"model": "m", "prompt": prompt})["tokens"]
+        assert len(toks) == 71
         post(f"{url}/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2})
         _, stored = recv_batches(sub, 4, timeout=2.0)
+        attempt += 1
     expected = json.loads(subprocess.run([agent_bin, "hash", "--algo", "sha256_cbor", "--seed", "0", "--block-size", "16"],
                                          input=json.dumps(toks).encode(), capture_output=True, check=True).stdout)
     assert stored[:4] == [b["u64"] for b in expected["blocks"]]

@@ -145,6 +145,11 @@ fn run(a: Args) -> Result<(), String> {
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("listen {addr}: {e}"))?;
         eprintln!("llmgw-sim {} serving {} on http://{addr}", a.name, a.model);
+        // No Nagle delay on streamed chunks (vLLM's server sets TCP_NODELAY too).
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, router(engine))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
