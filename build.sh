@@ -172,6 +172,10 @@ conformance() {
   cargo build -q --release -p llmgw-agent
   build_wasm
   setup_envoy
+  if ! cmp -s conformance/requirements.txt "$VENV/.conformance-requirements.installed"; then
+    "$VENV/bin/pip" install -q -r conformance/requirements.txt
+    cp conformance/requirements.txt "$VENV/.conformance-requirements.installed"
+  fi
   log "conformance suite against vLLM $vllm_version"
   (cd conformance && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }
