@@ -44,6 +44,15 @@ setup_envoy() {
   fi
 }
 
+# The chart library the demo and the fleet benchmark draw their PNGs with.
+setup_charts() {
+  if ! cmp -s demo/requirements.txt "$VENV/.demo-requirements.installed"; then
+    log "installing the chart library into .venv"
+    "$VENV/bin/pip" install -q -r demo/requirements.txt
+    cp demo/requirements.txt "$VENV/.demo-requirements.installed"
+  fi
+}
+
 build_wasm() {
   log "building llmgw.wasm"
   cargo build -q --release --target "$WASM_TARGET" -p llmgw
@@ -87,11 +96,7 @@ demo() {
   cargo build -q --release -p llmgw-agent -p llmgw-sim
   build_wasm
   setup_envoy
-  if ! cmp -s demo/requirements.txt "$VENV/.demo-requirements.installed"; then
-    log "installing the demo's chart library into .venv"
-    "$VENV/bin/pip" install -q -r demo/requirements.txt
-    cp demo/requirements.txt "$VENV/.demo-requirements.installed"
-  fi
+  setup_charts
   "$VENV/bin/python" demo/demo.py --envoy "$VENV/bin/envoy" "$@"
 }
 
@@ -138,11 +143,7 @@ bench() {
   cargo build -q --release -p llmgw-agent -p llmgw-sim
   build_wasm
   setup_envoy
-  if ! cmp -s demo/requirements.txt "$VENV/.demo-requirements.installed"; then
-    log "installing the chart library into .venv"
-    "$VENV/bin/pip" install -q -r demo/requirements.txt
-    cp demo/requirements.txt "$VENV/.demo-requirements.installed"
-  fi
+  setup_charts
   setup_peers
   "$VENV/bin/python" bench/bench.py "$@"
 }

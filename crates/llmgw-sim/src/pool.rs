@@ -10,7 +10,7 @@
 //! * A finished request frees its blocks tail first, so its last blocks are evicted first.
 //! * Two requests can cache the same hash in two blocks; each copy is removed on its own.
 
-use llmgw_core::hash::{BlockHasher, Digest, RequestExtras};
+use llmgw_core::hash::{BlockHash, BlockHasher, Digest, RequestExtras};
 use llmgw_core::wire::{WireBlockRemoved, WireBlockStored, WireEvent, WireValue};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -43,6 +43,8 @@ struct Seq {
     blocks: Vec<usize>,
     /// Number of leading blocks that are full and cached (hashed).
     cached: usize,
+    /// Hashes of the full blocks so far (extended as generated tokens fill blocks).
+    hashes: Vec<BlockHash>,
     extras: RequestExtras,
     lora_name: Option<String>,
 }
@@ -220,7 +222,7 @@ impl BlockPool {
         let id = self.next_seq;
         self.next_seq = self.next_seq.saturating_add(1);
         let hits = hit_tokens / self.block_size;
-        let seq = Seq { tokens, blocks, cached: hits, extras, lora_name };
+        let seq = Seq { tokens, blocks, cached: hits, hashes, extras, lora_name };
         self.seqs.insert(id, seq);
         self.cache_full_blocks(id);
         Ok((id, hit_tokens))
@@ -250,15 +252,19 @@ impl BlockPool {
     /// Caches the request's newly full blocks and emits one `BlockStored` for the run.
     fn cache_full_blocks(&mut self, id: u64) {
         let bs = self.block_size;
-        let Some(s) = self.seqs.get(&id) else { return };
+        let Some(s) = self.seqs.get_mut(&id) else { return };
         let full = s.tokens.len() / bs;
         if full <= s.cached {
             return;
         }
+        // Only blocks filled since the last call are hashed, chained on the previous digest.
+        let more = full.saturating_sub(s.hashes.len());
+        if more > 0 && self.hasher.hash_request_more(&s.tokens, bs, &s.extras, &mut s.hashes, more).is_err() {
+            return;
+        }
+        let Some(s) = self.seqs.get(&id) else { return };
         let start = s.cached;
-        let hashes =
-            self.hasher.hash_request(s.tokens.get(..full.saturating_mul(bs)).unwrap_or_default(), bs, &s.extras);
-        let Ok(hashes) = hashes else { return };
+        let hashes = &s.hashes;
         let parent = start.checked_sub(1).and_then(|p| hashes.get(p)).map(|h| h.key);
         let mut keys = Vec::new();
         let mut extra_keys = Vec::new();

@@ -157,6 +157,17 @@ fn chat_tokens(body: &Value) -> Option<Vec<u32>> {
     Some(t)
 }
 
+/// The prompt tokens of a chat body (one with `messages`, which wins as in vLLM) or a
+/// completion body.
+#[allow(clippy::result_large_err)]
+fn body_tokens(body: &Value) -> Result<Vec<u32>, Response> {
+    if body.get("messages").is_some() {
+        chat_tokens(body).ok_or_else(|| bad_request("messages must be a list"))
+    } else {
+        prompt_tokens(body, true).map_err(bad_request)
+    }
+}
+
 async fn models(State(e): State<Arc<Engine>>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": e.cfg.model, "object": "model", "owned_by": "llmgw-sim", "max_model_len": e.cfg.max_model_len}]}),
@@ -168,16 +179,9 @@ async fn tokenize(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Resp
         return r;
     }
     // As in vLLM, a body with messages is the chat form.
-    let tokens = if body.get("messages").is_some() {
-        match chat_tokens(&body) {
-            Some(t) => t,
-            None => return bad_request("messages must be a list"),
-        }
-    } else {
-        match prompt_tokens(&body, true) {
-            Ok(t) => t,
-            Err(m) => return bad_request(m),
-        }
+    let tokens = match body_tokens(&body) {
+        Ok(t) => t,
+        Err(r) => return r,
     };
     Json(json!({"count": tokens.len(), "max_model_len": e.cfg.max_model_len, "tokens": tokens, "token_strs": null}))
         .into_response()
@@ -397,16 +401,9 @@ async fn restart(State(e): State<Arc<Engine>>) -> Response {
 /// Benchmark oracle: how many leading blocks of this request (a chat or completion body) the
 /// pool holds now, of its full prompt blocks, and the engine's load. Admits nothing.
 async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
-    let tokens = if body.get("messages").is_some() {
-        match chat_tokens(&body) {
-            Some(t) => t,
-            None => return bad_request("messages must be a list"),
-        }
-    } else {
-        match prompt_tokens(&body, true) {
-            Ok(t) => t,
-            Err(m) => return bad_request(m),
-        }
+    let tokens = match body_tokens(&body) {
+        Ok(t) => t,
+        Err(r) => return r,
     };
     let extras = RequestExtras {
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
