@@ -168,17 +168,9 @@ def envoy_lb_config(listen: int, admin: int, sims: list[dict], lb: str) -> str:
 
 
 def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool, weights: dict | None) -> str:
-    """demo's llmgw bootstrap with this run's profile (and any weight overrides)."""
-    text = demo.envoy_llmgw_config(wasm, listen, admin, agent, kv_events)
-    profile = {"name": "bench", "models": ["*"], "kv_events": kv_events, "block_size": BLOCK,
-               "hash_algo": "sha256_cbor", "seed": "0", "tokenizer": "tokenize", "tokenizer_timeout_ms": 500}
-    if weights:
-        profile["weights"] = weights
-    cfg = {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "profiles": [profile]}
-    text, n = re.subn(r"value: \".*\"\n", lambda _m: f"value: {json.dumps(json.dumps(cfg))}\n", text, count=1)
-    if n != 1:
-        raise RuntimeError("filter configuration not found in the generated Envoy config")
-    return text
+    """demo's llmgw bootstrap with this run's block size (and any weight overrides)."""
+    extra = {"block_size": BLOCK, **({"weights": weights} if weights else {})}
+    return demo.envoy_llmgw_config(wasm, listen, admin, agent, kv_events, profile_extra=extra)
 
 
 class Router:

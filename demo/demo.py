@@ -219,15 +219,20 @@ def agent_config(sims: list[dict], feed_port: int, http_port: int) -> str:
     return "\n".join(out)
 
 
-def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool) -> str:
+def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool,
+                       filter_extra: dict | None = None, profile_extra: dict | None = None) -> str:
+    """The shipped bootstrap (envoy/llmgw-local.yaml) with these ports, an absolute wasm path and
+    one catch-all profile; `filter_extra` / `profile_extra` add or override configuration fields."""
     text = (ROOT / "envoy" / "llmgw-local.yaml").read_text()
     text = text.replace("port_value: 9901", f"port_value: {admin}")
     text = text.replace("port_value: 10000", f"port_value: {listen}")
     text = text.replace("port_value: 9090", f"port_value: {agent}")
     text = text.replace("filename: dist/llmgw.wasm", f"filename: {wasm}")
-    cfg = {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer",
-           "profiles": [{"name": "demo", "models": ["*"], "kv_events": kv_events, "block_size": 16,
-                         "hash_algo": "sha256_cbor", "seed": "0", "tokenizer": "tokenize", "tokenizer_timeout_ms": 500}]}
+    profile = {"name": "demo", "models": ["*"], "kv_events": kv_events, "block_size": 16,
+               "hash_algo": "sha256_cbor", "seed": "0", "tokenizer": "tokenize", "tokenizer_timeout_ms": 500,
+               **(profile_extra or {})}
+    cfg = {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", **(filter_extra or {}),
+           "profiles": [profile]}
     text, n = re.subn(r"value: \|\n(?:\s{20}.*\n)+", f"value: {json.dumps(json.dumps(cfg))}\n", text)
     if n != 1:
         raise RuntimeError("filter configuration block not found in envoy/llmgw-local.yaml")
