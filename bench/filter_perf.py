@@ -74,6 +74,17 @@ wrk.headers["content-type"] = "application/json"
 local f = assert(io.open(os.getenv("LLMGW_BENCH_BODY"), "rb"))
 wrk.body = f:read("*a")
 f:close()
+-- LLMGW_BENCH_VARY=1: every request's prompt differs (a counter replaces the body's marker), so
+-- none is in the filter's tokenization cache.
+if os.getenv("LLMGW_BENCH_VARY") == "1" then
+  local n = 0
+  local template = wrk.body
+  request = function()
+    n = n + 1
+    local b = string.gsub(template, "@@@@@@@@@@", string.format("%010d", n), 1)
+    return wrk.format(nil, nil, nil, b)
+  end
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -104,7 +115,8 @@ def chat_body(target_bytes: int) -> bytes:
         w = rng.choice(words)
         text.append(w)
         size += len(w) + 1
-    base["messages"][1]["content"] = " ".join(text)[:room]
+    # The marker lets the load generator make every prompt distinct (see WRK_SCRIPT).
+    base["messages"][1]["content"] = ("@@@@@@@@@@ " + " ".join(text))[:room]
     return json.dumps(base).encode()
 
 
@@ -315,14 +327,15 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-def perf_split(pid: int, url: str, args, script: Path, body: Path, cpu, out: Path) -> dict[str, float]:
+def perf_split(pid: int, url: str, args, script: Path, body: Path, cpu, out: Path,
+               vary: bool = False) -> dict[str, float]:
     """CPU per request of the front Envoy by code region (Envoy, kernel, JIT = V8's wasm code,
     libc, ...), sampled with perf during one wrk run."""
     rec = subprocess.Popen(["perf", "record", "-F", "4999", "-p", str(pid), "-o", str(out), "--", "sleep",
                             str(max(args.duration, 3) - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu0 = cpu_seconds(pid)
     time.sleep(0.5)
-    r = run_wrk(url, args.connections, max(args.duration, 3), script, body, cpu)
+    r = run_wrk(url, args.connections, max(args.duration, 3), script, body, cpu, vary)
     rec.wait(timeout=30)
     busy_us = (cpu_seconds(pid) - cpu0) * 1e6 / max(r["requests"], 1)
     rep = subprocess.run(["perf", "report", "-i", str(out), "--sort", "dso", "--stdio"], capture_output=True,
@@ -336,11 +349,12 @@ def perf_split(pid: int, url: str, args, script: Path, body: Path, cpu, out: Pat
     return {"total": busy_us, **{k: busy_us * v / 100 for k, v in shares.items()}}
 
 
-def run_wrk(url: str, connections: int, seconds: float, script: Path, body: Path, cpu: int | None) -> dict:
+def run_wrk(url: str, connections: int, seconds: float, script: Path, body: Path, cpu: int | None,
+            vary: bool = False) -> dict:
     args = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "5s", "-s", str(script), url]
     if cpu is not None:
         args = ["taskset", "-c", str(cpu)] + args
-    env = dict(os.environ, LLMGW_BENCH_BODY=str(body))
+    env = dict(os.environ, LLMGW_BENCH_BODY=str(body), LLMGW_BENCH_VARY="1" if vary else "0")
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=seconds + 30)
     for line in out.stdout.splitlines():
         if line.startswith("WRKJSON "):
@@ -557,40 +571,47 @@ def main() -> int:
 
         profile = {}
         if args.profile and shutil.which("perf"):
-            for arm, url in (("plain", f"http://127.0.0.1:{plain}/v1/chat/completions"),
-                             ("filter", f"http://127.0.0.1:{listen}/v1/chat/completions")):
-                profile[arm] = perf_split(front.pid, url, args, script, body_path, cpu_rest, tmp / f"perf-{arm}.data")
+            for arm, url, vary in (("plain", f"http://127.0.0.1:{plain}/v1/chat/completions", False),
+                                   ("filter", f"http://127.0.0.1:{listen}/v1/chat/completions", False),
+                                   ("filter_new", f"http://127.0.0.1:{listen}/v1/chat/completions", True)):
+                profile[arm] = perf_split(front.pid, url, args, script, body_path, cpu_rest, tmp / f"perf-{arm}.data",
+                                          vary)
                 print(f"perf, front Envoy, {arm} at {args.connections} conns: " + ", ".join(
                     f"{k} {v:.0f} µs/request" for k, v in profile[arm].items()), flush=True)
 
         rounds = []
+        # Arms: plain Envoy; the filter with one prompt repeated (its tokenization cached after the
+        # first request); the filter with every prompt new (a tokenizer call per request; the
+        # stub's fixed answer keeps the blocks' digests memoised).
         urls = {"plain": f"http://127.0.0.1:{plain}/v1/chat/completions",
-                "filter": f"http://127.0.0.1:{listen}/v1/chat/completions"}
+                "filter": f"http://127.0.0.1:{listen}/v1/chat/completions",
+                "filter_new": f"http://127.0.0.1:{listen}/v1/chat/completions"}
         for i in range(args.rounds):
-            order = ["plain", "filter"] if i % 2 == 0 else ["filter", "plain"]
+            order = ["plain", "filter", "filter_new"] if i % 2 == 0 else ["filter_new", "filter", "plain"]
             rr: dict = {"round": i}
             for conns, tag in ((1, "c1"), (args.connections, f"c{args.connections}")):
                 for arm in order:
-                    before = decision_buckets(admin) if arm == "filter" else None
+                    before = decision_buckets(admin) if arm != "plain" else None
                     cpu0 = (cpu_seconds(front.pid), cpu_seconds(backend.pid))
-                    r = run_wrk(urls[arm], conns, args.duration, script, body_path, cpu_rest)
+                    r = run_wrk(urls[arm], conns, args.duration, script, body_path, cpu_rest, arm == "filter_new")
                     cpu1 = (cpu_seconds(front.pid), cpu_seconds(backend.pid))
                     n_req = max(r["requests"], 1)
                     r["front_cpu_us"] = (cpu1[0] - cpu0[0]) * 1e6 / n_req
                     r["backend_cpu_us"] = (cpu1[1] - cpu0[1]) * 1e6 / n_req
-                    if arm == "filter":
+                    if arm != "plain":
                         time.sleep(0.5)  # stats flush (0.2 s)
                         p50, n = bucket_p50(before, decision_buckets(admin))
                         r["decision_p50_us"], r["decision_n"] = p50, n
                     rr[f"{arm}_{tag}"] = r
             rounds.append(rr)
-            c1f, c1p = rr["filter_c1"], rr["plain_c1"]
-            cnf, cnp = rr[f"filter_c{args.connections}"], rr[f"plain_c{args.connections}"]
-            print(f"round {i}: c1 p50 plain {c1p['p50_us']} µs filter {c1f['p50_us']} µs "
-                  f"(+{(c1f['p50_us'] - c1p['p50_us']) / 1000:.3f} ms); c{args.connections} rps plain "
-                  f"{cnp['rps']:.0f} filter {cnf['rps']:.0f} ({cnf['rps'] / cnp['rps']:.2f}); decision p50 "
-                  f"{c1f['decision_p50_us']} / {cnf['decision_p50_us']} µs; load {os.getloadavg()[0]:.2f}",
-                  flush=True)
+            c1f, c1n, c1p = rr["filter_c1"], rr["filter_new_c1"], rr["plain_c1"]
+            cnf, cnn, cnp = (rr[f"{a}_c{args.connections}"] for a in ("filter", "filter_new", "plain"))
+            print(f"round {i}: c1 p50 plain {c1p['p50_us']} µs, repeated {c1f['p50_us']} µs "
+                  f"(+{(c1f['p50_us'] - c1p['p50_us']) / 1000:.3f} ms), new {c1n['p50_us']} µs "
+                  f"(+{(c1n['p50_us'] - c1p['p50_us']) / 1000:.3f} ms); c{args.connections} rps plain "
+                  f"{cnp['rps']:.0f}, repeated {cnf['rps']:.0f} ({cnf['rps'] / cnp['rps']:.2f}), new {cnn['rps']:.0f} "
+                  f"({cnn['rps'] / cnp['rps']:.2f}); decision p50 repeated {c1f['decision_p50_us']}, new "
+                  f"{c1n['decision_p50_us']} µs; load {os.getloadavg()[0]:.2f}", flush=True)
 
         d1 = decisions(admin)
         _, _, raw = http("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
@@ -610,9 +631,9 @@ def main() -> int:
         cold = {}
         for mode in ("indexed", "new"):
             cold_stub.mode = mode
-            run_wrk(cold_url, 1, 1, script, body_path, cpu_rest)
+            run_wrk(cold_url, 1, 1, script, body_path, cpu_rest, vary=True)
             before = decision_buckets(cold_admin)
-            run_wrk(cold_url, 1, max(args.duration, 4), script, body_path, cpu_rest)
+            run_wrk(cold_url, 1, max(args.duration, 4), script, body_path, cpu_rest, vary=True)
             time.sleep(0.5)
             cold[mode] = bucket_p50(before, decision_buckets(cold_admin))
         cold_decisions = decisions(cold_admin)
@@ -621,9 +642,12 @@ def main() -> int:
         conn_tag = f"c{args.connections}"
         decision = med([rr["filter_c1"]["decision_p50_us"] for rr in rounds])
         decision_cn = med([rr[f"filter_{conn_tag}"]["decision_p50_us"] for rr in rounds])
+        decision_new = med([rr["filter_new_c1"]["decision_p50_us"] for rr in rounds])
         added = med([(rr["filter_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds])
+        added_new = med([(rr["filter_new_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds])
         p50_ratio = med([rr["filter_c1"]["p50_us"] / rr["plain_c1"]["p50_us"] for rr in rounds])
         tput = med([rr[f"filter_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds])
+        tput_new = med([rr[f"filter_new_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds])
         per_entry = [b / e for _, b, e in mem]
         bpe = max(per_entry) if per_entry else None
         result = {
@@ -635,6 +659,7 @@ def main() -> int:
             "decisions": {k: d1.get(k, 0) - d0.get(k, 0) for k in d1},
             "errors": errors,
             "a_decision_p50_us": decision, f"a_decision_p50_us_{conn_tag}": decision_cn,
+            "a_new_prompt_decision_p50_us": decision_new,
             "a_cold_indexed_decision_p50_us": cold["indexed"][0], "a_cold_indexed_samples": cold["indexed"][1],
             "a_cold_new_decision_p50_us": cold["new"][0], "a_cold_new_samples": cold["new"][1],
             "cold_decisions": cold_decisions,
@@ -643,13 +668,17 @@ def main() -> int:
             "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
             "b_added_p50_ms": added, "b_p50_ratio": p50_ratio,
+            "b_new_prompt_filter_p50_ms": med([rr["filter_new_c1"]["p50_us"] / 1000 for rr in rounds]),
+            "b_new_prompt_added_p50_ms": added_new,
             "c_plain_rps": med([rr[f"plain_{conn_tag}"]["rps"] for rr in rounds]),
             "c_filter_rps": med([rr[f"filter_{conn_tag}"]["rps"] for rr in rounds]),
             "c_throughput_ratio": tput,
+            "c_new_prompt_filter_rps": med([rr[f"filter_new_{conn_tag}"]["rps"] for rr in rounds]),
+            "c_new_prompt_throughput_ratio": tput_new,
             "front_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["front_cpu_us"] for rr in rounds])
-                                         for arm in ("plain", "filter")},
+                                         for arm in ("plain", "filter", "filter_new")},
             "backend_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["backend_cpu_us"] for rr in rounds])
-                                           for arm in ("plain", "filter")},
+                                           for arm in ("plain", "filter", "filter_new")},
             "d_index": [{"vm": vm, "bytes": b, "entries": e, "bytes_per_entry": b / e} for vm, b, e in mem],
             "d_bytes_per_entry": bpe,
             "rounds_detail": rounds,
@@ -658,7 +687,9 @@ def main() -> int:
             "a": decision is not None and decision <= TARGETS["decision_us"],
             "a_cold": cold["indexed"][0] is not None and cold["indexed"][0] <= TARGETS["decision_us"],
             "b": added is not None and added <= TARGETS["added_ms"],
+            "b_new": added_new is not None and added_new <= TARGETS["added_ms"],
             "c": tput is not None and tput >= TARGETS["throughput_ratio"],
+            "c_new": tput_new is not None and tput_new >= TARGETS["throughput_ratio"],
             "d": bpe is not None and bpe <= TARGETS["bytes_per_entry"],
         }
         result["targets_met"] = ok
@@ -670,23 +701,27 @@ def main() -> int:
               f"decisions in rounds: {result['decisions']}; errors/non-2xx: {errors}")
         print(f"upstream connections / requests (front Envoy): {upstream}")
         print(f"tokenizer stub alone (backend Envoy direct response, 1 conn): p50 {tok['p50_us']} µs")
-        print(f"(a) decision time p50 (llmgw_decision_us, 1 conn, median of rounds; this prompt's blocks in the "
-              f"digest memo after the first request): {decision} µs ({conn_tag}: {decision_cn} µs) "
-              f"[target <= {TARGETS['decision_us']:g}] {'MET' if ok['a'] else 'MISSED'}")
-        print(f"(a) memo-cold, the index holds the prompt (256 sha256; {cold['indexed'][1]} samples): "
-              f"{cold['indexed'][0]} µs [target <= {TARGETS['decision_us']:g}] {'MET' if ok['a_cold'] else 'MISSED'}")
-        print(f"(a) a prompt nobody holds (hashing stops after the first batch; {cold['new'][1]} samples): "
+        mm = lambda k: "MET" if ok[k] else "MISSED"  # noqa: E731
+        print(f"(a) decision time p50 (llmgw_decision_us, 1 conn, median of rounds) [target <= {TARGETS['decision_us']:g}]:")
+        print(f"    repeated prompt (tokenization cache hit): {decision} µs ({conn_tag}: {decision_cn} µs) {mm('a')}")
+        print(f"    new prompt, blocks in the digest memo (tokenizer call; its answer parsed): {decision_new} µs")
+        print(f"    new prompt, memo-cold, the index holds it (256 sha256; {cold['indexed'][1]} samples): "
+              f"{cold['indexed'][0]} µs {mm('a_cold')}")
+        print(f"    new prompt nobody holds (hashing stops after the first batch; {cold['new'][1]} samples): "
               f"{cold['new'][0]} µs; cold decisions: {cold_decisions}")
-        print(f"(b) 1 conn p50: plain {result['b_plain_p50_ms']:.3f} ms, filter {result['b_filter_p50_ms']:.3f} ms; "
-              f"added {added:.3f} ms (ratio {p50_ratio:.2f}) [target <= {TARGETS['added_ms']:g} ms] "
-              f"{'MET' if ok['b'] else 'MISSED'}")
-        print(f"(c) {args.connections} conns: plain {result['c_plain_rps']:.0f} rps, filter "
-              f"{result['c_filter_rps']:.0f} rps; ratio {tput:.2f} [target >= {TARGETS['throughput_ratio']:g}] "
-              f"{'MET' if ok['c'] else 'MISSED'}")
+        print(f"(b) added latency p50, 1 conn (plain {result['b_plain_p50_ms']:.3f} ms) [target <= {TARGETS['added_ms']:g} ms]:")
+        print(f"    repeated prompt: filter {result['b_filter_p50_ms']:.3f} ms, added {added:.3f} ms {mm('b')}")
+        print(f"    new prompts (tokenizer call each): filter {result['b_new_prompt_filter_p50_ms']:.3f} ms, added "
+              f"{added_new:.3f} ms {mm('b_new')}")
+        print(f"(c) throughput at {args.connections} conns (plain {result['c_plain_rps']:.0f} rps) "
+              f"[target >= {TARGETS['throughput_ratio']:g}]:")
+        print(f"    repeated prompt: {result['c_filter_rps']:.0f} rps, ratio {tput:.2f} {mm('c')}")
+        print(f"    new prompts (tokenizer call each): {result['c_new_prompt_filter_rps']:.0f} rps, ratio {tput_new:.2f} "
+              f"{mm('c_new')}")
         fc, bc = result["front_cpu_us_per_request"], result["backend_cpu_us_per_request"]
-        print(f"    CPU per request at {args.connections} conns: front Envoy plain {fc['plain']:.0f} µs, filter "
-              f"{fc['filter']:.0f} µs (ratio {fc['plain'] / fc['filter']:.2f}); backend plain {bc['plain']:.0f} µs, "
-              f"filter {bc['filter']:.0f} µs (tokenizer stub included)")
+        print(f"    CPU per request at {args.connections} conns: front Envoy plain {fc['plain']:.0f} µs, repeated "
+              f"{fc['filter']:.0f} µs, new {fc['filter_new']:.0f} µs; backend plain {bc['plain']:.0f} µs, repeated "
+              f"{bc['filter']:.0f} µs, new {bc['filter_new']:.0f} µs (tokenizer stub included)")
         for d in result["d_index"]:
             print(f"(d) vm {d['vm']}: index {d['bytes'] / 1e6:.2f} MB for {d['entries']:.0f} (block, replica) "
                   f"entries = {d['bytes_per_entry']:.1f} B/entry")

@@ -5,9 +5,11 @@ use crate::inflight;
 use crate::metrics::{Fallback, TokenizerFailure};
 use crate::{now_ns, Shared};
 use llmgw_core::config::{FilterConfig, Profile, Weights};
+use llmgw_core::hash::BlockHash;
 use llmgw_core::hash::RequestExtras;
 use llmgw_core::policy::{self, Candidate, Decision, Outcome};
-use llmgw_core::request::{parse_request, parse_tokenizer_response, ApiKind, ParsedRequest, Prompt};
+use llmgw_core::request::{parse_request, parse_tokenizer_response, ApiKind, ParsedRequest, Prompt, TokenizerCall};
+use llmgw_core::tokcache::Tokenized;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -27,7 +29,10 @@ struct Pending {
     started_ns: u64,
     profile: usize,
     parsed: ParsedRequest,
-    approx_key: Option<u64>,
+    /// Leading prompt bytes the approximate key reads.
+    approx_bytes: usize,
+    /// The tokenization cache's tag for this request, when the cache is on.
+    cache_tag: Option<u128>,
 }
 
 pub struct Request {
@@ -54,6 +59,7 @@ fn elapsed_us(since_ns: u64) -> u64 {
 
 /// Replicas that serve `model` (all replicas when the model is unknown), with their loads.
 fn candidates<'a>(s: &'a Shared, model: Option<&str>) -> Vec<Candidate<'a>> {
+    let in_flight = inflight::Snapshot::read();
     s.feed
         .replicas
         .iter()
@@ -68,7 +74,7 @@ fn candidates<'a>(s: &'a Shared, model: Option<&str>) -> Vec<Candidate<'a>> {
                 id,
                 address: r.address.as_str(),
                 up: r.up && !r.address.is_empty(),
-                in_flight: inflight::get(&r.address),
+                in_flight: in_flight.get(&r.address),
                 running: load.map_or(0, |l| l.running),
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
@@ -90,17 +96,36 @@ fn approx_bytes(p: Option<&Profile>) -> usize {
     p.map_or(DEFAULT_APPROX_BYTES, |p| usize::try_from(p.approx_prefix_bytes).unwrap_or(DEFAULT_APPROX_BYTES))
 }
 
+/// The approximate fallback's key: a stable hash of the prompt's leading text, or of the raw
+/// body's leading bytes when there is no prompt.
+fn approx_key(parsed: Option<&ParsedRequest>, body: &[u8], nbytes: usize) -> Option<u64> {
+    let mut lead = Vec::new();
+    match parsed {
+        Some(p) if !matches!(p.prompt, Prompt::None) => p.leading_text(nbytes, &mut lead),
+        _ => lead.extend(body.iter().take(nbytes)),
+    }
+    (!lead.is_empty()).then(|| policy::stable_hash(&lead))
+}
+
 impl Request {
     pub fn new(_context_id: u32, shared: Option<Rc<RefCell<Shared>>>) -> Request {
         Request { shared, path: String::new(), pending: None, counted: None, explain: None, busy_ns: 0, done: false }
     }
 
     /// Hashes `tokens` for the profile and scores them against the index; `None` when hashing
-    /// failed. Only the leading run some replica holds matters, so blocks are hashed in growing
-    /// batches (8, 16, 32, ...) and hashing stops once no replica holds the last block hashed:
-    /// a prompt nobody has cached costs a few sha256s, not one per block. Each batch is scored
-    /// on its own and joined to the runs so far, so every block is looked up once.
-    fn exact_scores(s: &mut Shared, profile: usize, parsed: &ParsedRequest, tokens: &[u32]) -> Option<()> {
+    /// failed. `known`: hashes of the request's leading blocks computed earlier (a cached
+    /// tokenization), used before hashing more. Only the leading run some replica holds
+    /// matters, so blocks are hashed in growing batches (8, 16, 32, ...) and hashing stops once
+    /// no replica holds the last block hashed: a prompt nobody has cached costs a few sha256s,
+    /// not one per block. Each batch is scored on its own and joined to the runs so far, so
+    /// every block is looked up once. Afterwards `scratch.hashes` holds every hash computed.
+    fn exact_scores(
+        s: &mut Shared,
+        profile: usize,
+        parsed: &ParsedRequest,
+        tokens: &[u32],
+        known: &[BlockHash],
+    ) -> Option<()> {
         let p = s.config.profiles.get(profile)?;
         let block_size = usize::try_from(p.block_size).ok()?;
         let extras = RequestExtras {
@@ -112,11 +137,16 @@ impl Request {
         let hasher = hashers.get_mut(profile)?.as_mut()?;
         let full = tokens.len().checked_div(block_size)?;
         scratch.hashes.clear();
+        scratch.hashes.extend_from_slice(known.get(..full.min(known.len()))?);
         scratch.keys.clear();
         let mut batch = FIRST_HASH_BATCH;
         loop {
-            let added = hasher.hash_request_more(tokens, block_size, &extras, &mut scratch.hashes, batch).ok()?;
             let from = scratch.keys.len();
+            // This round scores `batch` more blocks, or every known one if there are more.
+            let want = from.saturating_add(batch).max(scratch.hashes.len()).min(full);
+            if let Some(more) = want.checked_sub(scratch.hashes.len()).filter(|&n| n > 0) {
+                hasher.hash_request_more(tokens, block_size, &extras, &mut scratch.hashes, more).ok()?;
+            }
             scratch.keys.extend(scratch.hashes.iter().skip(from).map(|h| h.key));
             let new_keys = scratch.keys.get(from..).unwrap_or_default();
             if from == 0 {
@@ -133,7 +163,7 @@ impl Request {
             }
             let hashed = scratch.keys.len();
             let someone_holds_all = scratch.scores.leading.iter().any(|&l| usize::try_from(l).ok() == Some(hashed));
-            if added == 0 || hashed >= full || !someone_holds_all {
+            if hashed == from || hashed >= full || !someone_holds_all {
                 break;
             }
             batch = batch.saturating_mul(2);
@@ -141,6 +171,21 @@ impl Request {
         // Shares are of the whole request, hashed or not.
         scratch.scores.total = u32::try_from(full).unwrap_or(u32::MAX);
         Some(())
+    }
+
+    /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
+    fn cache_tag(s: &Shared, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<u128> {
+        if !s.tokcache.enabled() {
+            return None;
+        }
+        let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
+        Some(s.tokcache.tag(&[
+            &profile,
+            call.path.as_bytes(),
+            &call.body,
+            parsed.cache_salt.as_deref().unwrap_or_default().as_bytes(),
+            parsed.model.as_deref().unwrap_or_default().as_bytes(),
+        ]))
     }
 
     /// Routes with whatever is known. `exact`: the scores in the scratch space are valid.
@@ -151,13 +196,13 @@ impl Request {
         model: Option<&str>,
         profile: Option<usize>,
         exact: bool,
-        approx_key: Option<u64>,
+        approx_key: &dyn Fn() -> Option<u64>,
         why: Option<Fallback>,
     ) -> bool {
         let w = weights(&s.config, profile);
         let cands = candidates(s, model);
         let scores = if exact { Some(&s.scratch.scores) } else { None };
-        let d: Decision = policy::decide(&cands, scores, approx_key, &w);
+        let d: Decision = policy::decide_lazy(&cands, scores, approx_key, &w);
         let winner = d.winner.and_then(|i| cands.get(i)).map(|c| c.address.to_owned());
         drop(cands);
         s.metrics.outcome(d.outcome);
@@ -215,53 +260,62 @@ impl Request {
         let model = parsed.as_ref().and_then(|p| p.model.clone());
         let profile = profile_index(&s.config, model.as_deref());
         let nbytes = approx_bytes(profile.and_then(|i| s.config.profiles.get(i)));
-        // The approximate key: the prompt's leading text, or the raw body's leading bytes.
-        let mut lead = std::mem::take(&mut s.scratch.lead);
-        match &parsed {
-            Some(p) if p.prompt != Prompt::None => p.leading_text(nbytes, &mut lead),
-            _ => {
-                lead.clear();
-                lead.extend(body.iter().take(nbytes));
-            }
-        }
-        let approx_key = if lead.is_empty() { None } else { Some(policy::stable_hash(&lead)) };
-        s.scratch.lead = lead;
-
         let why = match (&parsed, profile) {
             _ if too_large => Some(Fallback::BodyTooLarge),
             (None, _) if body.is_empty() => Some(Fallback::NoPrompt),
             (None, _) => Some(Fallback::Unparseable),
-            (Some(p), _) if p.prompt == Prompt::None => Some(Fallback::NoPrompt),
+            (Some(p), _) if matches!(p.prompt, Prompt::None) => Some(Fallback::NoPrompt),
             (Some(_), None) => Some(Fallback::NoProfile),
             (Some(_), Some(i)) if !s.config.profiles.get(i).is_some_and(|p| p.kv_events) => Some(Fallback::NoKvEvents),
             (Some(_), Some(_)) if !s.index_usable() => Some(Fallback::NotSynced),
             _ => None,
         };
-        let (Some(parsed), Some(pi), None) = (parsed, profile, why) else {
-            let routed = self.finish(&s, model.as_deref(), profile, false, approx_key, why);
-            self.record_busy(&s, t0);
-            return if routed { Action::Continue } else { Action::Pause };
-        };
-        if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let exact = Self::exact_scores(&mut s, pi, &parsed, tokens).is_some();
-            let why = if exact { None } else { Some(Fallback::Hash) };
-            let routed = self.finish(&s, model.as_deref(), profile, exact, approx_key, why);
+        if why.is_some() || profile.is_none() || parsed.is_none() {
+            let approx = || approx_key(parsed.as_ref(), body, nbytes);
+            let routed = self.finish(&s, model.as_deref(), profile, false, &approx, why);
             self.record_busy(&s, t0);
             return if routed { Action::Continue } else { Action::Pause };
         }
-        // Tokenize on the least-loaded healthy replica of the model.
+        let (Some(parsed), Some(pi)) = (parsed, profile) else { return Action::Continue };
+        // The approximate key, computed only if the decision needs it.
+        let approx = || approx_key(Some(&parsed), body, nbytes);
+        if let Prompt::Tokens(tokens) = &parsed.prompt {
+            let exact = Self::exact_scores(&mut s, pi, &parsed, tokens, &[]).is_some();
+            let why = if exact { None } else { Some(Fallback::Hash) };
+            let routed = self.finish(&s, model.as_deref(), profile, exact, &approx, why);
+            self.record_busy(&s, t0);
+            return if routed { Action::Continue } else { Action::Pause };
+        }
         let Some(p) = s.config.profiles.get(pi) else { return Action::Continue };
         let call = parsed.tokenizer_call(p.tokenizer, body);
         let timeout = Duration::from_millis(u64::from(p.tokenizer_timeout_ms));
         let w = p.weights.clone();
-        let target = {
+        let why = if call.is_none() { Some(Fallback::NoPrompt) } else { None };
+        // The same prompt seen recently: its tokens (and leading hashes) are known.
+        let cache_tag = call.as_ref().and_then(|c| Self::cache_tag(&s, pi, &parsed, c));
+        if let Some(tag) = cache_tag {
+            let hit = s.tokcache.take(tag, t0);
+            s.metrics.tokenizer_cache(hit.is_some());
+            if let Some(mut t) = hit {
+                let exact = Self::exact_scores(&mut s, pi, &parsed, &t.tokens, &t.hashes).is_some();
+                if exact && s.scratch.hashes.len() > t.hashes.len() {
+                    t.hashes.clone_from(&s.scratch.hashes);
+                }
+                s.tokcache.put_back(tag, t);
+                let why = if exact { None } else { Some(Fallback::Hash) };
+                let routed = self.finish(&s, model.as_deref(), profile, exact, &approx, why);
+                self.record_busy(&s, t0);
+                return if routed { Action::Continue } else { Action::Pause };
+            }
+        }
+        // Tokenize on the least-loaded healthy replica of the model.
+        let target = call.as_ref().and_then(|_| {
             let cands = candidates(&s, model.as_deref());
             policy::least_loaded(&cands, &w).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
-        };
-        let why = if call.is_none() { Some(Fallback::NoPrompt) } else { None };
+        });
         let (Some(call), Some(target)) = (call, target) else {
             // No call possible; without a replica `finish` answers 503.
-            let routed = self.finish(&s, model.as_deref(), profile, false, approx_key, why);
+            let routed = self.finish(&s, model.as_deref(), profile, false, &approx, why);
             self.record_busy(&s, t0);
             return if routed { Action::Continue } else { Action::Pause };
         };
@@ -277,14 +331,15 @@ impl Request {
         self.record_busy(&s, t0);
         match hostcalls::dispatch_http_call(&cluster, headers, Some(&call.body), Vec::new(), timeout) {
             Ok(token) => {
-                self.pending = Some(Pending { token, started_ns: now_ns(), profile: pi, parsed, approx_key });
+                self.pending =
+                    Some(Pending { token, started_ns: now_ns(), profile: pi, parsed, approx_bytes: nbytes, cache_tag });
                 Action::Pause
             }
             Err(e) => {
                 log::warn!("llmgw: tokenizer callout to cluster `{cluster}` refused: {e:?}");
                 s.metrics.tokenizer_failure(TokenizerFailure::Dispatch);
                 let t1 = now_ns();
-                let routed = self.finish(&s, model.as_deref(), profile, false, approx_key, Some(Fallback::Tokenizer));
+                let routed = self.finish(&s, model.as_deref(), profile, false, &approx, Some(Fallback::Tokenizer));
                 self.record_busy(&s, t1);
                 if routed {
                     Action::Continue
@@ -341,7 +396,11 @@ impl Context for Request {
                 // The index may have lost its sync while the call was out.
                 if !s.index_usable() {
                     (false, Some(Fallback::NotSynced))
-                } else if Self::exact_scores(&mut s, pending.profile, &pending.parsed, &tokens).is_some() {
+                } else if Self::exact_scores(&mut s, pending.profile, &pending.parsed, &tokens, &[]).is_some() {
+                    if let Some(tag) = pending.cache_tag {
+                        let hashes = s.scratch.hashes.clone();
+                        s.tokcache.insert(tag, Tokenized { tokens, hashes }, t0);
+                    }
                     (true, None)
                 } else {
                     (false, Some(Fallback::Hash))
@@ -353,7 +412,8 @@ impl Context for Request {
                 (false, Some(Fallback::Tokenizer))
             }
         };
-        let routed = self.finish(&s, model.as_deref(), Some(pending.profile), exact, pending.approx_key, why);
+        let approx = || approx_key(Some(&pending.parsed), &[], pending.approx_bytes);
+        let routed = self.finish(&s, model.as_deref(), Some(pending.profile), exact, &approx, why);
         self.record_busy(&s, t0);
         if routed {
             let _ = hostcalls::resume_http_request();

@@ -19,6 +19,7 @@ use llmgw_core::config::FilterConfig;
 use llmgw_core::feed::FeedState;
 use llmgw_core::hash::{BlockHash, BlockHasher, HashAlgo};
 use llmgw_core::index::Scores;
+use llmgw_core::tokcache::TokenCache;
 use metrics::Metrics;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -48,7 +49,6 @@ pub(crate) struct Scratch {
     pub scores: Scores,
     /// One hashing batch's scores (see `http::Request::exact_scores`).
     pub batch: Scores,
-    pub lead: Vec<u8>,
 }
 
 /// Everything a VM's requests share: configuration, hashers, the feed's index, metrics.
@@ -62,6 +62,8 @@ pub(crate) struct Shared {
     /// so the previous index keeps serving during the resync (memory doubles meanwhile).
     pub resync: Option<FeedState>,
     pub metrics: Metrics,
+    /// Recent tokenizations: a prompt sent again skips the tokenizer call.
+    pub tokcache: TokenCache,
     pub scratch: Scratch,
     /// This VM's tag (metrics, explain header).
     pub vm_tag: String,
@@ -91,6 +93,14 @@ fn hashers(cfg: &FilterConfig) -> Vec<Option<BlockHasher>> {
                 .map(|h| h.with_cache(DIGEST_MEMO_SLOTS, key))
         })
         .collect()
+}
+
+fn token_cache(cfg: &FilterConfig) -> TokenCache {
+    use std::hash::BuildHasher;
+    // Secret per VM: clients choose the bodies the tags are taken over.
+    let key = std::collections::hash_map::RandomState::new().hash_one(0x746f_6b73_u64);
+    let budget = usize::try_from(cfg.tokenizer_cache_bytes).unwrap_or(usize::MAX);
+    TokenCache::new(budget, u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000), key)
 }
 
 /// A short random tag naming this VM in per-VM gauges (there is no worker-index API).
@@ -152,12 +162,15 @@ impl RootContext for Root {
                     self.feed.reset();
                 }
                 s.hashers = hashers(&cfg);
+                // Profiles may have changed what a tokenization means: start afresh.
+                s.tokcache = token_cache(&cfg);
                 s.config = cfg;
             }
             None => {
                 self.shared = Some(Rc::new(RefCell::new(Shared {
                     hashers: hashers(&cfg),
                     metrics: Metrics::define(cfg.metrics, &self.vm_tag),
+                    tokcache: token_cache(&cfg),
                     config: cfg,
                     feed: FeedState::default(),
                     resync: None,

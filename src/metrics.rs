@@ -115,6 +115,8 @@ pub struct Metrics {
     feed_disconnects: Option<u32>,
     feed_messages: Option<u32>,
     feed_rejected: Option<u32>,
+    tokenizer_cache_hits: Option<u32>,
+    tokenizer_cache_misses: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
     feed_connected: std::cell::Cell<Option<Option<u32>>>,
@@ -151,6 +153,8 @@ impl Metrics {
             feed_disconnects: c("llmgw_feed_disconnects_total"),
             feed_messages: c("llmgw_feed_messages_total"),
             feed_rejected: c("llmgw_feed_rejected_total"),
+            tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
+            tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             feed_connected: std::cell::Cell::new(None),
             index_blocks: std::cell::Cell::new(None),
             index_bytes: std::cell::Cell::new(None),
@@ -191,6 +195,11 @@ impl Metrics {
 
     pub fn matched_blocks(&self, n: u32) {
         Self::record(self.matched_blocks, u64::from(n));
+    }
+
+    /// A tokenization looked up in the VM's cache.
+    pub fn tokenizer_cache(&self, hit: bool) {
+        Self::inc(if hit { self.tokenizer_cache_hits } else { self.tokenizer_cache_misses });
     }
 
     pub fn tokenizer_latency_us(&self, us: u64) {

@@ -55,6 +55,12 @@ fn default_feed_idle_timeout() -> u32 {
 fn default_approx_prefix_bytes() -> u32 {
     1024
 }
+fn default_tokenizer_cache_bytes() -> u64 {
+    4 * 1024 * 1024
+}
+fn default_tokenizer_cache_ttl_ms() -> u32 {
+    60_000
+}
 
 /// How the filter obtains a request's token ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -205,6 +211,15 @@ pub struct FilterConfig {
     pub explain_header: bool,
     #[serde(default = "default_true")]
     pub metrics: bool,
+    /// Memory per VM for recent tokenizations (token ids and block hashes, about 7 bytes per
+    /// prompt token): a prompt sent again within `tokenizer_cache_ttl_ms` is routed without a
+    /// tokenizer call. 0 turns the cache off.
+    #[serde(default = "default_tokenizer_cache_bytes")]
+    pub tokenizer_cache_bytes: u64,
+    /// How long a cached tokenization is trusted (a chat template or tokenizer changed on the
+    /// replicas takes effect within this time).
+    #[serde(default = "default_tokenizer_cache_ttl_ms")]
+    pub tokenizer_cache_ttl_ms: u32,
     pub profiles: Vec<Profile>,
 }
 
@@ -238,6 +253,12 @@ impl FilterConfig {
         }
         if self.max_body_bytes == 0 {
             return bad("max_body_bytes".into(), "must be positive");
+        }
+        if self.tokenizer_cache_bytes > 1 << 32 {
+            return bad("tokenizer_cache_bytes".into(), "must be at most 4 GiB (it is allocated in every VM)");
+        }
+        if self.tokenizer_cache_ttl_ms == 0 {
+            return bad("tokenizer_cache_ttl_ms".into(), "must be positive");
         }
         if self.profiles.is_empty() {
             return bad("profiles".into(), "at least one profile is required");
@@ -309,6 +330,7 @@ mod tests {
     fn defaults_and_profiles() {
         let c = FilterConfig::from_json(b"").unwrap();
         assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        assert_eq!((c.tokenizer_cache_bytes, c.tokenizer_cache_ttl_ms), (4 << 20, 60_000));
         assert_eq!(c.profile_for("anything").map(|p| p.name.as_str()), Some("default"));
         let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"],"kv_events":true,"seed":"0"}]}"#)
             .unwrap();
@@ -340,6 +362,10 @@ mod tests {
         assert!(
             err(r#"{"tokenizer_cluster":"","profiles":[{"name":"a","models":["m"]}]}"#).contains("`tokenizer_cluster`")
         );
+        assert!(err(r#"{"tokenizer_cache_ttl_ms":0,"profiles":[{"name":"a","models":["m"]}]}"#)
+            .contains("`tokenizer_cache_ttl_ms`"));
+        assert!(err(r#"{"tokenizer_cache_bytes":-1,"profiles":[{"name":"a","models":["m"]}]}"#)
+            .contains("tokenizer_cache_bytes"));
         let c = FilterConfig::from_json(
             br#"{"profiles":[{"name":"a","models":["m","ad"],"lora_adapters":{"ad":"/l/ad"},"weights":{"load":1}}]}"#,
         )

@@ -12,6 +12,7 @@
 //! * [`config`]: the filter's configuration, validated with errors naming the field.
 //! * [`request`]: OpenAI request bodies, tokenizer call bodies and answers.
 //! * [`policy`]: replica choice (prefix share blended with load, approximate and load fallbacks).
+//! * [`tokcache`]: recent tokenizations, so a prompt sent again skips the tokenizer call.
 //!
 //! Nothing here does I/O, reads a clock or draws random numbers: every input is an argument,
 //! so the same code runs natively (agent, tests, benchmarks) and inside Envoy as wasm.
@@ -28,6 +29,7 @@ pub mod msgpack;
 pub mod pickle;
 pub mod policy;
 pub mod request;
+pub mod tokcache;
 pub mod wire;
 
 pub use event::{EventBatch, KvEvent};

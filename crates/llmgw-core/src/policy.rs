@@ -165,6 +165,20 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights) ->
 /// tokens were hashed and the index is synced. `approx_key`: [`stable_hash`] of the prompt's
 /// leading text, when there is any.
 pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Option<u64>, w: &Weights) -> Decision {
+    decide_lazy(cands, exact, || approx_key, w)
+}
+
+/// As [`decide`], with the approximate key computed only if the decision needs it (a tie
+/// between equally good replicas, or no exact match): reading a long prompt's leading text is
+/// skipped whenever the index alone decides.
+pub fn decide_lazy(
+    cands: &[Candidate<'_>],
+    exact: Option<&Scores>,
+    approx_key: impl Fn() -> Option<u64>,
+    w: &Weights,
+) -> Decision {
+    let key_cell = std::cell::OnceCell::new();
+    let approx_key = || *key_cell.get_or_init(&approx_key);
     let idx = eligible(cands, w);
     let none = Decision { winner: None, outcome: Outcome::NoReplica, matched: 0, total: 0 };
     if idx.is_empty() {
@@ -181,12 +195,13 @@ pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Optio
                 let share = f64::from(leading(s, i)) / f64::from(s.total);
                 w.prefix * share - w.load * c.load_term(w)
             };
-            let tiebreak = |i: usize| approx_key.and_then(|k| cands.get(i).map(|c| rendezvous_weight(k, c.address)));
+            let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| rendezvous_weight(k, c.address)));
             let best = idx.iter().copied().max_by(|&a, &b| {
                 score(a)
                     .total_cmp(&score(b))
                     .then(leading(s, a).cmp(&leading(s, b)))
-                    .then(tiebreak(a).cmp(&tiebreak(b)))
+                    // Lazily: the key is only computed for a tie.
+                    .then_with(|| tiebreak(a).cmp(&tiebreak(b)))
                     .then(b.cmp(&a))
             });
             if let Some(b) = best {
@@ -197,7 +212,7 @@ pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Optio
         }
     }
     let total = exact.map_or(0, |s| s.total);
-    match approx_key {
+    match approx_key() {
         Some(k) => Decision { winner: approx_pick(cands, &idx, k, w), outcome: Outcome::Approx, matched: 0, total },
         None => Decision { winner: least_of(cands, &idx), outcome: Outcome::Load, matched: 0, total },
     }

@@ -9,10 +9,16 @@
 //! tools, add_special_tokens: false}` (the chat endpoint's default: the template supplies BOS).
 //! The render endpoints (`/v1/completions/render`, `/v1/chat/completions/render`) take the
 //! generation request's body unchanged.
+//!
+//! Chat messages, tools and template arguments are kept as the raw JSON the client sent: they
+//! are only passed on to the tokenizer, so they are validated but never decoded into a tree and
+//! written out again (for a 16 KB chat that copy is most of the parsing cost in wasm).
 
 use crate::config::TokenizerEndpoint;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::Value;
+use std::borrow::Cow;
 use std::fmt;
 
 /// Which OpenAI API a request path names.
@@ -42,10 +48,32 @@ pub enum Prompt {
     Text(String),
     /// A completion prompt as token ids: the engine caches exactly these.
     Tokens(Vec<u32>),
-    /// Chat messages, kept as sent so the tokenizer renders them as the engine will.
-    Chat(Vec<Value>),
+    /// Chat messages (a non-empty JSON array), as the raw JSON sent, so the tokenizer renders
+    /// them as the engine will.
+    Chat(RawJson),
     /// Nothing usable (empty, or an API the router does not read).
     None,
+}
+
+/// A JSON value kept as the text the client sent (validated JSON).
+#[derive(Debug, Clone)]
+pub struct RawJson(Box<RawValue>);
+
+impl RawJson {
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// Parses JSON text into a raw value (whitespace around it trimmed).
+    pub fn from_json(s: &str) -> Option<RawJson> {
+        serde_json::from_str::<Box<RawValue>>(s).ok().map(RawJson)
+    }
+}
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
 }
 
 /// What the router reads from a request body.
@@ -60,9 +88,9 @@ pub struct ParsedRequest {
     pub add_generation_prompt: Option<bool>,
     pub continue_final_message: Option<bool>,
     pub add_special_tokens: Option<bool>,
-    pub chat_template: Option<Value>,
-    pub chat_template_kwargs: Option<Value>,
-    pub tools: Option<Value>,
+    pub chat_template: Option<RawJson>,
+    pub chat_template_kwargs: Option<RawJson>,
+    pub tools: Option<RawJson>,
 }
 
 /// Why a body could not be used.
@@ -96,7 +124,7 @@ struct RawRequest {
     #[serde(default)]
     prompt: Option<Value>,
     #[serde(default)]
-    messages: Option<Value>,
+    messages: Option<Box<RawValue>>,
     #[serde(default)]
     add_generation_prompt: Option<Value>,
     #[serde(default)]
@@ -104,11 +132,11 @@ struct RawRequest {
     #[serde(default)]
     add_special_tokens: Option<Value>,
     #[serde(default)]
-    chat_template: Option<Value>,
+    chat_template: Option<Box<RawValue>>,
     #[serde(default)]
-    chat_template_kwargs: Option<Value>,
+    chat_template_kwargs: Option<Box<RawValue>>,
     #[serde(default)]
-    tools: Option<Value>,
+    tools: Option<Box<RawValue>>,
 }
 
 fn string(v: Option<Value>) -> Option<String> {
@@ -122,8 +150,14 @@ fn boolean(v: &Option<Value>) -> Option<bool> {
     v.as_ref().and_then(Value::as_bool)
 }
 
-fn non_null(v: Option<Value>) -> Option<Value> {
-    v.filter(|v| !v.is_null())
+/// A raw value unless it is JSON `null`.
+fn non_null(v: Option<Box<RawValue>>) -> Option<RawJson> {
+    v.filter(|v| v.get() != "null").map(RawJson)
+}
+
+/// The first byte of JSON text after whitespace.
+fn first_byte(s: &[u8]) -> Option<u8> {
+    s.iter().copied().find(|b| !b.is_ascii_whitespace())
 }
 
 /// Token ids from a JSON array, if every element is a u32.
@@ -157,9 +191,20 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
     let prompt = match kind {
         ApiKind::Completions => completion_prompt(raw.prompt),
         ApiKind::Chat => match raw.messages {
-            Some(Value::Array(m)) if !m.is_empty() => Prompt::Chat(m),
-            Some(Value::Array(_)) | None => Prompt::None,
-            Some(_) => return Err(RequestError::Unparseable("`messages` is not an array".into())),
+            None => Prompt::None,
+            Some(m) if m.get() == "null" => Prompt::None,
+            Some(m) => {
+                let text = m.get().as_bytes();
+                if first_byte(text) != Some(b'[') {
+                    return Err(RequestError::Unparseable("`messages` is not an array".into()));
+                }
+                // `[` then `]` (whitespace aside) is the empty array.
+                if first_byte(text.get(1..).unwrap_or_default()) == Some(b']') {
+                    Prompt::None
+                } else {
+                    Prompt::Chat(RawJson(m))
+                }
+            }
         },
         ApiKind::Other => Prompt::None,
     };
@@ -215,7 +260,7 @@ impl ParsedRequest {
                 put(&mut body, &mut first, "add_special_tokens", &self.add_special_tokens.unwrap_or(true))?;
             }
             Prompt::Chat(msgs) => {
-                put(&mut body, &mut first, "messages", msgs)?;
+                put_raw(&mut body, &mut first, "messages", msgs);
                 let cont = self.continue_final_message.unwrap_or(false);
                 // vLLM refuses both at once; continuing the final message implies no prompt.
                 let gen = self.add_generation_prompt.unwrap_or(!cont) && !cont;
@@ -227,7 +272,7 @@ impl ParsedRequest {
                     ("tools", &self.tools),
                 ] {
                     if let Some(v) = v {
-                        put(&mut body, &mut first, k, v)?;
+                        put_raw(&mut body, &mut first, k, v);
                     }
                 }
                 put(&mut body, &mut first, "add_special_tokens", &self.add_special_tokens.unwrap_or(false))?;
@@ -253,28 +298,7 @@ impl ParsedRequest {
                     push_capped(out, &t.to_le_bytes(), max);
                 }
             }
-            Prompt::Chat(msgs) => {
-                for msg in msgs {
-                    if out.len() >= max {
-                        break;
-                    }
-                    let role = msg.get("role").and_then(Value::as_str).unwrap_or_default();
-                    push_capped(out, role.as_bytes(), max);
-                    push_capped(out, b"\n", max);
-                    match msg.get("content") {
-                        Some(Value::String(s)) => push_capped(out, s.as_bytes(), max),
-                        Some(Value::Array(parts)) => {
-                            for p in parts {
-                                if let Some(t) = p.get("text").and_then(Value::as_str) {
-                                    push_capped(out, t.as_bytes(), max);
-                                }
-                            }
-                        }
-                        _ => {}
-                    }
-                    push_capped(out, b"\n", max);
-                }
-            }
+            Prompt::Chat(msgs) => chat_leading_text(msgs.get(), max, out),
             Prompt::None => {}
         }
     }
@@ -288,6 +312,121 @@ fn put<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, first: &mut bool, key: &
     serde_json::to_writer(&mut *out, key).ok()?;
     out.push(b':');
     serde_json::to_writer(&mut *out, v).ok()
+}
+
+/// Appends `"key":<raw JSON>` to a JSON object.
+fn put_raw(out: &mut Vec<u8>, first: &mut bool, key: &str, v: &RawJson) {
+    if !std::mem::take(first) {
+        out.push(b',');
+    }
+    out.push(b'"');
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(v.get().as_bytes());
+}
+
+/// One chat message as the approximate key reads it: its role and its content, unparsed.
+#[derive(Deserialize)]
+struct LeadMessage<'a> {
+    #[serde(default, borrow)]
+    role: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    content: Option<&'a RawValue>,
+}
+
+/// A content part: only its `text` matters here.
+#[derive(Deserialize)]
+struct LeadPart<'a> {
+    #[serde(default, borrow)]
+    text: Option<&'a RawValue>,
+}
+
+/// Each message's role and text (string content, or its text parts), each followed by a
+/// newline, up to `max` bytes. Only the leading text is decoded: a long message costs a scan.
+fn chat_leading_text(messages: &str, max: usize, out: &mut Vec<u8>) {
+    let Ok(msgs) = serde_json::from_str::<Vec<&RawValue>>(messages) else { return };
+    for m in msgs {
+        if out.len() >= max {
+            break;
+        }
+        let Ok(msg) = serde_json::from_str::<LeadMessage<'_>>(m.get()) else {
+            // Not an object: contributes an empty role and text, as before.
+            push_capped(out, b"\n\n", max);
+            continue;
+        };
+        push_capped(out, msg.role.as_deref().unwrap_or_default().as_bytes(), max);
+        push_capped(out, b"\n", max);
+        if let Some(content) = msg.content {
+            let text = content.get();
+            match text.as_bytes().first() {
+                Some(b'"') => unescape_capped(text, out, max),
+                Some(b'[') => {
+                    if let Ok(parts) = serde_json::from_str::<Vec<LeadPart<'_>>>(text) {
+                        for t in parts.iter().filter_map(|p| p.text) {
+                            if t.get().starts_with('"') {
+                                unescape_capped(t.get(), out, max);
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        push_capped(out, b"\n", max);
+    }
+}
+
+/// Appends the decoded text of a JSON string literal (`"..."`, already validated) to `out`,
+/// stopping at `max` bytes of output.
+fn unescape_capped(lit: &str, out: &mut Vec<u8>, max: usize) {
+    let inner = lit.strip_prefix('"').and_then(|s| s.strip_suffix('"')).unwrap_or_default();
+    let b = inner.as_bytes();
+    let mut i = 0usize;
+    while out.len() < max {
+        let Some(&c) = b.get(i) else { break };
+        if c != b'\\' {
+            // Copy the run up to the next escape.
+            let run = b.get(i..).unwrap_or_default();
+            let n = run.iter().position(|&x| x == b'\\').unwrap_or(run.len());
+            push_capped(out, run.get(..n).unwrap_or_default(), max);
+            i = i.saturating_add(n);
+            continue;
+        }
+        let esc = b.get(i.saturating_add(1)).copied();
+        i = i.saturating_add(2);
+        let ch: char = match esc {
+            Some(b'n') => '\n',
+            Some(b't') => '\t',
+            Some(b'r') => '\r',
+            Some(b'b') => '\u{8}',
+            Some(b'f') => '\u{c}',
+            Some(b'u') => {
+                let hex = |at: usize| {
+                    b.get(at..at.saturating_add(4))
+                        .and_then(|h| std::str::from_utf8(h).ok())
+                        .and_then(|h| u16::from_str_radix(h, 16).ok())
+                };
+                let Some(hi) = hex(i) else { break };
+                i = i.saturating_add(4);
+                let lo = if (0xd800..0xdc00).contains(&hi) && b.get(i..i.saturating_add(2)) == Some(b"\\u") {
+                    hex(i.saturating_add(2))
+                } else {
+                    None
+                };
+                match lo.filter(|l| (0xdc00..0xe000).contains(l)) {
+                    Some(l) => {
+                        i = i.saturating_add(6);
+                        char::decode_utf16([hi, l]).next().and_then(Result::ok).unwrap_or('\u{fffd}')
+                    }
+                    None => char::from_u32(u32::from(hi)).unwrap_or('\u{fffd}'),
+                }
+            }
+            Some(other) => char::from(other),
+            None => break,
+        };
+        let mut buf = [0u8; 4];
+        push_capped(out, ch.encode_utf8(&mut buf).as_bytes(), max);
+    }
 }
 
 fn push_capped(out: &mut Vec<u8>, b: &[u8], max: usize) {
@@ -515,6 +654,81 @@ mod tests {
         assert_eq!(sent["add_generation_prompt"], json!(false));
         assert_eq!(sent["continue_final_message"], json!(true));
         assert!(sent.get("model").is_none());
+    }
+
+    /// The leading text as a full JSON parse reads it (the reference for the raw reader).
+    fn reference_lead(messages: &Value, max: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for msg in messages.as_array().unwrap() {
+            if out.len() >= max {
+                break;
+            }
+            let role = msg.get("role").and_then(Value::as_str).unwrap_or_default();
+            push_capped(&mut out, role.as_bytes(), max);
+            push_capped(&mut out, b"\n", max);
+            match msg.get("content") {
+                Some(Value::String(s)) => push_capped(&mut out, s.as_bytes(), max),
+                Some(Value::Array(parts)) => {
+                    for p in parts {
+                        if let Some(t) = p.get("text").and_then(Value::as_str) {
+                            push_capped(&mut out, t.as_bytes(), max);
+                        }
+                    }
+                }
+                _ => {}
+            }
+            push_capped(&mut out, b"\n", max);
+        }
+        out
+    }
+
+    #[test]
+    fn raw_chat_leading_text_matches_a_full_parse() {
+        let pieces =
+            ["a", "é", "\"", "\\", "\n", "\t", "\u{1}", "\u{7f}", "日本", "😀", "/", " ", "\u{2028}", "x\u{8}y"];
+        let x = std::cell::Cell::new(7u64);
+        let next = |n: u64| {
+            x.set(x.get().wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407));
+            (x.get() >> 33) % n
+        };
+        for case in 0..300 {
+            let text = || (0..next(40)).map(|_| pieces[next(pieces.len() as u64) as usize]).collect::<String>();
+            let mut msgs = Vec::new();
+            for _ in 0..1 + next(4) {
+                let m = match next(5) {
+                    0 => {
+                        json!({"role": text(), "content": [{"type": "text", "text": text()}, {"type": "image_url"}, {"text": text()}]})
+                    }
+                    1 => json!({"content": text()}),
+                    2 => json!("not an object"),
+                    3 => json!({"role": "user", "content": null, "name": text()}),
+                    _ => json!({"role": text(), "content": text()}),
+                };
+                msgs.push(m);
+            }
+            let msgs = Value::Array(msgs);
+            // serde_json writes non-ASCII as is; also check \uXXXX escapes (surrogate pairs for 😀).
+            let ascii: String = serde_json::to_string(&msgs)
+                .unwrap()
+                .chars()
+                .map(|c| {
+                    if c.is_ascii() {
+                        c.to_string()
+                    } else {
+                        c.encode_utf16(&mut [0; 2]).iter().map(|u| format!("\\u{u:04x}")).collect()
+                    }
+                })
+                .collect();
+            for raw in [serde_json::to_string_pretty(&msgs).unwrap(), ascii] {
+                let body = format!(r#"{{"model":"m","messages":{raw}}}"#);
+                let r = parse_request(ApiKind::Chat, body.as_bytes()).unwrap();
+                for max in [0, 1, 5, 17, 64, 10_000] {
+                    let mut lead = Vec::new();
+                    r.leading_text(max, &mut lead);
+                    assert_eq!(lead, reference_lead(&msgs, max), "case {case} max {max}: {raw}");
+                }
+            }
+        }
     }
 
     #[test]

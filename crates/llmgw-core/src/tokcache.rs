@@ -1,0 +1,297 @@
+//! Recent tokenizations, so a prompt sent again is routed without a tokenizer round trip.
+//!
+//! An entry is keyed by everything that determines a request's block hashes: the profile
+//! (tokenizer, block size, hash algorithm, seed), the exact tokenizer call (path and body: the
+//! raw messages, tools, template arguments and flags), the cache salt and the model (LoRA).
+//! Equal keys therefore mean equal tokens and equal block hashes; nothing is approximated. The
+//! entry keeps the token ids and the block hashes computed so far (hashing stops at the first
+//! block no replica holds, and a later request may need more).
+//!
+//! Keys are a keyed 128-bit xxh3 (the key is secret per VM, so clients cannot aim collisions;
+//! an accidental one has probability about n²/2¹²⁹). Memory is bounded by a byte budget; entries
+//! older than a time-to-live are dropped (a tokenizer or chat template changed on the replicas
+//! shows up within that time). Eviction is CLOCK (second chance), close to least-recently-used
+//! at a fraction of its bookkeeping.
+
+use crate::hash::BlockHash;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Bytes charged per entry besides its tokens and hashes (map slot, order slot, headers).
+const ENTRY_OVERHEAD: usize = 96;
+
+/// Identity hashing for the map: keys are already uniform 128-bit hashes.
+#[derive(Default, Clone, Copy)]
+struct TagHasher(u64);
+
+impl Hasher for TagHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u128(&mut self, k: u128) {
+        // The truncating cast keeps the low half, uniform like the rest.
+        self.0 = k as u64;
+    }
+}
+
+/// A request's cached tokenization.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tokenized {
+    pub tokens: Vec<u32>,
+    /// Hashes of the leading blocks computed so far (a prefix of the request's block hashes).
+    pub hashes: Vec<BlockHash>,
+}
+
+impl Tokenized {
+    fn bytes(&self) -> usize {
+        self.tokens
+            .capacity()
+            .saturating_mul(std::mem::size_of::<u32>())
+            .saturating_add(self.hashes.capacity().saturating_mul(std::mem::size_of::<BlockHash>()))
+            .saturating_add(ENTRY_OVERHEAD)
+    }
+}
+
+struct Entry {
+    value: Tokenized,
+    charged: usize,
+    stored_ns: u64,
+    referenced: bool,
+}
+
+/// Counters since creation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub expired: u64,
+    pub evicted: u64,
+}
+
+/// The cache. `budget_bytes == 0` turns it off (every lookup misses, nothing is stored).
+pub struct TokenCache {
+    key: u64,
+    budget: usize,
+    ttl_ns: u64,
+    used: usize,
+    map: HashMap<u128, Entry, BuildHasherDefault<TagHasher>>,
+    /// Insertion order for the CLOCK hand (may hold keys already removed).
+    order: VecDeque<u128>,
+    pub stats: CacheStats,
+}
+
+impl TokenCache {
+    /// `key`: a secret for the entry tags (pass a random value); `ttl_ns`: entry lifetime.
+    pub fn new(budget_bytes: usize, ttl_ns: u64, key: u64) -> TokenCache {
+        TokenCache {
+            key,
+            budget: budget_bytes,
+            ttl_ns,
+            used: 0,
+            map: HashMap::default(),
+            order: VecDeque::new(),
+            stats: CacheStats::default(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.budget > 0 && cfg!(feature = "xxhash")
+    }
+
+    /// The tag of a request: each part is length-prefixed, so part boundaries cannot shift.
+    #[cfg(feature = "xxhash")]
+    pub fn tag(&self, parts: &[&[u8]]) -> u128 {
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.key);
+        for p in parts {
+            h.update(&(p.len() as u64).to_le_bytes());
+            h.update(p);
+        }
+        h.digest128()
+    }
+
+    #[cfg(not(feature = "xxhash"))]
+    pub fn tag(&self, _parts: &[&[u8]]) -> u128 {
+        0
+    }
+
+    /// Takes the entry for `tag` out of the cache (hand it back with [`Self::put_back`]), or
+    /// `None` when absent or older than the time-to-live.
+    pub fn take(&mut self, tag: u128, now_ns: u64) -> Option<Tokenized> {
+        if !self.enabled() {
+            return None;
+        }
+        let Some(e) = self.map.get_mut(&tag) else {
+            self.stats.misses = self.stats.misses.saturating_add(1);
+            return None;
+        };
+        if now_ns.saturating_sub(e.stored_ns) > self.ttl_ns {
+            if let Some(e) = self.map.remove(&tag) {
+                self.used = self.used.saturating_sub(e.charged);
+            }
+            self.stats.expired = self.stats.expired.saturating_add(1);
+            self.stats.misses = self.stats.misses.saturating_add(1);
+            return None;
+        }
+        e.referenced = true;
+        self.stats.hits = self.stats.hits.saturating_add(1);
+        // The slot stays (charged, in the CLOCK order) with an empty value until it comes back.
+        Some(std::mem::take(&mut e.value))
+    }
+
+    /// Returns an entry taken with [`Self::take`], possibly with more block hashes.
+    pub fn put_back(&mut self, tag: u128, value: Tokenized) {
+        let Some(e) = self.map.get_mut(&tag) else { return self.insert_at(tag, value, None) };
+        let charged = value.bytes();
+        self.used = self.used.saturating_sub(e.charged).saturating_add(charged);
+        e.charged = charged;
+        e.value = value;
+        self.evict();
+    }
+
+    /// Stores a new tokenization (replacing any entry with the same tag).
+    pub fn insert(&mut self, tag: u128, value: Tokenized, now_ns: u64) {
+        self.insert_at(tag, value, Some(now_ns));
+    }
+
+    fn insert_at(&mut self, tag: u128, value: Tokenized, now_ns: Option<u64>) {
+        if !self.enabled() {
+            return;
+        }
+        // Charged by capacity: no reallocation to trim the parser's spare room.
+        let charged = value.bytes();
+        if charged > self.budget {
+            return;
+        }
+        let stored_ns = match (now_ns, self.map.get(&tag)) {
+            (Some(t), _) => t,
+            (None, Some(e)) => e.stored_ns,
+            // Put back after being expired or evicted meanwhile: drop it.
+            (None, None) => return,
+        };
+        if let Some(old) = self.map.insert(tag, Entry { value, charged, stored_ns, referenced: false }) {
+            self.used = self.used.saturating_sub(old.charged);
+        } else {
+            self.order.push_back(tag);
+        }
+        self.used = self.used.saturating_add(charged);
+        self.evict();
+    }
+
+    /// CLOCK: entries referenced since the hand last passed get a second chance.
+    fn evict(&mut self) {
+        // Each key is visited at most twice per call (once to clear its bit, once to evict).
+        let mut steps = self.order.len().saturating_mul(2);
+        while self.used > self.budget && steps > 0 {
+            steps = steps.saturating_sub(1);
+            let Some(tag) = self.order.pop_front() else { break };
+            let Some(e) = self.map.get_mut(&tag) else { continue };
+            if std::mem::take(&mut e.referenced) {
+                self.order.push_back(tag);
+                continue;
+            }
+            if let Some(e) = self.map.remove(&tag) {
+                self.used = self.used.saturating_sub(e.charged);
+                self.stats.evicted = self.stats.evicted.saturating_add(1);
+            }
+        }
+        // Keys of entries removed on expiry linger in `order`; keep it from growing past twice
+        // the live entries.
+        if self.order.len() > self.map.len().saturating_mul(2).saturating_add(64) {
+            let map = &self.map;
+            self.order.retain(|t| map.contains_key(t));
+        }
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Bytes charged against the budget.
+    pub fn used_bytes(&self) -> usize {
+        self.used
+    }
+}
+
+#[cfg(all(test, feature = "xxhash"))]
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+    use crate::hash::Digest;
+
+    fn tok(n: u32) -> Tokenized {
+        Tokenized { tokens: (0..n).collect(), hashes: Vec::new() }
+    }
+
+    #[test]
+    fn hit_miss_and_parts_are_delimited() {
+        let mut c = TokenCache::new(1 << 20, 1_000, 42);
+        let a = c.tag(&[b"ab", b"c"]);
+        assert_ne!(a, c.tag(&[b"a", b"bc"]));
+        assert_ne!(a, TokenCache::new(1 << 20, 1_000, 43).tag(&[b"ab", b"c"]));
+        assert_eq!(c.take(a, 0), None);
+        c.insert(a, tok(32), 10);
+        let mut got = c.take(a, 20).unwrap();
+        assert_eq!(got.tokens.len(), 32);
+        got.hashes.push(BlockHash { digest: Digest::from_sha256([1; 32]), key: 7 });
+        c.put_back(a, got.clone());
+        assert_eq!(c.take(a, 30), Some(got.clone()));
+        c.put_back(a, got);
+        assert_eq!(c.stats, CacheStats { hits: 2, misses: 1, expired: 0, evicted: 0 });
+        // Expired after the TTL.
+        assert_eq!(c.take(a, 2_000), None);
+        assert_eq!(c.stats.expired, 1);
+        assert!(c.is_empty());
+        assert_eq!(c.used_bytes(), 0);
+    }
+
+    #[test]
+    fn budget_is_kept_and_recently_used_entries_survive() {
+        let one = tok(100).bytes();
+        let mut c = TokenCache::new(one * 10, u64::MAX, 1);
+        let tags: Vec<u128> = (0..10u32).map(|i| c.tag(&[&i.to_le_bytes()])).collect();
+        for &t in &tags {
+            c.insert(t, tok(100), 0);
+        }
+        assert_eq!(c.len(), 10);
+        // Use entry 0: it gets a second chance when the 11th arrives; entry 1 goes.
+        let v = c.take(tags[0], 0).unwrap();
+        c.put_back(tags[0], v);
+        let t11 = c.tag(&[b"eleven"]);
+        c.insert(t11, tok(100), 0);
+        assert!(c.used_bytes() <= one * 10);
+        assert!(c.take(tags[0], 0).is_some());
+        assert!(c.take(tags[1], 0).is_none());
+        assert!(c.take(t11, 0).is_some());
+        assert_eq!(c.stats.evicted, 1);
+        // Too large for the budget: not stored.
+        let big = c.tag(&[b"big"]);
+        c.insert(big, tok(100_000), 0);
+        assert!(c.take(big, 0).is_none());
+        // Off: nothing stored.
+        let mut off = TokenCache::new(0, u64::MAX, 1);
+        off.insert(1, tok(1), 0);
+        assert!(off.take(1, 0).is_none());
+    }
+
+    #[test]
+    fn put_back_after_eviction_does_not_resurrect() {
+        let one = tok(100).bytes();
+        let mut c = TokenCache::new(one, u64::MAX, 1);
+        c.insert(1, tok(100), 0);
+        let v = c.take(1, 0).unwrap();
+        c.insert(2, tok(100), 0);
+        c.put_back(1, v);
+        assert!(c.used_bytes() <= one);
+        assert_eq!(c.len(), 1);
+    }
+}
