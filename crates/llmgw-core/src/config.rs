@@ -137,6 +137,13 @@ pub struct Weights {
     pub spill_factor: f64,
     #[serde(default = "default_spill_slack")]
     pub spill_slack: u32,
+    /// A prefix no replica holds goes to the least-loaded of its first `approx_choices`
+    /// replicas in rendezvous order; every gateway computes the same order, and equal loads
+    /// pick the first. 2 (the default): new prefixes spread by load rather than by hash luck,
+    /// and a burst sharing a new prefix lands on at most two replicas; 1: always the first,
+    /// load bound permitting, so a burst lands on one.
+    #[serde(default = "default_approx_choices")]
+    pub approx_choices: u32,
 }
 
 fn default_load_scale() -> f64 {
@@ -156,6 +163,9 @@ fn default_max_kv_usage() -> f64 {
 }
 fn default_spill_factor() -> f64 {
     1.25
+}
+fn default_approx_choices() -> u32 {
+    2
 }
 fn default_spill_slack() -> u32 {
     2
@@ -180,6 +190,7 @@ impl Default for Weights {
             max_kv_usage: default_max_kv_usage(),
             spill_factor: default_spill_factor(),
             spill_slack: default_spill_slack(),
+            approx_choices: default_approx_choices(),
         }
     }
 }
@@ -297,6 +308,9 @@ impl FilterConfig {
             }
             if !w.load_scale.is_finite() || w.load_scale <= 0.0 {
                 return bad(f("weights.load_scale"), "must be a finite, positive number");
+            }
+            if w.approx_choices == 0 {
+                return bad(f("weights.approx_choices"), "must be at least 1");
             }
             if !w.spill_factor.is_finite() || w.spill_factor < 1.0 {
                 return bad(f("weights.spill_factor"), "must be a finite number of at least 1");

@@ -138,7 +138,9 @@ pub fn least_loaded(cands: &[Candidate<'_>], w: &Weights) -> Option<usize> {
     least_of(cands, &eligible(cands, w))
 }
 
-/// Rendezvous order with bounded-load spillover.
+/// Rendezvous order with bounded-load spillover: among the replicas within the load bound, the
+/// least pressured of the first `approx_choices` in the key's rendezvous order (ties: the
+/// earlier one), so equal loads keep a prefix on its first replica everywhere.
 fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights) -> Option<usize> {
     let n = idx.len();
     if n == 0 {
@@ -152,10 +154,15 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights) ->
     let mut order: Vec<(u64, usize)> =
         idx.iter().filter_map(|&i| cands.get(i).map(|c| (rendezvous_weight(key, c.address), i))).collect();
     order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let choices = usize::try_from(w.approx_choices.max(1)).unwrap_or(1);
     order
         .iter()
-        .find(|(_, i)| cands.get(*i).is_some_and(|c| c.pressure().saturating_add(1) <= cap))
-        .map(|&(_, i)| i)
+        .filter_map(|&(_, i)| cands.get(i).map(|c| (i, c)))
+        .filter(|(_, c)| c.pressure().saturating_add(1) <= cap)
+        .take(choices)
+        // `min_by_key` keeps the first of equal minima: the earlier rendezvous choice.
+        .min_by_key(|(_, c)| c.pressure())
+        .map(|(i, _)| i)
         .or_else(|| least_of(cands, idx))
 }
 
@@ -332,7 +339,7 @@ mod tests {
 
     #[test]
     fn approx_spills_under_load_then_returns() {
-        let w = Weights::default();
+        let w = Weights { approx_choices: 1, ..Weights::default() };
         let key = stable_hash(b"shared prefix");
         let c = fleet(3);
         let home = decide(&c, None, Some(key), &w).winner.unwrap();
@@ -348,6 +355,16 @@ mod tests {
         let mut c3 = fleet(3);
         c3[home].running = 40;
         assert_eq!(decide(&c3, None, Some(key), &w).winner, Some(spill));
+        // Two choices (the default): the less loaded of the first two in the prefix's order;
+        // equal loads keep the first.
+        let w2 = Weights::default();
+        assert_eq!(w2.approx_choices, 2);
+        assert_eq!(decide(&fleet(3), None, Some(key), &w2).winner, Some(home));
+        let mut c4 = fleet(3);
+        c4[home].in_flight = 1;
+        assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(spill));
+        c4[spill].in_flight = 1;
+        assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(home));
     }
 
     #[test]

@@ -18,7 +18,6 @@ use crate::config::TokenizerEndpoint;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
-use std::borrow::Cow;
 use std::fmt;
 
 /// Which OpenAI API a request path names.
@@ -325,88 +324,259 @@ fn put_raw(out: &mut Vec<u8>, first: &mut bool, key: &str, v: &RawJson) {
     out.extend_from_slice(v.get().as_bytes());
 }
 
-/// One chat message as the approximate key reads it: its role and its content, unparsed.
-#[derive(Deserialize)]
-struct LeadMessage<'a> {
-    #[serde(default, borrow)]
-    role: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
-    content: Option<&'a RawValue>,
+/// A cursor over JSON text already validated by the request parser: only what the approximate
+/// key needs is read, and reading stops once enough text is gathered, so a long message costs
+/// nothing past the key's bytes.
+struct Walker<'a> {
+    b: &'a [u8],
+    i: usize,
 }
 
-/// A content part: only its `text` matters here.
-#[derive(Deserialize)]
-struct LeadPart<'a> {
-    #[serde(default, borrow)]
-    text: Option<&'a RawValue>,
-}
+impl Walker<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
 
-/// Each message's role and text (string content, or its text parts), each followed by a
-/// newline, up to `max` bytes. Only the leading text is decoded: a long message costs a scan.
-fn chat_leading_text(messages: &str, max: usize, out: &mut Vec<u8>) {
-    let Ok(msgs) = serde_json::from_str::<Vec<&RawValue>>(messages) else { return };
-    for m in msgs {
-        if out.len() >= max {
-            break;
+    fn bump(&mut self, n: usize) {
+        self.i = self.i.saturating_add(n);
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+            self.bump(1);
         }
-        let Ok(msg) = serde_json::from_str::<LeadMessage<'_>>(m.get()) else {
-            // Not an object: contributes an empty role and text, as before.
-            push_capped(out, b"\n\n", max);
-            continue;
-        };
-        push_capped(out, msg.role.as_deref().unwrap_or_default().as_bytes(), max);
-        push_capped(out, b"\n", max);
-        if let Some(content) = msg.content {
-            let text = content.get();
-            match text.as_bytes().first() {
-                Some(b'"') => unescape_capped(text, out, max),
-                Some(b'[') => {
-                    if let Ok(parts) = serde_json::from_str::<Vec<LeadPart<'_>>>(text) {
-                        for t in parts.iter().filter_map(|p| p.text) {
-                            if t.get().starts_with('"') {
-                                unescape_capped(t.get(), out, max);
+    }
+
+    /// Consumes `c` after whitespace, if it is next.
+    fn eat(&mut self, c: u8) -> bool {
+        self.ws();
+        let hit = self.peek() == Some(c);
+        if hit {
+            self.bump(1);
+        }
+        hit
+    }
+
+    /// At a string's opening quote: moves past its closing quote and returns the literal's
+    /// span (quotes included).
+    fn string(&mut self) -> Option<(usize, usize)> {
+        let start = self.i;
+        self.bump(1);
+        loop {
+            let rest = self.b.get(self.i..)?;
+            let n = rest.iter().position(|&c| c == b'"' || c == b'\\')?;
+            self.bump(n);
+            if self.peek()? == b'"' {
+                self.bump(1);
+                return Some((start, self.i));
+            }
+            self.bump(2);
+        }
+    }
+
+    /// Moves past one value.
+    fn skip(&mut self) -> Option<()> {
+        self.ws();
+        match self.peek()? {
+            b'"' => self.string().map(|_| ()),
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                loop {
+                    match self.peek()? {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth = depth.saturating_add(1),
+                        b'}' | b']' => {
+                            depth = depth.saturating_sub(1);
+                            if depth == 0 {
+                                self.bump(1);
+                                return Some(());
                             }
                         }
+                        _ => {}
                     }
+                    self.bump(1);
                 }
-                _ => {}
+            }
+            _ => {
+                while !matches!(self.peek(), None | Some(b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t')) {
+                    self.bump(1);
+                }
+                Some(())
             }
         }
-        push_capped(out, b"\n", max);
+    }
+
+    /// At an object: calls `f(walker, key literal)` at each value; `f` must consume the value.
+    /// Stops early when `f` returns `None`.
+    fn object(&mut self, mut f: impl FnMut(&mut Self, &[u8]) -> Option<()>) -> Option<()> {
+        if !self.eat(b'{') {
+            return None;
+        }
+        if self.eat(b'}') {
+            return Some(());
+        }
+        loop {
+            self.ws();
+            let key_start = self.i;
+            self.string()?;
+            let key_end = self.i;
+            if !self.eat(b':') {
+                return None;
+            }
+            self.ws();
+            let b = self.b;
+            f(self, b.get(key_start..key_end)?)?;
+            if !self.eat(b',') {
+                return self.eat(b'}').then_some(());
+            }
+        }
     }
 }
 
-/// Appends the decoded text of a JSON string literal (`"..."`, already validated) to `out`,
-/// stopping at `max` bytes of output.
-fn unescape_capped(lit: &str, out: &mut Vec<u8>, max: usize) {
-    let inner = lit.strip_prefix('"').and_then(|s| s.strip_suffix('"')).unwrap_or_default();
-    let b = inner.as_bytes();
-    let mut i = 0usize;
+/// Each message's role and text (string content, or its text parts), each followed by a
+/// newline, up to `max` bytes.
+fn chat_leading_text(messages: &str, max: usize, out: &mut Vec<u8>) {
+    let mut w = Walker { b: messages.as_bytes(), i: 0 };
+    if !w.eat(b'[') {
+        return;
+    }
     while out.len() < max {
-        let Some(&c) = b.get(i) else { break };
-        if c != b'\\' {
-            // Copy the run up to the next escape.
-            let run = b.get(i..).unwrap_or_default();
-            let n = run.iter().position(|&x| x == b'\\').unwrap_or(run.len());
-            push_capped(out, run.get(..n).unwrap_or_default(), max);
-            i = i.saturating_add(n);
-            continue;
+        w.ws();
+        match w.peek() {
+            Some(b'{') => {}
+            Some(b']') | None => return,
+            Some(_) => {
+                // Not an object: an empty role and no text.
+                push_capped(out, b"\n\n", max);
+                if w.skip().is_none() || !w.eat(b',') {
+                    return;
+                }
+                continue;
+            }
         }
-        let esc = b.get(i.saturating_add(1)).copied();
+        // Role first; a content seen before its role is read once the role is known.
+        let bytes = w.b;
+        let role_text = |r: Option<(usize, usize)>| unescape(r.and_then(|(a, b)| bytes.get(a..b)).unwrap_or_default());
+        let mut role: Option<(usize, usize)> = None;
+        let mut content_at: Option<usize> = None;
+        let mut wrote_content = false;
+        let done = w.object(|w, key| {
+            match key {
+                b"\"role\"" if w.peek() == Some(b'"') => role = Some(w.string()?),
+                b"\"content\"" if role.is_some() && !wrote_content => {
+                    push_capped(out, &role_text(role), max);
+                    push_capped(out, b"\n", max);
+                    wrote_content = true;
+                    content_text(w, out, max)?;
+                }
+                b"\"content\"" => {
+                    content_at = Some(w.i);
+                    w.skip()?;
+                }
+                _ => w.skip()?,
+            }
+            Some(())
+        });
+        if !wrote_content {
+            push_capped(out, &role_text(role), max);
+            push_capped(out, b"\n", max);
+            if let Some(at) = content_at {
+                let mut c = Walker { b: w.b, i: at };
+                let _ = content_text(&mut c, out, max);
+            }
+        }
+        if out.len() >= max {
+            return;
+        }
+        push_capped(out, b"\n", max);
+        if done.is_none() || !w.eat(b',') {
+            return;
+        }
+    }
+}
+
+/// Appends a message content's text (a string, or the `text` of each part) and consumes the
+/// value; `None` once `max` is reached (the walk stops there).
+fn content_text(w: &mut Walker<'_>, out: &mut Vec<u8>, max: usize) -> Option<()> {
+    match w.peek()? {
+        b'"' => {
+            let end = unescape_into(w.b.get(w.i.saturating_add(1)..)?, out, max)?;
+            w.bump(end.saturating_add(1));
+            Some(())
+        }
+        b'[' => {
+            w.bump(1);
+            if w.eat(b']') {
+                return Some(());
+            }
+            loop {
+                w.ws();
+                if w.peek() == Some(b'{') {
+                    w.object(|w, key| {
+                        if key == b"\"text\"" && w.peek() == Some(b'"') {
+                            let end = unescape_into(w.b.get(w.i.saturating_add(1)..)?, out, max)?;
+                            w.bump(end.saturating_add(1));
+                            Some(())
+                        } else {
+                            w.skip()
+                        }
+                    })?;
+                } else {
+                    w.skip()?;
+                }
+                if !w.eat(b',') {
+                    return w.eat(b']').then_some(());
+                }
+            }
+        }
+        _ => w.skip(),
+    }
+}
+
+/// The decoded text of a JSON string literal (quotes included), in full (roles are short).
+fn unescape(lit: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let _ = unescape_into(lit.get(1..).unwrap_or_default(), &mut out, usize::MAX);
+    out
+}
+
+/// Decodes a JSON string's text from just after its opening quote into `out`, up to `max`
+/// bytes of output: the offset just past the closing quote, or `None` when `max` was reached
+/// first (or the text is cut short).
+fn unescape_into(b: &[u8], out: &mut Vec<u8>, max: usize) -> Option<usize> {
+    let mut i = 0usize;
+    loop {
+        if out.len() >= max {
+            return None;
+        }
+        let run = b.get(i..)?;
+        let n = run.iter().position(|&x| x == b'"' || x == b'\\')?;
+        push_capped(out, run.get(..n).unwrap_or_default(), max);
+        i = i.saturating_add(n);
+        if b.get(i)? == &b'"' {
+            return Some(i.saturating_add(1));
+        }
+        if out.len() >= max {
+            return None;
+        }
+        let esc = *b.get(i.saturating_add(1))?;
         i = i.saturating_add(2);
         let ch: char = match esc {
-            Some(b'n') => '\n',
-            Some(b't') => '\t',
-            Some(b'r') => '\r',
-            Some(b'b') => '\u{8}',
-            Some(b'f') => '\u{c}',
-            Some(b'u') => {
+            b'n' => '\n',
+            b't' => '\t',
+            b'r' => '\r',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'u' => {
                 let hex = |at: usize| {
                     b.get(at..at.saturating_add(4))
                         .and_then(|h| std::str::from_utf8(h).ok())
                         .and_then(|h| u16::from_str_radix(h, 16).ok())
                 };
-                let Some(hi) = hex(i) else { break };
+                let hi = hex(i)?;
                 i = i.saturating_add(4);
                 let lo = if (0xd800..0xdc00).contains(&hi) && b.get(i..i.saturating_add(2)) == Some(b"\\u") {
                     hex(i.saturating_add(2))
@@ -421,8 +591,7 @@ fn unescape_capped(lit: &str, out: &mut Vec<u8>, max: usize) {
                     None => char::from_u32(u32::from(hi)).unwrap_or('\u{fffd}'),
                 }
             }
-            Some(other) => char::from(other),
-            None => break,
+            other => char::from(other),
         };
         let mut buf = [0u8; 4];
         push_capped(out, ch.encode_utf8(&mut buf).as_bytes(), max);
@@ -719,7 +888,26 @@ mod tests {
                     }
                 })
                 .collect();
-            for raw in [serde_json::to_string_pretty(&msgs).unwrap(), ascii] {
+            // Clients usually send `role` before `content` (serde_json sorts keys: content first).
+            let role_first = format!(
+                "[{}]",
+                msgs.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|m| match m.as_object() {
+                        Some(o) => {
+                            let mut keys: Vec<&String> = o.keys().collect();
+                            keys.sort_by_key(|k| (k.as_str() != "role", k.as_str() == "content"));
+                            let fields: Vec<String> =
+                                keys.iter().map(|k| format!("{}: {}", json!(k), o[k.as_str()])).collect();
+                            format!("{{ {} }}", fields.join(" , "))
+                        }
+                        None => m.to_string(),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",\n")
+            );
+            for raw in [serde_json::to_string_pretty(&msgs).unwrap(), ascii, role_first] {
                 let body = format!(r#"{{"model":"m","messages":{raw}}}"#);
                 let r = parse_request(ApiKind::Chat, body.as_bytes()).unwrap();
                 for max in [0, 1, 5, 17, 64, 10_000] {
