@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """llmgw.wasm performance in the real Envoy, against plain Envoy routing to the same backends.
 
-One run measures, for a 16 KB chat body whose prompt is 4,096 tokens (256 blocks of 16):
+One run measures, for a 16 KB chat body whose prompt is 4,096 tokens (256 blocks of 16), in
+three arms interleaved per round: plain Envoy; the filter with one prompt repeated (after the
+first request its tokenization comes from the filter's tokenization cache); the filter with
+every prompt new (the load generator writes a counter into each body, so every request makes a
+tokenizer call; the stub's fixed answer keeps the blocks' digests memoised):
 
   (a) the filter's own decision time (body parse, tokenizer call body, tokenizer answer parse,
       hashing, scoring, routing; not the tokenizer round trip): p50 of the filter's
-      `llmgw_decision_us` histogram, per round, read from Envoy's admin stats. The rounds repeat
-      one prompt, so after the first request its blocks come from the hasher's digest memo; a
-      cold phase afterwards (second front Envoy, Python tokenizer stub) measures prompts that
-      miss the memo: ones the index holds (every block hashed: the worst case) and ones nobody
-      holds (hashing stops at the first batch);
-  (b) latency added through Envoy at 1 connection (wrk p50, filter minus plain);
-  (c) throughput at 8 connections (wrk requests/s, filter / plain);
+      `llmgw_decision_us` histogram, per round, read from Envoy's admin stats; for repeated and
+      new prompts, and in a cold phase afterwards (second front Envoy, Python tokenizer stub
+      answering a different prompt per call) for prompts that miss the digest memo: ones the
+      index holds (every block hashed: the worst case) and ones nobody holds (hashing stops
+      after the first batch);
+  (b) latency added through Envoy at 1 connection (wrk p50, filter minus plain), both arms;
+  (c) throughput at 8 connections (wrk requests/s, filter / plain), both arms;
   (d) index memory per VM per (block, replica): the filter's `llmgw_index_bytes` and
       `llmgw_index_blocks` gauges of one worker VM after the snapshot.
 

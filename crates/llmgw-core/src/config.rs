@@ -137,11 +137,11 @@ pub struct Weights {
     pub spill_factor: f64,
     #[serde(default = "default_spill_slack")]
     pub spill_slack: u32,
-    /// A prefix no replica holds goes to the least-loaded of its first `approx_choices`
-    /// replicas in rendezvous order; every gateway computes the same order, and equal loads
-    /// pick the first. 2 (the default): new prefixes spread by load rather than by hash luck,
-    /// and a burst sharing a new prefix lands on at most two replicas; 1: always the first,
-    /// load bound permitting, so a burst lands on one.
+    /// A prefix the index shows no replica holds goes to the least loaded of its first
+    /// `approx_choices` replicas in rendezvous order; every gateway computes the same order,
+    /// and equal loads pick the first. 2 (the default): new prefixes spread by load rather than
+    /// by hash luck, and a burst sharing one lands on at most two replicas; 1: always the
+    /// first, load bound permitting. Fallbacks without exact data always take the first.
     #[serde(default = "default_approx_choices")]
     pub approx_choices: u32,
 }

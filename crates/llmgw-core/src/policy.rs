@@ -139,9 +139,9 @@ pub fn least_loaded(cands: &[Candidate<'_>], w: &Weights) -> Option<usize> {
 }
 
 /// Rendezvous order with bounded-load spillover: among the replicas within the load bound, the
-/// least pressured of the first `approx_choices` in the key's rendezvous order (ties: the
-/// earlier one), so equal loads keep a prefix on its first replica everywhere.
-fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights) -> Option<usize> {
+/// least pressured of the first `choices` in the key's rendezvous order (ties: the earlier
+/// one), so equal loads keep a prefix on its first replica everywhere.
+fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights, choices: u32) -> Option<usize> {
     let n = idx.len();
     if n == 0 {
         return None;
@@ -154,7 +154,7 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights) ->
     let mut order: Vec<(u64, usize)> =
         idx.iter().filter_map(|&i| cands.get(i).map(|c| (rendezvous_weight(key, c.address), i))).collect();
     order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    let choices = usize::try_from(w.approx_choices.max(1)).unwrap_or(1);
+    let choices = usize::try_from(choices.max(1)).unwrap_or(1);
     order
         .iter()
         .filter_map(|&(_, i)| cands.get(i).map(|c| (i, c)))
@@ -219,8 +219,14 @@ pub fn decide_lazy(
         }
     }
     let total = exact.map_or(0, |s| s.total);
+    // With exact data the prefix is known to be new: it may go to the less loaded of its first
+    // rendezvous choices. Without (a fallback), its first choice is the best guess of where
+    // earlier requests sharing it went, so only the load bound moves it.
+    let choices = if exact.is_some() { w.approx_choices } else { 1 };
     match approx_key() {
-        Some(k) => Decision { winner: approx_pick(cands, &idx, k, w), outcome: Outcome::Approx, matched: 0, total },
+        Some(k) => {
+            Decision { winner: approx_pick(cands, &idx, k, w, choices), outcome: Outcome::Approx, matched: 0, total }
+        }
         None => Decision { winner: least_of(cands, &idx), outcome: Outcome::Load, matched: 0, total },
     }
 }
@@ -339,7 +345,7 @@ mod tests {
 
     #[test]
     fn approx_spills_under_load_then_returns() {
-        let w = Weights { approx_choices: 1, ..Weights::default() };
+        let w = Weights::default();
         let key = stable_hash(b"shared prefix");
         let c = fleet(3);
         let home = decide(&c, None, Some(key), &w).winner.unwrap();
@@ -355,16 +361,19 @@ mod tests {
         let mut c3 = fleet(3);
         c3[home].running = 40;
         assert_eq!(decide(&c3, None, Some(key), &w).winner, Some(spill));
-        // Two choices (the default): the less loaded of the first two in the prefix's order;
-        // equal loads keep the first.
+        // A prefix the index shows nobody holds, with two choices (the default): the less
+        // loaded of the first two in its order; equal loads keep the first. Without exact data
+        // (a fallback) the first choice stays, load bound permitting.
         let w2 = Weights::default();
         assert_eq!(w2.approx_choices, 2);
-        assert_eq!(decide(&fleet(3), None, Some(key), &w2).winner, Some(home));
+        let none = scores(&[0, 0, 0], 7);
+        assert_eq!(decide(&fleet(3), Some(&none), Some(key), &w2).winner, Some(home));
         let mut c4 = fleet(3);
         c4[home].in_flight = 1;
-        assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(spill));
-        c4[spill].in_flight = 1;
+        assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(spill));
         assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(home));
+        c4[spill].in_flight = 1;
+        assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(home));
     }
 
     #[test]
