@@ -552,8 +552,15 @@ fn unescape_into(b: &[u8], out: &mut Vec<u8>, max: usize) -> Option<usize> {
         if out.len() >= max {
             return None;
         }
+        // Look no further than the room left: a long string is not scanned past the key's bytes.
+        let room = max.saturating_sub(out.len());
         let run = b.get(i..)?;
-        let n = run.iter().position(|&x| x == b'"' || x == b'\\')?;
+        let window = run.get(..room.min(run.len())).unwrap_or_default();
+        let Some(n) = window.iter().position(|&x| x == b'"' || x == b'\\') else {
+            // `max` reached (or the text ends unterminated): the walk stops here.
+            push_capped(out, window, max);
+            return None;
+        };
         push_capped(out, run.get(..n).unwrap_or_default(), max);
         i = i.saturating_add(n);
         if b.get(i)? == &b'"' {
