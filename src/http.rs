@@ -9,7 +9,7 @@ use llmgw_core::hash::BlockHash;
 use llmgw_core::hash::RequestExtras;
 use llmgw_core::policy::{self, Candidate, Decision, Outcome};
 use llmgw_core::request::{parse_request, parse_tokenizer_response, ApiKind, ParsedRequest, Prompt, TokenizerCall};
-use llmgw_core::tokcache::Tokenized;
+use llmgw_core::tokcache::{Alias, Tokenized};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -33,6 +33,8 @@ struct Pending {
     approx_bytes: usize,
     /// The tokenization cache's tag for this request, when the cache is on.
     cache_tag: Option<u128>,
+    /// The tag of the raw body (see `Request::route_cached`).
+    raw_tag: Option<u128>,
 }
 
 pub struct Request {
@@ -122,15 +124,16 @@ impl Request {
     fn exact_scores(
         s: &mut Shared,
         profile: usize,
-        parsed: &ParsedRequest,
+        who: (Option<&str>, Option<&str>),
         tokens: &[u32],
         known: &[BlockHash],
     ) -> Option<()> {
+        let (cache_salt, model) = who;
         let p = s.config.profiles.get(profile)?;
         let block_size = usize::try_from(p.block_size).ok()?;
         let extras = RequestExtras {
-            cache_salt: parsed.cache_salt.clone(),
-            lora: parsed.model.as_ref().and_then(|m| p.lora_adapters.get(m).map(|path| (m.clone(), path.clone()))),
+            cache_salt: cache_salt.map(str::to_owned),
+            lora: model.and_then(|m| p.lora_adapters.get(m).map(|path| (m.to_owned(), path.clone()))),
             mm: Vec::new(),
         };
         let Shared { hashers, scratch, feed, .. } = s;
@@ -249,6 +252,29 @@ impl Request {
         true
     }
 
+    /// Routes from the cached tokenization `alias.tag`: `None` (nothing done) when it is no
+    /// longer cached.
+    fn route_cached(
+        &mut self,
+        s: &mut Shared,
+        alias: &Alias,
+        approx: &dyn Fn() -> Option<u64>,
+        t0: u64,
+    ) -> Option<Action> {
+        let mut t = s.tokcache.take(alias.tag, t0)?;
+        s.metrics.tokenizer_cache(true);
+        let who = (alias.cache_salt.as_deref(), alias.model.as_deref());
+        let exact = Self::exact_scores(s, alias.profile, who, &t.tokens, &t.hashes).is_some();
+        if exact && s.scratch.hashes.len() > t.hashes.len() {
+            t.hashes.clone_from(&s.scratch.hashes);
+        }
+        s.tokcache.put_back(alias.tag, t);
+        let why = if exact { None } else { Some(Fallback::Hash) };
+        let routed = self.finish(s, alias.model.as_deref(), Some(alias.profile), exact, approx, why);
+        self.record_busy(s, t0);
+        Some(if routed { Action::Continue } else { Action::Pause })
+    }
+
     /// The body is complete (or too large to read): decide or start the tokenizer call.
     /// Returns the action for the current callback.
     fn on_body(&mut self, body: &[u8], too_large: bool) -> Action {
@@ -256,6 +282,20 @@ impl Request {
         let Ok(mut s) = shared.try_borrow_mut() else { return Action::Continue };
         let t0 = now_ns();
         let kind = ApiKind::from_path(&self.path);
+        // A byte-identical body seen recently resolves to its cached tokenization unparsed
+        // (retries, several samples of one prompt).
+        let raw_tag = (s.tokcache.enabled() && !too_large && !body.is_empty() && kind != ApiKind::Other)
+            .then(|| s.tokcache.tag(&[b"body", self.path.as_bytes(), body]));
+        if let Some(alias) = raw_tag.and_then(|t| s.tokcache.alias(t).cloned()) {
+            let usable = s.index_usable() && s.config.profiles.get(alias.profile).is_some_and(|p| p.kv_events);
+            let nbytes = approx_bytes(s.config.profiles.get(alias.profile));
+            let approx = || approx_key(parse_request(kind, body).ok().as_ref(), body, nbytes);
+            if usable {
+                if let Some(action) = self.route_cached(&mut s, &alias, &approx, t0) {
+                    return action;
+                }
+            }
+        }
         let parsed = if too_large { None } else { parse_request(kind, body).ok() };
         let model = parsed.as_ref().and_then(|p| p.model.clone());
         let profile = profile_index(&s.config, model.as_deref());
@@ -280,7 +320,9 @@ impl Request {
         // The approximate key, computed only if the decision needs it.
         let approx = || approx_key(Some(&parsed), body, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let exact = Self::exact_scores(&mut s, pi, &parsed, tokens, &[]).is_some();
+            let exact =
+                Self::exact_scores(&mut s, pi, (parsed.cache_salt.as_deref(), parsed.model.as_deref()), tokens, &[])
+                    .is_some();
             let why = if exact { None } else { Some(Fallback::Hash) };
             let routed = self.finish(&s, model.as_deref(), profile, exact, &approx, why);
             self.record_busy(&s, t0);
@@ -294,19 +336,14 @@ impl Request {
         // The same prompt seen recently: its tokens (and leading hashes) are known.
         let cache_tag = call.as_ref().and_then(|c| Self::cache_tag(&s, pi, &parsed, c));
         if let Some(tag) = cache_tag {
-            let hit = s.tokcache.take(tag, t0);
-            s.metrics.tokenizer_cache(hit.is_some());
-            if let Some(mut t) = hit {
-                let exact = Self::exact_scores(&mut s, pi, &parsed, &t.tokens, &t.hashes).is_some();
-                if exact && s.scratch.hashes.len() > t.hashes.len() {
-                    t.hashes.clone_from(&s.scratch.hashes);
+            let alias = Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone() };
+            if let Some(action) = self.route_cached(&mut s, &alias, &approx, t0) {
+                if let Some(raw) = raw_tag {
+                    s.tokcache.add_alias(raw, alias);
                 }
-                s.tokcache.put_back(tag, t);
-                let why = if exact { None } else { Some(Fallback::Hash) };
-                let routed = self.finish(&s, model.as_deref(), profile, exact, &approx, why);
-                self.record_busy(&s, t0);
-                return if routed { Action::Continue } else { Action::Pause };
+                return action;
             }
+            s.metrics.tokenizer_cache(false);
         }
         // Tokenize on the least-loaded healthy replica of the model.
         let target = call.as_ref().and_then(|_| {
@@ -331,8 +368,15 @@ impl Request {
         self.record_busy(&s, t0);
         match hostcalls::dispatch_http_call(&cluster, headers, Some(&call.body), Vec::new(), timeout) {
             Ok(token) => {
-                self.pending =
-                    Some(Pending { token, started_ns: now_ns(), profile: pi, parsed, approx_bytes: nbytes, cache_tag });
+                self.pending = Some(Pending {
+                    token,
+                    started_ns: now_ns(),
+                    profile: pi,
+                    parsed,
+                    approx_bytes: nbytes,
+                    cache_tag,
+                    raw_tag,
+                });
                 Action::Pause
             }
             Err(e) => {
@@ -396,10 +440,28 @@ impl Context for Request {
                 // The index may have lost its sync while the call was out.
                 if !s.index_usable() {
                     (false, Some(Fallback::NotSynced))
-                } else if Self::exact_scores(&mut s, pending.profile, &pending.parsed, &tokens, &[]).is_some() {
+                } else if Self::exact_scores(
+                    &mut s,
+                    pending.profile,
+                    (pending.parsed.cache_salt.as_deref(), pending.parsed.model.as_deref()),
+                    &tokens,
+                    &[],
+                )
+                .is_some()
+                {
                     if let Some(tag) = pending.cache_tag {
                         let hashes = s.scratch.hashes.clone();
                         s.tokcache.insert(tag, Tokenized { tokens, hashes }, t0);
+                        if let Some(raw) = pending.raw_tag {
+                            let p = &pending.parsed;
+                            let alias = Alias {
+                                tag,
+                                profile: pending.profile,
+                                model: p.model.clone(),
+                                cache_salt: p.cache_salt.clone(),
+                            };
+                            s.tokcache.add_alias(raw, alias);
+                        }
                     }
                     (true, None)
                 } else {

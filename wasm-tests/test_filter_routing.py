@@ -160,6 +160,12 @@ def test_filter_tokenization_cache_skips_the_call_for_a_prompt_seen_before(procs
         wait_until(lambda: metric(gw.admin, "llmgw_tokenizer_cache_total", 'result="hit"') == 1
                    and metric(gw.admin, "llmgw_tokenizer_cache_total", 'result="miss"') == 1, timeout=5,
                    what="cache counters")
+        # The byte-identical body again: resolved from the cache without being parsed.
+        port, hdrs = gw.served_by("/v1/chat/completions", dict(body, max_tokens=9, stream=True))
+        assert port == fleet[2].port and hdrs["x-llmgw-decision"].startswith("outcome=exact"), hdrs
+        assert tokenize_count(fleet) == 1
+        wait_until(lambda: metric(gw.admin, "llmgw_tokenizer_cache_total", 'result="hit"') == 2, timeout=5,
+                   what="second hit")
         # Anything that changes the tokens or the hashes is a different entry: another message,
         # tools, a cache salt.
         other = [MESSAGES[0], {"role": "user", "content": "Name three primes!"}]

@@ -64,6 +64,19 @@ struct Entry {
     referenced: bool,
 }
 
+/// What a byte-identical request body (same path) resolves to, so it is routed without being
+/// parsed: the tag of its tokenization and what else enters its hashes and its routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alias {
+    pub tag: u128,
+    pub profile: usize,
+    pub model: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// Bytes of budget per alias slot (aliases are capped at budget / this).
+const ALIAS_BYTES: usize = 2048;
+
 /// Counters since creation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -82,6 +95,9 @@ pub struct TokenCache {
     map: HashMap<u128, Entry, BuildHasherDefault<TagHasher>>,
     /// Insertion order for the CLOCK hand (may hold keys already removed).
     order: VecDeque<u128>,
+    /// Raw-body tags → tokenization tags, first in first out.
+    aliases: HashMap<u128, Alias, BuildHasherDefault<TagHasher>>,
+    alias_order: VecDeque<u128>,
     pub stats: CacheStats,
 }
 
@@ -95,6 +111,8 @@ impl TokenCache {
             used: 0,
             map: HashMap::default(),
             order: VecDeque::new(),
+            aliases: HashMap::default(),
+            alias_order: VecDeque::new(),
             stats: CacheStats::default(),
         }
     }
@@ -207,6 +225,26 @@ impl TokenCache {
         }
     }
 
+    /// The tokenization a raw body was seen to resolve to (its entry may since have gone).
+    pub fn alias(&self, raw_tag: u128) -> Option<&Alias> {
+        self.aliases.get(&raw_tag)
+    }
+
+    /// Remembers what a raw body resolves to (the oldest aliases go past the cap).
+    pub fn add_alias(&mut self, raw_tag: u128, alias: Alias) {
+        if !self.enabled() {
+            return;
+        }
+        if self.aliases.insert(raw_tag, alias).is_none() {
+            self.alias_order.push_back(raw_tag);
+        }
+        let cap = (self.budget / ALIAS_BYTES).max(16);
+        while self.aliases.len() > cap {
+            let Some(old) = self.alias_order.pop_front() else { break };
+            self.aliases.remove(&old);
+        }
+    }
+
     /// Entries held.
     pub fn len(&self) -> usize {
         self.map.len()
@@ -281,6 +319,21 @@ mod tests {
         let mut off = TokenCache::new(0, u64::MAX, 1);
         off.insert(1, tok(1), 0);
         assert!(off.take(1, 0).is_none());
+    }
+
+    #[test]
+    fn aliases_are_capped_first_in_first_out() {
+        let mut c = TokenCache::new(ALIAS_BYTES * 20, u64::MAX, 1);
+        let a = |i: u128| Alias { tag: i + 1000, profile: 0, model: Some("m".into()), cache_salt: None };
+        for i in 0..30u128 {
+            c.add_alias(i, a(i));
+        }
+        assert!(c.alias(9).is_none());
+        assert_eq!(c.alias(10), Some(&a(10)));
+        assert_eq!(c.alias(29), Some(&a(29)));
+        let mut off = TokenCache::new(0, u64::MAX, 1);
+        off.add_alias(1, a(1));
+        assert!(off.alias(1).is_none());
     }
 
     #[test]
