@@ -32,7 +32,6 @@ import threading
 import time
 import urllib.request
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -390,56 +389,11 @@ class Oracle:
 
 
 def run_traffic(label: str, router: Router, sims: list[dict], sessions, concurrency: int) -> dict:
-    before = [demo.scrape(s["port"]) for s in sims]
-    results: list = []
-    lock = threading.Lock()
-    total = sum(len(c) for c in sessions)
-    t_start = time.monotonic()
-
-    def worker(conv):
-        for b in conv:
-            r = router.send(b)
-            with lock:
-                results.append(r)
-
-    stop = threading.Event()
-
-    def progress():
-        while not stop.wait(0.5):
-            with lock:
-                n = len(results)
-            sys.stdout.write(f"\r  {label:<58} {n:>4}/{total}  {time.monotonic() - t_start:5.1f}s")
-            sys.stdout.flush()
-
-    th = threading.Thread(target=progress, daemon=True)
-    th.start()
-    with ThreadPoolExecutor(concurrency) as ex:
-        list(ex.map(worker, sessions))
-    stop.set()
-    th.join()
-    elapsed = time.monotonic() - t_start
-    after = [demo.scrape(s["port"]) for s in sims]
-    d = lambda k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]  # noqa: E731
-    q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
-    served = d("vllm:request_success_total")
-    ttfts = [r[0] for r in results if r[2] == 200 and r[0] == r[0]]
-    errors = sum(1 for r in results if r[2] != 200 or r[0] != r[0])
-    shares = [s / max(1, sum(served)) for s in served]
-    out = {
-        "hit_rate": h / q if q else 0.0,
-        "ttft_p50": demo.pct(ttfts, 50) * 1000,
-        "ttft_p99": demo.pct(ttfts, 99) * 1000,
-        "ttft_mean": (sum(ttfts) / len(ttfts) * 1000) if ttfts else float("nan"),
-        "throughput": len(results) / elapsed,
-        "shares": shares,
-        "max_share_x_fair": max(shares) * len(shares) if sum(served) else float("nan"),
-        "min_share_x_fair": min(shares) * len(shares) if sum(served) else float("nan"),
-        "errors": errors,
-        "requests": len(results),
-        "elapsed_s": elapsed,
-    }
-    sys.stdout.write(f"\r  {label:<58} {total:>4}/{total}  {elapsed:5.1f}s  hit {out['hit_rate'] * 100:5.1f}%  "
-                     f"TTFT p50 {out['ttft_p50']:6.1f} ms  mean {out['ttft_mean']:6.1f} ms  max share {out['max_share_x_fair']:.2f}x  err {errors}\n")
+    out = demo.run_sessions(label, router.send, sims, sessions, concurrency, width=58)
+    out.pop("label")
+    sys.stdout.write(f"\r  {label:<58} {out['requests']:>4}/{out['requests']}  {out['elapsed_s']:5.1f}s  hit "
+                     f"{out['hit_rate'] * 100:5.1f}%  TTFT p50 {out['ttft_p50']:6.1f} ms  mean {out['ttft_mean']:6.1f} ms  "
+                     f"max share {out['max_share_x_fair']:.2f}x  err {out['errors']}\n")
     return out
 
 

@@ -152,16 +152,20 @@ def pct(xs: list[float], p: float) -> float:
     return xs[k]
 
 
-def run_traffic(label: str, port: int, sims: list[dict], convs, concurrency: int) -> dict:
+def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int, width: int = 28) -> dict:
+    """Sends each session's bodies in order through `send(body) -> (ttft_s, total_s, status)`,
+    `concurrency` sessions at a time, with a progress line; returns the run's figures, read from
+    the replicas' /metrics deltas and the clients' timings. A 200 without a first data line
+    counts as an error."""
     before = [scrape(s["port"]) for s in sims]
     results: list[tuple[float, float, int]] = []
     lock = threading.Lock()
-    total = sum(len(c) for c in convs)
+    total = sum(len(c) for c in sessions)
     t_start = time.monotonic()
 
-    def worker(conv):
-        for body in conv:
-            r = stream_request(port, body)
+    def worker(session):
+        for body in session:
+            r = send(body)
             with lock:
                 results.append(r)
 
@@ -172,23 +176,22 @@ def run_traffic(label: str, port: int, sims: list[dict], convs, concurrency: int
             with lock:
                 n = len(results)
             el = time.monotonic() - t_start
-            sys.stdout.write(f"\r  {label:<28} {n:>4}/{total} requests  {el:5.1f}s")
+            sys.stdout.write(f"\r  {label:<{width}} {n:>4}/{total} requests  {el:5.1f}s")
             sys.stdout.flush()
 
     th = threading.Thread(target=progress, daemon=True)
     th.start()
     with ThreadPoolExecutor(concurrency) as ex:
-        list(ex.map(worker, convs))
+        list(ex.map(worker, sessions))
     stop_progress.set()
     th.join()
     elapsed = time.monotonic() - t_start
-    sys.stdout.write(f"\r  {label:<28} {total:>4}/{total} requests  {elapsed:5.1f}s\n")
     after = [scrape(s["port"]) for s in sims]
-    q = sum(a.get("vllm:prefix_cache_queries_total", 0) - b.get("vllm:prefix_cache_queries_total", 0) for a, b in zip(after, before))
-    h = sum(a.get("vllm:prefix_cache_hits_total", 0) - b.get("vllm:prefix_cache_hits_total", 0) for a, b in zip(after, before))
-    served = [a.get("vllm:request_success_total", 0) - b.get("vllm:request_success_total", 0) for a, b in zip(after, before)]
-    ttfts = [r[0] for r in results if r[2] == 200]
-    errors = sum(1 for r in results if r[2] != 200)
+    d = lambda k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]  # noqa: E731
+    q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
+    served = d("vllm:request_success_total")
+    ttfts = [r[0] for r in results if r[2] == 200 and r[0] == r[0]]
+    shares = [s / max(1, sum(served)) for s in served]
     return {
         "label": label,
         "hit_rate": h / q if q else 0.0,
@@ -196,9 +199,19 @@ def run_traffic(label: str, port: int, sims: list[dict], convs, concurrency: int
         "ttft_p99": pct(ttfts, 99) * 1000,
         "ttft_mean": (sum(ttfts) / len(ttfts) * 1000) if ttfts else float("nan"),
         "throughput": len(results) / elapsed,
-        "shares": [s / max(1, sum(served)) for s in served],
-        "errors": errors,
+        "shares": shares,
+        "max_share_x_fair": max(shares) * len(shares) if sum(served) else float("nan"),
+        "min_share_x_fair": min(shares) * len(shares) if sum(served) else float("nan"),
+        "errors": sum(1 for r in results if r[2] != 200 or r[0] != r[0]),
+        "requests": len(results),
+        "elapsed_s": elapsed,
     }
+
+
+def run_traffic(label: str, port: int, sims: list[dict], convs, concurrency: int) -> dict:
+    r = run_sessions(label, lambda body: stream_request(port, body), sims, convs, concurrency)
+    sys.stdout.write(f"\r  {label:<28} {r['requests']:>4}/{r['requests']} requests  {r['elapsed_s']:5.1f}s\n")
+    return r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,24 +232,31 @@ def agent_config(sims: list[dict], feed_port: int, http_port: int) -> str:
     return "\n".join(out)
 
 
-def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool,
-                       filter_extra: dict | None = None, profile_extra: dict | None = None) -> str:
+def shipped_envoy_config(wasm: Path, listen: int, admin: int, agent: int, filter_cfg: dict) -> str:
     """The shipped bootstrap (envoy/llmgw-local.yaml) with these ports, an absolute wasm path and
-    one catch-all profile; `filter_extra` / `profile_extra` add or override configuration fields."""
+    the given filter configuration."""
     text = (ROOT / "envoy" / "llmgw-local.yaml").read_text()
     text = text.replace("port_value: 9901", f"port_value: {admin}")
     text = text.replace("port_value: 10000", f"port_value: {listen}")
     text = text.replace("port_value: 9090", f"port_value: {agent}")
     text = text.replace("filename: dist/llmgw.wasm", f"filename: {wasm}")
+    # A YAML double-quoted scalar is a JSON string.
+    text, n = re.subn(r"value: \|\n(?:\s{20}.*\n)+", f"value: {json.dumps(json.dumps(filter_cfg))}\n", text)
+    if n != 1:
+        raise RuntimeError("filter configuration block not found in envoy/llmgw-local.yaml")
+    return text
+
+
+def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool,
+                       filter_extra: dict | None = None, profile_extra: dict | None = None) -> str:
+    """The shipped bootstrap with one catch-all profile; `filter_extra` / `profile_extra` add or
+    override configuration fields."""
     profile = {"name": "demo", "models": ["*"], "kv_events": kv_events, "block_size": 16,
                "hash_algo": "sha256_cbor", "seed": "0", "tokenizer": "tokenize", "tokenizer_timeout_ms": 500,
                **(profile_extra or {})}
     cfg = {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", **(filter_extra or {}),
            "profiles": [profile]}
-    text, n = re.subn(r"value: \|\n(?:\s{20}.*\n)+", f"value: {json.dumps(json.dumps(cfg))}\n", text)
-    if n != 1:
-        raise RuntimeError("filter configuration block not found in envoy/llmgw-local.yaml")
-    return text
+    return shipped_envoy_config(wasm, listen, admin, agent, cfg)
 
 
 def envoy_round_robin_config(listen: int, admin: int, sims: list[dict]) -> str:
@@ -315,7 +335,7 @@ def main() -> int:
         feed_port, agent_http = free_port(), free_port()
         cfg_path = logdir / "agent.toml"
         cfg_path.write_text(agent_config(sims, feed_port, agent_http))
-        agent = procs.start([agent_bin, "run", "--config", cfg_path], "agent")
+        procs.start([agent_bin, "run", "--config", cfg_path], "agent")
         wait_until(lambda: http_get(f"http://127.0.0.1:{agent_http}/healthz") is not None, 20, "the agent")
         for s in sims:
             procs.start([sim_bin, "--port", s["port"], "--name", s["name"], "--model", MODEL, "--blocks", args.blocks,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
+sys.path.insert(0, str(ROOT / "demo"))
+import demo  # noqa: E402  (the shipped Envoy bootstrap, filled in)
 
 # ---------------------------------------------------------------------------------------------
 # vLLM's sha256_cbor block hash (canonical CBOR of (parent, tuple(tokens), extra_keys or None)).
@@ -279,19 +281,10 @@ class FeedStub:
 
 
 def envoy_config(wasm: Path, listen_port: int, admin_port: int, agent_port: int, filter_cfg: dict) -> str:
-    """The shipped local bootstrap (envoy/llmgw-local.yaml) with test ports, an absolute wasm
-    path and the given filter configuration."""
-    text = (ROOT / "envoy" / "llmgw-local.yaml").read_text()
-    text = text.replace("port_value: 9901", f"port_value: {admin_port}")
-    text = text.replace("port_value: 10000", f"port_value: {listen_port}")
-    text = text.replace("port_value: 9090", f"port_value: {agent_port}")
-    text = text.replace("filename: dist/llmgw.wasm", f"filename: {wasm}")
-    # Histograms reach /stats/prometheus when stats are flushed (every 5 s by default).
-    text = text.replace("\nstats_config:", "\nstats_flush_interval: 0.2s\nstats_config:", 1)
-    value = json.dumps(json.dumps(filter_cfg))  # a YAML double-quoted scalar is a JSON string
-    text, n = re.subn(r"value: \|\n(?:\s{20}.*\n)+", f"value: {value}\n", text)
-    assert n == 1, "filter configuration block not found in envoy/llmgw-local.yaml"
-    return text
+    """The shipped bootstrap with test ports, an absolute wasm path and the given filter
+    configuration; stats flushed every 0.2 s (histograms reach /stats/prometheus on a flush)."""
+    text = demo.shipped_envoy_config(wasm, listen_port, admin_port, agent_port, filter_cfg)
+    return text.replace("\nstats_config:", "\nstats_flush_interval: 0.2s\nstats_config:", 1)
 
 
 def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 10.0):

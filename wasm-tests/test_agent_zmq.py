@@ -25,6 +25,21 @@ def start_agent(procs, agent_bin, tmp_path, replicas, **kw):
     return a
 
 
+@pytest.fixture
+def bound_pub():
+    """A publisher bound on a free loopback port (as vLLM binds for `tcp://*:PORT`), closed
+    after the test."""
+    port = free_port()
+    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
+    pub.endpoint = f"tcp://127.0.0.1:{port}"
+    yield pub
+    pub.close()
+
+
+def replica_of(pub, name="r0"):
+    return [{"name": name, "address": "127.0.0.1:18000", "endpoint": pub.endpoint}]
+
+
 @pytest.mark.parametrize("encoding", ["batches_native_seed0.jsonl", "batches_legacy_seed0.jsonl"])
 def test_agent_bind_mode_real_capture_gives_exact_blocks_then_clear(procs, agent_bin, tmp_path, encoding):
     port = free_port()
@@ -107,49 +122,39 @@ def test_agent_gap_is_repaired_by_replay_to_the_exact_state(procs, agent_bin, tm
         pub.close()
 
 
-def test_agent_gap_without_replay_resets_and_counts(procs, agent_bin, tmp_path):
-    port = free_port()
-    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
-    try:
-        agent = start_agent(procs, agent_bin, tmp_path, [
-            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}])
-        pub.wait_subscribed()
-        for s in range(5):
-            pub.send(s, stored([100 + s]))
-        agent.wait_for("r0", lambda r: r["blocks"] == 5, "5 blocks")
-        after = Model()
-        pub.send(8, stored([200, 201]))  # 5..7 lost, no replay socket
-        after.apply([{"type": "BlockStored", "block_hashes": [200, 201]}])
-        pub.send(9, removed([100, 200]))  # 100 was dropped by the reset: nothing to remove
-        after.apply([{"type": "BlockRemoved", "block_hashes": [100, 200]}])
-        r = agent.wait_for("r0", seq_is(9), "seq 9")
-        assert r["gaps"] == 1
-        assert r["resets"] == {"gap_unrepaired": 1}
-        assert r["block_keys"] == after.keys() == [201]
-        m = agent.metrics()
-        assert 'llmgw_agent_gaps_total{replica="r0",dp_rank="0"} 1' in m
-        assert 'llmgw_agent_resets_total{replica="r0",dp_rank="0",reason="gap_unrepaired"} 1' in m
-    finally:
-        pub.close()
+def test_agent_gap_without_replay_resets_and_counts(procs, agent_bin, tmp_path, bound_pub):
+    pub = bound_pub
+    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub))
+    pub.wait_subscribed()
+    for s in range(5):
+        pub.send(s, stored([100 + s]))
+    agent.wait_for("r0", lambda r: r["blocks"] == 5, "5 blocks")
+    after = Model()
+    pub.send(8, stored([200, 201]))  # 5..7 lost, no replay socket
+    after.apply([{"type": "BlockStored", "block_hashes": [200, 201]}])
+    pub.send(9, removed([100, 200]))  # 100 was dropped by the reset: nothing to remove
+    after.apply([{"type": "BlockRemoved", "block_hashes": [100, 200]}])
+    r = agent.wait_for("r0", seq_is(9), "seq 9")
+    assert r["gaps"] == 1
+    assert r["resets"] == {"gap_unrepaired": 1}
+    assert r["block_keys"] == after.keys() == [201]
+    m = agent.metrics()
+    assert 'llmgw_agent_gaps_total{replica="r0",dp_rank="0"} 1' in m
+    assert 'llmgw_agent_resets_total{replica="r0",dp_rank="0",reason="gap_unrepaired"} 1' in m
 
 
-def test_agent_sequence_regression_resets(procs, agent_bin, tmp_path):
-    port = free_port()
-    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
-    try:
-        agent = start_agent(procs, agent_bin, tmp_path, [
-            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}])
-        pub.wait_subscribed()
-        for s in range(6):
-            pub.send(s, stored([10 + s]))
-        agent.wait_for("r0", seq_is(5), "seq 5")
-        # The engine restarted behind the same endpoint: numbering starts over.
-        pub.send(0, stored([77]))
-        r = agent.wait_for("r0", lambda r: r["resets"].get("restart") == 1 and r["last_seq"] == 0, "restart")
-        assert r["block_keys"] == [77]
-        assert r["gaps"] == 0
-    finally:
-        pub.close()
+def test_agent_sequence_regression_resets(procs, agent_bin, tmp_path, bound_pub):
+    pub = bound_pub
+    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub))
+    pub.wait_subscribed()
+    for s in range(6):
+        pub.send(s, stored([10 + s]))
+    agent.wait_for("r0", seq_is(5), "seq 5")
+    # The engine restarted behind the same endpoint: numbering starts over.
+    pub.send(0, stored([77]))
+    r = agent.wait_for("r0", lambda r: r["resets"].get("restart") == 1 and r["last_seq"] == 0, "restart")
+    assert r["block_keys"] == [77]
+    assert r["gaps"] == 0
 
 
 def test_agent_publisher_restart_in_bind_mode_starts_clean(procs, agent_bin, tmp_path):
@@ -204,53 +209,43 @@ def test_agent_late_start_catches_up_through_replay(procs, agent_bin, tmp_path):
         pub.close()
 
 
-def test_agent_malformed_payload_is_counted_and_skipped(procs, agent_bin, tmp_path):
-    port = free_port()
-    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
-    try:
-        agent = start_agent(procs, agent_bin, tmp_path, [
-            {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}])
-        pub.wait_subscribed()
-        pub.send(0, stored([1, 2]))
-        pub.send(1, b"\xc1\xff\x00not msgpack")
-        pub.send(2, stored([3]))
-        # A frame with a bad sequence number.
-        pub.pub.send_multipart([b"", b"\x01\x02", stored([4])])
-        pub.send(3, cleared())
-        pub.send(4, stored([9]))
-        r = agent.wait_for("r0", seq_is(4), "seq 4")
-        assert r["block_keys"] == [9]
-        assert r["skipped"] == {"malformed": 1, "bad_seq": 1}
-        assert r["gaps"] == 0 and r["resets"] == {}
-        assert agent.proc.poll() is None
-        assert re.search(r'llmgw_agent_events_skipped_total\{replica="r0",dp_rank="0",reason="malformed"\} 1', agent.metrics())
-    finally:
-        pub.close()
+def test_agent_malformed_payload_is_counted_and_skipped(procs, agent_bin, tmp_path, bound_pub):
+    pub = bound_pub
+    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub))
+    pub.wait_subscribed()
+    pub.send(0, stored([1, 2]))
+    pub.send(1, b"\xc1\xff\x00not msgpack")
+    pub.send(2, stored([3]))
+    # A frame with a bad sequence number.
+    pub.pub.send_multipart([b"", b"\x01\x02", stored([4])])
+    pub.send(3, cleared())
+    pub.send(4, stored([9]))
+    r = agent.wait_for("r0", seq_is(4), "seq 4")
+    assert r["block_keys"] == [9]
+    assert r["skipped"] == {"malformed": 1, "bad_seq": 1}
+    assert r["gaps"] == 0 and r["resets"] == {}
+    assert agent.proc.poll() is None
+    assert re.search(r'llmgw_agent_events_skipped_total\{replica="r0",dp_rank="0",reason="malformed"\} 1', agent.metrics())
 
 
-def test_agent_parity_mismatch_is_reported_with_cause(procs, agent_bin, tmp_path):
-    port = free_port()
-    pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True)
-    try:
-        # The capture was produced with PYTHONHASHSEED=0; the agent expects seed 1.
-        agent = start_agent(procs, agent_bin, tmp_path, [
-            {"name": "wrong-seed", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}],
-            extra='[hash]\nalgo = "sha256_cbor"\nseed = "1"\n')
-        pub.wait_subscribed()
-        for seq, payload, _ in capture()[:-1]:
-            pub.send(seq, payload)
-        r = agent.wait_for("wrong-seed", seq_is(15), "seq 15")
-        assert r["parity"]["mismatched"] > 0 and r["parity"]["matched"] == 0
-        assert r["parity"]["match_ratio"] == 0
-        # The warning names the replica and the likely cause.
-        import time
-        deadline = time.monotonic() + 10
-        while "PYTHONHASHSEED" not in agent.log() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        line = next(l for l in agent.log().splitlines() if "PYTHONHASHSEED" in l)
-        assert "wrong-seed" in line and "hash-algo" in line
-    finally:
-        pub.close()
+def test_agent_parity_mismatch_is_reported_with_cause(procs, agent_bin, tmp_path, bound_pub):
+    pub = bound_pub
+    # The capture was produced with PYTHONHASHSEED=0; the agent expects seed 1.
+    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub, "wrong-seed"),
+                        extra='[hash]\nalgo = "sha256_cbor"\nseed = "1"\n')
+    pub.wait_subscribed()
+    for seq, payload, _ in capture()[:-1]:
+        pub.send(seq, payload)
+    r = agent.wait_for("wrong-seed", seq_is(15), "seq 15")
+    assert r["parity"]["mismatched"] > 0 and r["parity"]["matched"] == 0
+    assert r["parity"]["match_ratio"] == 0
+    # The warning names the replica and the likely cause.
+    import time
+    deadline = time.monotonic() + 10
+    while "PYTHONHASHSEED" not in agent.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(l for l in agent.log().splitlines() if "PYTHONHASHSEED" in l)
+    assert "wrong-seed" in line and "hash-algo" in line
 
 
 def test_agent_connect_mode_restart_whose_seq_passed_the_old_one_is_rebuilt_by_replay(procs, agent_bin, tmp_path):

@@ -1,6 +1,6 @@
-//! Hashing for maps keyed by block keys. The keys are already cryptographic hashes, so one
-//! multiply (Fibonacci hashing) spreads them; no SipHash, and no random state: iteration order
-//! is a function of the inputs only.
+//! Hashing for maps keyed by block keys (or other keys that are already uniform hashes, such as
+//! 128-bit tags), so one multiply (Fibonacci hashing) spreads them; no SipHash, and no random
+//! state: iteration order is a function of the inputs only.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -20,6 +20,10 @@ impl Hasher for KeyHasher {
     }
     fn write_u64(&mut self, k: u64) {
         self.0 = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn write_u128(&mut self, k: u128) {
+        // 128-bit tags are uniform too: their low half is enough (the cast truncates).
+        self.write_u64(k as u64);
     }
 }
 

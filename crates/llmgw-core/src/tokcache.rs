@@ -14,30 +14,11 @@
 //! at a fraction of its bookkeeping.
 
 use crate::hash::BlockHash;
+use crate::idhash::BuildKeyHasher;
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
 
 /// Bytes charged per entry besides its tokens and hashes (map slot, order slot, headers).
 const ENTRY_OVERHEAD: usize = 96;
-
-/// Identity hashing for the map: keys are already uniform 128-bit hashes.
-#[derive(Default, Clone, Copy)]
-struct TagHasher(u64);
-
-impl Hasher for TagHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u128(&mut self, k: u128) {
-        // The truncating cast keeps the low half, uniform like the rest.
-        self.0 = k as u64;
-    }
-}
 
 /// A request's cached tokenization.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -92,11 +73,11 @@ pub struct TokenCache {
     budget: usize,
     ttl_ns: u64,
     used: usize,
-    map: HashMap<u128, Entry, BuildHasherDefault<TagHasher>>,
+    map: HashMap<u128, Entry, BuildKeyHasher>,
     /// Insertion order for the CLOCK hand (may hold keys already removed).
     order: VecDeque<u128>,
     /// Raw-body tags → tokenization tags, first in first out.
-    aliases: HashMap<u128, Alias, BuildHasherDefault<TagHasher>>,
+    aliases: HashMap<u128, Alias, BuildKeyHasher>,
     alias_order: VecDeque<u128>,
     pub stats: CacheStats,
 }
