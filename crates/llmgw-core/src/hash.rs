@@ -15,6 +15,16 @@ use std::fmt;
 /// The seed vLLM hashes for the root parent when `PYTHONHASHSEED` is unset (vLLM ≥ 0.29).
 pub const UNSET_SEED: &str = "vllm-none-hash";
 
+/// The hashing every part of llmgw assumes when nothing says otherwise (filter profiles, the
+/// agent's `[hash]`, the simulator's flags): what `llmgw-agent vllm-args` starts vLLM with.
+pub mod defaults {
+    use super::HashAlgo;
+    /// vLLM's `--block-size` default for CUDA engines.
+    pub const BLOCK_SIZE: u32 = 16;
+    /// `--prefix-caching-hash-algo` as llmgw's launcher sets it.
+    pub const ALGO: HashAlgo = HashAlgo::Sha256Cbor;
+}
+
 /// `--prefix-caching-hash-algo`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HashAlgo {
@@ -52,6 +62,15 @@ impl HashAlgo {
 
     fn is_xxhash(self) -> bool {
         matches!(self, Self::XxhashCbor | Self::Xxhash)
+    }
+}
+
+/// Read from configuration as vLLM's flag value (`"sha256_cbor"`, …); an unknown name is an
+/// error that lists the known ones.
+impl<'de> serde::Deserialize<'de> for HashAlgo {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        HashAlgo::parse(&s).map_err(serde::de::Error::custom)
     }
 }
 
