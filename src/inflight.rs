@@ -5,9 +5,9 @@
 //! reads it once whatever the fleet's size, and a request updates it twice (start and end), each
 //! time with compare-and-swap.
 
+use crate::host::{Host, SharedWrite};
+use llmgw_core::flow::InFlight;
 use llmgw_core::policy::stable_hash;
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::Status;
 
 const KEY: &str = "llmgw.inflight";
 const RECORD: usize = 12;
@@ -63,33 +63,35 @@ pub fn bump(v: &[u8], id: u64, up: bool) -> Vec<u8> {
 pub struct Snapshot(Vec<u8>);
 
 impl Snapshot {
-    pub fn read() -> Snapshot {
-        Snapshot(hostcalls::get_shared_data(KEY).ok().and_then(|(v, _)| v).unwrap_or_default())
+    pub fn read(host: &dyn Host) -> Snapshot {
+        Snapshot(host.shared_data(KEY).0.unwrap_or_default())
     }
+}
 
-    pub fn get(&self, address: &str) -> u32 {
+impl InFlight for Snapshot {
+    fn in_flight(&self, address: &str) -> u32 {
         count(&self.0, address_id(address))
     }
 }
 
-fn update(address: &str, up: bool) {
+fn update(host: &dyn Host, address: &str, up: bool) {
     let id = address_id(address);
     for _ in 0..CAS_RETRIES {
-        let Ok((v, cas)) = hostcalls::get_shared_data(KEY) else { return };
+        let (v, cas) = host.shared_data(KEY);
         let next = bump(v.as_deref().unwrap_or_default(), id, up);
-        match hostcalls::set_shared_data(KEY, Some(&next), cas) {
-            Err(Status::CasMismatch) => continue,
+        match host.set_shared_data(KEY, &next, cas) {
+            Err(SharedWrite::CasMismatch) => continue,
             _ => return,
         }
     }
 }
 
-pub fn increment(address: &str) {
-    update(address, true);
+pub fn increment(host: &dyn Host, address: &str) {
+    update(host, address, true);
 }
 
-pub fn decrement(address: &str) {
-    update(address, false);
+pub fn decrement(host: &dyn Host, address: &str) {
+    update(host, address, false);
 }
 
 #[cfg(test)]

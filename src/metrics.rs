@@ -4,107 +4,16 @@
 //! `llmgw_prefix_decisions_total{outcome="exact"}`. Counters and histograms are shared by name
 //! by every VM; per-VM gauges carry a `vm` tag.
 
+use crate::host::Host;
+use llmgw_core::flow::{Fallback, Report, TokenizerFailure};
 use llmgw_core::policy::Outcome;
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
-
-/// Why exact routing was not possible.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fallback {
-    /// No profile serves the model.
-    NoProfile,
-    /// The profile has `kv_events` off.
-    NoKvEvents,
-    /// The body is not a JSON object of the expected shape.
-    Unparseable,
-    /// The body has no prompt to hash.
-    NoPrompt,
-    /// The body exceeds `max_body_bytes`.
-    BodyTooLarge,
-    /// The index has not received a full snapshot.
-    NotSynced,
-    /// The tokenizer call failed (see the tokenizer failure counters).
-    Tokenizer,
-    /// Hashing failed (e.g. no block fits).
-    Hash,
-    /// The index knows none of the request's blocks.
-    NoMatch,
-}
-
-impl Fallback {
-    pub const ALL: [Fallback; 9] = [
-        Fallback::NoProfile,
-        Fallback::NoKvEvents,
-        Fallback::Unparseable,
-        Fallback::NoPrompt,
-        Fallback::BodyTooLarge,
-        Fallback::NotSynced,
-        Fallback::Tokenizer,
-        Fallback::Hash,
-        Fallback::NoMatch,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Fallback::NoProfile => "no_profile",
-            Fallback::NoKvEvents => "no_kv_events",
-            Fallback::Unparseable => "unparseable",
-            Fallback::NoPrompt => "no_prompt",
-            Fallback::BodyTooLarge => "body_too_large",
-            Fallback::NotSynced => "not_synced",
-            Fallback::Tokenizer => "tokenizer",
-            Fallback::Hash => "hash",
-            Fallback::NoMatch => "no_match",
-        }
-    }
-}
-
-/// How a tokenizer call failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TokenizerFailure {
-    /// Envoy synthesized a 504 (the call's timeout).
-    Timeout,
-    /// A 503 (connection refused or no upstream, often synthesized by Envoy).
-    Unavailable,
-    /// Any other non-200 status.
-    Status,
-    /// The call was reset (no headers at all).
-    Reset,
-    /// 200 but no token ids in the body.
-    BadResponse,
-    /// `dispatch_http_call` refused the call (unknown cluster, bad headers).
-    Dispatch,
-}
-
-impl TokenizerFailure {
-    pub const ALL: [TokenizerFailure; 6] = [
-        TokenizerFailure::Timeout,
-        TokenizerFailure::Unavailable,
-        TokenizerFailure::Status,
-        TokenizerFailure::Reset,
-        TokenizerFailure::BadResponse,
-        TokenizerFailure::Dispatch,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TokenizerFailure::Timeout => "timeout",
-            TokenizerFailure::Unavailable => "unavailable",
-            TokenizerFailure::Status => "status",
-            TokenizerFailure::Reset => "reset",
-            TokenizerFailure::BadResponse => "bad_response",
-            TokenizerFailure::Dispatch => "dispatch",
-        }
-    }
-}
-
-fn define(t: MetricType, name: &str) -> Option<u32> {
-    hostcalls::define_metric(t, name).ok()
-}
+use std::cell::Cell;
+use std::rc::Rc;
 
 /// Metric ids of one VM (`None` where the host refused to define one).
-#[derive(Debug, Default)]
 pub struct Metrics {
+    host: Rc<dyn Host>,
     outcomes: Vec<(Outcome, Option<u32>)>,
     fallbacks: Vec<(Fallback, Option<u32>)>,
     tokenizer_failures: Vec<(TokenizerFailure, Option<u32>)>,
@@ -119,18 +28,17 @@ pub struct Metrics {
     tokenizer_cache_misses: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
-    feed_connected: std::cell::Cell<Option<Option<u32>>>,
-    index_blocks: std::cell::Cell<Option<Option<u32>>>,
-    index_bytes: std::cell::Cell<Option<Option<u32>>>,
+    feed_connected: Cell<Option<Option<u32>>>,
+    index_blocks: Cell<Option<Option<u32>>>,
+    index_bytes: Cell<Option<Option<u32>>>,
     vm_tag: String,
     enabled: bool,
 }
 
 impl Metrics {
-    pub fn define(enabled: bool, vm_tag: &str) -> Metrics {
-        if !enabled {
-            return Metrics::default();
-        }
+    pub fn define(host: Rc<dyn Host>, enabled: bool, vm_tag: &str) -> Metrics {
+        let hr = host.as_ref();
+        let define = |kind: MetricType, n: &str| if enabled { hr.define_metric(kind, n) } else { None };
         let c = |n: &str| define(MetricType::Counter, n);
         let h = |n: &str| define(MetricType::Histogram, n);
         Metrics {
@@ -155,81 +63,80 @@ impl Metrics {
             feed_rejected: c("llmgw_feed_rejected_total"),
             tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
-            feed_connected: std::cell::Cell::new(None),
-            index_blocks: std::cell::Cell::new(None),
-            index_bytes: std::cell::Cell::new(None),
+            feed_connected: Cell::new(None),
+            index_blocks: Cell::new(None),
+            index_bytes: Cell::new(None),
             vm_tag: vm_tag.to_owned(),
             enabled,
+            host,
         }
     }
 
-    fn inc(id: Option<u32>) {
+    fn inc(&self, id: Option<u32>) {
         if let Some(id) = id {
-            let _ = hostcalls::increment_metric(id, 1);
+            self.host.increment_metric(id, 1);
         }
     }
 
-    fn record(id: Option<u32>, v: u64) {
+    fn record(&self, id: Option<u32>, v: u64) {
         if let Some(id) = id {
-            let _ = hostcalls::record_metric(id, v);
+            self.host.record_metric(id, v);
         }
     }
 
-    pub fn outcome(&self, o: Outcome) {
-        if let Some((_, id)) = self.outcomes.iter().find(|(x, _)| *x == o) {
-            Self::inc(*id);
+    fn labelled<T: PartialEq>(&self, ids: &[(T, Option<u32>)], which: T) {
+        if let Some((_, id)) = ids.iter().find(|(x, _)| *x == which) {
+            self.inc(*id);
         }
     }
 
-    pub fn fallback(&self, f: Fallback) {
-        if let Some((_, id)) = self.fallbacks.iter().find(|(x, _)| *x == f) {
-            Self::inc(*id);
+    /// Counts what a routing step reports.
+    pub fn report(&self, r: &Report) {
+        if let Some(hit) = r.tokenizer_cache {
+            self.inc(if hit { self.tokenizer_cache_hits } else { self.tokenizer_cache_misses });
         }
-    }
-
-    pub fn tokenizer_failure(&self, f: TokenizerFailure) {
-        if let Some((_, id)) = self.tokenizer_failures.iter().find(|(x, _)| *x == f) {
-            Self::inc(*id);
+        if let Some(f) = r.tokenizer_failure {
+            self.labelled(&self.tokenizer_failures, f);
         }
-    }
-
-    pub fn matched_blocks(&self, n: u32) {
-        Self::record(self.matched_blocks, u64::from(n));
-    }
-
-    /// A tokenization looked up in the VM's cache.
-    pub fn tokenizer_cache(&self, hit: bool) {
-        Self::inc(if hit { self.tokenizer_cache_hits } else { self.tokenizer_cache_misses });
+        if let Some(o) = r.outcome {
+            self.labelled(&self.outcomes, o);
+        }
+        if let Some(f) = r.fallback {
+            self.labelled(&self.fallbacks, f);
+        }
+        if let Some(n) = r.matched_blocks {
+            self.record(self.matched_blocks, u64::from(n));
+        }
     }
 
     pub fn tokenizer_latency_us(&self, us: u64) {
-        Self::record(self.tokenizer_us, us);
+        self.record(self.tokenizer_us, us);
     }
 
     pub fn decision_us(&self, us: u64) {
-        Self::record(self.decision_us, us);
+        self.record(self.decision_us, us);
     }
 
     pub fn feed_connect(&self) {
-        Self::inc(self.feed_connects);
+        self.inc(self.feed_connects);
     }
 
     pub fn feed_disconnect(&self) {
-        Self::inc(self.feed_disconnects);
+        self.inc(self.feed_disconnects);
     }
 
     pub fn feed_message(&self, rejected: bool) {
-        Self::inc(self.feed_messages);
+        self.inc(self.feed_messages);
         if rejected {
-            Self::inc(self.feed_rejected);
+            self.inc(self.feed_rejected);
         }
     }
 
-    fn gauge(cell: &std::cell::Cell<Option<Option<u32>>>, name: &str, tag: &str) -> Option<u32> {
+    fn gauge(&self, cell: &Cell<Option<Option<u32>>>, name: &str) -> Option<u32> {
         if let Some(id) = cell.get() {
             return id;
         }
-        let id = define(MetricType::Gauge, &format!("{name}.vm.{tag}"));
+        let id = self.host.define_metric(MetricType::Gauge, &format!("{name}.vm.{}", self.vm_tag));
         cell.set(Some(id));
         id
     }
@@ -237,9 +144,9 @@ impl Metrics {
     /// `index_blocks`: (block, replica) entries of the serving index; `index_bytes`: its tables.
     pub fn feed_state(&self, connected: bool, index_blocks: u64, index_bytes: u64) {
         if self.enabled {
-            Self::record(Self::gauge(&self.feed_connected, "llmgw_feed_connected", &self.vm_tag), u64::from(connected));
-            Self::record(Self::gauge(&self.index_blocks, "llmgw_index_blocks", &self.vm_tag), index_blocks);
-            Self::record(Self::gauge(&self.index_bytes, "llmgw_index_bytes", &self.vm_tag), index_bytes);
+            self.record(self.gauge(&self.feed_connected, "llmgw_feed_connected"), u64::from(connected));
+            self.record(self.gauge(&self.index_blocks, "llmgw_index_blocks"), index_blocks);
+            self.record(self.gauge(&self.index_bytes, "llmgw_index_bytes"), index_bytes);
         }
     }
 }

@@ -244,6 +244,80 @@ impl FeedState {
     }
 }
 
+/// A subscriber's view across subscriptions: the state requests are served from, and, while a
+/// new subscription receives its snapshot, the state being rebuilt. The serving state keeps
+/// serving until the new one is complete, then the new one replaces it whole (memory doubles
+/// meanwhile): a reconnect never leaves requests without an index.
+#[derive(Debug, Clone, Default)]
+pub struct FeedView {
+    serving: FeedState,
+    resync: Option<FeedState>,
+}
+
+/// What applying a message did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Applied to the state it belongs to.
+    Applied,
+    /// Completed a resync: the rebuilt state now serves.
+    Swapped,
+}
+
+impl FeedView {
+    /// The state requests are served from.
+    pub fn serving(&self) -> &FeedState {
+        &self.serving
+    }
+
+    /// Whether the serving index is complete (a snapshot was fully received).
+    pub fn usable(&self) -> bool {
+        self.serving.synced
+    }
+
+    /// A resync is under way.
+    pub fn resyncing(&self) -> bool {
+        self.resync.is_some()
+    }
+
+    /// A new subscription delivered its first message: the agent starts over with its table and
+    /// snapshot. A complete serving state keeps serving until the new one is complete; an
+    /// incomplete one is simply rebuilt.
+    pub fn begin_subscription(&mut self) {
+        if self.serving.synced {
+            self.resync = Some(FeedState::default());
+        } else {
+            self.resync = None;
+            self.serving = FeedState::default();
+        }
+    }
+
+    /// Applies one message of the current subscription. On a gap the caller must resubscribe;
+    /// a serving state that was complete stays usable meanwhile (missing a few changes, it is
+    /// more useful than none), and a partial resync is dropped.
+    pub fn apply(&mut self, msg: &FeedMessage) -> Result<Applied, FeedError> {
+        let was_synced = self.serving.synced;
+        let target = self.resync.as_mut().unwrap_or(&mut self.serving);
+        match target.apply(msg) {
+            Ok(()) => {
+                if self.resync.as_ref().is_some_and(|r| r.synced) {
+                    if let Some(r) = self.resync.take() {
+                        self.serving = r;
+                        return Ok(Applied::Swapped);
+                    }
+                }
+                Ok(Applied::Applied)
+            }
+            Err(e @ FeedError::Gap { .. }) => {
+                if self.resync.take().is_none() {
+                    self.serving.synced = was_synced;
+                }
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::arithmetic_side_effects)]
 mod tests {
@@ -302,5 +376,77 @@ mod tests {
         let bad = msg(0, Body::Delta(BlockDelta { replica: 70_000, added: vec![1], removed: vec![] }));
         assert_eq!(st.apply(&bad), Err(FeedError::BadReplica(70_000)));
         assert_eq!(st.rejected, 1);
+    }
+
+    fn table(ids: &[u32]) -> Body {
+        Body::Replicas(ReplicaTable {
+            replicas: ids
+                .iter()
+                .map(|&id| Replica {
+                    id,
+                    name: format!("r{id}"),
+                    address: format!("127.0.0.1:{}", 8000 + id),
+                    models: vec![],
+                    up: true,
+                    dp_rank: 0,
+                })
+                .collect(),
+        })
+    }
+
+    fn snapshot(view: &mut FeedView, seq0: u64, blocks: Vec<u64>) -> Vec<Applied> {
+        view.begin_subscription();
+        [
+            table(&[0]),
+            Body::Snapshot(SnapshotChunk { replica: 0, first: true, blocks }),
+            Body::SnapshotComplete(SnapshotComplete {}),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| view.apply(&msg(seq0 + i as u64, b)).unwrap())
+        .collect()
+    }
+
+    #[test]
+    fn the_old_index_serves_until_the_resync_is_complete() {
+        let mut view = FeedView::default();
+        assert!(!view.usable());
+        // A first subscription builds the serving state in place.
+        assert_eq!(snapshot(&mut view, 0, vec![1, 2]), vec![Applied::Applied; 3]);
+        assert!(view.usable() && !view.resyncing());
+        // A resubscription: until its snapshot completes, requests see the old blocks.
+        view.begin_subscription();
+        assert!(view.resyncing());
+        view.apply(&msg(0, table(&[0]))).unwrap();
+        view.apply(&msg(1, Body::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: vec![7] }))).unwrap();
+        assert!(view.usable());
+        assert_eq!(view.serving().index.score(&[1, 2]).leading, vec![2]);
+        assert_eq!(view.serving().index.score(&[7]).leading, vec![0]);
+        assert_eq!(view.apply(&msg(2, Body::SnapshotComplete(SnapshotComplete {}))), Ok(Applied::Swapped));
+        assert!(!view.resyncing());
+        assert_eq!(view.serving().index.score(&[1, 2]).leading, vec![0]);
+        assert_eq!(view.serving().index.score(&[7]).leading, vec![1]);
+    }
+
+    #[test]
+    fn a_gap_drops_a_partial_resync_and_keeps_a_complete_index_serving() {
+        let mut view = FeedView::default();
+        snapshot(&mut view, 0, vec![1]);
+        // A gap on the serving subscription: still usable.
+        let gap = view.apply(&msg(9, Body::Heartbeat(Heartbeat {})));
+        assert_eq!(gap, Err(FeedError::Gap { expected: 3, got: 9 }));
+        assert!(view.usable());
+        // A gap during a resync: the partial state goes, the old one stays.
+        view.begin_subscription();
+        view.apply(&msg(0, table(&[0]))).unwrap();
+        assert!(view.apply(&msg(5, Body::Heartbeat(Heartbeat {}))).is_err());
+        assert!(!view.resyncing() && view.usable());
+        assert_eq!(view.serving().index.score(&[1]).leading, vec![1]);
+        // An incomplete serving state is rebuilt in place by the next subscription.
+        let mut fresh = FeedView::default();
+        fresh.begin_subscription();
+        fresh.apply(&msg(0, table(&[0]))).unwrap();
+        fresh.begin_subscription();
+        assert!(!fresh.resyncing() && fresh.serving().replicas.is_empty());
     }
 }

@@ -9,7 +9,10 @@
 //! * [`mirror`]: one engine's held blocks as a reference-counted multiset, yielding net changes
 //!   and checking hash parity.
 //! * [`index`]: block key → replicas holding it, with leading-prefix scoring.
-//! * [`config`]: the filter's configuration, validated with errors naming the field.
+//! * [`config`]: the filter's configuration, validated with errors naming the field, and
+//!   compiled once into what requests need.
+//! * [`flow`]: the request path from a body to a routing step (route, 503, tokenizer call),
+//!   with fallback reasons and the tokenizer-reply mapping.
 //! * [`request`]: OpenAI request bodies, tokenizer call bodies and answers.
 //! * [`policy`]: replica choice (prefix share blended with load, approximate and load fallbacks).
 //! * [`tokcache`]: recent tokenizations, so a prompt sent again skips the tokenizer call.
@@ -21,6 +24,7 @@ pub mod cbor;
 pub mod config;
 pub mod event;
 pub mod feed;
+pub mod flow;
 pub mod hash;
 pub mod idhash;
 pub mod index;

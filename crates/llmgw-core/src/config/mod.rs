@@ -1,7 +1,10 @@
 //! The filter's configuration (JSON in Envoy's plugin `configuration`), validated at load with
-//! errors that name the offending field.
+//! errors that name the offending field, then compiled ([`compiled`]) into what a request needs.
 
-use crate::hash::{BlockHasher, HashAlgo};
+mod compiled;
+pub use compiled::{Compiled, CompiledProfile, MemoSettings};
+
+use crate::hash::{defaults, BlockHasher, HashAlgo};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -35,10 +38,10 @@ fn default_body_limit() -> u64 {
     32 * 1024 * 1024
 }
 fn default_block_size() -> u32 {
-    16
+    defaults::BLOCK_SIZE
 }
-fn default_algo() -> String {
-    "sha256_cbor".to_owned()
+fn default_algo() -> HashAlgo {
+    defaults::ALGO
 }
 fn default_timeout() -> u32 {
     500
@@ -52,8 +55,10 @@ fn default_tokenizer_cluster() -> String {
 fn default_feed_idle_timeout() -> u32 {
     15_000
 }
+/// Leading prompt bytes the approximate fallback hashes when no profile says otherwise.
+pub const DEFAULT_APPROX_PREFIX_BYTES: u32 = 1024;
 fn default_approx_prefix_bytes() -> u32 {
-    1024
+    DEFAULT_APPROX_PREFIX_BYTES
 }
 fn default_tokenizer_cache_bytes() -> u64 {
     4 * 1024 * 1024
@@ -85,7 +90,7 @@ pub struct Profile {
     #[serde(default = "default_block_size")]
     pub block_size: u32,
     #[serde(default = "default_algo")]
-    pub hash_algo: String,
+    pub hash_algo: HashAlgo,
     /// The replicas' `PYTHONHASHSEED`; absent when they run without one.
     #[serde(default)]
     pub seed: Option<String>,
@@ -285,11 +290,7 @@ impl FilterConfig {
             if p.block_size == 0 {
                 return bad(f("block_size"), "must be at least 1");
             }
-            let algo = match HashAlgo::parse(&p.hash_algo) {
-                Ok(a) => a,
-                Err(e) => return bad(f("hash_algo"), &e.to_string()),
-            };
-            if let Err(e) = BlockHasher::new(algo, p.seed.as_deref()) {
+            if let Err(e) = BlockHasher::new(p.hash_algo, p.seed.as_deref()) {
                 return bad(f("seed"), &e.to_string());
             }
             if p.tokenizer_timeout_ms == 0 {

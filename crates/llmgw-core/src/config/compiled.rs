@@ -1,0 +1,161 @@
+//! The configuration as requests use it, compiled once per (re)configure and replaced whole:
+//! each profile carries its hasher (built and seeded once), its weights and its byte budgets
+//! as the types the request path takes, so nothing is parsed, looked up by name or cloned per
+//! request.
+//!
+//! Invariants (established by [`FilterConfig::validate`] before compiling): every profile has a
+//! hasher, a block size of at least 1 and at least one model; `destination_header` is a
+//! lowercase header name.
+
+use super::{ConfigError, FilterConfig, TokenizerEndpoint, Weights};
+use crate::hash::BlockHasher;
+use std::collections::BTreeMap;
+
+/// The digest memo each profile's hasher keeps ([`BlockHasher::with_cache`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoSettings {
+    /// Slots (56 bytes each).
+    pub slots: usize,
+    /// Secret key of the memo's tags (clients choose the tokens): random per VM.
+    pub key: u64,
+}
+
+/// One profile, ready for requests.
+pub struct CompiledProfile {
+    pub name: String,
+    models: Vec<String>,
+    catch_all: bool,
+    /// Exact routing from KV events.
+    pub kv_events: bool,
+    /// At least 1.
+    pub block_size: usize,
+    pub hasher: BlockHasher,
+    pub tokenizer: TokenizerEndpoint,
+    pub tokenizer_timeout_ms: u32,
+    pub weights: Weights,
+    pub lora_adapters: BTreeMap<String, String>,
+    /// Leading prompt bytes the approximate key reads.
+    pub approx_prefix_bytes: usize,
+}
+
+impl CompiledProfile {
+    /// The LoRA adapter `model` names under this profile, as vLLM mixes it into block hashes.
+    pub fn lora(&self, model: Option<&str>) -> Option<(String, String)> {
+        let m = model?;
+        self.lora_adapters.get(m).map(|path| (m.to_owned(), path.clone()))
+    }
+}
+
+/// The whole configuration, ready for requests.
+pub struct Compiled {
+    pub agent_cluster: String,
+    pub tokenizer_cluster: String,
+    pub agent_token: String,
+    pub feed_idle_timeout_ms: u32,
+    pub destination_header: String,
+    pub max_body_bytes: usize,
+    pub explain_header: bool,
+    pub metrics: bool,
+    /// Byte budget of the tokenization cache (0: off).
+    pub tokenizer_cache_bytes: usize,
+    pub tokenizer_cache_ttl_ns: u64,
+    pub profiles: Vec<CompiledProfile>,
+}
+
+impl Compiled {
+    /// Parses, validates and compiles (see [`FilterConfig::from_json`]).
+    pub fn from_json(input: &[u8], memo: Option<MemoSettings>) -> Result<Compiled, ConfigError> {
+        Self::compile(FilterConfig::from_json(input)?, memo)
+    }
+
+    /// Compiles a validated configuration.
+    pub fn compile(cfg: FilterConfig, memo: Option<MemoSettings>) -> Result<Compiled, ConfigError> {
+        let mut profiles = Vec::with_capacity(cfg.profiles.len());
+        for (i, p) in cfg.profiles.into_iter().enumerate() {
+            let field = |name: &str| format!("profiles[{i}].{name}");
+            let hasher = BlockHasher::new(p.hash_algo, p.seed.as_deref())
+                .map_err(|e| ConfigError { field: field("seed"), message: e.to_string() })?;
+            let hasher = match memo {
+                Some(m) => hasher.with_cache(m.slots, m.key),
+                None => hasher,
+            };
+            let block_size = usize::try_from(p.block_size)
+                .ok()
+                .filter(|&b| b > 0)
+                .ok_or_else(|| ConfigError { field: field("block_size"), message: "must be at least 1".into() })?;
+            profiles.push(CompiledProfile {
+                catch_all: p.models.iter().any(|m| m == "*"),
+                name: p.name,
+                models: p.models,
+                kv_events: p.kv_events,
+                block_size,
+                hasher,
+                tokenizer: p.tokenizer,
+                tokenizer_timeout_ms: p.tokenizer_timeout_ms,
+                weights: p.weights,
+                lora_adapters: p.lora_adapters,
+                approx_prefix_bytes: usize::try_from(p.approx_prefix_bytes).unwrap_or(usize::MAX),
+            });
+        }
+        Ok(Compiled {
+            agent_cluster: cfg.agent_cluster,
+            tokenizer_cluster: cfg.tokenizer_cluster,
+            agent_token: cfg.agent_token,
+            feed_idle_timeout_ms: cfg.feed_idle_timeout_ms,
+            destination_header: cfg.destination_header,
+            max_body_bytes: usize::try_from(cfg.max_body_bytes).unwrap_or(usize::MAX),
+            explain_header: cfg.explain_header,
+            metrics: cfg.metrics,
+            tokenizer_cache_bytes: usize::try_from(cfg.tokenizer_cache_bytes).unwrap_or(usize::MAX),
+            tokenizer_cache_ttl_ns: u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000),
+            profiles,
+        })
+    }
+
+    /// The index of the profile serving `model`: one listing it by name first, then a `"*"` one.
+    pub fn profile_for(&self, model: &str) -> Option<usize> {
+        self.profiles
+            .iter()
+            .position(|p| p.models.iter().any(|m| m == model))
+            .or_else(|| self.profiles.iter().position(|p| p.catch_all))
+    }
+
+    pub fn profile(&self, i: usize) -> Option<&CompiledProfile> {
+        self.profiles.get(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::HashAlgo;
+
+    #[test]
+    fn profiles_compile_with_their_hashers_and_resolve_by_model() {
+        let c = Compiled::from_json(
+            br#"{"profiles":[
+                {"name":"a","models":["m1"],"hash_algo":"sha256","seed":"0","block_size":32},
+                {"name":"any","models":["*"]}]}"#,
+            Some(MemoSettings { slots: 64, key: 7 }),
+        )
+        .unwrap();
+        assert_eq!(c.profile_for("m1"), Some(0));
+        assert_eq!(c.profile_for("other"), Some(1));
+        let a = c.profile(0).unwrap();
+        assert_eq!((a.hasher.algo(), a.block_size), (HashAlgo::Sha256, 32));
+        let any = c.profile(1).unwrap();
+        assert_eq!((any.hasher.algo(), any.block_size), (HashAlgo::Sha256Cbor, 16));
+        assert_eq!(c.tokenizer_cache_ttl_ns, 60_000_000_000);
+        assert_eq!(c.max_body_bytes, 32 << 20);
+        let only = Compiled::from_json(br#"{"profiles":[{"name":"a","models":["m1"]}]}"#, None).unwrap();
+        assert_eq!(only.profile_for("m2"), None);
+    }
+
+    #[test]
+    fn a_profile_the_hasher_refuses_is_a_config_error_naming_the_field() {
+        let e = Compiled::from_json(br#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"xxhash"}]}"#, None)
+            .err()
+            .unwrap();
+        assert_eq!(e.field, "profiles[0].seed");
+    }
+}

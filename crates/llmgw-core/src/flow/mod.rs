@@ -1,0 +1,438 @@
+//! The request path, from a complete body to a routing step, with no host in sight: the
+//! filter reads the body from Envoy, hands it here, and acts on the [`Step`] it gets back
+//! (route, answer 503, or make the tokenizer call and hand its reply back).
+//!
+//! Order of resolution for a body:
+//! 1. a byte-identical body seen recently resolves to its cached tokenization unparsed;
+//! 2. a body that cannot be routed exactly goes to a fallback, for the first [`Fallback`] that
+//!    applies (too large, no prompt, unparseable, no profile, `kv_events` off, index not synced);
+//! 3. token ids in the body are hashed and scored at once;
+//! 4. a prompt tokenized recently (same profile, tokenizer call, salt and model) is scored
+//!    from its cached tokens;
+//! 5. otherwise the tokenizer is called on the least-loaded healthy replica.
+//!
+//! Every step carries a [`Report`] of what to count. A step never fails the request: only a
+//! model with no healthy replica is answered locally (503).
+
+mod prefix;
+mod reasons;
+
+pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
+pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
+
+use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
+use crate::feed::{FeedState, FeedView};
+use crate::hash::{BlockHash, HashError, RequestExtras};
+use crate::policy::{self, Candidate, Decision, Outcome};
+use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
+use crate::tokcache::{Alias, TokenCache, Tokenized};
+
+/// Requests in flight per replica address, as this gateway counts them.
+pub trait InFlight {
+    fn in_flight(&self, address: &str) -> u32;
+}
+
+/// No requests in flight anywhere.
+impl InFlight for () {
+    fn in_flight(&self, _address: &str) -> u32 {
+        0
+    }
+}
+
+/// A request body as the filter has it.
+#[derive(Debug, Clone, Copy)]
+pub struct Body<'a> {
+    /// The `:path` header.
+    pub path: &'a str,
+    /// The whole body, or its leading bytes when it is too large.
+    pub bytes: &'a [u8],
+    /// The body exceeds `max_body_bytes` (`bytes` is its head).
+    pub too_large: bool,
+}
+
+/// What to count for a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Report {
+    pub outcome: Option<Outcome>,
+    pub fallback: Option<Fallback>,
+    /// Leading blocks the winner holds, when the decision had exact data.
+    pub matched_blocks: Option<u32>,
+    /// A tokenization-cache lookup: hit or miss.
+    pub tokenizer_cache: Option<bool>,
+    pub tokenizer_failure: Option<TokenizerFailure>,
+}
+
+/// Route to a replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// `ip:port`, the destination header's value.
+    pub address: String,
+    pub decision: Decision,
+    pub report: Report,
+}
+
+impl Routed {
+    /// The explain header's value.
+    pub fn explain(&self, vm: &str) -> String {
+        let d = &self.decision;
+        format!("outcome={}; replica={}; matched={}/{}; vm={vm}", d.outcome.as_str(), self.address, d.matched, d.total)
+    }
+}
+
+/// Answer locally: no healthy replica serves the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejected {
+    pub status: u32,
+    /// A JSON error body in OpenAI's shape.
+    pub body: Vec<u8>,
+    pub report: Report,
+}
+
+impl Rejected {
+    /// The explain header's value.
+    pub const EXPLAIN: &'static str = "outcome=no_replica";
+}
+
+/// Call the tokenizer on `target`, then hand the reply to [`Router::on_tokenizer_reply`] with
+/// `pending`.
+#[derive(Debug)]
+pub struct Tokenize {
+    pub target: String,
+    pub path: &'static str,
+    pub body: Vec<u8>,
+    pub timeout_ms: u32,
+    pub pending: Box<Pending>,
+    pub report: Report,
+}
+
+/// What a tokenizer call in flight was for.
+#[derive(Debug)]
+pub struct Pending {
+    profile: usize,
+    parsed: ParsedRequest,
+    approx_bytes: usize,
+    /// The tokenization cache's tag of this request, when the cache is on.
+    cache_tag: Option<u128>,
+    /// The tag of the raw body (see [`Router::on_body`]).
+    raw_tag: Option<u128>,
+}
+
+/// What to do next.
+#[derive(Debug)]
+pub enum Step {
+    Route(Routed),
+    Reject(Rejected),
+    Tokenize(Tokenize),
+}
+
+/// One VM's routing state: the compiled configuration (with each profile's hasher), the feed's
+/// view of the fleet, recent tokenizations and scratch buffers.
+pub struct Router {
+    config: Compiled,
+    /// Weights of requests no profile serves.
+    default_weights: Weights,
+    pub feed: FeedView,
+    tokcache: TokenCache,
+    tokcache_key: u64,
+    scratch: Scratch,
+}
+
+fn token_cache(config: &Compiled, key: u64) -> TokenCache {
+    TokenCache::new(config.tokenizer_cache_bytes, config.tokenizer_cache_ttl_ns, key)
+}
+
+/// The JSON body of the 503 sent when no healthy replica serves `model`.
+pub fn no_replica_body(model: Option<&str>) -> Vec<u8> {
+    let model = model.unwrap_or("(none)");
+    let body = serde_json::json!({
+        "error": {
+            "message": format!("no healthy replica for model `{model}`"),
+            "type": "llmgw_no_replica",
+            "code": 503
+        }
+    });
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// The approximate fallback's key: a stable hash of the prompt's leading text, or of the raw
+/// body's leading bytes when there is no prompt.
+fn approx_key(parsed: Option<&ParsedRequest>, body: &[u8], nbytes: usize) -> Option<u64> {
+    let mut lead = Vec::new();
+    match parsed {
+        Some(p) if !matches!(p.prompt, Prompt::None) => p.leading_text(nbytes, &mut lead),
+        _ => lead.extend(body.iter().take(nbytes)),
+    }
+    (!lead.is_empty()).then(|| policy::stable_hash(&lead))
+}
+
+/// The first reason a parsed body cannot be routed exactly, if any.
+fn fallback_reason(
+    body: &Body<'_>,
+    parsed: Option<&ParsedRequest>,
+    profile: Option<&CompiledProfile>,
+    synced: bool,
+) -> Option<Fallback> {
+    match (parsed, profile) {
+        _ if body.too_large => Some(Fallback::BodyTooLarge),
+        (None, _) if body.bytes.is_empty() => Some(Fallback::NoPrompt),
+        (None, _) => Some(Fallback::Unparseable),
+        (Some(p), _) if matches!(p.prompt, Prompt::None) => Some(Fallback::NoPrompt),
+        (Some(_), None) => Some(Fallback::NoProfile),
+        (Some(_), Some(p)) if !p.kv_events => Some(Fallback::NoKvEvents),
+        _ if !synced => Some(Fallback::NotSynced),
+        _ => None,
+    }
+}
+
+/// Replicas that serve `model` (all replicas when the model is unknown), with their loads.
+fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFlight) -> Vec<Candidate<'a>> {
+    feed.replicas
+        .iter()
+        .filter(|r| match model {
+            Some(m) => r.models.is_empty() || r.models.iter().any(|x| x == m),
+            None => true,
+        })
+        .filter_map(|r| {
+            let id = u16::try_from(r.id).ok()?;
+            let load = feed.loads.iter().find(|l| l.replica == r.id);
+            Some(Candidate {
+                id,
+                address: r.address.as_str(),
+                up: r.up && !r.address.is_empty(),
+                in_flight: in_flight.in_flight(&r.address),
+                running: load.map_or(0, |l| l.running),
+                waiting: load.map_or(0, |l| l.waiting),
+                kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
+            })
+        })
+        .collect()
+}
+
+impl Router {
+    /// `tokcache_key`: the secret of the tokenization cache's tags (clients choose the bodies
+    /// they are taken over): random per VM.
+    pub fn new(config: Compiled, tokcache_key: u64) -> Router {
+        Router {
+            tokcache: token_cache(&config, tokcache_key),
+            config,
+            default_weights: Weights::default(),
+            feed: FeedView::default(),
+            tokcache_key,
+            scratch: Scratch::default(),
+        }
+    }
+
+    pub fn config(&self) -> &Compiled {
+        &self.config
+    }
+
+    /// Replaces the configuration whole. The feed's state stays; recent tokenizations go
+    /// (profiles may have changed what a tokenization means).
+    pub fn reconfigure(&mut self, config: Compiled) {
+        self.tokcache = token_cache(&config, self.tokcache_key);
+        self.config = config;
+    }
+
+    pub fn tokenizer_cache(&self) -> &TokenCache {
+        &self.tokcache
+    }
+
+    fn approx_bytes(&self, profile: Option<usize>) -> usize {
+        profile
+            .and_then(|i| self.config.profile(i))
+            .map_or(usize::try_from(DEFAULT_APPROX_PREFIX_BYTES).unwrap_or(usize::MAX), |p| p.approx_prefix_bytes)
+    }
+
+    /// Decides for a complete body (or the head of one too large to read).
+    pub fn on_body(&mut self, body: &Body<'_>, in_flight: &dyn InFlight, now_ns: u64) -> Step {
+        let kind = ApiKind::from_path(body.path);
+        let bytes = body.bytes;
+        // A byte-identical body seen recently resolves to its cached tokenization unparsed
+        // (retries, several samples of one prompt).
+        let raw_tag = (self.tokcache.enabled() && !body.too_large && !bytes.is_empty() && kind != ApiKind::Other)
+            .then(|| self.tokcache.tag(&[b"body", body.path.as_bytes(), bytes]));
+        if let Some(alias) = raw_tag.and_then(|t| self.tokcache.alias(t).cloned()) {
+            let usable = self.feed.usable() && self.config.profile(alias.profile).is_some_and(|p| p.kv_events);
+            let nbytes = self.approx_bytes(Some(alias.profile));
+            let approx = || approx_key(parse_request(kind, bytes).ok().as_ref(), bytes, nbytes);
+            if usable {
+                if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, Report::default()) {
+                    return step;
+                }
+            }
+        }
+        let parsed = if body.too_large { None } else { parse_request(kind, bytes).ok() };
+        let model = parsed.as_ref().and_then(|p| p.model.clone());
+        let profile = self.config.profile_for(model.as_deref().unwrap_or_default());
+        let nbytes = self.approx_bytes(profile);
+        let why =
+            fallback_reason(body, parsed.as_ref(), profile.and_then(|i| self.config.profile(i)), self.feed.usable());
+        let (Some(parsed), Some(pi), None) = (parsed.as_ref(), profile, why) else {
+            let approx = || approx_key(parsed.as_ref(), bytes, nbytes);
+            return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, Report::default());
+        };
+        // The approximate key, computed only if the decision needs it.
+        let approx = || approx_key(Some(parsed), bytes, nbytes);
+        if let Prompt::Tokens(tokens) = &parsed.prompt {
+            let exact = self.exact(pi, parsed.cache_salt.as_deref(), parsed.model.as_deref(), tokens, &[]).is_ok();
+            let why = (!exact).then_some(Fallback::Hash);
+            return self.finish(model.as_deref(), profile, exact, &approx, why, in_flight, Report::default());
+        }
+        let Some(p) = self.config.profile(pi) else {
+            return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, Report::default());
+        };
+        let call = parsed.tokenizer_call(p.tokenizer, bytes);
+        let timeout_ms = p.tokenizer_timeout_ms;
+        let why = call.is_none().then_some(Fallback::NoPrompt);
+        let mut report = Report::default();
+        // The same prompt seen recently: its tokens (and leading hashes) are known.
+        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, parsed, c));
+        if let Some(tag) = cache_tag {
+            let alias = Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone() };
+            if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, report) {
+                if let Some(raw) = raw_tag {
+                    self.tokcache.add_alias(raw, alias);
+                }
+                return step;
+            }
+            report.tokenizer_cache = Some(false);
+        }
+        // Tokenize on the least-loaded healthy replica of the model.
+        let target = call.as_ref().and_then(|_| {
+            let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
+            let cands = candidates(self.feed.serving(), model.as_deref(), in_flight);
+            policy::least_loaded(&cands, w).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
+        });
+        let (Some(call), Some(target)) = (call, target) else {
+            // No call possible; without a replica `finish` answers 503.
+            return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, report);
+        };
+        let pending =
+            Box::new(Pending { profile: pi, parsed: parsed.clone(), approx_bytes: nbytes, cache_tag, raw_tag });
+        Step::Tokenize(Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report })
+    }
+
+    /// Decides once the tokenizer call for `pending` came back (or could not be made).
+    pub fn on_tokenizer_reply(
+        &mut self,
+        pending: Pending,
+        reply: &TokenizerReply<'_>,
+        in_flight: &dyn InFlight,
+        now_ns: u64,
+    ) -> Step {
+        let mut report = Report::default();
+        let p = &pending.parsed;
+        let (exact, why) = match tokenizer_tokens(reply) {
+            // The index may have lost its sync while the call was out.
+            Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
+            Ok(tokens) => {
+                if self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]).is_ok() {
+                    if let Some(tag) = pending.cache_tag {
+                        let hashes = self.scratch.hashes.clone();
+                        self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
+                        if let Some(raw) = pending.raw_tag {
+                            let alias = Alias {
+                                tag,
+                                profile: pending.profile,
+                                model: p.model.clone(),
+                                cache_salt: p.cache_salt.clone(),
+                            };
+                            self.tokcache.add_alias(raw, alias);
+                        }
+                    }
+                    (true, None)
+                } else {
+                    (false, Some(Fallback::Hash))
+                }
+            }
+            Err(f) => {
+                report.tokenizer_failure = Some(f);
+                (false, Some(Fallback::Tokenizer))
+            }
+        };
+        let approx = || approx_key(Some(p), &[], pending.approx_bytes);
+        self.finish(p.model.as_deref(), Some(pending.profile), exact, &approx, why, in_flight, report)
+    }
+
+    /// Hashes and scores `tokens` for a profile into the scratch space.
+    fn exact(
+        &mut self,
+        profile: usize,
+        cache_salt: Option<&str>,
+        model: Option<&str>,
+        tokens: &[u32],
+        known: &[BlockHash],
+    ) -> Result<(), HashError> {
+        let Router { config, feed, scratch, .. } = self;
+        let p = config.profiles.get_mut(profile).ok_or(HashError::ZeroBlockSize)?;
+        let extras = RequestExtras { cache_salt: cache_salt.map(str::to_owned), lora: p.lora(model), mm: Vec::new() };
+        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch)
+    }
+
+    /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
+    fn cache_tag(&self, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<u128> {
+        if !self.tokcache.enabled() {
+            return None;
+        }
+        let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
+        Some(self.tokcache.tag(&[
+            &profile,
+            call.path.as_bytes(),
+            &call.body,
+            parsed.cache_salt.as_deref().unwrap_or_default().as_bytes(),
+            parsed.model.as_deref().unwrap_or_default().as_bytes(),
+        ]))
+    }
+
+    /// Routes from the cached tokenization `alias.tag`: `None` when it is no longer cached.
+    fn route_cached(
+        &mut self,
+        alias: &Alias,
+        approx: &dyn Fn() -> Option<u64>,
+        in_flight: &dyn InFlight,
+        now_ns: u64,
+        mut report: Report,
+    ) -> Option<Step> {
+        let mut t = self.tokcache.take(alias.tag, now_ns)?;
+        report.tokenizer_cache = Some(true);
+        let exact = self
+            .exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes)
+            .is_ok();
+        if exact && self.scratch.hashes.len() > t.hashes.len() {
+            t.hashes.clone_from(&self.scratch.hashes);
+        }
+        self.tokcache.put_back(alias.tag, t);
+        let why = (!exact).then_some(Fallback::Hash);
+        Some(self.finish(alias.model.as_deref(), Some(alias.profile), exact, approx, why, in_flight, report))
+    }
+
+    /// Decides with whatever is known. `exact`: the scratch space holds the request's scores.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        model: Option<&str>,
+        profile: Option<usize>,
+        exact: bool,
+        approx: &dyn Fn() -> Option<u64>,
+        why: Option<Fallback>,
+        in_flight: &dyn InFlight,
+        mut report: Report,
+    ) -> Step {
+        let w = profile.and_then(|i| self.config.profile(i)).map_or(&self.default_weights, |p| &p.weights);
+        let cands = candidates(self.feed.serving(), model, in_flight);
+        let scores = exact.then_some(&self.scratch.scores);
+        let d: Decision = policy::decide_lazy(&cands, scores, approx, w);
+        report.outcome = Some(d.outcome);
+        report.fallback = why.or((exact && d.outcome == Outcome::Approx).then_some(Fallback::NoMatch));
+        if exact {
+            report.matched_blocks = Some(d.matched);
+        }
+        match d.winner.and_then(|i| cands.get(i)) {
+            Some(c) => Step::Route(Routed { address: c.address.to_owned(), decision: d, report }),
+            None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

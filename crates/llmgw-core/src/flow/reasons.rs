@@ -1,0 +1,159 @@
+//! Why a request was not routed from exact data, and how a tokenizer call failed: the labels
+//! of `llmgw_fallbacks_total{reason}` and `llmgw_tokenizer_failures_total{reason}`.
+
+use crate::request::parse_tokenizer_response;
+
+/// Why exact routing was not possible.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// No profile serves the model.
+    NoProfile,
+    /// The profile has `kv_events` off.
+    NoKvEvents,
+    /// The body is not a JSON object of the expected shape.
+    Unparseable,
+    /// The body has no prompt to hash.
+    NoPrompt,
+    /// The body exceeds `max_body_bytes`.
+    BodyTooLarge,
+    /// The index has not received a full snapshot.
+    NotSynced,
+    /// The tokenizer call failed (see the tokenizer failure counters).
+    Tokenizer,
+    /// Hashing failed (a profile the hasher cannot serve; compiled profiles rule it out).
+    Hash,
+    /// The index knows none of the request's blocks.
+    NoMatch,
+}
+
+impl Fallback {
+    pub const ALL: [Fallback; 9] = [
+        Fallback::NoProfile,
+        Fallback::NoKvEvents,
+        Fallback::Unparseable,
+        Fallback::NoPrompt,
+        Fallback::BodyTooLarge,
+        Fallback::NotSynced,
+        Fallback::Tokenizer,
+        Fallback::Hash,
+        Fallback::NoMatch,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fallback::NoProfile => "no_profile",
+            Fallback::NoKvEvents => "no_kv_events",
+            Fallback::Unparseable => "unparseable",
+            Fallback::NoPrompt => "no_prompt",
+            Fallback::BodyTooLarge => "body_too_large",
+            Fallback::NotSynced => "not_synced",
+            Fallback::Tokenizer => "tokenizer",
+            Fallback::Hash => "hash",
+            Fallback::NoMatch => "no_match",
+        }
+    }
+}
+
+/// How a tokenizer call failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerFailure {
+    /// Envoy synthesized a 504 (the call's timeout).
+    Timeout,
+    /// A 503 (connection refused or no upstream, often synthesized by Envoy).
+    Unavailable,
+    /// Any other non-200 status.
+    Status,
+    /// The call was reset (no headers at all).
+    Reset,
+    /// 200 but no token ids in the body.
+    BadResponse,
+    /// The host refused to dispatch the call (unknown cluster, bad headers).
+    Dispatch,
+}
+
+impl TokenizerFailure {
+    pub const ALL: [TokenizerFailure; 6] = [
+        TokenizerFailure::Timeout,
+        TokenizerFailure::Unavailable,
+        TokenizerFailure::Status,
+        TokenizerFailure::Reset,
+        TokenizerFailure::BadResponse,
+        TokenizerFailure::Dispatch,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenizerFailure::Timeout => "timeout",
+            TokenizerFailure::Unavailable => "unavailable",
+            TokenizerFailure::Status => "status",
+            TokenizerFailure::Reset => "reset",
+            TokenizerFailure::BadResponse => "bad_response",
+            TokenizerFailure::Dispatch => "dispatch",
+        }
+    }
+}
+
+/// What came back from a tokenizer call, as the host reports it.
+pub enum TokenizerReply<'a> {
+    /// The host refused to dispatch the call.
+    Refused,
+    /// No headers at all: the call was reset or overflowed.
+    Reset,
+    /// An answer with this `:status` (absent if the host had none); `body` reads the answer's
+    /// body, and is only called for a 200.
+    Answered { status: Option<&'a [u8]>, body: &'a dyn Fn() -> Vec<u8> },
+}
+
+/// The token ids of a tokenizer reply, or why there are none.
+pub fn tokenizer_tokens(reply: &TokenizerReply<'_>) -> Result<Vec<u32>, TokenizerFailure> {
+    match reply {
+        TokenizerReply::Refused => Err(TokenizerFailure::Dispatch),
+        TokenizerReply::Reset => Err(TokenizerFailure::Reset),
+        TokenizerReply::Answered { status: Some(b"200"), body } => {
+            parse_tokenizer_response(&body()).map_err(|_| TokenizerFailure::BadResponse)
+        }
+        TokenizerReply::Answered { status: Some(b"504"), .. } => Err(TokenizerFailure::Timeout),
+        TokenizerReply::Answered { status: Some(b"503"), .. } => Err(TokenizerFailure::Unavailable),
+        TokenizerReply::Answered { .. } => Err(TokenizerFailure::Status),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(status: &[u8], body: &[u8]) -> Result<Vec<u32>, TokenizerFailure> {
+        let owned = body.to_vec();
+        let read = move || owned.clone();
+        tokenizer_tokens(&TokenizerReply::Answered { status: Some(status), body: &read })
+    }
+
+    #[test]
+    fn each_tokenizer_reply_maps_to_its_failure() {
+        assert_eq!(answered(b"200", br#"{"count":2,"max_model_len":8,"tokens":[5,6]}"#), Ok(vec![5, 6]));
+        assert_eq!(answered(b"200", b"<html>"), Err(TokenizerFailure::BadResponse));
+        assert_eq!(answered(b"504", b""), Err(TokenizerFailure::Timeout));
+        assert_eq!(answered(b"503", b""), Err(TokenizerFailure::Unavailable));
+        assert_eq!(answered(b"404", b""), Err(TokenizerFailure::Status));
+        assert_eq!(answered(b"20", b""), Err(TokenizerFailure::Status));
+        let never = || -> Vec<u8> { panic!("the body of a failed call is not read") };
+        assert_eq!(
+            tokenizer_tokens(&TokenizerReply::Answered { status: None, body: &never }),
+            Err(TokenizerFailure::Status)
+        );
+        assert_eq!(tokenizer_tokens(&TokenizerReply::Reset), Err(TokenizerFailure::Reset));
+        assert_eq!(tokenizer_tokens(&TokenizerReply::Refused), Err(TokenizerFailure::Dispatch));
+    }
+
+    #[test]
+    fn labels_are_distinct() {
+        let mut f: Vec<_> = Fallback::ALL.iter().map(|f| f.as_str()).collect();
+        f.sort_unstable();
+        f.dedup();
+        assert_eq!(f.len(), Fallback::ALL.len());
+        let mut t: Vec<_> = TokenizerFailure::ALL.iter().map(|f| f.as_str()).collect();
+        t.sort_unstable();
+        t.dedup();
+        assert_eq!(t.len(), TokenizerFailure::ALL.len());
+    }
+}

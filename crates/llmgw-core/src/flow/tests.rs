@@ -1,0 +1,239 @@
+#![allow(clippy::arithmetic_side_effects)]
+
+use super::*;
+use crate::config::MemoSettings;
+use crate::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
+use crate::hash::{BlockHasher, HashAlgo};
+
+const A: &str = "127.0.0.1:8001";
+const B: &str = "127.0.0.1:8002";
+const BS: usize = 4;
+
+fn config(extra: &str) -> Compiled {
+    let json = format!(
+        r#"{{{extra}"profiles":[{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0"}},
+            {{"name":"off","models":["plain"]}}]}}"#
+    );
+    Compiled::from_json(json.as_bytes(), Some(MemoSettings { slots: 64, key: 1 })).unwrap()
+}
+
+fn keys(tokens: &[u32]) -> Vec<u64> {
+    let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+    h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key).collect()
+}
+
+/// A router whose feed knows replicas A and B (both up), B holding `on_b`.
+fn router(extra: &str, on_b: Vec<u64>, up: bool) -> Router {
+    let mut r = Router::new(config(extra), 2);
+    let replica = |id: u32, address: &str| Replica {
+        id,
+        name: format!("r{id}"),
+        address: address.into(),
+        models: vec![],
+        up,
+        dp_rank: 0,
+    };
+    r.feed.begin_subscription();
+    for (seq, body) in [
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A), replica(1, B)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(body) }).unwrap();
+    }
+    r
+}
+
+fn body<'a>(path: &'a str, bytes: &'a [u8]) -> Body<'a> {
+    Body { path, bytes, too_large: false }
+}
+
+fn routed(step: Step) -> Routed {
+    match step {
+        Step::Route(r) => r,
+        other => panic!("expected a route, got {other:?}"),
+    }
+}
+
+fn tokenize(step: Step) -> Tokenize {
+    match step {
+        Step::Tokenize(t) => t,
+        other => panic!("expected a tokenizer call, got {other:?}"),
+    }
+}
+
+fn ok_reply(tokens: &[u32]) -> Vec<u8> {
+    format!(r#"{{"count":{},"max_model_len":4096,"tokens":{tokens:?}}}"#, tokens.len()).into_bytes()
+}
+
+const COMPLETIONS: &str = "/v1/completions";
+
+#[test]
+fn each_fallback_reason_is_reported_in_order() {
+    let mut r = router("", vec![], true);
+    let cases: [(&str, &[u8], bool, Fallback); 7] = [
+        (COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#, true, Fallback::BodyTooLarge),
+        (COMPLETIONS, b"", false, Fallback::NoPrompt),
+        (COMPLETIONS, b"{not json", false, Fallback::Unparseable),
+        (COMPLETIONS, br#"{"model":"m"}"#, false, Fallback::NoPrompt),
+        (COMPLETIONS, br#"{"model":"other","prompt":"hi"}"#, false, Fallback::NoProfile),
+        (COMPLETIONS, br#"{"model":"plain","prompt":"hi"}"#, false, Fallback::NoKvEvents),
+        // Token ids nobody holds: exact data, no match.
+        (COMPLETIONS, br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#, false, Fallback::NoMatch),
+    ];
+    for (path, bytes, too_large, want) in cases {
+        let got = routed(r.on_body(&Body { path, bytes, too_large }, &(), 0));
+        assert_eq!(got.report.fallback, Some(want), "{}", String::from_utf8_lossy(bytes));
+        assert_ne!(got.report.outcome, Some(Outcome::Exact));
+    }
+    // Not synced: a fresh subscription has not completed its snapshot.
+    let mut fresh = Router::new(config(""), 2);
+    let got = fresh.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#), &(), 0);
+    // No replicas known at all: answered locally, still counted as not synced.
+    match got {
+        Step::Reject(rej) => assert_eq!(rej.report.fallback, Some(Fallback::NotSynced)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn token_ids_held_by_a_replica_route_there_exactly() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let mut r = router("", keys(&tokens), true);
+    let bytes = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#);
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!(got.address, B);
+    assert_eq!(
+        got.report,
+        Report {
+            outcome: Some(Outcome::Exact),
+            fallback: None,
+            matched_blocks: Some(8),
+            tokenizer_cache: None,
+            tokenizer_failure: None,
+        }
+    );
+    assert_eq!(got.explain("vm1"), format!("outcome=exact; replica={B}; matched=8/8; vm=vm1"));
+}
+
+#[test]
+fn a_text_prompt_is_tokenized_on_the_least_loaded_replica_then_scored() {
+    let tokens: Vec<u32> = (100..140).collect();
+    let mut r = router("", keys(&tokens[..20]), true);
+    struct Busy;
+    impl InFlight for Busy {
+        fn in_flight(&self, address: &str) -> u32 {
+            u32::from(address == A) * 3
+        }
+    }
+    let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &Busy, 0));
+    assert_eq!((call.target.as_str(), call.path, call.timeout_ms), (B, "/tokenize", 500));
+    assert!(String::from_utf8_lossy(&call.body).contains(r#""prompt":"hello""#));
+    assert_eq!(call.report.tokenizer_cache, Some(false));
+    let answer = ok_reply(&tokens);
+    let read = || answer.clone();
+    let got = routed(r.on_tokenizer_reply(
+        *call.pending,
+        &TokenizerReply::Answered { status: Some(b"200"), body: &read },
+        &(),
+        0,
+    ));
+    assert_eq!((got.address.as_str(), got.decision.matched, got.decision.total), (B, 5, 10));
+    assert_eq!(got.report.outcome, Some(Outcome::Exact));
+}
+
+#[test]
+fn a_failed_tokenizer_call_falls_back_and_names_the_failure() {
+    let mut r = router("", vec![], true);
+    for (reply, failure) in [
+        (TokenizerReply::Reset, TokenizerFailure::Reset),
+        (TokenizerReply::Refused, TokenizerFailure::Dispatch),
+        (TokenizerReply::Answered { status: Some(b"504"), body: &Vec::new }, TokenizerFailure::Timeout),
+    ] {
+        let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &(), 0));
+        let got = routed(r.on_tokenizer_reply(*call.pending, &reply, &(), 0));
+        assert_eq!(got.report.tokenizer_failure, Some(failure));
+        assert_eq!(got.report.fallback, Some(Fallback::Tokenizer));
+        assert_eq!(got.report.outcome, Some(Outcome::Approx));
+    }
+}
+
+#[test]
+fn a_prompt_seen_again_skips_the_tokenizer_by_its_raw_body_or_its_call() {
+    let tokens: Vec<u32> = (0..24).collect();
+    let mut r = router("", keys(&tokens), true);
+    let first = br#"{"model":"m","prompt":"hello"}"#;
+    let call = tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0));
+    let answer = ok_reply(&tokens);
+    let read = || answer.clone();
+    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+    assert_eq!(routed(r.on_tokenizer_reply(*call.pending, &reply, &(), 10)).address, B);
+    // The same bytes: resolved through the raw-body alias, no call.
+    let again = routed(r.on_body(&body(COMPLETIONS, first), &(), 20));
+    assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(true)));
+    assert_eq!(again.decision.matched, 6);
+    // Other bytes, same tokenizer call (key order, spacing): the call's tag finds it.
+    let respaced = br#"{ "prompt": "hello", "model": "m" }"#;
+    let again = routed(r.on_body(&body(COMPLETIONS, respaced), &(), 30));
+    assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(true)));
+    // Past the time-to-live the tokenizer is asked again.
+    let late = r.on_body(&body(COMPLETIONS, first), &(), 61_000_000_000);
+    assert_eq!(tokenize(late).report.tokenizer_cache, Some(false));
+    // With the cache off every text prompt is tokenized.
+    let mut off = router(r#""tokenizer_cache_bytes":0,"#, keys(&tokens), true);
+    let call = tokenize(off.on_body(&body(COMPLETIONS, first), &(), 0));
+    let _ = off.on_tokenizer_reply(*call.pending, &reply, &(), 0);
+    let call = tokenize(off.on_body(&body(COMPLETIONS, first), &(), 0));
+    assert_eq!(call.report.tokenizer_cache, None);
+}
+
+#[test]
+fn no_healthy_replica_is_a_503_with_a_json_error() {
+    let mut r = router("", vec![], false);
+    let Step::Reject(rej) = r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#), &(), 0) else {
+        panic!("expected a rejection")
+    };
+    assert_eq!(rej.status, 503);
+    assert_eq!(rej.report.outcome, Some(Outcome::NoReplica));
+    let v: serde_json::Value = serde_json::from_slice(&rej.body).unwrap();
+    assert_eq!(v["error"]["type"], "llmgw_no_replica");
+    assert_eq!(v["error"]["code"], 503);
+    assert_eq!(v["error"]["message"], "no healthy replica for model `m`");
+}
+
+#[test]
+fn a_reply_after_the_index_lost_its_sync_falls_back() {
+    let tokens: Vec<u32> = (0..24).collect();
+    let mut r = router("", keys(&tokens), true);
+    let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"x"}"#), &(), 0));
+    // The view was replaced while the call was out (nothing synced yet).
+    r.feed = FeedView::default();
+    let answer = ok_reply(&tokens);
+    let read = || answer.clone();
+    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+    let step = r.on_tokenizer_reply(*call.pending, &reply, &(), 0);
+    let Step::Reject(rej) = step else { panic!("no replicas are known: {step:?}") };
+    assert_eq!(rej.report.fallback, Some(Fallback::NotSynced));
+}
+
+#[test]
+fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
+    let tokens: Vec<u32> = (0..24).collect();
+    let mut r = router("", keys(&tokens), true);
+    let first = br#"{"model":"m","prompt":"hello"}"#;
+    let call = tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0));
+    let answer = ok_reply(&tokens);
+    let read = || answer.clone();
+    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+    let _ = r.on_tokenizer_reply(*call.pending, &reply, &(), 0);
+    assert_eq!(r.tokenizer_cache().len(), 1);
+    r.reconfigure(config(r#""explain_header":true,"#));
+    assert!(r.config().explain_header);
+    assert!(r.tokenizer_cache().is_empty());
+    // The feed stays: the index still routes.
+    assert!(r.feed.usable());
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0)).report.tokenizer_cache, Some(false));
+}

@@ -1,0 +1,174 @@
+//! The one seam between the filter and Envoy: every host call goes through [`Host`]. The
+//! proxy-wasm implementation ([`ProxyWasm`]) is the only code that names
+//! `proxy_wasm::hostcalls`; native tests drive the filter's contexts with a fake host
+//! (`fake.rs`), so the glue's own decisions are tested without an Envoy.
+//!
+//! Host errors are folded into what the glue needs: an absent value, or a refusal with the
+//! host's status for the log. Nothing here panics (the SDK's `get_map_value` panics on a
+//! non-UTF-8 value, so headers are read as bytes).
+
+use proxy_wasm::types::{MetricType, Status};
+use std::time::Duration;
+
+/// Which header map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Headers {
+    Request,
+    Response,
+    /// The headers of the last HTTP callout's response.
+    CallResponse,
+}
+
+/// Which body buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Buffer {
+    Request,
+    CallResponse,
+    GrpcReceive,
+    PluginConfiguration,
+}
+
+/// A shared-data write that lost a compare-and-swap race, or another refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedWrite {
+    CasMismatch,
+    Refused,
+}
+
+pub trait Host {
+    /// Nanoseconds since the epoch (0 if the host has no clock).
+    fn now_ns(&self) -> u64;
+    fn set_tick_period(&self, period: Duration);
+
+    fn header(&self, map: Headers, name: &str) -> Option<Vec<u8>>;
+    /// Sets (`Some`) or removes (`None`) a header.
+    fn set_header(&self, map: Headers, name: &str, value: Option<&str>);
+    /// Up to `max` bytes of a buffer from its start.
+    fn buffer(&self, which: Buffer, max: usize) -> Vec<u8>;
+
+    /// Starts an HTTP callout; the token identifies its response.
+    fn dispatch_http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, Status>;
+    fn send_http_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    fn resume_http_request(&self);
+
+    /// A value and its compare-and-swap version.
+    fn shared_data(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    fn set_shared_data(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWrite>;
+
+    fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, Status>;
+    fn send_grpc_stream_message(&self, token: u32, message: &[u8], end_stream: bool) -> Result<(), Status>;
+    fn cancel_grpc_stream(&self, token: u32);
+
+    fn define_metric(&self, kind: MetricType, name: &str) -> Option<u32>;
+    fn increment_metric(&self, id: u32, by: i64);
+    fn record_metric(&self, id: u32, value: u64);
+}
+
+/// The host Envoy gives a proxy-wasm module.
+pub struct ProxyWasm;
+
+mod proxy {
+    use super::{Buffer, Headers, Host, ProxyWasm, SharedWrite};
+    use proxy_wasm::hostcalls;
+    use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+    use std::time::{Duration, UNIX_EPOCH};
+
+    fn map(m: Headers) -> MapType {
+        match m {
+            Headers::Request => MapType::HttpRequestHeaders,
+            Headers::Response => MapType::HttpResponseHeaders,
+            Headers::CallResponse => MapType::HttpCallResponseHeaders,
+        }
+    }
+
+    impl Host for ProxyWasm {
+        fn now_ns(&self) -> u64 {
+            hostcalls::get_current_time()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        }
+
+        fn set_tick_period(&self, period: Duration) {
+            let _ = hostcalls::set_tick_period(period);
+        }
+
+        fn header(&self, m: Headers, name: &str) -> Option<Vec<u8>> {
+            hostcalls::get_map_value_bytes(map(m), name).ok().flatten()
+        }
+
+        fn set_header(&self, m: Headers, name: &str, value: Option<&str>) {
+            let _ = hostcalls::set_map_value(map(m), name, value);
+        }
+
+        fn buffer(&self, which: Buffer, max: usize) -> Vec<u8> {
+            let t = match which {
+                Buffer::Request => BufferType::HttpRequestBody,
+                Buffer::CallResponse => BufferType::HttpCallResponseBody,
+                Buffer::GrpcReceive => BufferType::GrpcReceiveBuffer,
+                Buffer::PluginConfiguration => BufferType::PluginConfiguration,
+            };
+            hostcalls::get_buffer(t, 0, max).ok().flatten().unwrap_or_default()
+        }
+
+        fn dispatch_http_call(
+            &self,
+            cluster: &str,
+            headers: &[(&str, &str)],
+            body: &[u8],
+            timeout: Duration,
+        ) -> Result<u32, Status> {
+            hostcalls::dispatch_http_call(cluster, headers.to_vec(), Some(body), Vec::new(), timeout)
+        }
+
+        fn send_http_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+            let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
+        }
+
+        fn resume_http_request(&self) {
+            let _ = hostcalls::resume_http_request();
+        }
+
+        fn shared_data(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            hostcalls::get_shared_data(key).unwrap_or((None, None))
+        }
+
+        fn set_shared_data(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWrite> {
+            match hostcalls::set_shared_data(key, Some(value), cas) {
+                Ok(()) => Ok(()),
+                Err(Status::CasMismatch) => Err(SharedWrite::CasMismatch),
+                Err(_) => Err(SharedWrite::Refused),
+            }
+        }
+
+        fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, Status> {
+            hostcalls::open_grpc_stream(cluster, service, method, Vec::new())
+        }
+
+        fn send_grpc_stream_message(&self, token: u32, message: &[u8], end_stream: bool) -> Result<(), Status> {
+            hostcalls::send_grpc_stream_message(token, Some(message), end_stream)
+        }
+
+        fn cancel_grpc_stream(&self, token: u32) {
+            let _ = hostcalls::cancel_grpc_stream(token);
+        }
+
+        fn define_metric(&self, kind: MetricType, name: &str) -> Option<u32> {
+            hostcalls::define_metric(kind, name).ok()
+        }
+
+        fn increment_metric(&self, id: u32, by: i64) {
+            let _ = hostcalls::increment_metric(id, by);
+        }
+
+        fn record_metric(&self, id: u32, value: u64) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! The filter's glue, natively: the root and HTTP contexts driven through a fake host.
+#![allow(clippy::arithmetic_side_effects)]
+
+use crate::fake::FakeHost;
+use crate::host::{Buffer, Headers, Host};
+use crate::http::Request;
+use crate::Root;
+use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
+use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
+use prost::Message;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::Action;
+use std::rc::Rc;
+
+const A: &str = "127.0.0.1:8001";
+const B: &str = "127.0.0.1:8002";
+const DEST: &str = "x-gateway-destination-endpoint";
+const BS: usize = 4;
+const COMPLETIONS: &str = "/v1/completions";
+
+fn config(extra: &str) -> String {
+    format!(
+        r#"{{{extra}"explain_header":true,"profiles":[
+            {{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0"}},
+            {{"name":"off","models":["plain"]}}]}}"#
+    )
+}
+
+fn keys(tokens: &[u32]) -> Vec<u64> {
+    let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+    h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key).collect()
+}
+
+fn replica(id: u32, address: &str, up: bool) -> Replica {
+    Replica { id, name: format!("r{id}"), address: address.into(), models: vec![], up, dp_rank: 0 }
+}
+
+struct Env {
+    host: Rc<FakeHost>,
+    root: Root,
+    seq: u64,
+}
+
+fn env(config: &str) -> Env {
+    let host = Rc::new(FakeHost::new().with_config(config));
+    let mut root = Root::new(host.clone());
+    assert!(root.on_configure(0), "configuration refused");
+    Env { host, root, seq: 0 }
+}
+
+/// A configured VM whose feed knows A and B, with `on_a` and `on_b` held.
+fn synced(extra: &str, on_a: Vec<u64>, on_b: Vec<u64>, up: bool) -> Env {
+    let mut e = env(&config(extra));
+    e.subscribe();
+    e.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, up), replica(1, B, up)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: on_a }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    e
+}
+
+impl Env {
+    /// Opens a feed stream (the first tick, or the tick after the backoff).
+    fn subscribe(&mut self) -> u32 {
+        let before = self.host.streams.borrow().len();
+        self.host.now_ns.set(self.host.now_ns.get() + 10_000_000_000);
+        self.root.on_tick();
+        let streams = self.host.streams.borrow();
+        assert_eq!(streams.len(), before + 1, "no stream opened");
+        self.seq = 0;
+        streams.last().unwrap().0
+    }
+
+    fn stream(&self) -> u32 {
+        self.host.streams.borrow().last().unwrap().0
+    }
+
+    fn feed(&mut self, bodies: Vec<Msg>) {
+        let token = self.stream();
+        for body in bodies {
+            let bytes = FeedMessage { seq: self.seq, body: Some(body) }.encode_to_vec();
+            self.seq += 1;
+            self.host.set_buffer(Buffer::GrpcReceive, &bytes);
+            self.root.on_grpc_stream_message(token, bytes.len());
+        }
+    }
+
+    /// Sends a request's headers (with a client-chosen destination) and body; returns the
+    /// context and the last action.
+    fn request(&self, path: &str, body: &[u8]) -> (Request, Action) {
+        self.host.next_request();
+        self.host.set_header(Headers::Request, ":path", Some(path));
+        self.host.set_header(Headers::Request, DEST, Some("169.254.169.254:80"));
+        self.host.set_buffer(Buffer::Request, body);
+        let mut ctx = self.root.request();
+        let mut action = ctx.on_http_request_headers(3, body.is_empty());
+        if !body.is_empty() && action == Action::Pause {
+            action = ctx.on_http_request_body(body.len(), true);
+        }
+        (ctx, action)
+    }
+
+    /// Answers the last tokenizer call.
+    fn answer(&self, ctx: &mut Request, status: Option<&str>, body: &[u8]) {
+        let call = self.host.last_call().expect("a tokenizer call");
+        if let Some(s) = status {
+            self.host.set_header(Headers::CallResponse, ":status", Some(s));
+        }
+        self.host.set_buffer(Buffer::CallResponse, body);
+        ctx.on_http_call_response(call.token, usize::from(status.is_some()), body.len(), 0);
+    }
+
+    fn dest(&self) -> Option<String> {
+        self.host.request_header(DEST)
+    }
+
+    fn counter(&self, name: &str) -> i64 {
+        self.host.counter(name).unwrap_or_else(|| panic!("metric {name} not defined"))
+    }
+}
+
+fn tokens_body(model: &str, tokens: &[u32]) -> Vec<u8> {
+    format!(r#"{{"model":"{model}","prompt":{tokens:?}}}"#).into_bytes()
+}
+
+fn tokenize_answer(tokens: &[u32]) -> Vec<u8> {
+    format!(r#"{{"count":{},"max_model_len":4096,"tokens":{tokens:?}}}"#, tokens.len()).into_bytes()
+}
+
+#[test]
+fn each_fallback_reason_is_counted() {
+    let cases: [(&str, &[u8], &str); 6] = [
+        (COMPLETIONS, b"", "no_prompt"),
+        (COMPLETIONS, b"{not json", "unparseable"),
+        (COMPLETIONS, br#"{"model":"m"}"#, "no_prompt"),
+        (COMPLETIONS, br#"{"model":"other","prompt":"hi"}"#, "no_profile"),
+        (COMPLETIONS, br#"{"model":"plain","prompt":"hi"}"#, "no_kv_events"),
+        (COMPLETIONS, br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#, "no_match"),
+    ];
+    for (path, body, reason) in cases {
+        let e = synced("", vec![], vec![], true);
+        let (_ctx, action) = e.request(path, body);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(e.counter(&format!("llmgw_fallbacks_total.reason.{reason}")), 1, "{reason}");
+        let total: i64 =
+            e.host.counters().iter().filter(|(n, _)| n.starts_with("llmgw_fallbacks_total")).map(|(_, v)| v).sum();
+        assert_eq!(total, 1, "{reason}: one reason per request");
+        assert!(e.dest().is_some_and(|d| d == A || d == B), "{reason}: routed");
+    }
+    // Too large: routed from the body's head without parsing it.
+    let e = synced(r#""max_body_bytes":16,"#, vec![], vec![], true);
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"a prompt past the limit"}"#);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.body_too_large"), 1);
+    // Not synced: the feed's snapshot has not completed.
+    let mut e = env(&config(""));
+    e.subscribe();
+    e.feed(vec![Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true)] })]);
+    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.not_synced"), 1);
+    assert_eq!(e.dest().as_deref(), Some(A));
+    assert!(e.host.calls.borrow().is_empty(), "no tokenizer call without an index");
+}
+
+#[test]
+fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    let (mut ctx, action) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 1);
+    assert_eq!(e.host.samples("llmgw_matched_blocks"), vec![8]);
+    assert_eq!(e.host.samples("llmgw_decision_us").len(), 1);
+    let in_flight = e.host.shared_value("llmgw.inflight").unwrap();
+    assert_eq!(in_flight.len(), 12);
+    ctx.on_http_response_headers(1, false);
+    assert!(e
+        .host
+        .response_header("x-llmgw-decision")
+        .unwrap()
+        .starts_with(&format!("outcome=exact; replica={B}; matched=8/8")));
+    ctx.on_log();
+    assert_eq!(e.host.shared_value("llmgw.inflight").unwrap(), Vec::<u8>::new());
+}
+
+#[test]
+fn each_tokenizer_reply_is_counted_by_its_failure_and_the_request_resumes() {
+    for (status, body, reason) in [
+        (Some("504"), &b""[..], "timeout"),
+        (Some("503"), b"", "unavailable"),
+        (Some("500"), b"", "status"),
+        (None, b"", "reset"),
+        (Some("200"), b"not json", "bad_response"),
+    ] {
+        let e = synced("", vec![], vec![], true);
+        let (mut ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#);
+        assert_eq!(action, Action::Pause, "{reason}: waits for the tokenizer");
+        let call = e.host.last_call().unwrap();
+        assert_eq!((call.cluster.as_str(), call.header(":path")), ("llmgw_tokenizer", Some("/tokenize")));
+        assert_eq!(call.header(DEST), call.header(":authority"));
+        assert!(e.dest().is_none(), "the client's destination is gone before the call");
+        e.answer(&mut ctx, status, body);
+        assert_eq!(e.counter(&format!("llmgw_tokenizer_failures_total.reason.{reason}")), 1, "{reason}");
+        assert_eq!(e.counter("llmgw_fallbacks_total.reason.tokenizer"), 1);
+        assert_eq!(e.host.resumed.get(), 1, "{reason}: resumed");
+        assert!(e.dest().is_some(), "{reason}: routed anyway");
+    }
+    // The host refuses the callout: routed at once, counted as a dispatch failure.
+    let e = synced("", vec![], vec![], true);
+    e.host.refuse_calls.set(true);
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.counter("llmgw_tokenizer_failures_total.reason.dispatch"), 1);
+    assert_eq!(e.host.resumed.get(), 0);
+    assert!(e.dest().is_some());
+}
+
+#[test]
+fn no_healthy_replica_is_answered_503_with_a_json_error() {
+    let e = synced("", vec![], vec![], false);
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!(action, Action::Pause);
+    let replies = e.host.replies.borrow();
+    assert_eq!(replies.len(), 1);
+    let r = &replies[0];
+    assert_eq!(r.status, 503);
+    assert!(r.headers.contains(&("content-type".into(), "application/json".into())));
+    assert!(r.headers.contains(&("x-llmgw-decision".into(), "outcome=no_replica".into())));
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(v["error"]["type"], "llmgw_no_replica");
+    assert_eq!(v["error"]["message"], "no healthy replica for model `m`");
+    assert!(e.dest().is_none());
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.no_replica"), 1);
+}
+
+#[test]
+fn the_clients_destination_header_is_removed_on_every_path() {
+    // Not configured (configure failed or never ran): removed, then passed through.
+    let host = Rc::new(FakeHost::new().with_config(r#"{"profiles":[]}"#));
+    let mut root = Root::new(host.clone());
+    assert!(!root.on_configure(0));
+    host.set_header(Headers::Request, DEST, Some("169.254.169.254:80"));
+    let mut ctx = root.request();
+    assert_eq!(ctx.on_http_request_headers(2, false), Action::Continue);
+    assert_eq!(host.request_header(DEST), None);
+    assert_eq!(ctx.on_http_request_body(10, true), Action::Continue);
+    // A custom header name: both it and the default are removed.
+    let e = synced(r#""destination_header":"x-route-to","#, vec![], vec![], false);
+    e.host.set_header(Headers::Request, "x-route-to", Some("10.0.0.1:1"));
+    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!((e.host.request_header("x-route-to"), e.dest()), (None, None));
+    // Headers only (no body): decided at once, the client's value replaced.
+    let e = synced("", vec![], vec![], true);
+    let (_ctx, action) = e.request(COMPLETIONS, b"");
+    assert_eq!(action, Action::Continue);
+    assert!(e.dest().is_some_and(|d| d == A || d == B));
+    // A path the router does not read: routed by load, never to the client's choice.
+    let (_ctx, _) = e.request("/metrics", b"x");
+    assert!(e.dest().is_some_and(|d| d == A || d == B));
+    // No healthy replica: answered locally, nothing forwarded anywhere.
+    let e = synced("", vec![], vec![], false);
+    let (_ctx, _) = e.request(COMPLETIONS, b"");
+    assert_eq!(e.dest(), None);
+}
+
+#[test]
+fn a_body_seen_again_is_routed_from_the_tokenization_cache_without_a_call() {
+    let tokens: Vec<u32> = (0..24).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    let body = br#"{"model":"m","prompt":"hello"}"#;
+    let (mut ctx, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Pause);
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.miss"), 1);
+    // The same bytes: the raw-body alias, no call, no parse.
+    let (_ctx, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.host.calls.borrow().len(), 1, "no second tokenizer call");
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.hit"), 1);
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 2);
+    // Past the time-to-live: asked again.
+    e.host.now_ns.set(e.host.now_ns.get() + 61_000_000_000);
+    let (_ctx, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(e.host.calls.borrow().len(), 2);
+}
+
+#[test]
+fn after_a_reconnect_the_old_index_serves_until_the_new_snapshot_is_complete() {
+    let old: Vec<u32> = (0..16).collect();
+    let new: Vec<u32> = (100..116).collect();
+    let mut e = synced("", vec![], keys(&old), true);
+    let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &old));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    // The stream closes; the next tick past the backoff resubscribes.
+    let token = e.stream();
+    e.root.on_grpc_stream_close(token, 14);
+    assert_eq!(e.counter("llmgw_feed_disconnects_total"), 1);
+    e.subscribe();
+    e.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: keys(&new) }),
+    ]);
+    // Mid-resync: requests still see the old blocks, not the half-received new ones.
+    let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &old));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &new));
+    assert_eq!(e.host.samples("llmgw_matched_blocks").last(), Some(&0));
+    e.feed(vec![Msg::SnapshotComplete(SnapshotComplete {})]);
+    let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &new));
+    assert_eq!(e.dest().as_deref(), Some(A));
+    assert_eq!(e.host.samples("llmgw_matched_blocks").last(), Some(&4));
+    assert_eq!(e.counter("llmgw_feed_connects_total"), 2);
+}
+
+#[test]
+fn a_feed_gap_resubscribes_and_keeps_serving() {
+    let tokens: Vec<u32> = (0..16).collect();
+    let mut e = synced("", vec![], keys(&tokens), true);
+    let first = e.stream();
+    e.seq += 5;
+    e.feed(vec![Msg::Heartbeat(llmgw_core::feed::Heartbeat {})]);
+    assert_eq!(e.counter("llmgw_feed_rejected_total"), 1);
+    assert_eq!(e.host.cancelled.borrow().as_slice(), &[first]);
+    let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert!(e.subscribe() != first);
+}
+
+#[test]
+fn a_configuration_error_is_refused_and_a_new_one_replaces_the_old_whole() {
+    let host = Rc::new(FakeHost::new().with_config(r#"{"profiles":[{"name":"a","models":["m"],"block_size":0}]}"#));
+    let mut root = Root::new(host.clone());
+    assert!(!root.on_configure(0));
+    host.set_buffer(Buffer::PluginConfiguration, config("").as_bytes());
+    assert!(root.on_configure(0));
+    assert!(host.tick.get().is_some());
+    // Reconfigured with another destination header: requests use it at once.
+    host.set_buffer(Buffer::PluginConfiguration, config(r#""destination_header":"x-to","#).as_bytes());
+    assert!(root.on_configure(0));
+    let mut e = Env { host, root, seq: 0 };
+    e.subscribe();
+    e.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true)] }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    let (_c, _) = e.request(COMPLETIONS, b"");
+    assert_eq!(e.host.request_header("x-to").as_deref(), Some(A));
+}
