@@ -17,6 +17,11 @@ use crate::hash::BlockHash;
 use crate::idhash::BuildKeyHasher;
 use std::collections::{HashMap, VecDeque};
 
+/// A cache key: the keyed 128-bit hash of everything that determines a request's tokens and
+/// block hashes (or, for an alias, of a raw body and its path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheTag(pub u128);
+
 /// Bytes charged per entry besides its tokens and hashes (map slot, order slot, headers).
 const ENTRY_OVERHEAD: usize = 96;
 
@@ -49,7 +54,7 @@ struct Entry {
 /// parsed: the tag of its tokenization and what else enters its hashes and its routing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Alias {
-    pub tag: u128,
+    pub tag: CacheTag,
     pub profile: usize,
     pub model: Option<String>,
     pub cache_salt: Option<String>,
@@ -73,12 +78,12 @@ pub struct TokenCache {
     budget: usize,
     ttl_ns: u64,
     used: usize,
-    map: HashMap<u128, Entry, BuildKeyHasher>,
+    map: HashMap<CacheTag, Entry, BuildKeyHasher>,
     /// Insertion order for the CLOCK hand (may hold keys already removed).
-    order: VecDeque<u128>,
+    order: VecDeque<CacheTag>,
     /// Raw-body tags → tokenization tags, first in first out.
-    aliases: HashMap<u128, Alias, BuildKeyHasher>,
-    alias_order: VecDeque<u128>,
+    aliases: HashMap<CacheTag, Alias, BuildKeyHasher>,
+    alias_order: VecDeque<CacheTag>,
     pub stats: CacheStats,
 }
 
@@ -104,23 +109,23 @@ impl TokenCache {
 
     /// The tag of a request: each part is length-prefixed, so part boundaries cannot shift.
     #[cfg(feature = "xxhash")]
-    pub fn tag(&self, parts: &[&[u8]]) -> u128 {
+    pub fn tag(&self, parts: &[&[u8]]) -> CacheTag {
         let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.key);
         for p in parts {
             h.update(&(p.len() as u64).to_le_bytes());
             h.update(p);
         }
-        h.digest128()
+        CacheTag(h.digest128())
     }
 
     #[cfg(not(feature = "xxhash"))]
-    pub fn tag(&self, _parts: &[&[u8]]) -> u128 {
-        0
+    pub fn tag(&self, _parts: &[&[u8]]) -> CacheTag {
+        CacheTag(0)
     }
 
     /// Takes the entry for `tag` out of the cache (hand it back with [`Self::put_back`]), or
     /// `None` when absent or older than the time-to-live.
-    pub fn take(&mut self, tag: u128, now_ns: u64) -> Option<Tokenized> {
+    pub fn take(&mut self, tag: CacheTag, now_ns: u64) -> Option<Tokenized> {
         if !self.enabled() {
             return None;
         }
@@ -143,7 +148,7 @@ impl TokenCache {
     }
 
     /// Returns an entry taken with [`Self::take`], possibly with more block hashes.
-    pub fn put_back(&mut self, tag: u128, value: Tokenized) {
+    pub fn put_back(&mut self, tag: CacheTag, value: Tokenized) {
         let Some(e) = self.map.get_mut(&tag) else { return self.insert_at(tag, value, None) };
         let charged = value.bytes();
         self.used = self.used.saturating_sub(e.charged).saturating_add(charged);
@@ -153,11 +158,11 @@ impl TokenCache {
     }
 
     /// Stores a new tokenization (replacing any entry with the same tag).
-    pub fn insert(&mut self, tag: u128, value: Tokenized, now_ns: u64) {
+    pub fn insert(&mut self, tag: CacheTag, value: Tokenized, now_ns: u64) {
         self.insert_at(tag, value, Some(now_ns));
     }
 
-    fn insert_at(&mut self, tag: u128, value: Tokenized, now_ns: Option<u64>) {
+    fn insert_at(&mut self, tag: CacheTag, value: Tokenized, now_ns: Option<u64>) {
         if !self.enabled() {
             return;
         }
@@ -207,12 +212,12 @@ impl TokenCache {
     }
 
     /// The tokenization a raw body was seen to resolve to (its entry may since have gone).
-    pub fn alias(&self, raw_tag: u128) -> Option<&Alias> {
+    pub fn alias(&self, raw_tag: CacheTag) -> Option<&Alias> {
         self.aliases.get(&raw_tag)
     }
 
     /// Remembers what a raw body resolves to (the oldest aliases go past the cap).
-    pub fn add_alias(&mut self, raw_tag: u128, alias: Alias) {
+    pub fn add_alias(&mut self, raw_tag: CacheTag, alias: Alias) {
         if !self.enabled() {
             return;
         }
@@ -277,7 +282,7 @@ mod tests {
     fn budget_is_kept_and_recently_used_entries_survive() {
         let one = tok(100).bytes();
         let mut c = TokenCache::new(one * 10, u64::MAX, 1);
-        let tags: Vec<u128> = (0..10u32).map(|i| c.tag(&[&i.to_le_bytes()])).collect();
+        let tags: Vec<CacheTag> = (0..10u32).map(|i| c.tag(&[&i.to_le_bytes()])).collect();
         for &t in &tags {
             c.insert(t, tok(100), 0);
         }
@@ -298,33 +303,33 @@ mod tests {
         assert!(c.take(big, 0).is_none());
         // Off: nothing stored.
         let mut off = TokenCache::new(0, u64::MAX, 1);
-        off.insert(1, tok(1), 0);
-        assert!(off.take(1, 0).is_none());
+        off.insert(CacheTag(1), tok(1), 0);
+        assert!(off.take(CacheTag(1), 0).is_none());
     }
 
     #[test]
     fn aliases_are_capped_first_in_first_out() {
         let mut c = TokenCache::new(ALIAS_BYTES * 20, u64::MAX, 1);
-        let a = |i: u128| Alias { tag: i + 1000, profile: 0, model: Some("m".into()), cache_salt: None };
+        let a = |i: u128| Alias { tag: CacheTag(i + 1000), profile: 0, model: Some("m".into()), cache_salt: None };
         for i in 0..30u128 {
-            c.add_alias(i, a(i));
+            c.add_alias(CacheTag(i), a(i));
         }
-        assert!(c.alias(9).is_none());
-        assert_eq!(c.alias(10), Some(&a(10)));
-        assert_eq!(c.alias(29), Some(&a(29)));
+        assert!(c.alias(CacheTag(9)).is_none());
+        assert_eq!(c.alias(CacheTag(10)), Some(&a(10)));
+        assert_eq!(c.alias(CacheTag(29)), Some(&a(29)));
         let mut off = TokenCache::new(0, u64::MAX, 1);
-        off.add_alias(1, a(1));
-        assert!(off.alias(1).is_none());
+        off.add_alias(CacheTag(1), a(1));
+        assert!(off.alias(CacheTag(1)).is_none());
     }
 
     #[test]
     fn put_back_after_eviction_does_not_resurrect() {
         let one = tok(100).bytes();
         let mut c = TokenCache::new(one, u64::MAX, 1);
-        c.insert(1, tok(100), 0);
-        let v = c.take(1, 0).unwrap();
-        c.insert(2, tok(100), 0);
-        c.put_back(1, v);
+        c.insert(CacheTag(1), tok(100), 0);
+        let v = c.take(CacheTag(1), 0).unwrap();
+        c.insert(CacheTag(2), tok(100), 0);
+        c.put_back(CacheTag(1), v);
         assert!(c.used_bytes() <= one);
         assert_eq!(c.len(), 1);
     }

@@ -25,7 +25,7 @@ use crate::feed::{FeedState, FeedView};
 use crate::hash::{BlockHash, HashError, RequestExtras};
 use crate::policy::{self, Candidate, Decision, Outcome};
 use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
-use crate::tokcache::{Alias, TokenCache, Tokenized};
+use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 
 /// Requests in flight per replica address, as this gateway counts them.
 pub trait InFlight {
@@ -112,9 +112,9 @@ pub struct Pending {
     parsed: ParsedRequest,
     approx_bytes: usize,
     /// The tokenization cache's tag of this request, when the cache is on.
-    cache_tag: Option<u128>,
+    cache_tag: Option<CacheTag>,
     /// The tag of the raw body (see [`Router::on_body`]).
-    raw_tag: Option<u128>,
+    raw_tag: Option<CacheTag>,
 }
 
 /// What to do next.
@@ -370,7 +370,7 @@ impl Router {
     }
 
     /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
-    fn cache_tag(&self, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<u128> {
+    fn cache_tag(&self, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<CacheTag> {
         if !self.tokcache.enabled() {
             return None;
         }
