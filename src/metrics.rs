@@ -92,8 +92,8 @@ impl Metrics {
 
     /// Counts what a routing step reports.
     pub fn report(&self, r: &Report) {
-        if let Some(hit) = r.tokenizer_cache {
-            self.inc(if hit { self.tokenizer_cache_hits } else { self.tokenizer_cache_misses });
+        if let Some(lookup) = r.tokenizer_cache {
+            self.inc(if lookup.is_hit() { self.tokenizer_cache_hits } else { self.tokenizer_cache_misses });
         }
         if let Some(f) = r.tokenizer_failure {
             self.labelled(&self.tokenizer_failures, f);

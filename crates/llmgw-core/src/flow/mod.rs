@@ -57,9 +57,25 @@ pub struct Report {
     pub fallback: Option<Fallback>,
     /// Leading blocks the winner holds, when the decision had exact data.
     pub matched_blocks: Option<u32>,
-    /// A tokenization-cache lookup: hit or miss.
-    pub tokenizer_cache: Option<bool>,
+    /// A tokenization-cache lookup, when one was made.
+    pub tokenizer_cache: Option<CacheLookup>,
     pub tokenizer_failure: Option<TokenizerFailure>,
+}
+
+/// How the tokenization cache answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheLookup {
+    /// A byte-identical body (same path) resolved to its tokenization without being parsed.
+    RawBodyHit,
+    /// The request's tokenizer call (and salt, model, profile) was seen recently.
+    Hit,
+    Miss,
+}
+
+impl CacheLookup {
+    pub fn is_hit(self) -> bool {
+        self != CacheLookup::Miss
+    }
 }
 
 /// Route to a replica.
@@ -256,7 +272,7 @@ impl Router {
             let nbytes = self.approx_bytes(Some(alias.profile));
             let approx = || approx_key(parse_request(kind, bytes).ok().as_ref(), bytes, nbytes);
             if usable {
-                if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, Report::default()) {
+                if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, CacheLookup::RawBodyHit) {
                     return step;
                 }
             }
@@ -289,13 +305,13 @@ impl Router {
         let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, parsed, c));
         if let Some(tag) = cache_tag {
             let alias = Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone() };
-            if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, report) {
+            if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, CacheLookup::Hit) {
                 if let Some(raw) = raw_tag {
                     self.tokcache.add_alias(raw, alias);
                 }
                 return step;
             }
-            report.tokenizer_cache = Some(false);
+            report.tokenizer_cache = Some(CacheLookup::Miss);
         }
         // Tokenize on the least-loaded healthy replica of the model.
         let target = call.as_ref().and_then(|_| {
@@ -391,10 +407,10 @@ impl Router {
         approx: &dyn Fn() -> Option<u64>,
         in_flight: &dyn InFlight,
         now_ns: u64,
-        mut report: Report,
+        lookup: CacheLookup,
     ) -> Option<Step> {
         let mut t = self.tokcache.take(alias.tag, now_ns)?;
-        report.tokenizer_cache = Some(true);
+        let report = Report { tokenizer_cache: Some(lookup), ..Report::default() };
         let exact = self
             .exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes)
             .is_ok();

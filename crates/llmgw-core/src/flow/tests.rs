@@ -132,7 +132,7 @@ fn a_text_prompt_is_tokenized_on_the_least_loaded_replica_then_scored() {
     let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &Busy, 0));
     assert_eq!((call.target.as_str(), call.path, call.timeout_ms), (B, "/tokenize", 500));
     assert!(String::from_utf8_lossy(&call.body).contains(r#""prompt":"hello""#));
-    assert_eq!(call.report.tokenizer_cache, Some(false));
+    assert_eq!(call.report.tokenizer_cache, Some(CacheLookup::Miss));
     let answer = ok_reply(&tokens);
     let read = || answer.clone();
     let got = routed(r.on_tokenizer_reply(
@@ -173,15 +173,18 @@ fn a_prompt_seen_again_skips_the_tokenizer_by_its_raw_body_or_its_call() {
     assert_eq!(routed(r.on_tokenizer_reply(*call.pending, &reply, &(), 10)).address, B);
     // The same bytes: resolved through the raw-body alias, no call.
     let again = routed(r.on_body(&body(COMPLETIONS, first), &(), 20));
-    assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(true)));
+    assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(CacheLookup::RawBodyHit)));
     assert_eq!(again.decision.matched, 6);
     // Other bytes, same tokenizer call (key order, spacing): the call's tag finds it.
     let respaced = br#"{ "prompt": "hello", "model": "m" }"#;
     let again = routed(r.on_body(&body(COMPLETIONS, respaced), &(), 30));
-    assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(true)));
+    assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(CacheLookup::Hit)));
+    // Now the respaced bytes have an alias of their own.
+    let again = routed(r.on_body(&body(COMPLETIONS, respaced), &(), 31));
+    assert_eq!(again.report.tokenizer_cache, Some(CacheLookup::RawBodyHit));
     // Past the time-to-live the tokenizer is asked again.
     let late = r.on_body(&body(COMPLETIONS, first), &(), 61_000_000_000);
-    assert_eq!(tokenize(late).report.tokenizer_cache, Some(false));
+    assert_eq!(tokenize(late).report.tokenizer_cache, Some(CacheLookup::Miss));
     // With the cache off every text prompt is tokenized.
     let mut off = router(r#""tokenizer_cache_bytes":0,"#, keys(&tokens), true);
     let call = tokenize(off.on_body(&body(COMPLETIONS, first), &(), 0));
@@ -235,5 +238,5 @@ fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
     assert!(r.tokenizer_cache().is_empty());
     // The feed stays: the index still routes.
     assert!(r.feed.usable());
-    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0)).report.tokenizer_cache, Some(false));
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0)).report.tokenizer_cache, Some(CacheLookup::Miss));
 }
