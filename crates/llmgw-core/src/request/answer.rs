@@ -1,0 +1,191 @@
+//! The tokenizer's answer: token ids from a `/tokenize` answer (`tokens`) or a render answer
+//! (`token_ids`). A fast path reads the common `/tokenize` form without a full parse; it
+//! agrees with the full parse on every body it accepts and defers to it on anything unusual.
+
+use super::RequestError;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct TokenizeResponse {
+    #[serde(default)]
+    tokens: Option<Vec<u32>>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+}
+
+/// Token ids from a `/tokenize` answer (`tokens`) or a render answer (`token_ids`, possibly one
+/// object per prompt in an array: the first is used, as for routing).
+pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
+    if let Some(tokens) = fast_tokens(body) {
+        return Ok(tokens);
+    }
+    let bad = |m: String| RequestError::BadTokenizerResponse(m);
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    let r: TokenizeResponse = if first == Some(&b'[') {
+        let mut items: Vec<TokenizeResponse> = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
+        if items.is_empty() {
+            return Err(bad("empty array".into()));
+        }
+        items.swap_remove(0)
+    } else {
+        // Straight into the struct: no intermediate `Value` for thousands of token ids.
+        serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?
+    };
+    r.tokens.or(r.token_ids).ok_or_else(|| bad("no `tokens` or `token_ids`".into()))
+}
+
+/// Fast path for `/tokenize` answers (`{"count":..,"max_model_len":..,"tokens":[..],..}`): the
+/// first `"tokens":` key followed by an array of plain unsigned integers. A JSON string cannot
+/// contain an unescaped quote, so the key cannot be matched inside a string value. Anything
+/// unexpected returns `None` and the caller parses the body fully.
+fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
+    const KEY: &[u8] = b"\"tokens\":";
+    let at = body.windows(KEY.len()).position(|w| w == KEY)?;
+    // The character before the key must be one that can precede an object key.
+    let before = body.get(..at)?.iter().rev().find(|b| !b.is_ascii_whitespace())?;
+    if *before != b'{' && *before != b',' {
+        return None;
+    }
+    let ws = |b: u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    let mut i = at.checked_add(KEY.len())?;
+    while body.get(i).copied().is_some_and(ws) {
+        i = i.wrapping_add(1);
+    }
+    if body.get(i) != Some(&b'[') {
+        return None;
+    }
+    i = i.wrapping_add(1);
+    // About one id per 6 bytes of a typical answer.
+    let mut out = Vec::with_capacity(body.len().saturating_sub(i) / 6);
+    while body.get(i).copied().is_some_and(ws) {
+        i = i.wrapping_add(1);
+    }
+    if body.get(i) == Some(&b']') {
+        return Some(out);
+    }
+    loop {
+        // Fast path: an id of 1 to 7 digits directly followed by `,` or `]`, read 8 bytes at a
+        // time; anything else (whitespace, longer numbers, the last bytes) takes the byte path.
+        if let Some((v, n, sep)) = body.get(i..i.wrapping_add(8)).and_then(eight_digits) {
+            out.push(v);
+            i = i.wrapping_add(n).wrapping_add(1);
+            if sep == b']' {
+                return Some(out);
+            }
+            continue;
+        }
+        while body.get(i).copied().is_some_and(ws) {
+            i = i.wrapping_add(1);
+        }
+        // One unsigned integer; `v` stays below 2³² × 10 + 10, far from u64's limit.
+        let mut v: u64 = 0;
+        let start = i;
+        while let Some(d) = body.get(i).filter(|b| b.is_ascii_digit()) {
+            v = v.wrapping_mul(10).wrapping_add(u64::from(d.wrapping_sub(b'0')));
+            if v > u64::from(u32::MAX) {
+                return None;
+            }
+            i = i.wrapping_add(1);
+        }
+        if i == start {
+            return None;
+        }
+        out.push(u32::try_from(v).ok()?);
+        while body.get(i).copied().is_some_and(ws) {
+            i = i.wrapping_add(1);
+        }
+        match body.get(i) {
+            Some(b',') => i = i.wrapping_add(1),
+            Some(b']') => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+/// Reads `digits` followed by `,` or `]` from the start of an 8-byte window, 1 to 7 digits:
+/// (value, number of digits, separator). SWAR: one 64-bit load finds the first non-digit and
+/// converts the digits (little-endian: the first character is the lowest byte).
+fn eight_digits(w: &[u8]) -> Option<(u32, usize, u8)> {
+    let x = u64::from_le_bytes(<[u8; 8]>::try_from(w).ok()?);
+    // A byte's high bit is set in `flags` iff it is not an ASCII digit, for every byte up to
+    // and including the first non-digit (borrows and carries only come from earlier bytes,
+    // which are digits there).
+    let flags =
+        (x.wrapping_sub(0x3030_3030_3030_3030) | x.wrapping_add(0x4646_4646_4646_4646) | x) & 0x8080_8080_8080_8080;
+    let n = flags.trailing_zeros() / 8;
+    if !(1..8).contains(&n) {
+        return None;
+    }
+    let sep = *w.get(usize::try_from(n).ok()?)?;
+    if sep != b',' && sep != b']' {
+        return None;
+    }
+    // Left-pad to eight digits with '0', then the standard eight-digit conversion.
+    let y = x.wrapping_shl(8u32.wrapping_mul(8u32.wrapping_sub(n)))
+        | 0x3030_3030_3030_3030u64.wrapping_shr(n.wrapping_mul(8));
+    let mut d = y.wrapping_sub(0x3030_3030_3030_3030);
+    d = d.wrapping_mul(10).wrapping_add(d.wrapping_shr(8));
+    d = (d & 0x0000_00FF_0000_00FF)
+        .wrapping_mul(100 + (1_000_000 << 32))
+        .wrapping_add((d.wrapping_shr(16) & 0x0000_00FF_0000_00FF).wrapping_mul(1 + (10_000 << 32)))
+        .wrapping_shr(32);
+    Some((u32::try_from(d).ok()?, usize::try_from(n).ok()?, sep))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn tokenizer_responses() {
+        assert_eq!(
+            parse_tokenizer_response(br#"{"count":3,"max_model_len":9,"tokens":[1,2,3],"token_strs":null}"#).unwrap(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(parse_tokenizer_response(br#"{"request_id":"x","token_ids":[4,5]}"#).unwrap(), vec![4, 5]);
+        assert_eq!(parse_tokenizer_response(br#"[{"token_ids":[6]},{"token_ids":[7]}]"#).unwrap(), vec![6]);
+        assert!(parse_tokenizer_response(br#"{"error":{"code":404}}"#).is_err());
+        assert!(parse_tokenizer_response(b"<html>").is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[-1]}"#).is_err());
+        assert!(parse_tokenizer_response(b"[]").is_err());
+        // The fast path agrees with the full parse, and defers to it on anything unusual.
+        assert_eq!(parse_tokenizer_response(br#"{"tokens" : [ 1 , 22,333 ] }"#).unwrap(), vec![1, 22, 333]);
+        assert_eq!(parse_tokenizer_response(br#"{"tokens":[]}"#).unwrap(), Vec::<u32>::new());
+        assert_eq!(fast_tokens(br#"{"tokens":[1.5]}"#), None);
+        assert!(parse_tokenizer_response(br#"{"tokens":[1.5]}"#).is_err());
+        assert_eq!(fast_tokens(br#"{"tokens":[4294967296]}"#), None);
+        assert!(parse_tokenizer_response(br#"{"tokens":[4294967296]}"#).is_err());
+        assert_eq!(fast_tokens(br#"{"a":"x\"tokens\":[9]","tokens":[1]}"#), Some(vec![1]));
+        assert_eq!(parse_tokenizer_response(br#"{"a":"x\"tokens\":[9]","tokens":[1]}"#).unwrap(), vec![1]);
+        assert_eq!(fast_tokens(br#"{"tokens":[1,2"#), None);
+        assert_eq!(fast_tokens(br#"{"tokens":[1,]}"#), None);
+        let big: Vec<u32> = (0..5000).map(|i| i * 7919 % 150_000).collect();
+        let body =
+            serde_json::to_vec(&json!({"count": 5000, "max_model_len": 8192, "tokens": big, "token_strs": null}))
+                .unwrap();
+        assert_eq!(fast_tokens(&body).as_ref(), Some(&big));
+        assert!(parse_tokenizer_response(b"[1,2]").is_err());
+        // Every length of id, with and without spaces, at every alignment.
+        let mut x: u64 = 1;
+        for case in 0..400 {
+            let ids: Vec<u32> = (0..(case % 23))
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let digits = (x >> 60) % 10 + 1;
+                    ((x >> 16) % 10u64.pow(digits as u32)).min(u64::from(u32::MAX)) as u32
+                })
+                .collect();
+            let sep = if case % 3 == 0 { ", " } else { "," };
+            let list = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(sep);
+            let pad = " ".repeat(case % 5);
+            let body = format!(r#"{{{pad}"tokens":[{list}],"token_strs":null}}"#);
+            assert_eq!(fast_tokens(body.as_bytes()), Some(ids.clone()), "{body}");
+            let body = format!(r#"{{"tokens":[{list}]}}"#);
+            assert_eq!(fast_tokens(body.as_bytes()), Some(ids), "{body}");
+        }
+        assert_eq!(fast_tokens(br#"{"tokens":[4294967295,0,7]}"#), Some(vec![u32::MAX, 0, 7]));
+        assert_eq!(fast_tokens(br#"{"tokens":[12a,3]}"#), None);
+        assert_eq!(fast_tokens(br#"{"tokens":[1,2,3,4,5,6,7,8,9,10"#), None);
+    }
+}
