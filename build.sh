@@ -111,14 +111,14 @@ run_tests() {
   log "all tests passed"
 }
 
-# The end-to-end tests in wasm-tests/ (real Envoy, agent, simulator, publishers on loopback);
-# arguments go to pytest (./build.sh e2e -k test_sim -x).
+# The end-to-end tests in wasm-tests/ (real Envoy, agent, simulator, publishers on loopback),
+# run from that directory; arguments go to pytest (./build.sh e2e -k test_sim -x, or file names).
 run_e2e() {
   log "building (release): agent, simulator"
   cargo build -q --release -p llmgw-agent -p llmgw-sim
   target_dir >/dev/null
   log "end-to-end tests (real Envoy, agent, publishers on loopback)${*:+: pytest $*}"
-  PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider wasm-tests "$@"
+  (cd wasm-tests && PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }
 
 e2e() {
