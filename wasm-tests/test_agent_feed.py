@@ -5,8 +5,6 @@ end with exactly the blocks the agent reports in /debug/replicas, with gap-free 
 import random
 import time
 
-import pytest
-
 from agent_support import Publisher, cleared, removed, stored
 from llmgw_testkit import free_port
 from llmgw_testkit.feed import FeedSubscriber, load_feed_proto

@@ -9,8 +9,6 @@ import signal
 import sys
 import time
 
-import pytest
-
 from llmgw_testkit import free_port
 
 FAKE_VLLM = r'''

@@ -12,6 +12,7 @@ directory on sys.path (the scripts do; pytest.ini does for the suites).
 - fleet: simulated replicas (llmgw-sim) and the session runner of the demo and the benchmark
 - feed: code for feed.proto, FeedStub, FeedSubscriber
 - vllm_hash: vLLM's sha256_cbor block keys
+- stub: a base for stub HTTP servers on loopback
 """
 
 from .agent import Agent, AgentAPI, agent_config, merged, sim_replica, toml
