@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# llmgw build driver. Usage: ./build.sh [setup|build|test|demo|replay|bench|fuzz|clean]
+# llmgw build driver.
+# Usage: ./build.sh [setup|build|wasm|test|e2e [pytest args]|demo|replay|bench|fuzz|conformance|clean] [args]
+#   setup  Rust targets and components, Envoy and the test requirements in .venv
 #   build  native binaries (release) and dist/llmgw.wasm
-#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation
+#   wasm   dist/llmgw.wasm only
+#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation, end-to-end tests
+#   e2e    the end-to-end tests (wasm-tests/) only; arguments go to pytest, e.g. `./build.sh e2e -k test_sim`
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
-#   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core benchmarks
+#   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
+#          benchmarks; `bench filter`: the filter against plain Envoy
 #   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
+#   conformance  the suite against real vLLM 0.33.0 (installs it into .venv-vllm, about 3 GB); arguments go to pytest
+#   clean  cargo clean, dist/ removed
+# Built files are taken from cargo's target directory: CARGO_TARGET_DIR (a relative one is read
+# from the directory build.sh is run from), else what `cargo metadata` reports. The Python
+# harnesses get it as an absolute CARGO_TARGET_DIR.
 set -euo pipefail
+USAGE="usage: $0 [setup|build|wasm|test|e2e [pytest args]|demo|replay|bench|fuzz|conformance|clean] [args]"
+if [ -n "${CARGO_TARGET_DIR:-}" ] && [ "${CARGO_TARGET_DIR#/}" = "$CARGO_TARGET_DIR" ]; then
+  export CARGO_TARGET_DIR="$PWD/$CARGO_TARGET_DIR"
+fi
 cd "$(dirname "$0")"
 ROOT=$PWD
 VENV=$ROOT/.venv
@@ -14,6 +28,17 @@ ENVOY_VERSION=1.40.0
 WASM_TARGET=wasm32-wasip1
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+# Cargo's target directory, exported as CARGO_TARGET_DIR so that cargo, build.sh and the Python
+# test kit (testkit/llmgw_testkit/paths.py) agree on it.
+target_dir() {
+  if [ -z "${CARGO_TARGET_DIR:-}" ]; then
+    CARGO_TARGET_DIR=$(cargo metadata --format-version 1 --no-deps |
+      python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+    export CARGO_TARGET_DIR
+  fi
+  printf '%s\n' "$CARGO_TARGET_DIR"
+}
 
 setup() {
   command -v cargo >/dev/null || { echo "cargo not found: install Rust (https://rustup.rs)" >&2; exit 1; }
@@ -57,7 +82,7 @@ build_wasm() {
   log "building llmgw.wasm"
   cargo build -q --release --target "$WASM_TARGET" -p llmgw
   mkdir -p dist
-  cp "target/$WASM_TARGET/release/llmgw.wasm" dist/llmgw.wasm
+  cp "$(target_dir)/$WASM_TARGET/release/llmgw.wasm" dist/llmgw.wasm
   log "dist/llmgw.wasm: $(wc -c <dist/llmgw.wasm) bytes"
 }
 
@@ -82,12 +107,25 @@ run_tests() {
   setup_envoy
   log "Envoy $ENVOY_VERSION: validate configs with llmgw.wasm loaded"
   PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
-  if ls wasm-tests/test_*.py >/dev/null 2>&1; then
-    log "end-to-end tests (real Envoy, agent, publishers on loopback)"
-    cargo build -q --release -p llmgw-agent -p llmgw-sim
-    PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider wasm-tests
-  fi
+  run_e2e
   log "all tests passed"
+}
+
+# The end-to-end tests in wasm-tests/ (real Envoy, agent, simulator, publishers on loopback),
+# run from that directory; arguments go to pytest (./build.sh e2e -k test_sim -x, or file names).
+run_e2e() {
+  log "building (release): agent, simulator"
+  cargo build -q --release -p llmgw-agent -p llmgw-sim
+  target_dir >/dev/null
+  log "end-to-end tests (real Envoy, agent, publishers on loopback)${*:+: pytest $*}"
+  (cd wasm-tests && PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
+}
+
+e2e() {
+  setup
+  build_wasm
+  setup_envoy
+  run_e2e "$@"
 }
 
 demo() {
@@ -97,6 +135,7 @@ demo() {
   build_wasm
   setup_envoy
   setup_charts
+  target_dir >/dev/null
   "$VENV/bin/python" demo/demo.py --envoy "$VENV/bin/envoy" "$@"
 }
 
@@ -105,7 +144,7 @@ replay() {
   cargo build -q --release -p llmgw-agent
   local data=crates/llmgw-core/tests/data/vllm-0.33.0
   log "replaying vLLM 0.33.0's captured KV events (PYTHONHASHSEED=0, sha256_cbor, block size 16)"
-  target/release/llmgw-agent replay --algo sha256_cbor --seed 0 \
+  "$(target_dir)/release/llmgw-agent" replay --algo sha256_cbor --seed 0 \
     --capture "$data/batches_native_seed0.jsonl" --requests "$data/requests_seed0.jsonl"
 }
 
@@ -145,6 +184,7 @@ bench() {
   setup_envoy
   setup_charts
   setup_peers
+  target_dir >/dev/null
   "$VENV/bin/python" bench/bench.py "$@"
 }
 
@@ -178,6 +218,7 @@ conformance() {
     cp conformance/requirements.txt "$VENV/.conformance-requirements.installed"
   fi
   log "conformance suite against vLLM $vllm_version"
+  target_dir >/dev/null
   (cd conformance && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }
 
@@ -186,12 +227,15 @@ shift || true
 case "$cmd" in
   setup) setup; setup_envoy ;;
   build) build ;;
+  wasm) setup; build_wasm ;;
   test) run_tests ;;
+  e2e) e2e "$@" ;;
   demo) demo "$@" ;;
   replay) replay ;;
   bench) bench "$@" ;;
   fuzz) fuzz ;;
   conformance) conformance "$@" ;;
   clean) cargo clean; rm -rf dist ;;
-  *) echo "usage: $0 [setup|build|test|demo|replay|bench|fuzz|clean]" >&2; exit 2 ;;
+  -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;
+  *) echo "$USAGE" >&2; exit 2 ;;
 esac

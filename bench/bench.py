@@ -18,13 +18,10 @@ Ctrl-C. Absolute timings depend on the machine: compare policies within one run.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import re
 import shlex
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,11 +31,14 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "demo"))
-import demo  # noqa: E402  (process control, Envoy/agent config, client helpers)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
+import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
+from llmgw_testkit import plain_request, stream_request  # noqa: E402
+from llmgw_testkit.fleet import (fleet_agent, new_sims, restart_sims, run_sessions, sim_command,  # noqa: E402
+                                 start_router, stop_on_signals, wait_sims)
 
-MODEL = demo.MODEL
+ROOT = kit.ROOT
+MODEL = "demo-model"
 BLOCK = 16
 REPLICAS = 4
 
@@ -123,29 +123,23 @@ class Fleet:
     """REPLICAS llmgw-sim processes. `events`: "agent" (they connect to the agent's bound
     ports, topic kv-events) or "bind" (they bind on loopback, topic "", for vllm-router)."""
 
-    def __init__(self, procs: demo.Procs, args, events: str):
+    def __init__(self, procs: kit.Procs, args, events: str):
         self.procs, self.args, self.events = procs, args, events
-        self.sims = [{"name": f"r{i}", "port": demo.free_port(), "kv": demo.free_port(), "replay": demo.free_port()} for i in range(REPLICAS)]
+        self.sims = new_sims(REPLICAS)
         self.running: list = []
 
     def start(self) -> None:
         a = self.args
         for s in self.sims:
-            if self.events == "agent":
-                ev = ["--kv-endpoint", f"tcp://127.0.0.1:{s['kv']}", "--replay-endpoint", f"tcp://127.0.0.1:{s['replay']}"]
-            else:
-                ev = ["--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{s['kv']}", "--replay-endpoint",
-                      f"tcp://[::ffff:127.0.0.1]:{s['replay']}", "--topic", ""]
+            # "agent": the agent binds, the replicas connect; "bind": they bind on loopback, topic "".
+            ev = {} if self.events == "agent" else {"host": "[::ffff:127.0.0.1]", "topic": ""}
             self.running.append(self.procs.start(
-                [a.sim_bin, "--port", s["port"], "--name", s["name"], "--model", MODEL, "--blocks", a.blocks,
-                 "--seed", "0", "--block-size", BLOCK, "--prefill-tps", a.prefill_tps, "--decode-ms", a.decode_ms,
-                 "--max-batch", a.max_batch, *ev], f"{s['name']}-{self.events}"))
-        for s in self.sims:
-            demo.wait_until(lambda s=s: demo.http_get(f"http://127.0.0.1:{s['port']}/health") == "", 20, f"replica {s['name']}")
+                sim_command(a.sim_bin, s, MODEL, blocks=a.blocks, seed=0, block_size=BLOCK, prefill_tps=a.prefill_tps,
+                            decode_ms=a.decode_ms, max_batch=a.max_batch, **ev), f"{s['name']}-{self.events}"))
+        wait_sims(self.sims)
 
     def restart(self) -> None:
-        for s in self.sims:
-            demo.http_post(f"http://127.0.0.1:{s['port']}/sim/restart")
+        restart_sims(self.sims)
 
     def stop(self) -> None:
         for p in self.running:
@@ -161,15 +155,10 @@ class Fleet:
 # `send(body) -> (ttft, total, status)` plus `trivial()` for the overhead probe.
 
 
-def envoy_lb_config(listen: int, admin: int, sims: list[dict], lb: str) -> str:
-    text = demo.envoy_round_robin_config(listen, admin, sims)
-    return text.replace("lb_policy: ROUND_ROBIN", f"lb_policy: {lb}")
-
-
 def envoy_llmgw_config(wasm: Path, listen: int, admin: int, agent: int, kv_events: bool, weights: dict | None) -> str:
-    """demo's llmgw bootstrap with this run's block size (and any weight overrides)."""
-    extra = {"block_size": BLOCK, **({"weights": weights} if weights else {})}
-    return demo.envoy_llmgw_config(wasm, listen, admin, agent, kv_events, profile_extra=extra)
+    """The shipped bootstrap with one catch-all profile at this run's block size (and any weight overrides)."""
+    profile = {"name": "demo", "kv_events": kv_events, "block_size": BLOCK, **({"weights": weights} if weights else {})}
+    return kit.shipped_config(wasm, listen, admin, agent, kit.filter_config(profile))
 
 
 class Router:
@@ -189,33 +178,22 @@ class Router:
         if pol == "oracle":
             self.oracle = Oracle(b.args, sims)
             return
-        self.port, admin = demo.free_port(), demo.free_port()
+        self.port, admin = kit.free_port(), kit.free_port()
         self.admin = admin
         if pol in ("rr", "lr", "approx", "exact"):
-            if pol in ("approx", "exact"):
-                feed, agent_http = demo.free_port(), demo.free_port()
-                cfg = b.logdir / f"agent-{pol}.toml"
-                text = demo.agent_config(sims, feed, agent_http)
-                if b.args.agent_load_interval_ms:
-                    text += f"\n[load]\ninterval_ms = {b.args.agent_load_interval_ms}\n"
-                cfg.write_text(text)
-                self._start([b.args.agent_bin, "run", "--config", cfg], f"agent-{pol}")
-                demo.wait_until(lambda: demo.http_get(f"http://127.0.0.1:{agent_http}/healthz") is not None, 20, "the agent")
-                text = envoy_llmgw_config(b.args.wasm, self.port, admin, feed, pol == "exact", b.weights)
+            llmgw = pol in ("approx", "exact")
+            if llmgw:
+                load = {"load": {"interval_ms": b.args.agent_load_interval_ms}} if b.args.agent_load_interval_ms else {}
+                agent = fleet_agent(b.procs, b.args.agent_bin, b.logdir, sims, MODEL, name=f"agent-{pol}", **load)
+                self.procs_started.append(agent.proc)
+                text = envoy_llmgw_config(b.args.wasm, self.port, admin, agent.feed, pol == "exact", b.weights)
             else:
-                text = envoy_lb_config(self.port, admin, sims, "ROUND_ROBIN" if pol == "rr" else "LEAST_REQUEST")
-            path = b.logdir / f"envoy-{pol}.yaml"
-            path.write_text(text)
-            self._start([b.args.envoy, "-c", path, "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"], f"envoy-{pol}")
-            demo.wait_until(lambda: demo.http_get(f"http://127.0.0.1:{admin}/ready").strip() == "LIVE", 30, "Envoy")
-            if pol in ("approx", "exact"):
-                def feed_up() -> bool:
-                    vals = re.findall(r"llmgw_feed_connected\S*: (\d+)", demo.http_get(f"http://127.0.0.1:{admin}/stats?filter=llmgw_feed_connected"))
-                    return bool(vals) and all(v == "1" for v in vals)
-                demo.wait_until(feed_up, 20, "the filter's feed subscriptions")
+                text = kit.lb_config(self.port, admin, [s["port"] for s in sims], "ROUND_ROBIN" if pol == "rr" else "LEAST_REQUEST")
+            envoy, self.envoy = start_router(b.procs, b.args.envoy, b.logdir, f"envoy-{pol}", text, admin, feed=llmgw)
+            self.procs_started.append(envoy)
             return
         peers = b.args.peers_venv / "bin"
-        prom = demo.free_port()
+        prom = kit.free_port()
         self.prom = prom
         if pol == "sglang":
             cmd = [peers / "sglang-router", "launch", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *fleet.urls(),
@@ -235,18 +213,16 @@ class Router:
 
         def ready() -> bool:
             return self.trivial()[2] == 200
-        demo.wait_until(ready, 60, f"{pol} to route")
+        kit.wait_until(ready, 60, f"{pol} to route")
 
     def stats(self) -> dict:
         """The router's own view: llmgw's decisions by outcome; vllm-router's KV lookups."""
         out: dict = {}
         try:
             if self.policy in ("approx", "exact"):
-                text = demo.http_get(f"http://127.0.0.1:{self.admin}/stats?filter=llmgw_prefix_decisions_total")
-                for name, v in re.findall(r"llmgw_prefix_decisions_total\.outcome\.(\w+): (\d+)", text):
-                    out[name] = out.get(name, 0) + int(v)
+                out.update(self.envoy.decisions())
             elif self.policy == "vllm-kv":
-                text = demo.http_get(f"http://127.0.0.1:{self.prom}/metrics")
+                text = kit.get_text(f"http://127.0.0.1:{self.prom}/metrics")
                 for res, v in re.findall(r'vllm_router_kv_placement_lookups_total\{result="(\w+)"\} ([0-9.]+)', text):
                     out[f"lookup_{res}"] = int(float(v))
         except OSError:
@@ -276,66 +252,6 @@ class Router:
                 self.oracle.done(i)
             return (r[0] + (t1 - t0), r[1], r[2])
         return plain_request(self.port, b)
-
-
-_conns = threading.local()
-
-
-def stream_request(port: int, b: dict, keepalive: bool = False):
-    """One streaming chat request: (ttft seconds, total seconds, status). With `keepalive`, each
-    client thread reuses one connection per port, as a router's upstream pool does (the oracle
-    sends this way, so its replicas see the same transport as behind any router)."""
-    data = json.dumps(b).encode()
-    for attempt in range(2):
-        t0 = time.monotonic()
-        pool = getattr(_conns, "pool", None)
-        if pool is None:
-            pool = _conns.pool = {}
-        conn = pool.pop(port, None) if keepalive else None
-        fresh = conn is None
-        if fresh:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        try:
-            if fresh:
-                conn.connect()
-                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.request("POST", "/v1/chat/completions", body=data, headers={"content-type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                resp.read()
-                conn.close()
-                return (float("nan"), time.monotonic() - t0, resp.status)
-            ttft = None
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
-                if ttft is None and line.startswith(b"data: "):
-                    ttft = time.monotonic() - t0
-            if keepalive and not resp.will_close:
-                pool[port] = conn
-            else:
-                conn.close()
-            return (ttft if ttft is not None else float("nan"), time.monotonic() - t0, 200)
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            if fresh or attempt:
-                return (float("nan"), time.monotonic() - t0, 0)
-    return (float("nan"), 0.0, 0)
-
-
-def plain_request(port: int, b: dict):
-    t0 = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(b), headers={"content-type": "application/json"})
-        resp = conn.getresponse()
-        resp.read()
-        return (time.monotonic() - t0, time.monotonic() - t0, resp.status)
-    except OSError:
-        return (float("nan"), time.monotonic() - t0, 0)
-    finally:
-        conn.close()
 
 
 class Oracle:
@@ -389,7 +305,7 @@ class Oracle:
 
 
 def run_traffic(label: str, router: Router, sims: list[dict], sessions, concurrency: int) -> dict:
-    out = demo.run_sessions(label, router.send, sims, sessions, concurrency, width=58)
+    out = run_sessions(label, router.send, sims, sessions, concurrency, width=58)
     out.pop("label")
     sys.stdout.write(f"\r  {label:<58} {out['requests']:>4}/{out['requests']}  {out['elapsed_s']:5.1f}s  hit "
                      f"{out['hit_rate'] * 100:5.1f}%  TTFT p50 {out['ttft_p50']:6.1f} ms  mean {out['ttft_mean']:6.1f} ms  "
@@ -418,7 +334,7 @@ class Bench:
         self.args = args
         self.weights = json.loads(args.llmgw_weights) if args.llmgw_weights else None
         self.logdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-        self.procs = demo.Procs(self.logdir)
+        self.procs = kit.Procs(self.logdir)
         self.results: list[dict] = []
         self.skipped: dict[str, str] = {}
 
@@ -597,23 +513,19 @@ def main() -> int:
         args.workloads = ["shared-prefix", "multi-turn"] if args.quick else list(WORKLOADS)
     if args.scale is None:
         args.scale = 0.5 if args.quick else 1.0
-    args.sim_bin = ROOT / "target" / "release" / "llmgw-sim"
-    args.agent_bin = ROOT / "target" / "release" / "llmgw-agent"
-    args.wasm = ROOT / "dist" / "llmgw.wasm"
-    for p in (args.sim_bin, args.agent_bin, args.wasm, args.envoy):
-        if not p.exists():
-            print(f"missing {p}: run ./build.sh build", file=sys.stderr)
-            return 1
+    try:
+        args.sim_bin, args.agent_bin = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release")
+        args.wasm = kit.wasm()
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if not args.envoy.exists():
+        print(f"missing {args.envoy}: run ./build.sh setup", file=sys.stderr)
+        return 1
     command = "./build.sh bench" + ("" if len(sys.argv) <= 1 else " " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
     bench = Bench(args)
 
-    def on_signal(signum, frame):
-        bench.procs.stop_all()
-        print("\ninterrupted: every process stopped", file=sys.stderr)
-        sys.exit(130)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop_on_signals(bench.procs)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         header = saved.get("header") or [f"Command: `{saved['command']}`\n", setup_line(saved["args"])]

@@ -51,7 +51,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -59,12 +58,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "wasm-tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
+import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, the feed stub)
+from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wait_until  # noqa: E402
+from llmgw_testkit.feed import FeedStub, load_feed_proto  # noqa: E402
+from llmgw_testkit.stub import StubHandler, StubServer  # noqa: E402
+from llmgw_testkit.vllm_hash import block_keys  # noqa: E402
 
-from conftest import free_port, wait_port  # noqa: E402
-from filter_support import FeedStub, block_keys, envoy_config, http, load_feed_proto, wait_ready  # noqa: E402
-
+ROOT = kit.ROOT
 MODEL = "m1"
 BLOCK = 16
 SEED = "0"
@@ -178,38 +179,10 @@ def backend_config(admin: int, ports: list[int], tokenize_json: str) -> str:
 def front_config(wasm: Path, listen: int, plain: int, admin: int, agent: int, replica0_port: int,
                  filter_cfg: dict) -> str:
     """The shipped bootstrap with the filter, plus a plain listener (no filter) to replica 0."""
-    text = envoy_config(wasm, listen, admin, agent, filter_cfg)
-    listener = f"""  listeners:
-  - name: plain
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {plain}}}}}
-    per_connection_buffer_limit_bytes: 33554432
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: plain
-          route_config:
-            virtual_hosts:
-            - name: vllm
-              domains: ["*"]
-              routes:
-              - match: {{prefix: /}}
-                route: {{cluster: plain_replica, timeout: 300s}}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-"""
-    cluster = f"""  clusters:
-  - name: plain_replica
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: plain_replica
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {replica0_port}}}}}}}
-"""
+    # Stats flushed every 0.2 s: histograms reach the admin stats on a flush.
+    text = kit.shipped_config(wasm, listen, admin, agent, filter_cfg, stats_flush_interval="0.2s")
+    listener = "  listeners:\n" + kit.envoy.listener_yaml("plain", plain, "plain_replica", buffer_limit=33554432)
+    cluster = "  clusters:\n" + kit.envoy.cluster_yaml("plain_replica", [replica0_port])
     assert text.count("\n  listeners:\n") == 1 and text.count("\n  clusters:\n") == 1
     text = text.replace("\n  listeners:\n", "\n" + listener, 1)
     text = text.replace("\n  clusters:\n", "\n" + cluster, 1)
@@ -227,7 +200,6 @@ class ColdTokenizer:
     FIRST = 1_000_000
 
     def __init__(self, port: int, tokens: list[int], indexed: int):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         import threading
 
         rest = json.dumps(tokens[1:], separators=(",", ":"))[1:].encode()
@@ -238,13 +210,7 @@ class ColdTokenizer:
         stub = self
         self.mode = "indexed"
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True
-
-            def log_message(self, *a):
-                pass
-
+        class Handler(StubHandler):
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 if self.path == "/tokenize":
@@ -255,26 +221,15 @@ class ColdTokenizer:
                 else:
                     body = b'{"replica":"cold","choices":[{"text":"ok"}]}'
                 try:
-                    self.send_response(200)
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self.reply(200, body)
                 except OSError:  # the load generator closed the connection
                     self.close_connection = True
 
-        class Server(ThreadingHTTPServer):
-            def handle_error(self, request, client_address):
-                pass  # connections closed by the load generator at the end of a run
-
-        self.server = Server(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.stub = StubServer(port, Handler, quiet_errors=True)
+        self.server = self.stub.server
 
     def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.stub.stop()
 
 
 def chunked_feed_class(pb):
@@ -293,33 +248,6 @@ def chunked_feed_class(pb):
 
 # ---------------------------------------------------------------------------------------------
 # Processes.
-
-
-class Procs:
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args, name: str, cpu: int | None = None) -> subprocess.Popen:
-        args = [str(a) for a in args]
-        if cpu is not None:
-            args = ["taskset", "-c", str(cpu)] + args
-        log = open(self.tmp / f"{name}.log", "wb")
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(timeout=10)
-                except ProcessLookupError:
-                    pass
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -373,7 +301,7 @@ def run_wrk(url: str, connections: int, seconds: float, script: Path, body: Path
 
 
 def stats_json(admin: int, flt: str, extra: str = "") -> dict:
-    status, _, body = http("GET", f"http://127.0.0.1:{admin}/stats?format=json&filter={flt}{extra}")
+    status, _, body = request("GET", f"http://127.0.0.1:{admin}/stats?format=json&filter={flt}{extra}")
     if status != 200:
         raise RuntimeError(f"admin /stats: {status} {body[:200]!r}")
     return json.loads(body)
@@ -415,21 +343,11 @@ def bucket_p50(before: dict, after: dict) -> tuple[float | None, int]:
 
 
 def plain_stats(admin: int) -> dict[str, float]:
-    _, _, body = http("GET", f"http://127.0.0.1:{admin}/stats?filter=wasmcustom")
-    out = {}
-    for line in body.decode().splitlines():
-        name, _, value = line.partition(": ")
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            pass
-    return out
+    return EnvoyAdmin(admin).stats("wasmcustom")
 
 
-def decisions(admin: int) -> dict[str, float]:
-    s = plain_stats(admin)
-    p = "wasmcustom.llmgw_prefix_decisions_total.outcome."
-    return {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
+def decisions(admin: int) -> dict[str, int]:
+    return EnvoyAdmin(admin).decisions()
 
 
 def index_memory(admin: int) -> list[tuple[str, float, float]]:
@@ -496,10 +414,9 @@ def main() -> int:
         ports = [free_port() for _ in range(args.replicas)]
         b_admin = free_port()
         (tmp / "backend.json").write_text(backend_config(b_admin, ports, answer))
-        backend = procs.start([args.envoy, "-c", tmp / "backend.json", "--concurrency", 1, "--disable-hot-restart",
-                     "--base-id", random.randrange(1000, 60000), "--log-level", "warn"], "backend", cpu_rest)
-        wait_port(b_admin)
-        wait_ready(b_admin)
+        backend = start_envoy(procs, args.envoy, tmp / "backend.json", "backend", concurrency=1, cpu=cpu_rest,
+                              args=["--base-id", random.randrange(1000, 60000)])
+        EnvoyAdmin(b_admin).wait_ready(proc=backend)
 
         # Feed: replica 0 holds the whole prompt, replica 1 its first half, all hold filler.
         rng = random.Random(3)
@@ -532,19 +449,13 @@ def main() -> int:
             first_port = int(reps[0]["address"].rsplit(":", 1)[1])
             (tmp / f"{name}.yaml").write_text(front_config(Path(args.wasm).resolve(), lis, pln, adm, fd.port,
                                                            first_port, filter_cfg))
-            proc = procs.start([args.envoy, "-c", tmp / f"{name}.yaml", "--concurrency", 1, "--disable-hot-restart",
-                                "--base-id", random.randrange(1000, 60000), "--log-level", "warn"], name, cpu_front)
-            wait_port(adm)
-            wait_ready(adm)
-            deadline = time.monotonic() + 120
-            while True:
-                msgs = plain_stats(adm).get("wasmcustom.llmgw_feed_messages_total", 0)
-                # The worker VM and the main thread's ticking VM each apply the snapshot.
-                if fd.snapshots_sent >= 2 and msgs >= 2 * n_initial:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the filter VMs did not apply the feed snapshot")
-                time.sleep(0.2)
+            proc = start_envoy(procs, args.envoy, tmp / f"{name}.yaml", name, concurrency=1, cpu=cpu_front,
+                               args=["--base-id", random.randrange(1000, 60000)])
+            EnvoyAdmin(adm).wait_ready(proc=proc)
+            # The worker VM and the main thread's ticking VM each apply the snapshot.
+            wait_until(lambda: fd.snapshots_sent >= 2
+                       and plain_stats(adm).get("wasmcustom.llmgw_feed_messages_total", 0) >= 2 * n_initial,
+                       120, "the filter VMs to apply the feed snapshot", interval=0.2)
             return proc, lis, pln, adm
 
         front, listen, plain, admin = start_front("front", replicas, blocks)
@@ -554,10 +465,10 @@ def main() -> int:
         mem = index_memory(admin)
 
         # Correctness check before timing: the filter routes exactly, the plain listener answers.
-        status, _, raw = http("POST", f"http://127.0.0.1:{listen}/v1/chat/completions", body,
+        status, _, raw = request("POST", f"http://127.0.0.1:{listen}/v1/chat/completions", body,
                               {"content-type": "application/json"})
         assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
-        status, _, raw = http("POST", f"http://127.0.0.1:{plain}/v1/chat/completions", body,
+        status, _, raw = request("POST", f"http://127.0.0.1:{plain}/v1/chat/completions", body,
                               {"content-type": "application/json"})
         assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
         d0 = decisions(admin)
@@ -618,7 +529,7 @@ def main() -> int:
                   f"{c1n['decision_p50_us']} µs; load {os.getloadavg()[0]:.2f}", flush=True)
 
         d1 = decisions(admin)
-        _, _, raw = http("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
+        _, _, raw = request("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
         upstream = {line.split(": ")[0].replace("cluster.", ""): int(line.split(": ")[1])
                     for line in raw.decode().splitlines() if ": " in line}
 

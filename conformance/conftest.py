@@ -8,26 +8,25 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+import llmgw_testkit as kit
+from llmgw_testkit import Procs, free_port, http_json, parse_decision, tail
+
+ROOT = kit.ROOT
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = Path(os.environ.get("LLMGW_VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL_DIR = Path(os.environ.get("LLMGW_MODEL_DIR", ROOT / ".cache" / "llmgw-model"))
+# Where cargo puts the release agent (CARGO_TARGET_DIR or `cargo metadata`); checked by the fleet fixture.
+AGENT = kit.binary_path("llmgw-agent", "release")
 ENVOY = os.environ.get("LLMGW_ENVOY", str(ROOT / ".venv" / "bin" / "envoy"))
-AGENT = ROOT / "target" / "release" / "llmgw-agent"
 WASM = ROOT / "dist" / "llmgw.wasm"
 MODEL = "tiny"
 BLOCK = 16
@@ -39,40 +38,9 @@ LOG_DIR = Path(os.environ.get("LLMGW_CONFORMANCE_LOGS", ROOT / ".cache" / "confo
 # small helpers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until(pred, timeout: float, what: str, interval: float = 0.1):
-    """Polls pred until it returns something truthy; returns that value."""
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-            if v:
-                return v
-        except (OSError, KeyError, ValueError) as e:
-            last_exc = e
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
-
-
-def http_json(url: str, body: dict | None = None, timeout: float = 30.0, headers: dict | None = None):
-    """GET (body None) or POST JSON; returns (status, response headers, parsed JSON or text)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw, status, hdrs = r.read(), r.status, r.headers
-    except urllib.error.HTTPError as e:
-        raw, status, hdrs = e.read(), e.code, e.headers
-    try:
-        return status, hdrs, json.loads(raw)
-    except ValueError:
-        return status, hdrs, raw.decode(errors="replace")
+    """Polls pred until it returns something truthy; returns that value (llmgw_testkit.wait_until)."""
+    return kit.wait_until(pred, timeout, what, interval=interval)
 
 
 def words(rng: random.Random, n: int, tag: str) -> str:
@@ -86,55 +54,6 @@ def agent_hash(tokens: list[int], algo: str = "sha256_cbor", seed: str | None = 
         args += ["--seed", seed]
     out = subprocess.run(args, input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=30)
     return [b["u64"] for b in json.loads(out.stdout)["blocks"]]
-
-
-class Procs:
-    """Starts processes in their own process group; stops them (TERM, then KILL) on request."""
-
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args, name: str, env: dict | None = None) -> subprocess.Popen:
-        path = self.logdir / f"{name}.log"
-        log = open(path, "ab")
-        p = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env=env, cwd=str(self.logdir))
-        log.close()
-        p.log_path = path  # type: ignore[attr-defined]
-        self.procs.append(p)
-        return p
-
-    def stop(self, p: subprocess.Popen, timeout: float = 30.0) -> None:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left of the group (vLLM's engine-core child) goes too.
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if p.poll() is None:
-            p.wait()
-        if p in self.procs:
-            self.procs.remove(p)
-
-    def stop_all(self) -> None:
-        for p in list(reversed(self.procs)):
-            self.stop(p)
-
-
-def tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,18 +95,16 @@ class Replica:
             args += ["--kv-events-config", json.dumps(self.kv_events_config())]
         return args
 
-    def agent_toml(self) -> str:
-        ep = f"tcp://127.0.0.1:{self.kv}"
-        text = (f'[[replicas]]\nname = "{self.name}"\naddress = "{self.address}"\nmodels = ["{self.model}"]\n'
-                f'endpoint = "{ep}"\nmode = "{self.mode}"\nreplay_endpoint = "tcp://127.0.0.1:{self.replay}"\n'
-                f'topic = "kv-events"\n')
+    def agent_entry(self) -> dict:
+        """This replica in the agent's configuration."""
+        entry = {"name": self.name, "address": self.address, "models": [self.model],
+                 "endpoint": f"tcp://127.0.0.1:{self.kv}", "mode": self.mode,
+                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv-events"}
         # Only D is declared to the agent with its own hash settings; E (another seed) is declared
         # like the fleet, as an operator would who does not know it was started differently.
         if self.model != MODEL:
-            text += f'[replicas.hash]\nalgo = "{self.algo or "sha256"}"\nblock_size = {BLOCK}\n'
-            if self.seed is not None:
-                text += f'seed = "{self.seed}"\n'
-        return text
+            entry["hash"] = {"algo": self.algo or "sha256", "block_size": BLOCK, "seed": self.seed}
+        return entry
 
 
 def vllm_env(seed: str | None) -> dict:
@@ -223,102 +140,43 @@ def wait_healthy(r: Replica, proc: subprocess.Popen, timeout: float = STARTUP_TI
 # agent and Envoy
 
 
-def agent_toml(replicas: list[Replica], feed: int, http: int) -> str:
-    parts = [f'[feed]\nlisten = "127.0.0.1:{feed}"\n', f'[http]\nlisten = "127.0.0.1:{http}"\n',
-             f'[hash]\nalgo = "sha256_cbor"\nseed = "0"\nblock_size = {BLOCK}\n',
-             '[parity]\nmin_verified = 1\n',
-             # Long down timers: a restarted replica must lose its blocks because the agent sees the
-             # restart (new publisher, sequence back to 0), not because it was unreachable for a while.
-             '[load]\ndown_after_ms = 300000\n', '[zmq]\ndown_after_disconnect_ms = 300000\n']
-    parts += [r.agent_toml() for r in replicas]
-    return "\n".join(parts)
+def agent_toml(replicas: list[Replica], feed: int, http: int, entries: list[dict] = ()) -> str:
+    """The agent's configuration for these replicas (and any other `entries`)."""
+    return kit.agent_config(
+        feed, http, [r.agent_entry() for r in replicas] + list(entries),
+        hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}, parity={"min_verified": 1},
+        # Long down timers: a restarted replica must lose its blocks because the agent sees the
+        # restart (new publisher, sequence back to 0), not because it was unreachable for a while.
+        load={"down_after_ms": 300000}, zmq={"down_after_disconnect_ms": 300000})
 
 
 def envoy_yaml(listen: int, admin: int, feed: int) -> str:
     """envoy/llmgw-local.yaml with this run's ports and a filter config with the explain header."""
-    text = (ROOT / "envoy" / "llmgw-local.yaml").read_text()
-    for old, new in (("port_value: 9901", admin), ("port_value: 10000", listen), ("port_value: 9090", feed)):
-        assert old in text, old
-        text = text.replace(old, f"port_value: {new}")
-    text = text.replace("filename: dist/llmgw.wasm", f"filename: {WASM}")
-    cfg = {"agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer",
-           "destination_header": "x-gateway-destination-endpoint", "explain_header": True,
-           "profiles": [{"name": "conformance", "models": ["*"], "kv_events": True, "block_size": BLOCK,
-                         "hash_algo": "sha256_cbor", "seed": "0", "tokenizer": "tokenize",
-                         "tokenizer_timeout_ms": 5000}]}
-    text, n = re.subn(r"value: \|\n(?:\s{20}.*\n)+", f"value: {json.dumps(json.dumps(cfg))}\n", text)
-    assert n == 1, "filter configuration block not found in envoy/llmgw-local.yaml"
-    return text
+    cfg = kit.filter_config({"name": "conformance", "block_size": BLOCK, "tokenizer_timeout_ms": 5000},
+                            destination_header="x-gateway-destination-endpoint", explain_header=True)
+    return kit.shipped_config(WASM, listen, admin, feed, cfg)
 
 
-class Agent:
-    def __init__(self, http: int):
-        self.base = f"http://127.0.0.1:{http}"
-
-    def replicas(self) -> list[dict]:
-        return http_json(f"{self.base}/debug/replicas", timeout=5)[2]["replicas"]
-
-    def replica(self, name: str) -> dict:
-        for r in self.replicas():
-            if r["replica"] == name:
-                return r
-        raise KeyError(name)
-
-    def keys(self, name: str) -> set[int]:
-        return set(self.replica(name)["block_keys"])
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.base}/metrics", timeout=5) as r:
-            return r.read().decode()
-
+class Agent(kit.AgentAPI):
     def wait_up(self, name: str, timeout: float = 60.0) -> dict:
         return wait_until(lambda: (r := self.replica(name))["up"] and r["connected"] and r, timeout,
                           f"the agent to see {name} up and its publisher connected")
 
 
-class Envoy:
+class Envoy(kit.EnvoyAdmin):
     def __init__(self, listen: int, admin: int):
+        super().__init__(admin)
         self.listen, self.admin = listen, admin
 
-    def stats(self, flt: str = "llmgw") -> dict[str, int]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats?filter={flt}", timeout=5) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            k, _, v = line.partition(": ")
-            if v.strip().lstrip("-").isdigit():
-                out[k.strip()] = int(v)
-        return out
-
-    def prom(self, name: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats/prometheus", timeout=5) as r:
-            return "\n".join(l for l in r.read().decode().splitlines() if name in l and not l.startswith("#"))
-
     def exact_decisions(self) -> int:
-        total = 0
-        for line in self.prom("llmgw_prefix_decisions_total").splitlines():
-            if 'outcome="exact"' in line:
-                total += int(float(line.rsplit(" ", 1)[1]))
-        return total
-
-    def index_blocks(self) -> list[int]:
-        return [v for k, v in self.stats("llmgw_index_blocks").items()]
-
-    def wait_feed(self, timeout: float = 60.0) -> None:
-        def ok():
-            vals = [v for k, v in self.stats("llmgw_feed_connected").items()]
-            return bool(vals) and all(v == 1 for v in vals)
-        wait_until(ok, timeout, "every filter VM subscribed to the agent's feed")
+        return int(self.metric("llmgw_prefix_decisions_total", 'outcome="exact"'))
 
     def post(self, path: str, body: dict):
         return http_json(f"http://127.0.0.1:{self.listen}{path}", body, timeout=60)
 
 
 def decision(headers) -> tuple[str, str, int, int]:
-    h = headers.get("x-llmgw-decision") or ""
-    m = re.match(r"outcome=(\w+); replica=([\d.:]+); matched=(\d+)/(\d+)", h)
-    assert m, f"no decision header in the response: {h!r}"
-    return m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+    return tuple(parse_decision(headers.get(kit.DECISION_HEADER)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -338,12 +196,10 @@ class Fleet:
     def start_envoy(self, name: str = "envoy") -> Envoy:
         listen, admin = free_port(), free_port()
         (self.logdir / f"{name}.yaml").write_text(envoy_yaml(listen, admin, self.feed))
-        self.envoy_proc = self.procs.start([ENVOY, "-c", self.logdir / f"{name}.yaml", "--concurrency", "2",
-                                            "--log-level", "warn", "--disable-hot-restart"], name)
+        self.envoy_proc = kit.start_envoy(self.procs, ENVOY, self.logdir / f"{name}.yaml", name)
         self.envoy = Envoy(listen, admin)
-        wait_until(lambda: http_json(f"http://127.0.0.1:{admin}/ready", timeout=2)[2].strip() == "LIVE", 60,
-                   "Envoy /ready")
-        self.envoy.wait_feed()
+        self.envoy.wait_ready(60, proc=self.envoy_proc)
+        self.envoy.wait_feed(60)
         return self.envoy
 
     def start_replica(self, r: Replica, with_events: bool = True) -> subprocess.Popen:
@@ -421,9 +277,8 @@ def logdir() -> Path:
 
 @pytest.fixture(scope="session")
 def procs(logdir):
-    ps = Procs(logdir)
-    yield ps
-    ps.stop_all()
+    with Procs(logdir, cwd=logdir) as ps:
+        yield ps
 
 
 @pytest.fixture(scope="session")

@@ -70,10 +70,9 @@ def test_gap_repaired_through_vllms_replay_socket(fleet, procs, logdir):
     fwd_port, feed, http = free_port(), free_port(), free_port()
     fwd = DroppingForwarder(f"tcp://127.0.0.1:{b.kv}", fwd_port)
     try:
-        text = agent_toml([], feed, http) + (
-            f'\n[[replicas]]\nname = "b"\naddress = "{b.address}"\nmodels = ["tiny"]\n'
-            f'endpoint = "tcp://127.0.0.1:{fwd_port}"\nmode = "connect"\n'
-            f'replay_endpoint = "tcp://127.0.0.1:{b.replay}"\ntopic = "kv-events"\n')
+        text = agent_toml([], feed, http, [
+            {"name": "b", "address": b.address, "models": ["tiny"], "endpoint": f"tcp://127.0.0.1:{fwd_port}",
+             "mode": "connect", "replay_endpoint": f"tcp://127.0.0.1:{b.replay}", "topic": "kv-events"}])
         (logdir / "agent-gap.toml").write_text(text)
         p = procs.start([fleet.agent_proc.args[0], "run", "--config", logdir / "agent-gap.toml"], "agent-gap")
         agent2 = Agent(http)

@@ -4,7 +4,7 @@ flags and PYTHONHASHSEED matching the agent's configuration; Envoy routes to it 
 import random
 
 from conftest import (AGENT, BLOCK, MODEL, MODEL_DIR, VLLM_VENV, Fleet, Replica, agent_hash, agent_toml, http_json,
-                      vllm_env, wait_healthy, wait_until, words)
+                      vllm_env, wait_healthy, words)
 
 
 def test_launched_replica_is_mirrored_and_routed_to(procs, logdir):

@@ -1,19 +1,17 @@
 """Helpers for the agent's interop tests: publishers that copy vLLM's ZMQ framing (live PUB frames
 [topic, seq u64 BE, msgpack payload]; replay ROUTER answering [id, "", seq8] with
 [id, "", topic, seq8, payload] per buffered batch and [id, "", "", ff*8, ""] at the end), vLLM 0.33.0
-captured payloads, a Python model of the mirror, and an agent runner observed through its HTTP API."""
+captured payloads and a Python model of the mirror. The agent runner and the feed subscriber are
+in the test kit (llmgw_testkit.agent, llmgw_testkit.feed)."""
 
 import json
 import threading
-import time
-import urllib.request
-from pathlib import Path
 
 import msgpack
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "crates" / "llmgw-core" / "tests" / "data" / "vllm-0.33.0"
+from llmgw_testkit import VLLM_DATA as DATA
+
 END_SEQ = b"\xff" * 8
 
 
@@ -135,167 +133,3 @@ class Publisher:
             self.router.close(0)
         self.pub.close(0)
         self.ctx.term()
-
-
-class Agent:
-    """An llmgw-agent process with a generated config, observed over its HTTP endpoints."""
-
-    def __init__(self, procs, agent_bin, tmp: Path, free_port, replicas: list[dict], extra: str = "",
-                 name: str = "agent", feed_extra: str = "", zmq_extra: str = "", launch: list | None = None,
-                 env: dict | None = None):
-        self.procs, self.agent_bin, self.free_port, self.name = procs, agent_bin, free_port, name
-        self.launch, self.env = launch, env
-        self.body = [f'[zmq]\nreplay_timeout_ms = 2000\n{zmq_extra}', extra]
-        if "[load]" not in extra:
-            self.body.append("[load]\nenabled = false\n")
-        if "[hash]" not in extra:
-            self.body.append('[hash]\nalgo = "sha256_cbor"\nseed = "0"\n')
-        for r in replicas:
-            self.body.append("[[replicas]]\n")
-            for k, v in r.items():
-                self.body.append(f"{k} = {json.dumps(v)}\n")
-        self.feed_extra = feed_extra
-        self.config = tmp / f"{name}.toml"
-        self.attempts = 0
-        self._start()
-
-    def _start(self):
-        """Writes the config with fresh loopback ports and starts the agent."""
-        self.attempts += 1
-        self.http = self.free_port()
-        self.feed = self.free_port()
-        head = [f'[feed]\nlisten = "127.0.0.1:{self.feed}"\n{self.feed_extra}', f'[http]\nlisten = "127.0.0.1:{self.http}"\n']
-        self.config.write_text("".join(head + self.body))
-        cmd = ([self.agent_bin, "launch", "--config", self.config, *self.launch] if self.launch
-               else [self.agent_bin, "run", "--config", self.config])
-        self.proc = self.procs.start(cmd, f"{self.name}-{self.attempts}", **({"env": self.env} if self.env else {}))
-        self.log_path = self.proc.log_path
-
-    def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}{path}", timeout=5) as r:
-            return r.read()
-
-    def replicas(self) -> list[dict]:
-        return json.loads(self.get("/debug/replicas"))["replicas"]
-
-    def replica(self, name: str, rank: int = 0) -> dict:
-        return next(r for r in self.replicas() if r["replica"] == name and r["dp_rank"] == rank)
-
-    def metrics(self) -> str:
-        return self.get("/metrics").decode()
-
-    def log(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 30.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                # A port picked as free was taken in the meantime by another process: retry.
-                if "Address already in use" in self.log() and self.attempts < 4:
-                    self._start()
-                    continue
-                raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.get("/healthz").strip() == b"ok" and self.proc.poll() is None:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"agent not ready:\n{self.log()}")
-
-    def wait_for(self, name: str, cond, what: str, timeout: float = 20.0, rank: int = 0) -> dict:
-        """Polls /debug/replicas until cond(replica) holds; returns that replica's entry."""
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            last = self.replica(name, rank)
-            if cond(last):
-                return last
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(last)[:3000]}\n{self.log()[-4000:]}")
-
-
-def newest_agent_bin() -> Path:
-    """The most recently built llmgw-agent (release or debug), so a stale build is never tested."""
-    found = [p for p in (ROOT / "target" / prof / "llmgw-agent" for prof in ("release", "debug")) if p.exists()]
-    if not found:
-        raise FileNotFoundError("llmgw-agent not built (run ./build.sh build)")
-    return max(found, key=lambda p: p.stat().st_mtime)
-
-
-def feed_proto(out_dir: Path):
-    """Python messages and gRPC stubs generated from proto/llmgw/feed/v1/feed.proto."""
-    import importlib
-    import sys
-
-    import grpc_tools
-    from grpc_tools import protoc
-
-    if "llmgw.feed.v1.feed_pb2_grpc" not in sys.modules:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        include = Path(grpc_tools.__file__).parent / "_proto"
-        proto_dir = ROOT / "proto"
-        rc = protoc.main(["protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out_dir}",
-                          f"--grpc_python_out={out_dir}", str(proto_dir / "llmgw/feed/v1/feed.proto")])
-        assert rc == 0, "protoc failed"
-        for d in (out_dir / "llmgw", out_dir / "llmgw/feed", out_dir / "llmgw/feed/v1"):
-            (d / "__init__.py").touch()
-        sys.path.insert(0, str(out_dir))
-    return importlib.import_module("llmgw.feed.v1.feed_pb2"), importlib.import_module("llmgw.feed.v1.feed_pb2_grpc")
-
-
-class FeedSubscriber:
-    """Subscribes to the agent's feed in a thread and keeps what a filter would know."""
-
-    def __init__(self, pb, pb_grpc, port: int, name: str, token: str = ""):
-        import grpc
-
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = pb_grpc.FeedStub(self.channel)
-        self.call = stub.Subscribe(pb.SubscribeRequest(subscriber=name, token=token))
-        self.lock = threading.Lock()
-        self.messages = []
-        self.error = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            for m in self.call:
-                with self.lock:
-                    self.messages.append(m)
-        except Exception as e:  # cancelled at close, or an RPC error the test inspects
-            self.error = e
-
-    def state(self):
-        """(seqs, replicas {id: (name, rank, up)}, blocks {id: set}, synced, loads {id: running})."""
-        with self.lock:
-            msgs = list(self.messages)
-        replicas, blocks, loads, synced = {}, {}, {}, False
-        for m in msgs:
-            kind = m.WhichOneof("body")
-            if kind == "replicas":
-                replicas = {r.id: (r.name, r.dp_rank, r.up) for r in m.replicas.replicas}
-                blocks = {k: v for k, v in blocks.items() if k in replicas}
-            elif kind == "snapshot":
-                if m.snapshot.first:
-                    blocks[m.snapshot.replica] = set()
-                blocks.setdefault(m.snapshot.replica, set()).update(m.snapshot.blocks)
-            elif kind == "snapshot_complete":
-                synced = True
-            elif kind == "delta":
-                b = blocks.setdefault(m.delta.replica, set())
-                b.difference_update(m.delta.removed)
-                b.update(m.delta.added)
-            elif kind == "reset":
-                blocks[m.reset.replica] = set()
-            elif kind == "load":
-                for l in m.load.loads:
-                    loads[l.replica] = l.running
-        return [m.seq for m in msgs], replicas, blocks, synced, loads, [m.WhichOneof("body") for m in msgs]
-
-    def close(self):
-        self.call.cancel()
-        self.thread.join(timeout=5)
-        self.channel.close()

@@ -5,27 +5,20 @@ end with exactly the blocks the agent reports in /debug/replicas, with gap-free 
 import random
 import time
 
-import pytest
-
-from agent_support import Agent, FeedSubscriber, Publisher, cleared, feed_proto, newest_agent_bin, removed, stored
-from conftest import free_port
-
-
-@pytest.fixture(scope="session")
-def agent_bin():
-    return newest_agent_bin()
+from agent_support import Publisher, cleared, removed, stored
+from llmgw_testkit import free_port
+from llmgw_testkit.feed import FeedSubscriber, load_feed_proto
 
 
-def test_agent_feed_early_and_late_subscribers_match_agent_state(procs, agent_bin, tmp_path):
-    pb, pb_grpc = feed_proto(tmp_path / "gen")
+def test_agent_feed_early_and_late_subscribers_match_agent_state(start_agent, tmp_path):
+    pb, pb_grpc = load_feed_proto(tmp_path / "gen")
     ports = [free_port(), free_port()]
     pubs = [Publisher(f"tcp://127.0.0.1:{p}", bind=True) for p in ports]
     subs = []
     try:
-        agent = Agent(procs, agent_bin, tmp_path, free_port, [
+        agent = start_agent([
             {"name": f"r{i}", "address": f"127.0.0.1:{18000 + i}", "models": ["m"],
              "endpoint": f"tcp://127.0.0.1:{p}"} for i, p in enumerate(ports)])
-        agent.wait_ready()
         for p in pubs:
             p.wait_subscribed()
         subs.append(FeedSubscriber(pb, pb_grpc, agent.feed, "early"))
@@ -65,8 +58,8 @@ def test_agent_feed_early_and_late_subscribers_match_agent_state(procs, agent_bi
             p.close()
 
 
-def test_agent_feed_rejects_a_wrong_token(procs, agent_bin, tmp_path):
-    pb, pb_grpc = feed_proto(tmp_path / "gen")
+def test_agent_feed_rejects_a_wrong_token(start_agent, tmp_path):
+    pb, pb_grpc = load_feed_proto(tmp_path / "gen")
     import grpc
 
     port = free_port()
@@ -74,10 +67,9 @@ def test_agent_feed_rejects_a_wrong_token(procs, agent_bin, tmp_path):
     subs = []
     try:
         # A token-protected feed (bound to loopback here; off loopback the token is mandatory).
-        agent = Agent(procs, agent_bin, tmp_path, free_port, [
+        agent = start_agent([
             {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}"}],
-            feed_extra='token = "sesame"\n')
-        agent.wait_ready()
+            feed={"token": "sesame"})
         bad = FeedSubscriber(pb, pb_grpc, agent.feed, "intruder", token="wrong")
         subs.append(bad)
         bad.thread.join(timeout=10)

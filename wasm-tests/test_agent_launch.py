@@ -9,10 +9,7 @@ import signal
 import sys
 import time
 
-import pytest
-
-from agent_support import Agent, newest_agent_bin
-from conftest import free_port
+from llmgw_testkit import free_port
 
 FAKE_VLLM = r'''
 import json, os, signal, sys, time
@@ -48,27 +45,21 @@ while True:
 '''
 
 
-@pytest.fixture(scope="session")
-def agent_bin():
-    return newest_agent_bin()
-
-
 def records(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_agent_launch_sets_flags_restarts_and_forwards_sigterm(procs, agent_bin, tmp_path):
+def test_agent_launch_sets_flags_restarts_and_forwards_sigterm(start_agent, tmp_path):
     fake = tmp_path / "fake_vllm.py"
     fake.write_text(FAKE_VLLM)
     out = tmp_path / "fake_vllm.jsonl"
     out.write_text("")
     port = free_port()
-    agent = Agent(procs, agent_bin, tmp_path, free_port, [
+    agent = start_agent([
         {"name": "local", "address": "127.0.0.1:18000", "models": ["m"], "mode": "bind",
          "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv-events"}],
         launch=["--stop-timeout-secs", "10", "--", sys.executable, fake, "serve", "m"],
         env=dict(os.environ, FAKE_VLLM_OUT=str(out)))
-    agent.wait_ready()
 
     r = agent.wait_for("local", lambda r: r["block_keys"] == [100, 101, 102], "first generation")
     first = records(out)[0]

@@ -8,13 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agent_support import Agent, Publisher, newest_agent_bin, stored
-from conftest import free_port
-
-
-@pytest.fixture(scope="session")
-def agent_bin():
-    return newest_agent_bin()
+from agent_support import Publisher, stored
+from llmgw_testkit import free_port
 
 
 class MetricsServer:
@@ -52,15 +47,14 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def test_agent_scrapes_load_and_marks_unreachable_replica_down_then_up_clean(procs, agent_bin, tmp_path):
+def test_agent_scrapes_load_and_marks_unreachable_replica_down_then_up_clean(start_agent):
     http_port, zport = free_port(), free_port()
     metrics = MetricsServer(http_port, running=3, waiting=2, usage=0.25)
     pub = Publisher(f"tcp://127.0.0.1:{zport}", bind=True)
     try:
-        agent = Agent(procs, agent_bin, tmp_path, free_port, [
+        agent = start_agent([
             {"name": "r0", "address": f"127.0.0.1:{http_port}", "endpoint": f"tcp://127.0.0.1:{zport}"}],
-            extra="[load]\nenabled = true\ninterval_ms = 100\ndown_after_ms = 1000\ntimeout_ms = 300\n")
-        agent.wait_ready()
+            load={"enabled": True, "interval_ms": 100, "down_after_ms": 1000, "timeout_ms": 300})
         pub.wait_subscribed()
         pub.send(0, stored([1, 2, 3]))
         r = agent.wait_for("r0", lambda r: r["blocks"] == 3 and r["load"] is not None, "blocks and load")
@@ -88,7 +82,7 @@ def test_agent_scrapes_load_and_marks_unreachable_replica_down_then_up_clean(pro
         metrics.stop()
 
 
-def test_agent_dp_ranks_are_separate_engines_on_offset_ports(procs, agent_bin, tmp_path):
+def test_agent_dp_ranks_are_separate_engines_on_offset_ports(start_agent):
     # Two consecutive free ports for ranks 0 and 1 (vLLM adds the rank to the port).
     for _ in range(20):
         base = free_port()
@@ -101,9 +95,8 @@ def test_agent_dp_ranks_are_separate_engines_on_offset_ports(procs, agent_bin, t
     else:
         pytest.fail("no two consecutive free ports")
     try:
-        agent = Agent(procs, agent_bin, tmp_path, free_port, [
+        agent = start_agent([
             {"name": "dp", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{base}", "dp_ranks": 2}])
-        agent.wait_ready()
         p0.wait_subscribed()
         p1.wait_subscribed()
         p0.send(0, stored([10, 11], rank=0))
@@ -119,7 +112,7 @@ def test_agent_dp_ranks_are_separate_engines_on_offset_ports(procs, agent_bin, t
         p1.close()
 
 
-def test_agent_discovers_replica_by_dns_and_kv_event_sources(procs, agent_bin, tmp_path):
+def test_agent_discovers_replica_by_dns_and_kv_event_sources(start_agent):
     """A DNS name (here `localhost`) is resolved; each address's GET /kv_event_sources gives the
     per-rank publishers (vLLM bound them on loopback with the IPv4-mapped form)."""
     import json as _json
@@ -134,11 +127,9 @@ def test_agent_discovers_replica_by_dns_and_kv_event_sources(procs, agent_bin, t
                for rank, port in enumerate(ports)}
     server = MetricsServer(http_port, running=2, waiting=1, usage=0.5, extra={"/kv_event_sources": _json.dumps(sources)})
     try:
-        agent = Agent(procs, agent_bin, tmp_path, free_port, [],
-                      extra=("[load]\nenabled = true\ninterval_ms = 100\n"
-                             f'[[discovery]]\nname = "pool"\ndns = "localhost"\nport = {http_port}\n'
-                             'models = ["m"]\nrefresh_ms = 200\n'))
-        agent.wait_ready()
+        agent = start_agent([], load={"enabled": True, "interval_ms": 100},
+                            discovery=[{"name": "pool", "dns": "localhost", "port": http_port, "models": ["m"],
+                                        "refresh_ms": 200}])
         p0.wait_subscribed()
         p1.wait_subscribed()
         p0.send(0, stored([1, 2]))

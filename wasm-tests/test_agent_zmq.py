@@ -6,23 +6,12 @@ import re
 
 import pytest
 
-from agent_support import Agent, Model, Publisher, capture, cleared, newest_agent_bin, removed, stored
-from conftest import free_port
-
-
-@pytest.fixture(scope="session")
-def agent_bin():
-    return newest_agent_bin()
+from agent_support import Model, Publisher, capture, cleared, removed, stored
+from llmgw_testkit import free_port
 
 
 def seq_is(n):
     return lambda r: r["last_seq"] == n
-
-
-def start_agent(procs, agent_bin, tmp_path, replicas, **kw):
-    a = Agent(procs, agent_bin, tmp_path, free_port, replicas, **kw)
-    a.wait_ready()
-    return a
 
 
 @pytest.fixture
@@ -41,9 +30,9 @@ def replica_of(pub, name="r0"):
 
 
 @pytest.mark.parametrize("encoding", ["batches_native_seed0.jsonl", "batches_legacy_seed0.jsonl"])
-def test_agent_bind_mode_real_capture_gives_exact_blocks_then_clear(procs, agent_bin, tmp_path, encoding):
+def test_agent_bind_mode_real_capture_gives_exact_blocks_then_clear(start_agent, encoding):
     port = free_port()
-    agent = start_agent(procs, agent_bin, tmp_path, [
+    agent = start_agent([
         {"name": "r0", "address": "127.0.0.1:18000", "models": ["m"], "mode": "bind",
          "endpoint": f"tcp://127.0.0.1:{port}"}])
     # vLLM given a concrete address connects its PUB to the agent.
@@ -76,12 +65,12 @@ def test_agent_bind_mode_real_capture_gives_exact_blocks_then_clear(procs, agent
         pub.close()
 
 
-def test_agent_connect_mode_publisher_binds_loopback(procs, agent_bin, tmp_path):
+def test_agent_connect_mode_publisher_binds_loopback(start_agent):
     port = free_port()
     # vLLM started with tcp://[::ffff:127.0.0.1]:PORT binds 127.0.0.1 only; the agent connects.
     pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, topic=b"kv-events")
     try:
-        agent = start_agent(procs, agent_bin, tmp_path, [
+        agent = start_agent([
             {"name": "r0", "address": "127.0.0.1:18000", "mode": "connect", "topic": "kv-events",
              "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}"}])
         pub.wait_subscribed()
@@ -97,12 +86,12 @@ def test_agent_connect_mode_publisher_binds_loopback(procs, agent_bin, tmp_path)
 
 
 @pytest.mark.parametrize("legacy_replay", [False, True], ids=["replay-0.29+", "replay-pre-0.29"])
-def test_agent_gap_is_repaired_by_replay_to_the_exact_state(procs, agent_bin, tmp_path, legacy_replay):
+def test_agent_gap_is_repaired_by_replay_to_the_exact_state(start_agent, legacy_replay):
     port, rport = free_port(), free_port()
     pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}",
                     legacy_replay=legacy_replay)
     try:
-        agent = start_agent(procs, agent_bin, tmp_path, [
+        agent = start_agent([
             {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}",
              "replay_endpoint": f"tcp://127.0.0.1:{rport}"}])
         pub.wait_subscribed()
@@ -122,9 +111,9 @@ def test_agent_gap_is_repaired_by_replay_to_the_exact_state(procs, agent_bin, tm
         pub.close()
 
 
-def test_agent_gap_without_replay_resets_and_counts(procs, agent_bin, tmp_path, bound_pub):
+def test_agent_gap_without_replay_resets_and_counts(start_agent, bound_pub):
     pub = bound_pub
-    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub))
+    agent = start_agent(replica_of(pub))
     pub.wait_subscribed()
     for s in range(5):
         pub.send(s, stored([100 + s]))
@@ -143,9 +132,9 @@ def test_agent_gap_without_replay_resets_and_counts(procs, agent_bin, tmp_path, 
     assert 'llmgw_agent_resets_total{replica="r0",dp_rank="0",reason="gap_unrepaired"} 1' in m
 
 
-def test_agent_sequence_regression_resets(procs, agent_bin, tmp_path, bound_pub):
+def test_agent_sequence_regression_resets(start_agent, bound_pub):
     pub = bound_pub
-    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub))
+    agent = start_agent(replica_of(pub))
     pub.wait_subscribed()
     for s in range(6):
         pub.send(s, stored([10 + s]))
@@ -157,9 +146,9 @@ def test_agent_sequence_regression_resets(procs, agent_bin, tmp_path, bound_pub)
     assert r["gaps"] == 0
 
 
-def test_agent_publisher_restart_in_bind_mode_starts_clean(procs, agent_bin, tmp_path):
+def test_agent_publisher_restart_in_bind_mode_starts_clean(start_agent):
     port = free_port()
-    agent = start_agent(procs, agent_bin, tmp_path, [
+    agent = start_agent([
         {"name": "r0", "address": "127.0.0.1:18000", "mode": "bind", "endpoint": f"tcp://127.0.0.1:{port}"}])
     pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
     try:
@@ -184,7 +173,7 @@ def test_agent_publisher_restart_in_bind_mode_starts_clean(procs, agent_bin, tmp
         pub.close()
 
 
-def test_agent_late_start_catches_up_through_replay(procs, agent_bin, tmp_path):
+def test_agent_late_start_catches_up_through_replay(start_agent):
     port, rport = free_port(), free_port()
     pub = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{rport}")
     try:
@@ -194,7 +183,7 @@ def test_agent_late_start_catches_up_through_replay(procs, agent_bin, tmp_path):
         for seq, payload, events in batches[:10]:
             pub.send(seq, payload)
             model.apply(events)
-        agent = start_agent(procs, agent_bin, tmp_path, [
+        agent = start_agent([
             {"name": "r0", "address": "127.0.0.1:18000", "endpoint": f"tcp://127.0.0.1:{port}",
              "replay_endpoint": f"tcp://127.0.0.1:{rport}"}])
         pub.wait_subscribed()
@@ -209,9 +198,9 @@ def test_agent_late_start_catches_up_through_replay(procs, agent_bin, tmp_path):
         pub.close()
 
 
-def test_agent_malformed_payload_is_counted_and_skipped(procs, agent_bin, tmp_path, bound_pub):
+def test_agent_malformed_payload_is_counted_and_skipped(start_agent, bound_pub):
     pub = bound_pub
-    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub))
+    agent = start_agent(replica_of(pub))
     pub.wait_subscribed()
     pub.send(0, stored([1, 2]))
     pub.send(1, b"\xc1\xff\x00not msgpack")
@@ -228,11 +217,11 @@ def test_agent_malformed_payload_is_counted_and_skipped(procs, agent_bin, tmp_pa
     assert re.search(r'llmgw_agent_events_skipped_total\{replica="r0",dp_rank="0",reason="malformed"\} 1', agent.metrics())
 
 
-def test_agent_parity_mismatch_is_reported_with_cause(procs, agent_bin, tmp_path, bound_pub):
+def test_agent_parity_mismatch_is_reported_with_cause(start_agent, bound_pub):
     pub = bound_pub
     # The capture was produced with PYTHONHASHSEED=0; the agent expects seed 1.
-    agent = start_agent(procs, agent_bin, tmp_path, replica_of(pub, "wrong-seed"),
-                        extra='[hash]\nalgo = "sha256_cbor"\nseed = "1"\n')
+    agent = start_agent(replica_of(pub, "wrong-seed"),
+                        hash={"algo": "sha256_cbor", "seed": "1"})
     pub.wait_subscribed()
     for seq, payload, _ in capture()[:-1]:
         pub.send(seq, payload)
@@ -248,15 +237,15 @@ def test_agent_parity_mismatch_is_reported_with_cause(procs, agent_bin, tmp_path
     assert "wrong-seed" in line and "hash-algo" in line
 
 
-def test_agent_connect_mode_restart_whose_seq_passed_the_old_one_is_rebuilt_by_replay(procs, agent_bin, tmp_path):
+def test_agent_connect_mode_restart_whose_seq_passed_the_old_one_is_rebuilt_by_replay(start_agent):
     port, rport = free_port(), free_port()
     ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
     pub = Publisher(ep, bind=True, replay_endpoint=rep)
     try:
         # Without the replay check on reconnect (the default), the reconnect itself resets.
-        agent = start_agent(procs, agent_bin, tmp_path, [
+        agent = start_agent([
             {"name": "r0", "address": "127.0.0.1:18000", "endpoint": ep, "replay_endpoint": rep}],
-            zmq_extra="verify_on_reconnect = false\n")
+            zmq={"verify_on_reconnect": False})
         pub.wait_subscribed()
         for s in range(5):
             pub.send(s, stored([1000 + s]))
@@ -281,11 +270,11 @@ def test_agent_connect_mode_restart_whose_seq_passed_the_old_one_is_rebuilt_by_r
         pub.close()
 
 
-def test_agent_replica_without_publisher_goes_down_and_comes_back_clean(procs, agent_bin, tmp_path):
+def test_agent_replica_without_publisher_goes_down_and_comes_back_clean(start_agent):
     port = free_port()
-    agent = start_agent(procs, agent_bin, tmp_path, [
+    agent = start_agent([
         {"name": "r0", "address": "127.0.0.1:18000", "mode": "bind", "endpoint": f"tcp://127.0.0.1:{port}"}],
-        zmq_extra="down_after_disconnect_ms = 500\n")
+        zmq={"down_after_disconnect_ms": 500})
     pub = Publisher(f"tcp://127.0.0.1:{port}", bind=False)
     try:
         pub.wait_subscribed()
@@ -307,12 +296,12 @@ def test_agent_replica_without_publisher_goes_down_and_comes_back_clean(procs, a
         pub.close()
 
 
-def test_agent_verified_reconnect_drops_a_restarted_engine_at_once_and_keeps_the_same_one(procs, agent_bin, tmp_path):
+def test_agent_verified_reconnect_drops_a_restarted_engine_at_once_and_keeps_the_same_one(start_agent):
     port, rport = free_port(), free_port()
     ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
-    agent = start_agent(procs, agent_bin, tmp_path, [
+    agent = start_agent([
         {"name": "r0", "address": "127.0.0.1:18000", "mode": "bind", "endpoint": ep, "replay_endpoint": rep}],
-        zmq_extra="verify_on_reconnect = true\n")
+        zmq={"verify_on_reconnect": True})
     a = Publisher(ep, bind=False, replay_endpoint=rep)
     try:
         a.wait_subscribed()

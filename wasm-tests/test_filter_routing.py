@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from conftest import free_port, wait_port
-from filter_support import (FeedStub, Replica, block_keys, chat_tokens, completion_tokens, envoy_config, http,
-                            load_feed_proto, metric, wait_ready, wait_until)
+from filter_support import Replica, chat_tokens, completion_tokens
+from llmgw_testkit import EnvoyAdmin, free_port, request, shipped_config, start_envoy, wait_until
+from llmgw_testkit.feed import FeedStub, load_feed_proto
+from llmgw_testkit.vllm_hash import block_keys
 
 MODEL = "m1"
 BLOCK = 4
@@ -32,16 +33,16 @@ class Gateway:
         self.replicas = replicas
         self.feed = feed
         path = tmp_path / "envoy.yaml"
-        path.write_text(envoy_config(wasm_path, self.listen, self.admin, feed.port, cfg))
-        self.proc = procs.start([envoy_bin, "-c", path, "--concurrency", concurrency, "--disable-hot-restart",
-                                 "--log-level", "info"], "envoy")
-        wait_port(self.admin)
-        wait_ready(self.admin)
+        # Stats flushed every 0.2 s: histograms reach /stats/prometheus on a flush.
+        path.write_text(shipped_config(wasm_path, self.listen, self.admin, feed.port, cfg, stats_flush_interval="0.2s"))
+        self.proc = start_envoy(procs, envoy_bin, path, concurrency=concurrency, log_level="info")
+        self.envoy = EnvoyAdmin(self.admin)
+        self.envoy.wait_ready(proc=self.proc)
         # Every VM that ticks (one per worker and the main thread's) subscribes and applies the
         # snapshot before traffic starts.
         per_sub = len(feed.initial_messages())
         wait_until(lambda: feed.snapshots_sent >= concurrency + 1
-                   and metric(self.admin, "llmgw_feed_messages_total") >= feed.snapshots_sent * per_sub,
+                   and self.envoy.metric("llmgw_feed_messages_total") >= feed.snapshots_sent * per_sub,
                    what="feed snapshot applied by every VM")
 
     def assert_no_panic(self):
@@ -52,7 +53,7 @@ class Gateway:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         h = {"content-type": "application/json", "connection": "close"}
         h.update(headers or {})
-        return http("POST", f"http://127.0.0.1:{self.listen}{path}", data, h)
+        return request("POST", f"http://127.0.0.1:{self.listen}{path}", data, h)
 
     def served_by(self, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
         status, hdrs, raw = self.post(path, body, headers)
@@ -128,10 +129,10 @@ def test_filter_exact_routing_to_the_replica_holding_the_prefix(procs, envoy_bin
         assert port == fleet[1].port
         assert sum(len(r.tokenize_calls) for r in fleet) == before
 
-        assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="exact"') >= 5
-        wait_until(lambda: metric(gw.admin, "llmgw_matched_blocks_count") >= 5
-                   and metric(gw.admin, "llmgw_decision_us_count") >= 5
-                   and metric(gw.admin, "llmgw_tokenizer_latency_us_count") >= 3, timeout=5, what="histograms")
+        assert gw.envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"') >= 5
+        wait_until(lambda: gw.envoy.metric("llmgw_matched_blocks_count") >= 5
+                   and gw.envoy.metric("llmgw_decision_us_count") >= 5
+                   and gw.envoy.metric("llmgw_tokenizer_latency_us_count") >= 3, timeout=5, what="histograms")
         gw.assert_no_panic()
     finally:
         feed.stop()
@@ -157,14 +158,14 @@ def test_filter_tokenization_cache_skips_the_call_for_a_prompt_seen_before(procs
         assert hdrs["x-llmgw-decision"].startswith(f"outcome=exact; replica={fleet[2].address}; "
                                                    f"matched={len(chat)}/{len(chat)}"), hdrs
         assert tokenize_count(fleet) == 1
-        wait_until(lambda: metric(gw.admin, "llmgw_tokenizer_cache_total", 'result="hit"') == 1
-                   and metric(gw.admin, "llmgw_tokenizer_cache_total", 'result="miss"') == 1, timeout=5,
+        wait_until(lambda: gw.envoy.metric("llmgw_tokenizer_cache_total", 'result="hit"') == 1
+                   and gw.envoy.metric("llmgw_tokenizer_cache_total", 'result="miss"') == 1, timeout=5,
                    what="cache counters")
         # The byte-identical body again: resolved from the cache without being parsed.
         port, hdrs = gw.served_by("/v1/chat/completions", dict(body, max_tokens=9, stream=True))
         assert port == fleet[2].port and hdrs["x-llmgw-decision"].startswith("outcome=exact"), hdrs
         assert tokenize_count(fleet) == 1
-        wait_until(lambda: metric(gw.admin, "llmgw_tokenizer_cache_total", 'result="hit"') == 2, timeout=5,
+        wait_until(lambda: gw.envoy.metric("llmgw_tokenizer_cache_total", 'result="hit"') == 2, timeout=5,
                    what="second hit")
         # Anything that changes the tokens or the hashes is a different entry: another message,
         # tools, a cache salt.
@@ -219,9 +220,9 @@ def test_filter_tokenizer_down_falls_back_to_approx(procs, envoy_bin, wasm_path,
         # The approximate choice is consistent across requests and across the two workers.
         assert len(vms) == 2, vms
         assert len(ports) == 1
-        assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="approx"') >= 6
-        assert metric(gw.admin, "llmgw_tokenizer_failures_total", 'reason="status"') >= 6
-        assert metric(gw.admin, "llmgw_fallbacks_total", 'reason="tokenizer"') >= 6
+        assert gw.envoy.metric("llmgw_prefix_decisions_total", 'outcome="approx"') >= 6
+        assert gw.envoy.metric("llmgw_tokenizer_failures_total", 'reason="status"') >= 6
+        assert gw.envoy.metric("llmgw_fallbacks_total", 'reason="tokenizer"') >= 6
         gw.assert_no_panic()
     finally:
         feed.stop()
@@ -233,7 +234,7 @@ def test_filter_routes_non_json_and_large_bodies(procs, envoy_bin, wasm_path, tm
         gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
         port, hdrs = gw.served_by("/v1/completions", b"this is not json", {"content-type": "text/plain"})
         assert port in {r.port for r in fleet}
-        assert metric(gw.admin, "llmgw_fallbacks_total", 'reason="unparseable"') >= 1
+        assert gw.envoy.metric("llmgw_fallbacks_total", 'reason="unparseable"') >= 1
 
         big = {"model": MODEL, "prompt": "x" * (8 * 1024 * 1024), "stream": True}
         port, hdrs = gw.served_by("/v1/completions", big)
@@ -242,7 +243,7 @@ def test_filter_routes_non_json_and_large_bodies(procs, envoy_bin, wasm_path, tm
         assert landed.requests[-1]["size"] > 8 * 1024 * 1024
 
         # No body at all (GET): routed by load.
-        status, _, raw = http("GET", f"http://127.0.0.1:{gw.listen}/v1/models")
+        status, _, raw = request("GET", f"http://127.0.0.1:{gw.listen}/v1/models")
         assert status == 200 and json.loads(raw)["port"] in {r.port for r in fleet}
         gw.assert_no_panic()
     finally:
@@ -258,7 +259,7 @@ def test_filter_no_healthy_replica_is_a_503_with_json(procs, envoy_bin, wasm_pat
         assert hdrs.get("content-type") == "application/json"
         err = json.loads(raw)["error"]
         assert "no healthy replica" in err["message"] and MODEL in err["message"]
-        assert metric(gw.admin, "llmgw_prefix_decisions_total", 'outcome="no_replica"') >= 1
+        assert gw.envoy.metric("llmgw_prefix_decisions_total", 'outcome="no_replica"') >= 1
         assert not any(r.requests for r in fleet)
         gw.assert_no_panic()
     finally:
@@ -284,9 +285,9 @@ def test_filter_load_overrides_prefix_and_survives_agent_restart(procs, envoy_bi
                    what="load recovered")
 
         # The agent goes away: routing continues from the last index.
-        connects = metric(gw.admin, "llmgw_feed_connects_total")
+        connects = gw.envoy.metric("llmgw_feed_connects_total")
         feed.stop()
-        wait_until(lambda: metric(gw.admin, "llmgw_feed_disconnects_total") >= 3, what="feed disconnects")
+        wait_until(lambda: gw.envoy.metric("llmgw_feed_disconnects_total") >= 3, what="feed disconnects")
         port, hdrs = gw.served_by("/v1/completions", req)
         assert port == fleet[1].port and hdrs["x-llmgw-decision"].startswith("outcome=exact"), hdrs
 
@@ -294,11 +295,11 @@ def test_filter_load_overrides_prefix_and_survives_agent_restart(procs, envoy_bi
         # resyncs from the new snapshot.
         pb_, pb_grpc = feed_pb
         feed = FeedStub(pb_, pb_grpc, feed.port, table(fleet), {2: comp})
-        wait_until(lambda: metric(gw.admin, "llmgw_feed_connects_total") >= connects + 3, timeout=30,
+        wait_until(lambda: gw.envoy.metric("llmgw_feed_connects_total") >= connects + 3, timeout=30,
                    what="feed reconnects")
         wait_until(lambda: gw.served_by("/v1/completions", req)[0] == fleet[2].port, timeout=5,
                    what="resynced index")
-        wait_until(lambda: metric(gw.admin, "llmgw_feed_connected") >= 3, timeout=5, what="feed_connected gauges")
+        wait_until(lambda: gw.envoy.metric("llmgw_feed_connected") >= 3, timeout=5, what="feed_connected gauges")
         gw.assert_no_panic()
     finally:
         feed.stop()
@@ -312,7 +313,7 @@ def test_filter_tokenizer_timeout_is_a_fallback(procs, envoy_bin, wasm_path, tmp
         gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(tokenizer_timeout_ms=200))
         port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT})
         assert hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
-        assert metric(gw.admin, "llmgw_tokenizer_failures_total", 'reason="timeout"') >= 1
+        assert gw.envoy.metric("llmgw_tokenizer_failures_total", 'reason="timeout"') >= 1
         gw.assert_no_panic()
     finally:
         feed.stop()

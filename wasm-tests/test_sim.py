@@ -6,33 +6,14 @@ import json
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-from conftest import ROOT, free_port, wait_port
-
-
-def sim_bin() -> Path:
-    for profile in ("release", "debug"):
-        p = ROOT / "target" / profile / "llmgw-sim"
-        if p.exists():
-            return p
-    raise FileNotFoundError("llmgw-sim not built (cargo build --release -p llmgw-sim)")
-
-
-def post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=20) as r:
-        data = r.read()
-        return json.loads(data) if data else None
-
-
-def get(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
+from llmgw_testkit import free_port, wait_port
+from llmgw_testkit import get_text as get
+from llmgw_testkit import post_json as post
 
 
 def recv_batches(sub, want_blocks, timeout=10.0):
@@ -51,9 +32,9 @@ def recv_batches(sub, want_blocks, timeout=10.0):
 
 
 @pytest.fixture
-def sim(procs, tmp_path):
+def sim(procs, sim_bin):
     port, kv, replay = free_port(), free_port(), free_port()
-    p = procs.start([sim_bin(), "--port", port, "--name", "r0", "--model", "m", "--blocks", "64",
+    p = procs.start([sim_bin, "--port", port, "--name", "r0", "--model", "m", "--blocks", "64",
                      "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{kv}",
                      "--replay-endpoint", f"tcp://127.0.0.1:{replay}", "--decode-ms", "1"], "sim")
     wait_port(port)

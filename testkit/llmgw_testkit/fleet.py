@@ -1,0 +1,157 @@
+"""A fleet of simulated vLLM replicas (llmgw-sim) and the chat-session runner the demo and the
+fleet benchmark measure routing with: prefix-cache hit rate and request shares from the
+replicas' /metrics, time to first token from the clients."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pathlib import Path
+
+from .agent import Agent, merged, sim_replica
+from .envoy import EnvoyAdmin, start_envoy
+from .http import get_text, post_json
+from .procs import free_port, wait_until
+
+
+def new_sims(n: int, **extra) -> list[dict]:
+    """n replica descriptions {"name": "rI", "port", "kv", "replay", **extra} on free loopback ports."""
+    return [{"name": f"r{i}", "port": free_port(), "kv": free_port(), "replay": free_port(), **extra}
+            for i in range(n)]
+
+
+def sim_command(sim_bin, sim: dict, model: str, host: str = "127.0.0.1", **flags) -> list:
+    """llmgw-sim's command line for `sim`: its HTTP port and name, its publisher and replay
+    socket at tcp://HOST:kv and tcp://HOST:replay, then `flags` as --flag-name value."""
+    cmd = [sim_bin, "--port", sim["port"], "--name", sim["name"], "--model", model,
+           "--kv-endpoint", f"tcp://{host}:{sim['kv']}", "--replay-endpoint", f"tcp://{host}:{sim['replay']}"]
+    for k, v in flags.items():
+        cmd += [f"--{k.replace('_', '-')}", v]
+    return cmd
+
+
+def wait_sims(sims: list[dict], timeout: float = 20.0) -> None:
+    for s in sims:
+        wait_until(lambda s=s: get_text(f"http://127.0.0.1:{s['port']}/health") == "", timeout, f"replica {s['name']}")
+
+
+def restart_sims(sims: list[dict]) -> None:
+    """Empties every replica's cache (a new engine: its publisher starts again at sequence 0)."""
+    for s in sims:
+        post_json(f"http://127.0.0.1:{s['port']}/sim/restart")
+
+
+def fleet_agent(procs, agent_bin, workdir: Path, sims: list[dict], model: str, name: str = "agent",
+                **sections) -> Agent:
+    """A started, ready agent mirroring `sims` (sha256_cbor, seed "0", blocks of 16; a reconnecting
+    publisher is checked through its replay socket, so a restarted engine's blocks leave at once);
+    `sections` add to or override that configuration."""
+    base = {"hash": {"algo": "sha256_cbor", "seed": "0", "block_size": 16}, "zmq": {"verify_on_reconnect": True}}
+    agent = Agent(procs, agent_bin, workdir, [sim_replica(s, model) for s in sims], name=name,
+                  **merged(base, sections))
+    return agent.wait_ready()
+
+
+def start_router(procs, envoy_bin, workdir: Path, name: str, config: str, admin: int, feed: bool,
+                 timeout: float = 30.0, feed_timeout: float = 20.0):
+    """Writes `config` to workdir/NAME.yaml, starts Envoy on it and waits until it is ready and,
+    with `feed`, until every filter VM is subscribed to the agent's feed (the replica table comes
+    from it). Returns (process, EnvoyAdmin)."""
+    path = Path(workdir) / f"{name}.yaml"
+    path.write_text(config)
+    proc = start_envoy(procs, envoy_bin, path, name)
+    api = EnvoyAdmin(admin)
+    api.wait_ready(timeout, proc=proc)
+    if feed:
+        api.wait_feed(feed_timeout)
+    return proc, api
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A replica's vllm:* series (one per name) from its /metrics."""
+    out = {}
+    for line in get_text(f"http://127.0.0.1:{port}/metrics").splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(x for x in xs if x == x)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int, width: int = 28) -> dict:
+    """Sends each session's bodies in order through `send(body) -> (ttft_s, total_s, status)`,
+    `concurrency` sessions at a time, with a progress line; returns the run's figures, read from
+    the replicas' /metrics deltas and the clients' timings. A 200 without a first data line
+    counts as an error."""
+    before = [scrape(s["port"]) for s in sims]
+    results: list[tuple[float, float, int]] = []
+    lock = threading.Lock()
+    total = sum(len(c) for c in sessions)
+    t_start = time.monotonic()
+
+    def worker(session):
+        for body in session:
+            r = send(body)
+            with lock:
+                results.append(r)
+
+    stop_progress = threading.Event()
+
+    def progress():
+        while not stop_progress.wait(0.5):
+            with lock:
+                n = len(results)
+            el = time.monotonic() - t_start
+            sys.stdout.write(f"\r  {label:<{width}} {n:>4}/{total} requests  {el:5.1f}s")
+            sys.stdout.flush()
+
+    th = threading.Thread(target=progress, daemon=True)
+    th.start()
+    with ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(worker, sessions))
+    stop_progress.set()
+    th.join()
+    elapsed = time.monotonic() - t_start
+    after = [scrape(s["port"]) for s in sims]
+    d = lambda k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]  # noqa: E731
+    q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
+    served = d("vllm:request_success_total")
+    ttfts = [r[0] for r in results if r[2] == 200 and r[0] == r[0]]
+    shares = [s / max(1, sum(served)) for s in served]
+    return {
+        "label": label,
+        "hit_rate": h / q if q else 0.0,
+        "ttft_p50": pct(ttfts, 50) * 1000,
+        "ttft_p99": pct(ttfts, 99) * 1000,
+        "ttft_mean": (sum(ttfts) / len(ttfts) * 1000) if ttfts else float("nan"),
+        "throughput": len(results) / elapsed,
+        "shares": shares,
+        "max_share_x_fair": max(shares) * len(shares) if sum(served) else float("nan"),
+        "min_share_x_fair": min(shares) * len(shares) if sum(served) else float("nan"),
+        "errors": sum(1 for r in results if r[2] != 200 or r[0] != r[0]),
+        "requests": len(results),
+        "elapsed_s": elapsed,
+    }
+
+
+def stop_on_signals(procs) -> None:
+    """On SIGINT or SIGTERM: stop every process `procs` started, say so, exit 130."""
+    def on_signal(signum, frame):
+        procs.stop_all()
+        print("\ninterrupted: every process stopped", file=sys.stderr)
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)

@@ -1,0 +1,110 @@
+"""The test kit's own pieces that need no process: the agent's TOML writer (read back with
+tomllib), the decision-header parser, the filling of the shipped Envoy bootstrap, the target
+directory lookup."""
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import llmgw_testkit as kit
+
+
+def test_agent_config_round_trips_through_a_toml_parser():
+    text = kit.agent_config(
+        7001, 7002, [{"name": 'r"0\\', "models": ["m", "ü"], "dp_ranks": 2, "up": True, "weight": 0.5,
+                      "hash": {"algo": "sha256", "seed": None, "block_size": 16}},
+                     {"name": "r1", "address": "127.0.0.1:1"}],
+        feed={"token": "t\nx"}, hash={"algo": "sha256_cbor", "seed": "0"},
+        discovery=[{"name": "pool", "dns": "localhost", "port": 3}], **{"odd key": {"a.b": 1}})
+    doc = tomllib.loads(text)
+    assert doc["feed"] == {"listen": "127.0.0.1:7001", "token": "t\nx"}
+    assert doc["http"] == {"listen": "127.0.0.1:7002"}
+    assert doc["hash"] == {"algo": "sha256_cbor", "seed": "0"}
+    assert doc["discovery"] == [{"name": "pool", "dns": "localhost", "port": 3}]
+    assert doc["odd key"] == {"a.b": 1}
+    r0, r1 = doc["replicas"]
+    assert r0 == {"name": 'r"0\\', "models": ["m", "ü"], "dp_ranks": 2, "up": True, "weight": 0.5,
+                  "hash": {"algo": "sha256", "block_size": 16}}  # None: left out
+    assert r1 == {"name": "r1", "address": "127.0.0.1:1"}
+    assert "replicas" not in tomllib.loads(kit.agent_config(1, 2, []))
+
+
+def test_agent_config_refuses_what_toml_cannot_say():
+    with pytest.raises(TypeError, match=r"replicas\.x"):
+        kit.agent_config(1, 2, [{"name": "r", "x": object()}])
+
+
+def test_merged_replaces_keys_within_sections():
+    base = {"zmq": {"replay_timeout_ms": 2000}, "load": {"enabled": False}}
+    out = kit.merged(base, {"zmq": {"verify_on_reconnect": True}, "load": {"enabled": True}, "parity": {"x": 1}})
+    assert out == {"zmq": {"replay_timeout_ms": 2000, "verify_on_reconnect": True}, "load": {"enabled": True},
+                   "parity": {"x": 1}}
+    assert base == {"zmq": {"replay_timeout_ms": 2000}, "load": {"enabled": False}}
+
+
+def test_decision_header_parser():
+    d = kit.parse_decision("outcome=exact; replica=127.0.0.1:8001; matched=3/4; vm=1")
+    assert d == ("exact", "127.0.0.1:8001", 3, 4) and d.matched == 3
+    for bad in (None, "", "outcome=exact; replica=127.0.0.1:1; matched=x/4"):
+        with pytest.raises(AssertionError, match="x-llmgw-decision"):
+            kit.parse_decision(bad)
+
+
+def test_shipped_config_fills_ports_wasm_and_filter_configuration(tmp_path):
+    cfg = kit.filter_config({"name": "t", "block_size": 4}, explain_header=True)
+    text = kit.shipped_config(tmp_path / "llmgw.wasm", 1111, 2222, 3333, cfg, stats_flush_interval="0.2s")
+    for port in (1111, 2222, 3333):
+        assert f"port_value: {port}" in text
+    for default in ("port_value: 9901", "port_value: 10000", "port_value: 9090", "filename: dist/llmgw.wasm"):
+        assert default not in text
+    assert f"filename: {(tmp_path / 'llmgw.wasm').resolve()}" in text
+    assert "\nstats_flush_interval: 0.2s\nstats_config:" in text
+    value = next(line for line in text.splitlines() if line.strip().startswith("value: \""))
+    assert json.loads(json.loads(value.split("value: ", 1)[1])) == cfg
+    assert cfg["profiles"][0]["block_size"] == 4 and cfg["profiles"][0]["hash_algo"] == "sha256_cbor"
+
+
+def test_target_dir_follows_cargo_target_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("CARGO_TARGET_DIR", str(tmp_path / "t"))
+    assert kit.target_dir() == tmp_path / "t"
+    assert kit.binary_path("llmgw-agent") == tmp_path / "t" / "release" / "llmgw-agent"
+    with pytest.raises(FileNotFoundError, match="llmgw-agent not built"):
+        kit.built("llmgw-agent")
+    (tmp_path / "t" / "debug").mkdir(parents=True)
+    (tmp_path / "t" / "debug" / "llmgw-agent").write_text("")
+    assert kit.built("llmgw-agent") == tmp_path / "t" / "debug" / "llmgw-agent"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CARGO_TARGET_DIR", "t")  # relative: to the current directory, as cargo reads it
+    assert kit.target_dir() == tmp_path / "t"
+
+
+def live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that are still running (zombies not counted: an orphan is reaped
+    by whatever init the machine has, whenever it does)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_procs_stop_the_whole_process_group(tmp_path):
+    with kit.Procs(tmp_path) as procs:
+        # A shell with a child of its own.
+        p = procs.start(["sh", "-c", "sleep 60 & echo started; wait"], "sh")
+        kit.wait_until(lambda: "started" in (tmp_path / "sh.log").read_text(), 10, "the shell")
+        assert len(live_members(p.pid)) == 2
+    assert p.poll() is not None and not procs.procs
+    assert live_members(p.pid) == []
+
+
+def test_wait_until_returns_the_value_and_names_what_timed_out():
+    assert kit.wait_until(lambda: 42, 1, "x") == 42
+    with pytest.raises(TimeoutError, match=r"waiting for the thing \(last error: boom\)"):
+        kit.wait_until(lambda: (_ for _ in ()).throw(OSError("boom")), 0.2, "the thing")
