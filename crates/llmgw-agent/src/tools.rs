@@ -3,7 +3,7 @@
 
 use clap::Args;
 use llmgw_core::event::{EventBatch, KvEvent};
-use llmgw_core::hash::{hex, BlockHasher, HashAlgo, RequestExtras};
+use llmgw_core::hash::{defaults, hex, BlockHasher, HashAlgo, RequestExtras};
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::mirror::EngineMirror;
 use llmgw_core::wire::{decode_batch, WireEvent, WireValue};
@@ -21,7 +21,7 @@ pub struct HashArgs {
     pub seed: Option<String>,
     /// Tokens per KV block.
     #[arg(long)]
-    pub block_size: usize,
+    pub block_size: u32,
     /// The request's cache_salt.
     #[arg(long)]
     pub cache_salt: Option<String>,
@@ -52,11 +52,18 @@ fn print(v: &Value) -> Result<(), String> {
     writeln!(out).map_err(|e| e.to_string())
 }
 
+/// `--block-size`, which must be at least 1.
+fn block_size(n: u32) -> Result<usize, String> {
+    match usize::try_from(n) {
+        Ok(0) => Err("--block-size must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("--block-size {n} does not fit this platform")),
+    }
+}
+
 pub fn hash(a: &HashArgs) -> Result<(), String> {
     let algo = HashAlgo::parse(&a.algo).map_err(|e| e.to_string())?;
-    if a.block_size == 0 {
-        return Err("--block-size must be at least 1".into());
-    }
+    let block_size = block_size(a.block_size)?;
     let input = read_stdin()?;
     let tokens: Vec<u32> = serde_json::from_slice(&input)
         .map_err(|e| format!("stdin must be a JSON array of token ids (0..2^32): {e}"))?;
@@ -66,7 +73,7 @@ pub fn hash(a: &HashArgs) -> Result<(), String> {
         lora: a.lora_name.clone().zip(a.lora_path.clone()),
         mm: Vec::new(),
     };
-    let blocks = hasher.hash_request(&tokens, a.block_size, &extras).map_err(|e| e.to_string())?;
+    let blocks = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
     let blocks: Vec<Value> = blocks.iter().map(|b| json!({"hash_hex": b.digest.to_hex(), "u64": b.key})).collect();
     print(&json!({ "blocks": blocks }))
 }
@@ -196,13 +203,14 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub requests: Option<PathBuf>,
     /// The engine's --prefix-caching-hash-algo, for parity checks.
-    #[arg(long, default_value = "sha256_cbor")]
+    #[arg(long, default_value = defaults::ALGO.name())]
     pub algo: String,
     /// The engine's PYTHONHASHSEED (omit when unset).
     #[arg(long)]
     pub seed: Option<String>,
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = defaults::BLOCK_SIZE)]
+    pub block_size: u32,
 }
 
 struct Request {
@@ -223,6 +231,7 @@ fn read_jsonl(path: &PathBuf) -> Result<Vec<Value>, String> {
 
 pub fn replay(a: &ReplayArgs) -> Result<(), String> {
     let algo = HashAlgo::parse(&a.algo).map_err(|e| e.to_string())?;
+    let block_size = block_size(a.block_size)?;
     let mut hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?;
     let mut mirror = EngineMirror::new(Some(BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?));
     let mut index = ReplicaIndex::new();
@@ -233,7 +242,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
                 .map_err(|e| format!("{} line {}: all_token_ids: {e}", p.display(), i + 1))?;
             let extras =
                 RequestExtras { cache_salt: r["cache_salt"].as_str().map(str::to_owned), ..Default::default() };
-            let keys = hasher.hash_request(&tokens, a.block_size, &extras).map_err(|e| e.to_string())?;
+            let keys = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
             requests.push(Request {
                 id: r["request_id"].as_str().unwrap_or("?").to_owned(),
                 keys: keys.iter().map(|b| b.key).collect(),

@@ -2,7 +2,7 @@
 //! ids, and the `tcp://host:port` endpoint rules (vLLM offsets both ports by the rank).
 
 use super::{Config, HashConfig, Mode};
-use llmgw_core::hash::{BlockHasher, HashAlgo};
+use llmgw_core::hash::BlockHasher;
 use std::net::IpAddr;
 
 /// One engine: a replica's data-parallel rank, with its endpoints already offset.
@@ -25,8 +25,7 @@ pub struct EngineSpec {
 impl EngineSpec {
     /// The hasher parity checks use (validated at load).
     pub fn hasher(&self) -> Option<BlockHasher> {
-        let algo = HashAlgo::parse(&self.hash.algo).ok()?;
-        BlockHasher::new(algo, self.hash.seed.as_deref()).ok()
+        BlockHasher::new(self.hash.algo, self.hash.seed.as_deref()).ok()
     }
 
     /// Display name: the replica, with `#rank` when it has several ranks.

@@ -31,6 +31,7 @@ mod validate;
 
 pub use engine::{offset_port, parse_tcp, EngineSpec};
 
+use llmgw_core::hash::{defaults, HashAlgo};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -136,8 +137,9 @@ pub struct HttpConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct HashConfig {
+    /// vLLM's `--prefix-caching-hash-algo`, read by its flag name.
     #[serde(default = "default_algo")]
-    pub algo: String,
+    pub algo: HashAlgo,
     /// PYTHONHASHSEED of the replicas; absent when unset.
     #[serde(default)]
     pub seed: Option<String>,
@@ -246,11 +248,11 @@ fn default_queue() -> usize {
 fn default_heartbeat() -> f64 {
     5.0
 }
-fn default_algo() -> String {
-    "sha256_cbor".into()
+fn default_algo() -> HashAlgo {
+    defaults::ALGO
 }
 fn default_block_size() -> u32 {
-    16
+    defaults::BLOCK_SIZE
 }
 fn default_rcvhwm() -> i32 {
     100_000
@@ -440,5 +442,19 @@ metrics_url = ""
     fn syntax_error_is_reported() {
         let e = error_of("[[replicas]\nname=");
         assert!(!e.message.is_empty());
+    }
+
+    #[test]
+    fn hash_algorithm_is_read_once_and_defaults_come_from_the_core() {
+        let cfg = Config::parse("").unwrap();
+        assert_eq!(cfg.hash, HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE });
+        let cfg =
+            Config::parse(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"xxhash\", seed = \"1\" }"))
+                .unwrap();
+        let h = cfg.replicas[1].hash.as_ref().unwrap();
+        assert_eq!((h.algo, h.block_size), (HashAlgo::Xxhash, defaults::BLOCK_SIZE));
+        let e = error_of(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"md5\" }"));
+        assert_eq!(e.field, "replicas[1].hash.algo", "{e}");
+        assert!(e.message.contains("md5"), "{e}");
     }
 }

@@ -3,7 +3,7 @@
 
 use super::engine::{is_loopback_host, offset_port, parse_tcp};
 use super::{err, Config, ConfigError, HashConfig, Mode, Sources};
-use llmgw_core::hash::{BlockHasher, HashAlgo};
+use llmgw_core::hash::BlockHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
@@ -139,8 +139,7 @@ impl Config {
 }
 
 fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
-    let algo = HashAlgo::parse(&h.algo).map_err(|e| err(format!("{field}.algo"), e.to_string()))?;
-    BlockHasher::new(algo, h.seed.as_deref()).map_err(|e| err(format!("{field}.seed"), e.to_string()))?;
+    BlockHasher::new(h.algo, h.seed.as_deref()).map_err(|e| err(format!("{field}.seed"), e.to_string()))?;
     if h.block_size == 0 {
         return Err(err(format!("{field}.block_size"), "must be at least 1"));
     }
