@@ -90,7 +90,7 @@ fn parse_hex(text: &[u8]) -> Result<Vec<u8>, String> {
             std::str::from_utf8(pair)
                 .ok()
                 .and_then(|s| u8::from_str_radix(s, 16).ok())
-                .ok_or_else(|| format!("invalid hex digit pair at position {}", i * 2))
+                .ok_or_else(|| format!("invalid hex digit pair at position {}", i.saturating_mul(2)))
         })
         .collect()
 }
@@ -220,12 +220,17 @@ struct Request {
     best_seq: Option<u64>,
 }
 
+/// The 1-based line number of the `i`th line.
+fn line_no(i: usize) -> usize {
+    i.saturating_add(1)
+}
+
 fn read_jsonl(path: &PathBuf) -> Result<Vec<Value>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1)))
+        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), line_no(i))))
         .collect()
 }
 
@@ -239,7 +244,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
     if let Some(p) = &a.requests {
         for (i, r) in read_jsonl(p)?.iter().enumerate() {
             let tokens: Vec<u32> = serde_json::from_value(r["all_token_ids"].clone())
-                .map_err(|e| format!("{} line {}: all_token_ids: {e}", p.display(), i + 1))?;
+                .map_err(|e| format!("{} line {}: all_token_ids: {e}", p.display(), line_no(i)))?;
             let extras =
                 RequestExtras { cache_salt: r["cache_salt"].as_str().map(str::to_owned), ..Default::default() };
             let keys = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
@@ -270,7 +275,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             }
         }
         last_seq = Some(seq);
-        let hexs = rec["payload_hex"].as_str().ok_or_else(|| format!("capture line {}: no payload_hex", i + 1))?;
+        let hexs = rec["payload_hex"].as_str().ok_or_else(|| format!("capture line {}: no payload_hex", line_no(i)))?;
         let payload = parse_hex(hexs.as_bytes())?;
         let batch = match EventBatch::decode(&payload) {
             Ok(b) => b,
@@ -282,8 +287,8 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
         let (mut stored, mut removed) = (0usize, 0usize);
         for ev in &batch.events {
             match ev {
-                KvEvent::Stored(s) => stored += s.hashes.len(),
-                KvEvent::Removed(r) => removed += r.hashes.len(),
+                KvEvent::Stored(s) => stored = stored.saturating_add(s.hashes.len()),
+                KvEvent::Removed(r) => removed = removed.saturating_add(r.hashes.len()),
                 _ => {}
             }
         }
@@ -297,10 +302,10 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             format!(
                 "{seq:>5} {:>6} {stored:>7} {removed:>8} {added:>7} {:>7} {:>6}  {}/{} match",
                 batch.events.len(),
-                changes.len() - added,
+                changes.len().saturating_sub(added),
                 mirror.len(),
                 p.matched,
-                p.matched + p.mismatched
+                p.matched.saturating_add(p.mismatched)
             ),
         )?;
         for r in &mut requests {
@@ -319,7 +324,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             "\nparity: {} of {} recomputed block hashes match vLLM's ({ratio}); {} unverifiable; \
              {} blocks stored, {} removed, {} clears; {} held at the end",
             st.parity.matched,
-            st.parity.matched + st.parity.mismatched,
+            st.parity.matched.saturating_add(st.parity.mismatched),
             st.parity.unverifiable,
             st.blocks_stored,
             st.blocks_removed,

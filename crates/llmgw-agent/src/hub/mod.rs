@@ -49,6 +49,7 @@ impl Hub {
 
 /// Hubs and batches for the tests of the hub and of what the HTTP server shows.
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 pub(crate) mod fixtures {
     use super::*;
     use crate::config::Config;
