@@ -126,4 +126,15 @@ mod tests {
         let empty = LaunchSpec { command: vec![], ..spec };
         assert!(command_line(&cfg, &empty).is_err());
     }
+
+    #[tokio::test]
+    async fn shutdown_signal_reaches_the_child() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = spawn(&["sleep".to_owned(), "30".to_owned()], &[]).unwrap();
+        signal(&child, Signal::TERM);
+        let status = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.unwrap().unwrap();
+        assert_eq!(status.signal(), Some(15), "{status}");
+        // Reaped: there is no pid left to signal, and nothing else can be hit.
+        signal(&child, Signal::TERM);
+    }
 }
