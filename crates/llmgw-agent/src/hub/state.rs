@@ -62,13 +62,16 @@ pub struct EngineState {
     pub rebuild: Arc<AtomicBool>,
 }
 
+/// Everything behind the hub lock.
 pub struct HubState {
+    /// Indexed by engine id; removed engines stay (marked `gone`) so ids are never reused.
     pub engines: Vec<EngineState>,
     pub(super) subscribers: Vec<Weak<Subscriber>>,
     pub max_queue: usize,
     pub max_blocks: usize,
     pub feed: FeedCounters,
-    /// Scratch buffer for one batch's net changes (kept to reuse its allocation).
+    /// Empty between calls: one batch's net changes while they are published (kept for its
+    /// allocation).
     pub(super) changes: Vec<NetChange>,
 }
 

@@ -9,10 +9,16 @@ use tokio::sync::Notify;
 
 /// Largest number of blocks in one snapshot chunk.
 pub const CHUNK_BLOCKS: usize = 65_536;
+
+/// A subscriber's pending messages, numbered without gaps from 0 across resyncs. Lock order:
+/// the hub lock before a queue lock, never the reverse.
 struct SubQueue {
     msgs: VecDeque<FeedMessage>,
+    /// Number of the next message queued.
     next_seq: u64,
+    /// Nothing is queued until the stream task has built a fresh table and snapshot.
     resync: bool,
+    /// Tables and snapshots sent so far.
     resyncs: u64,
 }
 
