@@ -2,6 +2,13 @@
 //! one subscriber draining the feed, and memory per mirrored block.
 //!
 //! `cargo run --release -p llmgw-agent --example ingest_bench [BATCHES] [BLOCKS_PER_BATCH]`
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
 
 use llmgw_agent::config::Config;
 use llmgw_agent::hub::Hub;

@@ -4,6 +4,7 @@
 
 use crate::config::Config;
 use crate::hub::Hub;
+use rustix::process::{kill_process, Pid, Signal};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::process::{Child, Command};
@@ -42,12 +43,12 @@ fn spawn(argv: &[String], env: &[(String, String)]) -> Result<Child, String> {
     c.spawn().map_err(|e| format!("cannot start {prog}: {e}"))
 }
 
-fn signal(child: &Child, sig: libc::c_int) {
-    if let Some(pid) = child.id().and_then(|p| libc::pid_t::try_from(p).ok()) {
-        // SAFETY: kill(2) on the pid of a child this process spawned and has not reaped yet.
-        unsafe {
-            libc::kill(pid, sig);
-        }
+/// Sends `sig` to the child. Its pid cannot have been reused: `Child::id` is `None` once the
+/// child has been reaped.
+fn signal(child: &Child, sig: Signal) {
+    let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()).and_then(Pid::from_raw) else { return };
+    if let Err(e) = kill_process(pid, sig) {
+        warn!(pid = pid.as_raw_pid(), error = %e, "cannot signal vLLM");
     }
 }
 
@@ -73,7 +74,7 @@ pub async fn supervise(
         };
         let Some(status) = exited else {
             info!(replica = %name, "forwarding SIGTERM to vLLM");
-            signal(&child, libc::SIGTERM);
+            signal(&child, Signal::TERM);
             match tokio::time::timeout(spec.stop_timeout, child.wait()).await {
                 Ok(status) => info!(replica = %name, status = ?status, "vLLM stopped"),
                 Err(_) => {
@@ -98,7 +99,7 @@ pub async fn supervise(
             _ = tokio::time::sleep(backoff) => {}
             _ = shutdown.wait_for(|v| *v) => return Ok(()),
         }
-        backoff = (backoff * 2).min(Duration::from_secs(30));
+        backoff = backoff.saturating_mul(2).min(Duration::from_secs(30));
     }
 }
 
@@ -124,5 +125,16 @@ mod tests {
         assert_eq!(env, vec![("PYTHONHASHSEED".to_owned(), "0".to_owned())]);
         let empty = LaunchSpec { command: vec![], ..spec };
         assert!(command_line(&cfg, &empty).is_err());
+    }
+
+    #[tokio::test]
+    async fn shutdown_signal_reaches_the_child() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = spawn(&["sleep".to_owned(), "30".to_owned()], &[]).unwrap();
+        signal(&child, Signal::TERM);
+        let status = tokio::time::timeout(Duration::from_secs(5), child.wait()).await.unwrap().unwrap();
+        assert_eq!(status.signal(), Some(15), "{status}");
+        // Reaped: there is no pid left to signal, and nothing else can be hit.
+        signal(&child, Signal::TERM);
     }
 }

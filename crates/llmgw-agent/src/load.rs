@@ -31,13 +31,9 @@ pub fn parse_load(text: &str, rank: u32) -> Load {
         if line.starts_with('#') || line.is_empty() {
             continue;
         }
-        let (name, labels, rest) = match line.find('{') {
-            Some(i) => {
-                let Some(j) = line.rfind('}') else { continue };
-                let (Some(name), Some(labels), Some(rest)) = (line.get(..i), line.get(i + 1..j), line.get(j + 1..))
-                else {
-                    continue;
-                };
+        let (name, labels, rest) = match line.split_once('{') {
+            Some((name, tail)) => {
+                let Some((labels, rest)) = tail.rsplit_once('}') else { continue };
                 (name, labels, rest)
             }
             None => match line.split_once(' ') {

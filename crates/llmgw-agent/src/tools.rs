@@ -3,7 +3,7 @@
 
 use clap::Args;
 use llmgw_core::event::{EventBatch, KvEvent};
-use llmgw_core::hash::{hex, BlockHasher, HashAlgo, RequestExtras};
+use llmgw_core::hash::{defaults, hex, BlockHasher, HashAlgo, RequestExtras};
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::mirror::EngineMirror;
 use llmgw_core::wire::{decode_batch, WireEvent, WireValue};
@@ -21,7 +21,7 @@ pub struct HashArgs {
     pub seed: Option<String>,
     /// Tokens per KV block.
     #[arg(long)]
-    pub block_size: usize,
+    pub block_size: u32,
     /// The request's cache_salt.
     #[arg(long)]
     pub cache_salt: Option<String>,
@@ -52,11 +52,18 @@ fn print(v: &Value) -> Result<(), String> {
     writeln!(out).map_err(|e| e.to_string())
 }
 
+/// `--block-size`, which must be at least 1.
+fn block_size(n: u32) -> Result<usize, String> {
+    match usize::try_from(n) {
+        Ok(0) => Err("--block-size must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("--block-size {n} does not fit this platform")),
+    }
+}
+
 pub fn hash(a: &HashArgs) -> Result<(), String> {
     let algo = HashAlgo::parse(&a.algo).map_err(|e| e.to_string())?;
-    if a.block_size == 0 {
-        return Err("--block-size must be at least 1".into());
-    }
+    let block_size = block_size(a.block_size)?;
     let input = read_stdin()?;
     let tokens: Vec<u32> = serde_json::from_slice(&input)
         .map_err(|e| format!("stdin must be a JSON array of token ids (0..2^32): {e}"))?;
@@ -66,7 +73,7 @@ pub fn hash(a: &HashArgs) -> Result<(), String> {
         lora: a.lora_name.clone().zip(a.lora_path.clone()),
         mm: Vec::new(),
     };
-    let blocks = hasher.hash_request(&tokens, a.block_size, &extras).map_err(|e| e.to_string())?;
+    let blocks = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
     let blocks: Vec<Value> = blocks.iter().map(|b| json!({"hash_hex": b.digest.to_hex(), "u64": b.key})).collect();
     print(&json!({ "blocks": blocks }))
 }
@@ -83,7 +90,7 @@ fn parse_hex(text: &[u8]) -> Result<Vec<u8>, String> {
             std::str::from_utf8(pair)
                 .ok()
                 .and_then(|s| u8::from_str_radix(s, 16).ok())
-                .ok_or_else(|| format!("invalid hex digit pair at position {}", i * 2))
+                .ok_or_else(|| format!("invalid hex digit pair at position {}", i.saturating_mul(2)))
         })
         .collect()
 }
@@ -196,13 +203,14 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub requests: Option<PathBuf>,
     /// The engine's --prefix-caching-hash-algo, for parity checks.
-    #[arg(long, default_value = "sha256_cbor")]
+    #[arg(long, default_value = defaults::ALGO.name())]
     pub algo: String,
     /// The engine's PYTHONHASHSEED (omit when unset).
     #[arg(long)]
     pub seed: Option<String>,
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = defaults::BLOCK_SIZE)]
+    pub block_size: u32,
 }
 
 struct Request {
@@ -212,17 +220,23 @@ struct Request {
     best_seq: Option<u64>,
 }
 
+/// The 1-based line number of the `i`th line.
+fn line_no(i: usize) -> usize {
+    i.saturating_add(1)
+}
+
 fn read_jsonl(path: &PathBuf) -> Result<Vec<Value>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), i + 1)))
+        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), line_no(i))))
         .collect()
 }
 
 pub fn replay(a: &ReplayArgs) -> Result<(), String> {
     let algo = HashAlgo::parse(&a.algo).map_err(|e| e.to_string())?;
+    let block_size = block_size(a.block_size)?;
     let mut hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?;
     let mut mirror = EngineMirror::new(Some(BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?));
     let mut index = ReplicaIndex::new();
@@ -230,10 +244,10 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
     if let Some(p) = &a.requests {
         for (i, r) in read_jsonl(p)?.iter().enumerate() {
             let tokens: Vec<u32> = serde_json::from_value(r["all_token_ids"].clone())
-                .map_err(|e| format!("{} line {}: all_token_ids: {e}", p.display(), i + 1))?;
+                .map_err(|e| format!("{} line {}: all_token_ids: {e}", p.display(), line_no(i)))?;
             let extras =
                 RequestExtras { cache_salt: r["cache_salt"].as_str().map(str::to_owned), ..Default::default() };
-            let keys = hasher.hash_request(&tokens, a.block_size, &extras).map_err(|e| e.to_string())?;
+            let keys = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
             requests.push(Request {
                 id: r["request_id"].as_str().unwrap_or("?").to_owned(),
                 keys: keys.iter().map(|b| b.key).collect(),
@@ -261,7 +275,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             }
         }
         last_seq = Some(seq);
-        let hexs = rec["payload_hex"].as_str().ok_or_else(|| format!("capture line {}: no payload_hex", i + 1))?;
+        let hexs = rec["payload_hex"].as_str().ok_or_else(|| format!("capture line {}: no payload_hex", line_no(i)))?;
         let payload = parse_hex(hexs.as_bytes())?;
         let batch = match EventBatch::decode(&payload) {
             Ok(b) => b,
@@ -273,8 +287,8 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
         let (mut stored, mut removed) = (0usize, 0usize);
         for ev in &batch.events {
             match ev {
-                KvEvent::Stored(s) => stored += s.hashes.len(),
-                KvEvent::Removed(r) => removed += r.hashes.len(),
+                KvEvent::Stored(s) => stored = stored.saturating_add(s.hashes.len()),
+                KvEvent::Removed(r) => removed = removed.saturating_add(r.hashes.len()),
                 _ => {}
             }
         }
@@ -288,10 +302,10 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             format!(
                 "{seq:>5} {:>6} {stored:>7} {removed:>8} {added:>7} {:>7} {:>6}  {}/{} match",
                 batch.events.len(),
-                changes.len() - added,
+                changes.len().saturating_sub(added),
                 mirror.len(),
                 p.matched,
-                p.matched + p.mismatched
+                p.matched.saturating_add(p.mismatched)
             ),
         )?;
         for r in &mut requests {
@@ -310,7 +324,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             "\nparity: {} of {} recomputed block hashes match vLLM's ({ratio}); {} unverifiable; \
              {} blocks stored, {} removed, {} clears; {} held at the end",
             st.parity.matched,
-            st.parity.matched + st.parity.mismatched,
+            st.parity.matched.saturating_add(st.parity.mismatched),
             st.parity.unverifiable,
             st.blocks_stored,
             st.blocks_removed,

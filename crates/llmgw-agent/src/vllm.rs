@@ -57,7 +57,7 @@ pub fn for_replica(cfg: &Config, r: &ReplicaConfig) -> VllmArgs {
     let args = vec![
         "--enable-prefix-caching".to_owned(),
         "--prefix-caching-hash-algo".to_owned(),
-        hash.algo.clone(),
+        hash.algo.name().to_owned(),
         "--block-size".to_owned(),
         hash.block_size.to_string(),
         "--kv-events-config".to_owned(),

@@ -1,5 +1,12 @@
 //! The feed over real gRPC: the server on 127.0.0.1:0, the client generated from the `.proto`;
 //! and the generated messages against llmgw-core's hand-written ones.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
 
 use llmgw_agent::config::Config;
 use llmgw_agent::feed::generated as pb;

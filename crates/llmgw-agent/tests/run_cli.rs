@@ -1,5 +1,12 @@
 //! `llmgw-agent run`, `check-config` and `vllm-args` as a user runs them: configuration errors
 //! name the field, and the feed refuses a non-loopback listener without the flag and a token.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
 
 use std::path::PathBuf;
 use std::process::Command;

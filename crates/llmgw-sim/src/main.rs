@@ -1,7 +1,7 @@
 //! `llmgw-sim`: one simulated vLLM replica (see the crate docs).
 
 use clap::Parser;
-use llmgw_core::hash::{BlockHasher, HashAlgo};
+use llmgw_core::hash::{defaults, BlockHasher, HashAlgo};
 use llmgw_core::wire::{Encoding, HashForm};
 use llmgw_sim::pool::BlockPool;
 use llmgw_sim::publisher::{self, PublisherConfig};
@@ -30,12 +30,13 @@ struct Args {
     /// GPU blocks in the pool.
     #[arg(long, default_value_t = 2048)]
     blocks: usize,
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = defaults::BLOCK_SIZE)]
+    block_size: u32,
     #[arg(long, default_value_t = 32768)]
     max_model_len: usize,
     /// --prefix-caching-hash-algo.
-    #[arg(long, default_value = "sha256_cbor")]
+    #[arg(long, default_value = defaults::ALGO.name())]
     hash_algo: String,
     /// PYTHONHASHSEED of this engine (omit for unset).
     #[arg(long)]
@@ -85,6 +86,10 @@ fn main() -> ExitCode {
 fn run(a: Args) -> Result<(), String> {
     let algo = HashAlgo::parse(&a.hash_algo).map_err(|e| format!("--hash-algo: {e}"))?;
     let hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| format!("--seed: {e}"))?;
+    let block_size = match usize::try_from(a.block_size) {
+        Ok(0) | Err(_) => return Err(format!("--block-size: expected at least 1, got {}", a.block_size)),
+        Ok(n) => n,
+    };
     let encoding = match a.encoding.as_str() {
         "tagged" => Encoding::Tagged,
         "legacy" => Encoding::Positional,
@@ -120,7 +125,7 @@ fn run(a: Args) -> Result<(), String> {
             json!({})
         }
     };
-    let pool = BlockPool::new(a.blocks, a.block_size, hasher);
+    let pool = BlockPool::new(a.blocks, block_size, hasher);
     let engine = Engine::new(
         EngineConfig {
             name: a.name.clone(),

@@ -14,6 +14,7 @@ use llmgw_core::hash::{BlockHash, BlockHasher, Digest, RequestExtras};
 use llmgw_core::wire::{WireBlockRemoved, WireBlockStored, WireEvent, WireValue};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::num::NonZeroUsize;
 
 /// Not enough free blocks for the request now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +59,7 @@ pub struct PoolStats {
 }
 
 pub struct BlockPool {
-    block_size: usize,
+    block_size: NonZeroUsize,
     blocks: Vec<Block>,
     free: BTreeMap<u64, usize>,
     next_tick: u64,
@@ -73,7 +74,7 @@ pub struct BlockPool {
 impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize, hasher: BlockHasher) -> BlockPool {
         let mut p = BlockPool {
-            block_size: block_size.max(1),
+            block_size: NonZeroUsize::new(block_size).unwrap_or(NonZeroUsize::MIN),
             blocks: vec![Block::default(); num_blocks],
             free: BTreeMap::new(),
             next_tick: 0,
@@ -90,7 +91,7 @@ impl BlockPool {
         p
     }
 
-    pub fn block_size(&self) -> usize {
+    pub fn block_size(&self) -> NonZeroUsize {
         self.block_size
     }
 
@@ -166,12 +167,12 @@ impl BlockPool {
     }
 
     fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+        tokens.div_ceil(self.block_size.get())
     }
 
     /// How many leading prompt blocks are cached now (without admitting anything).
     pub fn probe(&mut self, tokens: &[u32], extras: &RequestExtras) -> usize {
-        let keys = self.hasher.hash_request(tokens, self.block_size, extras).unwrap_or_default();
+        let keys = self.hasher.hash_request(tokens, self.block_size.get(), extras).unwrap_or_default();
         let max_hit = tokens.len().saturating_sub(1) / self.block_size;
         keys.iter().take(max_hit).take_while(|b| self.cached.contains_key(&b.key)).count()
     }
@@ -184,7 +185,7 @@ impl BlockPool {
         extras: RequestExtras,
         lora_name: Option<String>,
     ) -> Result<(u64, usize), PoolFull> {
-        let hashes = self.hasher.hash_request(&tokens, self.block_size, &extras).unwrap_or_default();
+        let hashes = self.hasher.hash_request(&tokens, self.block_size.get(), &extras).unwrap_or_default();
         let max_hit = tokens.len().saturating_sub(1) / self.block_size;
         let mut hit_blocks = Vec::new();
         for h in hashes.iter().take(max_hit) {
@@ -204,7 +205,8 @@ impl BlockPool {
             return Err(PoolFull { needed, free: free_after_hits });
         }
         self.stats.queries_tokens = self.stats.queries_tokens.saturating_add(tokens.len() as u64);
-        let hit_tokens = hit_blocks.len().saturating_mul(self.block_size);
+        let hits = hit_blocks.len();
+        let hit_tokens = hits.saturating_mul(self.block_size.get());
         self.stats.hits_tokens = self.stats.hits_tokens.saturating_add(hit_tokens as u64);
         for &b in &hit_blocks {
             self.take_free(b);
@@ -221,7 +223,6 @@ impl BlockPool {
         }
         let id = self.next_seq;
         self.next_seq = self.next_seq.saturating_add(1);
-        let hits = hit_tokens / self.block_size;
         let seq = Seq { tokens, blocks, cached: hits, hashes, extras, lora_name };
         self.seqs.insert(id, seq);
         self.cache_full_blocks(id);
@@ -231,7 +232,7 @@ impl BlockPool {
     /// Appends a generated token, allocating a block when the last one is full and caching
     /// any block that becomes full.
     pub fn append(&mut self, id: u64, token: u32) -> Result<(), PoolFull> {
-        let bs = self.block_size;
+        let bs = self.block_size.get();
         let (len, nblocks) = match self.seqs.get(&id) {
             Some(s) => (s.tokens.len(), s.blocks.len()),
             None => return Ok(()),
@@ -251,9 +252,9 @@ impl BlockPool {
 
     /// Caches the request's newly full blocks and emits one `BlockStored` for the run.
     fn cache_full_blocks(&mut self, id: u64) {
-        let bs = self.block_size;
+        let bs = self.block_size.get();
         let Some(s) = self.seqs.get_mut(&id) else { return };
-        let full = s.tokens.len() / bs;
+        let full = s.tokens.len() / self.block_size;
         if full <= s.cached {
             return;
         }

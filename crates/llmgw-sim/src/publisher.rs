@@ -47,7 +47,8 @@ pub fn spawn(cfg: PublisherConfig, rx: Receiver<PubCmd>) -> Result<std::thread::
     let router = match &cfg.replay_endpoint {
         Some(ep) => {
             let r = ctx.socket(zmq::ROUTER).map_err(|e| format!("ROUTER socket: {e}"))?;
-            r.set_sndhwm(i32::try_from(2 * (cfg.buffer_steps + 1)).unwrap_or(i32::MAX)).map_err(|e| e.to_string())?;
+            r.set_sndhwm(i32::try_from(cfg.buffer_steps.saturating_add(1).saturating_mul(2)).unwrap_or(i32::MAX))
+                .map_err(|e| e.to_string())?;
             r.set_linger(0).map_err(|e| e.to_string())?;
             if ep.contains('[') {
                 r.set_ipv6(true).map_err(|e| e.to_string())?;
@@ -101,7 +102,7 @@ fn run(
                 while buffer.len() > cfg.buffer_steps {
                     buffer.pop_front();
                 }
-                seq += 1;
+                seq = seq.saturating_add(1);
             }
             Ok(PubCmd::Restart) => {
                 // A restarted engine is a new process: its connection drops and a new
@@ -115,14 +116,14 @@ fn run(
                         Err(_) => return,
                     },
                 ));
-                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                let reopening = std::time::Instant::now();
                 loop {
                     match open_pub(&ctx, &cfg.endpoint) {
                         Ok(s) => {
                             pub_sock = s;
                             break;
                         }
-                        Err(e) if std::time::Instant::now() > deadline => {
+                        Err(e) if reopening.elapsed() > Duration::from_secs(5) => {
                             eprintln!("llmgw-sim: cannot reopen the event publisher: {e}");
                             return;
                         }

@@ -255,7 +255,7 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
         .or_else(|| body.get("max_tokens"))
         .and_then(Value::as_u64)
         .map_or(e.cfg.default_max_tokens, |m| m as usize)
-        .min(e.cfg.max_model_len - prompt.len());
+        .min(e.cfg.max_model_len.saturating_sub(prompt.len()));
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let extras = RequestExtras {
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
@@ -296,7 +296,7 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
                 finish = "abort";
                 break;
             }
-            produced += 1;
+            produced = produced.saturating_add(1);
             let text = format!(" w{t}");
             let chunk = if chat {
                 json!({"id": task_id, "object": "chat.completion.chunk", "created": unix_now(), "model": e.cfg.model,
@@ -316,7 +316,7 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
         drop(permit);
         e.freed.notify_waiters();
         let usage = json!({"prompt_tokens": prompt.len(), "completion_tokens": produced,
-                           "total_tokens": prompt.len() + produced,
+                           "total_tokens": prompt.len().saturating_add(produced),
                            "prompt_tokens_details": {"cached_tokens": cached}});
         let _ = tx.send(json!({"__final": true, "finish_reason": finish, "usage": usage})).await;
     });
@@ -345,16 +345,16 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
             fin = v;
             break;
         }
-        let piece = if chat { &v["choices"][0]["delta"]["content"] } else { &v["choices"][0]["text"] };
-        text.push_str(piece.as_str().unwrap_or_default());
+        let piece = v.pointer(if chat { "/choices/0/delta/content" } else { "/choices/0/text" });
+        text.push_str(piece.and_then(Value::as_str).unwrap_or_default());
     }
     let choice = if chat {
-        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin["finish_reason"]})
+        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin.get("finish_reason")})
     } else {
-        json!({"index": 0, "text": text, "finish_reason": fin["finish_reason"]})
+        json!({"index": 0, "text": text, "finish_reason": fin.get("finish_reason")})
     };
     let reply = json!({"id": id, "object": if chat { "chat.completion" } else { "text_completion" },
-                       "created": unix_now(), "model": e.cfg.model, "choices": [choice], "usage": fin["usage"],
+                       "created": unix_now(), "model": e.cfg.model, "choices": [choice], "usage": fin.get("usage"),
                        "llmgw_sim": {"replica": name, "elapsed_ms": started.elapsed().as_secs_f64() * 1000.0}});
     ([("x-llmgw-sim-replica", e.cfg.name.clone())], Json(reply)).into_response()
 }
@@ -412,7 +412,7 @@ async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Respons
     let (cached, block_size, usage) = e.with_pool(|p| (p.probe(&tokens, &extras), p.block_size(), p.usage()));
     Json(json!({
         "cached_blocks": cached,
-        "total_blocks": tokens.len() / block_size.max(1),
+        "total_blocks": tokens.len() / block_size,
         "prompt_tokens": tokens.len(),
         "running": e.running.load(Ordering::Relaxed),
         "waiting": e.waiting.load(Ordering::Relaxed),

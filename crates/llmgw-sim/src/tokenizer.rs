@@ -36,7 +36,7 @@ fn word_id(w: &str) -> u32 {
 
 /// Splits text into words and punctuation marks and maps each to an id.
 pub fn encode(text: &str, add_bos: bool) -> Vec<u32> {
-    let mut out = Vec::with_capacity(text.len() / 4 + 2);
+    let mut out = Vec::with_capacity((text.len() / 4).saturating_add(2));
     if add_bos {
         out.push(BOS);
     }

@@ -1,4 +1,8 @@
 //! Observability over HTTP: `/metrics` (Prometheus text), `/healthz`, `/debug/replicas`.
+//!
+//! [`exposition`] renders the hub state for the two read endpoints.
+
+pub mod exposition;
 
 use crate::hub::Hub;
 use axum::extract::State;
@@ -17,7 +21,7 @@ pub fn router(hub: Arc<Hub>) -> Router {
 }
 
 async fn metrics(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
-    let text = hub.state().metrics_text();
+    let text = exposition::metrics_text(&hub.state());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
 
@@ -26,7 +30,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn replicas(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
-    Json(hub.state().debug_json())
+    Json(exposition::debug_json(&hub.state()))
 }
 
 pub async fn serve(

@@ -1,0 +1,178 @@
+//! The checks serde cannot make: addresses, endpoints, uniqueness, listener safety. Every
+//! error names the field it is about.
+
+use super::engine::{is_loopback_host, offset_port, parse_tcp};
+use super::{err, Config, ConfigError, HashConfig, Mode, Sources};
+use llmgw_core::hash::BlockHasher;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+
+impl Config {
+    /// Checks everything serde cannot: addresses, endpoints, uniqueness, listener safety.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_hash("hash", &self.hash)?;
+        if !self.feed.listen.ip().is_loopback() {
+            if !self.feed.allow_non_loopback {
+                return Err(err(
+                    "feed.listen",
+                    format!("{} is not a loopback address; set feed.allow_non_loopback = true (or --feed-allow-non-loopback) and a token", self.feed.listen),
+                ));
+            }
+            if self.feed.token.as_deref().unwrap_or("").is_empty() {
+                return Err(err("feed.token", "a non-loopback feed listener needs a shared token"));
+            }
+        }
+        if self.feed.max_queue < 16 {
+            return Err(err("feed.max_queue", "must be at least 16"));
+        }
+        if !(self.feed.heartbeat_secs > 0.0 && self.feed.heartbeat_secs <= 3600.0) {
+            return Err(err("feed.heartbeat_secs", "must be in (0, 3600]"));
+        }
+        if self.zmq.rcvhwm < 0 {
+            return Err(err("zmq.rcvhwm", "must be >= 0"));
+        }
+        if self.zmq.reconnect_ivl_max_ms < 0 {
+            return Err(err("zmq.reconnect_ivl_max_ms", "must be >= 0"));
+        }
+        if self.load.interval_ms == 0 {
+            return Err(err("load.interval_ms", "must be at least 1"));
+        }
+        if !(0.0..=1.0).contains(&self.parity.warn_mismatch_ratio) {
+            return Err(err("parity.warn_mismatch_ratio", "must be between 0 and 1"));
+        }
+        let mut names = BTreeSet::new();
+        for (i, r) in self.replicas.iter().enumerate() {
+            let f = |name: &str| format!("replicas[{i}].{name}");
+            if r.name.is_empty() {
+                return Err(err(f("name"), "must not be empty"));
+            }
+            if !names.insert(r.name.as_str()) {
+                return Err(err(f("name"), format!("duplicate replica name {:?}", r.name)));
+            }
+            r.address
+                .parse::<SocketAddr>()
+                .map_err(|_| err(f("address"), format!("{:?} is not ip:port", r.address)))?;
+            if r.dp_ranks == 0 || r.dp_ranks > 1024 {
+                return Err(err(f("dp_ranks"), "must be between 1 and 1024"));
+            }
+            let (host, port) = parse_tcp(&r.endpoint).map_err(|m| err(f("endpoint"), m))?;
+            let last = u32::from(port).saturating_add(r.dp_ranks).saturating_sub(1);
+            if port == 0 || last > u32::from(u16::MAX) {
+                return Err(err(f("endpoint"), "port must be non-zero and port + dp_ranks - 1 must fit in 65535"));
+            }
+            if r.mode == Mode::Bind && !is_loopback_host(&host) {
+                return Err(err(
+                    f("endpoint"),
+                    format!("bind mode binds a loopback address only, got {host:?} (use tcp://127.0.0.1:PORT)"),
+                ));
+            }
+            if r.mode == Mode::Connect && host == "*" {
+                return Err(err(f("endpoint"), "connect mode needs the replica's host, not *"));
+            }
+            if let Some(rep) = &r.replay_endpoint {
+                let (rhost, rport) = parse_tcp(rep).map_err(|m| err(f("replay_endpoint"), m))?;
+                if rhost == "*" {
+                    return Err(err(
+                        f("replay_endpoint"),
+                        "the agent connects to the replay socket: give the replica's host, not *",
+                    ));
+                }
+                if rport == 0 || u32::from(rport).saturating_add(r.dp_ranks).saturating_sub(1) > u32::from(u16::MAX) {
+                    return Err(err(
+                        f("replay_endpoint"),
+                        "port must be non-zero and port + dp_ranks - 1 must fit in 65535",
+                    ));
+                }
+            }
+            if let Some(h) = &r.hash {
+                check_hash(&f("hash"), h)?;
+            }
+            if let Some(u) = &r.metrics_url {
+                if !u.is_empty() && !u.starts_with("http://") {
+                    return Err(err(f("metrics_url"), "must start with http:// (or be empty to disable scraping)"));
+                }
+            }
+        }
+        for (i, d) in self.discovery.iter().enumerate() {
+            let f = |name: &str| format!("discovery[{i}].{name}");
+            if d.name.is_empty() || names.contains(d.name.as_str()) {
+                return Err(err(f("name"), "must be non-empty and differ from every replica name"));
+            }
+            if d.dns.is_empty() {
+                return Err(err(f("dns"), "must name a host"));
+            }
+            if d.port == 0 {
+                return Err(err(f("port"), "must be non-zero"));
+            }
+            if d.refresh_ms < 100 {
+                return Err(err(f("refresh_ms"), "must be at least 100"));
+            }
+            if d.dp_ranks == 0 || d.dp_ranks > 1024 {
+                return Err(err(f("dp_ranks"), "must be between 1 and 1024"));
+            }
+            if d.sources == Sources::Static && d.events_port.is_none_or(|p| p == 0) {
+                return Err(err(f("events_port"), "sources = \"static\" needs the publisher port"));
+            }
+            if let Some(h) = &d.hash {
+                check_hash(&f("hash"), h)?;
+            }
+        }
+        // Two engines on one endpoint would mix two publishers' sequences (or fail to bind).
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        for (i, r) in self.replicas.iter().enumerate() {
+            for rank in 0..r.dp_ranks {
+                let ep = offset_port(&r.endpoint, rank).unwrap_or_else(|| r.endpoint.clone());
+                if let Some(j) = seen.insert(ep.clone(), i) {
+                    return Err(err(
+                        format!("replicas[{i}].endpoint"),
+                        format!("{ep} is already used by replicas[{j}] (data-parallel ranks use port + rank)"),
+                    ));
+                }
+            }
+        }
+        let engines: u64 = self.replicas.iter().map(|r| u64::from(r.dp_ranks)).sum();
+        if engines > 65_535 {
+            return Err(err("replicas", "too many engines (replicas x dp_ranks > 65535)"));
+        }
+        Ok(())
+    }
+}
+
+fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
+    BlockHasher::new(h.algo, h.seed.as_deref()).map_err(|e| err(format!("{field}.seed"), e.to_string()))?;
+    if h.block_size == 0 {
+        return Err(err(format!("{field}.block_size"), "must be at least 1"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{error_of, OK};
+    use super::*;
+
+    #[test]
+    fn semantic_errors_name_the_field() {
+        let cases = [
+            (OK.replace("algo = \"sha256_cbor\"", "algo = \"md5\""), "hash.algo"),
+            (OK.replace("address = \"127.0.0.1:8001\"", "address = \"replica-b\""), "replicas[1].address"),
+            (OK.replace("name = \"b\"", "name = \"a\""), "replicas[1].name"),
+            (OK.replace("tcp://127.0.0.1:6000", "tcp://10.1.2.3:6000"), "replicas[1].endpoint"),
+            (OK.replace("tcp://127.0.0.1:5557", "ipc:///tmp/x"), "replicas[0].endpoint"),
+            (OK.replace("tcp://127.0.0.1:5558", "tcp://*:5558"), "replicas[0].replay_endpoint"),
+            (OK.replace("dp_ranks = 2", "dp_ranks = 0"), "replicas[0].dp_ranks"),
+            // Rank 1 of replica a is on 5558; b may not use it.
+            (OK.replace("tcp://127.0.0.1:6000", "tcp://127.0.0.1:5558"), "replicas[1].endpoint"),
+            (OK.replace("tcp://127.0.0.1:5557", "tcp://127.0.0.1:65535"), "replicas[0].endpoint"),
+            (format!("[feed]\nlisten = \"0.0.0.0:7070\"\n{OK}"), "feed.listen"),
+            (format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\n{OK}"), "feed.token"),
+        ];
+        for (text, field) in cases {
+            let e = error_of(&text);
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().starts_with(field), "{e}");
+        }
+        let ok = format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\ntoken = \"s\"\n{OK}");
+        assert!(Config::parse(&ok).is_ok());
+    }
+}

@@ -1,0 +1,198 @@
+//! What the agent's HTTP server shows: `/debug/replicas` (JSON) and `/metrics` (Prometheus
+//! text), both read from the hub state under its lock.
+
+use crate::hub::{EngineState, HubState};
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+use std::time::Instant;
+
+/// `/debug/replicas`.
+pub fn debug_json(st: &HubState) -> Value {
+    let now = Instant::now();
+    let engines: Vec<Value> = st
+        .live()
+        .map(|e| {
+            let s = e.mirror.stats();
+            let p = &s.parity;
+            let mut blocks = e.mirror.keys();
+            blocks.truncate(100_000);
+            json!({
+                "id": e.spec.id,
+                "replica": e.spec.replica,
+                "dp_rank": e.spec.dp_rank,
+                "address": e.spec.address,
+                "models": e.spec.models,
+                "endpoint": e.spec.endpoint,
+                "mode": match e.spec.mode { crate::config::Mode::Bind => "bind", crate::config::Mode::Connect => "connect" },
+                "up": e.up,
+                "http_ok": e.http_ok,
+                "publisher_ok": e.publisher_ok,
+                "connected": e.connected,
+                "blocks": e.mirror.len(),
+                "block_keys": blocks,
+                "last_seq": e.last_seq,
+                "last_event_age_secs": e.last_event.map(|t| now.saturating_duration_since(t).as_secs_f64()),
+                "parity": {
+                    "matched": p.matched,
+                    "mismatched": p.mismatched,
+                    "unverifiable": p.unverifiable,
+                    "match_ratio": p.match_ratio(),
+                    "last_mismatch": p.last_mismatch.map(|(a, b)| json!({"published": a, "recomputed": b})),
+                },
+                "received": e.counters.received,
+                "applied": e.counters.applied,
+                "skipped": e.counters.skipped,
+                "gaps": e.counters.gaps,
+                "replays": {"complete": e.counters.replays_complete, "incomplete": e.counters.replays_incomplete, "batches": e.counters.replayed_batches},
+                "resets": e.counters.resets,
+                "disconnects": e.counters.disconnects,
+                "clears": s.clears,
+                "load": e.load.as_ref().map(|l| json!({"running": l.running, "waiting": l.waiting, "kv_cache_usage": l.kv_cache_usage})),
+            })
+        })
+        .collect();
+    let subs: Vec<Value> = st
+        .subscriber_lags()
+        .into_iter()
+        .map(|(name, queued, snapshots)| json!({"name": name, "queued": queued, "snapshots": snapshots}))
+        .collect();
+    json!({ "replicas": engines, "subscribers": st.live_subscribers(), "feed": subs })
+}
+
+/// `/metrics` in Prometheus text format.
+pub fn metrics_text(st: &HubState) -> String {
+    let mut s = String::new();
+    let lbl = |e: &EngineState| format!("replica=\"{}\",dp_rank=\"{}\"", esc(&e.spec.replica), e.spec.dp_rank);
+    let mut counter = |name: &str, help: &str, kind: &str, rows: Vec<(String, f64)>| {
+        let _ = writeln!(s, "# HELP llmgw_agent_{name} {help}");
+        let _ = writeln!(s, "# TYPE llmgw_agent_{name} {kind}");
+        for (labels, v) in rows {
+            if labels.is_empty() {
+                let _ = writeln!(s, "llmgw_agent_{name} {v}");
+            } else {
+                let _ = writeln!(s, "llmgw_agent_{name}{{{labels}}} {v}");
+            }
+        }
+    };
+    let per =
+        |f: &dyn Fn(&EngineState) -> u64| -> Vec<(String, f64)> { st.live().map(|e| (lbl(e), f(e) as f64)).collect() };
+    counter(
+        "events_received_total",
+        "Live event batches received from the publisher.",
+        "counter",
+        per(&|e| e.counters.received),
+    );
+    counter(
+        "events_applied_total",
+        "Event batches (live or replayed) applied to the mirror.",
+        "counter",
+        per(&|e| e.counters.applied),
+    );
+    let mut skipped = Vec::new();
+    for e in st.live() {
+        for (reason, n) in &e.counters.skipped {
+            skipped.push((format!("{},reason=\"{reason}\"", lbl(e)), *n as f64));
+        }
+    }
+    counter("events_skipped_total", "Event batches not applied, by reason.", "counter", skipped);
+    counter("gaps_total", "Sequence gaps detected.", "counter", per(&|e| e.counters.gaps));
+    let mut replays = Vec::new();
+    for e in st.live() {
+        replays.push((format!("{},result=\"complete\"", lbl(e)), e.counters.replays_complete as f64));
+        replays.push((format!("{},result=\"incomplete\"", lbl(e)), e.counters.replays_incomplete as f64));
+    }
+    counter("replays_total", "Replay requests, by whether they covered the missing range.", "counter", replays);
+    counter("replayed_batches_total", "Batches applied from replay.", "counter", per(&|e| e.counters.replayed_batches));
+    let mut resets = Vec::new();
+    for e in st.live() {
+        for (reason, n) in &e.counters.resets {
+            resets.push((format!("{},reason=\"{}\"", lbl(e), esc(reason)), *n as f64));
+        }
+    }
+    counter("resets_total", "Mirror resets, by reason.", "counter", resets);
+    counter("publisher_disconnects_total", "Publisher connections lost.", "counter", per(&|e| e.counters.disconnects));
+    counter(
+        "block_limit_hits_total",
+        "Resets because an engine exceeded the block limit.",
+        "counter",
+        per(&|e| e.counters.block_limit_hits),
+    );
+    counter(
+        "parity_matched_total",
+        "Stored blocks whose recomputed hash matched.",
+        "counter",
+        per(&|e| e.mirror.stats().parity.matched),
+    );
+    counter(
+        "parity_mismatched_total",
+        "Stored blocks whose recomputed hash differed.",
+        "counter",
+        per(&|e| e.mirror.stats().parity.mismatched),
+    );
+    counter(
+        "parity_unverifiable_total",
+        "Stored blocks whose hash could not be recomputed.",
+        "counter",
+        per(&|e| e.mirror.stats().parity.unverifiable),
+    );
+    let ratio: Vec<(String, f64)> =
+        st.live().filter_map(|e| e.mirror.stats().parity.match_ratio().map(|r| (lbl(e), r))).collect();
+    counter("parity_match_ratio", "Share of verified blocks whose hash matched.", "gauge", ratio);
+    counter("blocks", "Blocks held per engine.", "gauge", per(&|e| e.mirror.len() as u64));
+    counter("replica_up", "1 when the replica is up.", "gauge", per(&|e| u64::from(e.up)));
+    counter(
+        "publisher_connected",
+        "1 while the publisher connection is up.",
+        "gauge",
+        per(&|e| u64::from(e.connected)),
+    );
+    let last: Vec<(String, f64)> = st.live().filter_map(|e| e.last_seq.map(|q| (lbl(e), q as f64))).collect();
+    counter("last_seq", "Last publisher sequence number applied.", "gauge", last);
+    counter("subscribers", "Live feed subscribers.", "gauge", vec![(String::new(), st.live_subscribers() as f64)]);
+    counter(
+        "feed_subscriptions_total",
+        "Feed subscriptions accepted.",
+        "counter",
+        vec![(String::new(), st.feed.subscriptions as f64)],
+    );
+    counter(
+        "feed_messages_total",
+        "Feed messages queued to subscribers (after their snapshot).",
+        "counter",
+        vec![(String::new(), st.feed.messages as f64)],
+    );
+    counter(
+        "feed_overflows_total",
+        "Subscribers that fell behind and were sent a fresh snapshot.",
+        "counter",
+        vec![(String::new(), st.feed.overflows as f64)],
+    );
+    counter(
+        "feed_rejected_total",
+        "Subscriptions rejected for a bad token.",
+        "counter",
+        vec![(String::new(), st.feed.rejected_token as f64)],
+    );
+    s
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::fixtures::*;
+
+    #[test]
+    fn metrics_name_every_engine() {
+        let h = hub(2, 64);
+        h.state().apply(1, 0, &batch(vec![stored(vec![1, 2])]));
+        h.state().skipped(0, "malformed");
+        let text = metrics_text(&h.state());
+        assert!(text.contains("llmgw_agent_blocks{replica=\"r1\",dp_rank=\"0\"} 2"), "{text}");
+        assert!(text.contains("llmgw_agent_events_skipped_total{replica=\"r0\",dp_rank=\"0\",reason=\"malformed\"} 1"));
+        assert!(text.contains("llmgw_agent_subscribers 0"));
+    }
+}

@@ -1,0 +1,397 @@
+//! Engines in the hub: each one's mirror, health and counters, and the replica table.
+//!
+//! Every change to an engine's blocks or to the table is published (see [`super::subscribers`])
+//! under the same lock that made it, so subscribers see changes in the order they happened.
+
+use super::subscribers::{FeedCounters, Subscriber};
+use crate::config::EngineSpec;
+use llmgw_core::event::EventBatch;
+use llmgw_core::feed::{Body, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable};
+use llmgw_core::mirror::{EngineMirror, NetChange};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+/// Per-engine counters.
+#[derive(Debug, Default, Clone)]
+pub struct EngineCounters {
+    /// Live batches received from the SUB socket.
+    pub received: u64,
+    /// Batches (live or replayed) applied to the mirror.
+    pub applied: u64,
+    /// Batches not applied, by reason.
+    pub skipped: BTreeMap<&'static str, u64>,
+    pub gaps: u64,
+    pub replays_complete: u64,
+    pub replays_incomplete: u64,
+    pub replayed_batches: u64,
+    pub resets: BTreeMap<String, u64>,
+    pub disconnects: u64,
+    pub connects: u64,
+    pub block_limit_hits: u64,
+}
+
+/// Who judges a replica's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Its HTTP /metrics answers.
+    Http,
+    /// Its event publisher is connected.
+    Publisher,
+}
+
+pub struct EngineState {
+    pub spec: EngineSpec,
+    pub mirror: EngineMirror,
+    /// Up = reachable over HTTP and the publisher connected (each within its grace period).
+    pub up: bool,
+    pub http_ok: bool,
+    pub publisher_ok: bool,
+    pub connected: bool,
+    pub last_seq: Option<u64>,
+    pub last_event: Option<Instant>,
+    pub load: Option<ReplicaLoad>,
+    pub counters: EngineCounters,
+    pub parity_warned: bool,
+    /// Removed by discovery: no longer in the table; its id is never reused.
+    pub gone: bool,
+    /// Tells the engine's thread to stop (discovery removed it).
+    pub stop: Arc<AtomicBool>,
+    /// Set when the engine thread must forget its sequence position and rebuild by replay.
+    pub rebuild: Arc<AtomicBool>,
+}
+
+/// Everything behind the hub lock.
+pub struct HubState {
+    /// Indexed by engine id; removed engines stay (marked `gone`) so ids are never reused.
+    pub engines: Vec<EngineState>,
+    pub(super) subscribers: Vec<Weak<Subscriber>>,
+    pub max_queue: usize,
+    pub max_blocks: usize,
+    pub feed: FeedCounters,
+    /// Empty between calls: one batch's net changes while they are published (kept for its
+    /// allocation).
+    pub(super) changes: Vec<NetChange>,
+}
+
+impl EngineState {
+    fn new(spec: EngineSpec) -> EngineState {
+        EngineState {
+            mirror: EngineMirror::new(spec.hasher()),
+            spec,
+            up: true,
+            http_ok: true,
+            publisher_ok: true,
+            connected: false,
+            last_seq: None,
+            last_event: None,
+            load: None,
+            counters: EngineCounters::default(),
+            parity_warned: false,
+            rebuild: Arc::new(AtomicBool::new(false)),
+            gone: false,
+            stop: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl HubState {
+    pub(super) fn new(specs: Vec<EngineSpec>, max_queue: usize, max_blocks: usize) -> HubState {
+        HubState {
+            engines: specs.into_iter().map(EngineState::new).collect(),
+            subscribers: Vec::new(),
+            max_queue,
+            max_blocks,
+            feed: FeedCounters::default(),
+            changes: Vec::new(),
+        }
+    }
+
+    fn engine(&mut self, id: usize) -> Option<&mut EngineState> {
+        self.engines.get_mut(id)
+    }
+
+    /// Engines currently configured or discovered (removed ones excluded).
+    pub fn live(&self) -> impl Iterator<Item = &EngineState> {
+        self.engines.iter().filter(|e| !e.gone)
+    }
+
+    /// Adds an engine (discovery); its id is the next free one. Returns its index.
+    pub fn add_engine(&mut self, mut spec: EngineSpec) -> usize {
+        let idx = self.engines.len();
+        spec.id = u32::try_from(idx).unwrap_or(u32::MAX);
+        self.engines.push(EngineState::new(spec));
+        let table = self.table();
+        self.publish(Body::Replicas(table));
+        idx
+    }
+
+    /// Removes an engine (discovery): its blocks leave, it leaves the table, its thread stops.
+    pub fn remove_engine(&mut self, idx: usize) {
+        let Some(e) = self.engines.get(idx) else { return };
+        if e.gone {
+            return;
+        }
+        self.reset(idx, "removed");
+        if let Some(e) = self.engine(idx) {
+            e.gone = true;
+            e.up = false;
+            e.load = None;
+            e.stop.store(true, Ordering::SeqCst);
+        }
+        let table = self.table();
+        self.publish(Body::Replicas(table));
+    }
+
+    /// The replica table as the feed sends it.
+    pub fn table(&self) -> ReplicaTable {
+        ReplicaTable {
+            replicas: self
+                .live()
+                .map(|e| Replica {
+                    id: e.spec.id,
+                    name: e.spec.replica.clone(),
+                    address: e.spec.address.clone(),
+                    models: e.spec.models.clone(),
+                    up: e.up,
+                    dp_rank: e.spec.dp_rank,
+                })
+                .collect(),
+        }
+    }
+
+    /// Counts a live batch received.
+    pub fn received(&mut self, engine: usize) {
+        if let Some(e) = self.engine(engine) {
+            e.counters.received = e.counters.received.saturating_add(1);
+            e.last_event = Some(Instant::now());
+        }
+    }
+
+    pub fn skipped(&mut self, engine: usize, reason: &'static str) {
+        if let Some(e) = self.engine(engine) {
+            let c = e.counters.skipped.entry(reason).or_insert(0);
+            *c = c.saturating_add(1);
+        }
+    }
+
+    /// Applies one batch (live or replayed, `seq` is the publisher's) to an engine's mirror
+    /// and publishes the net changes.
+    pub fn apply(&mut self, engine: usize, seq: u64, batch: &EventBatch) {
+        let max_blocks = self.max_blocks;
+        let mut changes = std::mem::take(&mut self.changes);
+        let Some(e) = self.engines.get_mut(engine) else { return };
+        e.last_seq = Some(seq);
+        if e.gone {
+            return;
+        }
+        if !e.up {
+            let c = e.counters.skipped.entry("replica_down").or_insert(0);
+            *c = c.saturating_add(1);
+            self.changes = changes;
+            return;
+        }
+        e.mirror.apply(batch, &mut changes);
+        e.counters.applied = e.counters.applied.saturating_add(1);
+        let over = e.mirror.len() > max_blocks;
+        let id = e.spec.id;
+        self.changes = changes;
+        self.publish_changes(id);
+        if over {
+            if let Some(e) = self.engine(engine) {
+                e.counters.block_limit_hits = e.counters.block_limit_hits.saturating_add(1);
+            }
+            self.reset(engine, "block_limit");
+        }
+    }
+
+    /// Drops an engine's blocks and tells subscribers.
+    pub fn reset(&mut self, engine: usize, reason: &str) {
+        let mut changes = std::mem::take(&mut self.changes);
+        let Some(e) = self.engines.get_mut(engine) else { return };
+        e.mirror.reset(&mut changes);
+        changes.clear();
+        self.changes = changes;
+        let c = e.counters.resets.entry(reason.to_owned()).or_insert(0);
+        *c = c.saturating_add(1);
+        let id = e.spec.id;
+        self.publish(Body::Reset(ReplicaReset { replica: id, reason: reason.to_owned() }));
+    }
+
+    pub fn count_gap(&mut self, engine: usize) {
+        if let Some(e) = self.engine(engine) {
+            e.counters.gaps = e.counters.gaps.saturating_add(1);
+        }
+    }
+
+    pub fn count_replay(&mut self, engine: usize, complete: bool, batches: u64) {
+        if let Some(e) = self.engine(engine) {
+            let c = &mut e.counters;
+            if complete {
+                c.replays_complete = c.replays_complete.saturating_add(1);
+            } else {
+                c.replays_incomplete = c.replays_incomplete.saturating_add(1);
+            }
+            c.replayed_batches = c.replayed_batches.saturating_add(batches);
+        }
+    }
+
+    pub fn connection(&mut self, engine: usize, connected: bool) {
+        if let Some(e) = self.engine(engine) {
+            e.connected = connected;
+            let c = &mut e.counters;
+            if connected {
+                c.connects = c.connects.saturating_add(1);
+            } else {
+                c.disconnects = c.disconnects.saturating_add(1);
+            }
+        }
+    }
+
+    /// Records one health source's verdict. The engine is up when every source is fine. Going
+    /// down: its blocks leave (a ReplicaReset with `reason`). Coming up: it starts clean and
+    /// rebuilds from its publisher's replay buffer. Returns whether `up` changed.
+    pub fn set_health(&mut self, engine: usize, source: Health, ok: bool, reason: &str) -> bool {
+        let Some(e) = self.engine(engine) else { return false };
+        match source {
+            Health::Http => e.http_ok = ok,
+            Health::Publisher => e.publisher_ok = ok,
+        }
+        let up = e.http_ok && e.publisher_ok;
+        if e.up == up {
+            return false;
+        }
+        e.up = up;
+        if !up {
+            e.load = None;
+            self.reset(engine, reason);
+        } else if let Some(e) = self.engine(engine) {
+            e.rebuild.store(true, Ordering::SeqCst);
+        }
+        let table = self.table();
+        self.publish(Body::Replicas(table));
+        true
+    }
+
+    pub fn set_load(&mut self, engine: usize, load: ReplicaLoad) {
+        if let Some(e) = self.engine(engine) {
+            e.load = Some(load);
+        }
+    }
+
+    /// Publishes the current loads of all up engines.
+    pub fn publish_loads(&mut self) {
+        let loads: Vec<ReplicaLoad> = self.live().filter(|e| e.up).filter_map(|e| e.load.clone()).collect();
+        if !loads.is_empty() {
+            self.publish(Body::Load(LoadReport { loads }));
+        }
+    }
+
+    /// Parity judgement per engine: returns (label, ratio, matched, mismatched) for engines that
+    /// crossed above the threshold since the last call.
+    pub fn parity_alarms(&mut self, threshold: f64, min_verified: u64) -> Vec<(String, f64, u64, u64)> {
+        let mut out = Vec::new();
+        for e in self.engines.iter_mut().filter(|e| !e.gone) {
+            let p = &e.mirror.stats().parity;
+            let verified = p.matched.saturating_add(p.mismatched);
+            if verified < min_verified || verified == 0 {
+                continue;
+            }
+            let ratio = p.mismatched as f64 / verified as f64;
+            let bad = ratio > threshold;
+            if bad && !e.parity_warned {
+                out.push((e.spec.label(), ratio, p.matched, p.mismatched));
+            }
+            e.parity_warned = bad;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::hub::fixtures::*;
+    use crate::hub::Hub;
+    use llmgw_core::feed::FeedState;
+
+    #[test]
+    fn down_replica_leaves_and_comes_back_clean() {
+        let h = hub(2, 64);
+        h.state().apply(0, 0, &batch(vec![stored(vec![1, 2])]));
+        let sub = h.subscribe("t".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert!(h.state().set_health(0, Health::Http, false, "unreachable"));
+        h.state().apply(0, 1, &batch(vec![stored(vec![3])]));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert_eq!(state_of(&fs, 2)[0], Vec::<u64>::new());
+        assert!(!fs.replicas[0].up);
+        // Both sources must agree before it is up again.
+        assert!(!h.state().set_health(0, Health::Publisher, false, "publisher_gone"));
+        assert!(!h.state().set_health(0, Health::Http, true, "reachable"));
+        assert!(!h.state().engines[0].up);
+        assert!(h.state().set_health(0, Health::Publisher, true, "publisher_back"));
+        assert!(h.state().engines[0].rebuild.load(Ordering::SeqCst));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert!(fs.replicas[0].up);
+        assert_eq!(h.state().engines[0].mirror.len(), 0);
+    }
+
+    #[test]
+    fn discovered_engines_join_and_leave_the_table() {
+        let h = hub(1, 64);
+        let sub = h.subscribe("t".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        let mut spec = h.state().engines[0].spec.clone();
+        spec.replica = "pool-10.0.0.7".into();
+        let idx = h.state().add_engine(spec);
+        assert_eq!(idx, 1);
+        h.state().apply(idx, 0, &batch(vec![stored(vec![5, 6])]));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert_eq!(fs.replicas.len(), 2);
+        assert_eq!(fs.replicas[1].id, 1);
+        assert_eq!(state_of(&fs, 2)[1], vec![5, 6]);
+        h.state().remove_engine(idx);
+        assert!(h.state().engines[idx].stop.load(Ordering::SeqCst));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert_eq!(fs.replicas.len(), 1);
+        assert_eq!(state_of(&fs, 2)[1], Vec::<u64>::new());
+        // Late events for a removed engine change nothing; a new engine gets a fresh id.
+        h.state().apply(idx, 1, &batch(vec![stored(vec![7])]));
+        assert_eq!(h.state().engines[idx].mirror.len(), 0);
+        let spec = h.state().engines[0].spec.clone();
+        assert_eq!(h.state().add_engine(spec), 2);
+        assert!(!crate::http::exposition::metrics_text(&h.state()).contains("pool-10.0.0.7"));
+    }
+
+    #[test]
+    fn flood_past_the_block_limit_resets_the_engine() {
+        let cfg =
+            Config::parse("[[replicas]]\nname = \"r\"\naddress = \"127.0.0.1:1\"\nendpoint = \"tcp://127.0.0.1:2\"\n")
+                .unwrap();
+        let h = Hub::new(cfg.engines(), 64, 10);
+        h.state().apply(0, 0, &batch(vec![stored((1..=10).collect())]));
+        assert_eq!(h.state().engines[0].mirror.len(), 10);
+        h.state().apply(0, 1, &batch(vec![stored(vec![11])]));
+        let st = h.state();
+        assert_eq!(st.engines[0].mirror.len(), 0);
+        assert_eq!(st.engines[0].counters.block_limit_hits, 1);
+        assert_eq!(st.engines[0].counters.resets.get("block_limit"), Some(&1));
+    }
+}

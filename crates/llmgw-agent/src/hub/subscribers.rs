@@ -1,0 +1,307 @@
+//! Feed subscribers: a bounded queue each, numbered messages, and a fresh table and snapshot
+//! for a new subscriber or one that fell behind.
+
+use super::{Hub, HubState};
+use llmgw_core::feed::{BlockDelta, Body, FeedMessage, LoadReport, ReplicaLoad, SnapshotChunk, SnapshotComplete};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use tokio::sync::Notify;
+
+/// Largest number of blocks in one snapshot chunk.
+pub const CHUNK_BLOCKS: usize = 65_536;
+
+/// A subscriber's pending messages, numbered without gaps from 0 across resyncs. Lock order:
+/// the hub lock before a queue lock, never the reverse.
+struct SubQueue {
+    msgs: VecDeque<FeedMessage>,
+    /// Number of the next message queued.
+    next_seq: u64,
+    /// Nothing is queued until the stream task has built a fresh table and snapshot.
+    resync: bool,
+    /// Tables and snapshots sent so far.
+    resyncs: u64,
+}
+
+/// One feed subscription.
+pub struct Subscriber {
+    pub name: String,
+    queue: Mutex<SubQueue>,
+    pub notify: Notify,
+}
+
+impl Subscriber {
+    fn queue(&self) -> MutexGuard<'_, SubQueue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(q: &mut SubQueue, body: Body) {
+        let seq = q.next_seq;
+        q.next_seq = q.next_seq.saturating_add(1);
+        q.msgs.push_back(FeedMessage { seq, body: Some(body) });
+    }
+
+    /// The next message for this subscription, building a fresh table and snapshot first if
+    /// it is new or fell behind. `None` when nothing is queued (wait on `notify`).
+    pub fn pop(&self, hub: &Hub) -> Option<FeedMessage> {
+        {
+            let mut q = self.queue();
+            if !q.resync {
+                return q.msgs.pop_front();
+            }
+        }
+        let st = hub.state();
+        let mut q = self.queue();
+        if q.resync {
+            q.msgs.clear();
+            for body in st.snapshot_bodies() {
+                Self::push(&mut q, body);
+            }
+            q.resync = false;
+            q.resyncs = q.resyncs.saturating_add(1);
+        }
+        q.msgs.pop_front()
+    }
+
+    /// How many times this subscriber got a table and snapshot (1 = only the initial one).
+    pub fn snapshots_sent(&self) -> u64 {
+        self.queue().resyncs
+    }
+}
+
+/// Counters not tied to one engine.
+#[derive(Debug, Default, Clone)]
+pub struct FeedCounters {
+    pub subscriptions: u64,
+    pub messages: u64,
+    pub overflows: u64,
+    pub rejected_token: u64,
+}
+
+impl Hub {
+    /// Registers a subscriber; its first messages will be the table and a snapshot.
+    pub fn subscribe(&self, name: String) -> Arc<Subscriber> {
+        let sub = Arc::new(Subscriber {
+            name,
+            queue: Mutex::new(SubQueue { msgs: VecDeque::new(), next_seq: 0, resync: true, resyncs: 0 }),
+            notify: Notify::new(),
+        });
+        let mut st = self.state();
+        st.subscribers.retain(|w| w.strong_count() > 0);
+        st.subscribers.push(Arc::downgrade(&sub));
+        st.feed.subscriptions = st.feed.subscriptions.saturating_add(1);
+        drop(st);
+        sub.notify.notify_one();
+        sub
+    }
+}
+
+impl HubState {
+    /// (name, messages queued, snapshots sent) of every live subscriber.
+    pub fn subscriber_lags(&self) -> Vec<(String, usize, u64)> {
+        self.subscribers
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|s| {
+                let q = s.queue();
+                (s.name.clone(), q.msgs.len(), q.resyncs)
+            })
+            .collect()
+    }
+
+    pub fn live_subscribers(&self) -> usize {
+        self.subscribers.iter().filter(|w| w.strong_count() > 0).count()
+    }
+
+    /// Sends one message body to every subscriber that is in sync.
+    pub fn publish(&mut self, body: Body) {
+        let max = self.max_queue;
+        let mut sent: u64 = 0;
+        let mut overflows: u64 = 0;
+        self.subscribers.retain(|w| {
+            let Some(sub) = w.upgrade() else { return false };
+            let mut q = sub.queue();
+            if q.resync {
+                return true;
+            }
+            if q.msgs.len() >= max {
+                // Too far behind: drop the backlog; a fresh table and snapshot replace it,
+                // numbered from the first dropped message so the subscriber sees no gap.
+                if let Some(first) = q.msgs.front() {
+                    q.next_seq = first.seq;
+                }
+                q.msgs.clear();
+                q.resync = true;
+                overflows = overflows.saturating_add(1);
+            } else {
+                Subscriber::push(&mut q, body.clone());
+                sent = sent.saturating_add(1);
+            }
+            drop(q);
+            sub.notify.notify_one();
+            true
+        });
+        self.feed.messages = self.feed.messages.saturating_add(sent);
+        self.feed.overflows = self.feed.overflows.saturating_add(overflows);
+    }
+
+    /// Table, snapshot chunks of every engine (the first one flagged, at most
+    /// [`CHUNK_BLOCKS`] blocks each), SnapshotComplete, and the latest loads.
+    pub fn snapshot_bodies(&self) -> Vec<Body> {
+        let mut out = vec![Body::Replicas(self.table())];
+        for e in self.live() {
+            let keys = if e.up { e.mirror.keys() } else { Vec::new() };
+            if keys.is_empty() {
+                out.push(Body::Snapshot(SnapshotChunk { replica: e.spec.id, first: true, blocks: Vec::new() }));
+            }
+            for (i, chunk) in keys.chunks(CHUNK_BLOCKS).enumerate() {
+                out.push(Body::Snapshot(SnapshotChunk { replica: e.spec.id, first: i == 0, blocks: chunk.to_vec() }));
+            }
+        }
+        out.push(Body::SnapshotComplete(SnapshotComplete {}));
+        let loads: Vec<ReplicaLoad> = self.live().filter_map(|e| e.load.clone()).collect();
+        if !loads.is_empty() {
+            out.push(Body::Load(LoadReport { loads }));
+        }
+        out
+    }
+
+    pub(super) fn publish_changes(&mut self, id: u32) {
+        if self.changes.is_empty() {
+            return;
+        }
+        let changes = std::mem::take(&mut self.changes);
+        for part in changes.chunks(CHUNK_BLOCKS) {
+            self.publish(Body::Delta(BlockDelta::from_changes(id, part)));
+        }
+        self.changes = changes;
+        self.changes.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::fixtures::*;
+    use llmgw_core::feed::FeedState;
+    use llmgw_core::wire::WireEvent;
+
+    #[test]
+    fn snapshot_is_table_chunks_complete_and_seq_counts_up() {
+        let h = hub(2, 64);
+        h.state().apply(0, 0, &batch(vec![stored(vec![1, 2, 3])]));
+        let sub = h.subscribe("t".into());
+        let msgs = drain(&sub, &h);
+        let seqs: Vec<u64> = msgs.iter().map(|m| m.seq).collect();
+        assert_eq!(seqs, vec![0, 1, 2, 3]);
+        assert!(matches!(&msgs[0].body, Some(Body::Replicas(t)) if t.replicas.len() == 2));
+        assert_eq!(
+            msgs[1].body,
+            Some(Body::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: vec![1, 2, 3] }))
+        );
+        assert_eq!(msgs[2].body, Some(Body::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: vec![] })));
+        assert_eq!(msgs[3].body, Some(Body::SnapshotComplete(SnapshotComplete {})));
+        h.state().apply(1, 0, &batch(vec![stored(vec![9])]));
+        h.state().reset(0, "restart");
+        let msgs = drain(&sub, &h);
+        assert_eq!(msgs.len(), 2);
+        assert_eq!(msgs[0].seq, 4);
+        assert_eq!(msgs[0].body, Some(Body::Delta(BlockDelta { replica: 1, added: vec![9], removed: vec![] })));
+        assert_eq!(msgs[1].seq, 5);
+        assert!(matches!(&msgs[1].body, Some(Body::Reset(r)) if r.replica == 0 && r.reason == "restart"));
+    }
+
+    #[test]
+    fn large_snapshot_is_chunked() {
+        let h = hub(1, 64);
+        let keys: Vec<u64> = (1..=(CHUNK_BLOCKS as u64 * 2 + 5)).collect();
+        h.state().apply(0, 0, &batch(vec![stored(keys.clone())]));
+        let sub = h.subscribe("t".into());
+        let chunks: Vec<SnapshotChunk> = drain(&sub, &h)
+            .into_iter()
+            .filter_map(|m| match m.body {
+                Some(Body::Snapshot(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(chunks.len(), 3);
+        assert!(chunks[0].first && !chunks[1].first && !chunks[2].first);
+        assert!(chunks.iter().all(|c| c.blocks.len() <= CHUNK_BLOCKS));
+        let all: Vec<u64> = chunks.into_iter().flat_map(|c| c.blocks).collect();
+        assert_eq!(all, keys);
+    }
+
+    #[test]
+    fn late_subscriber_snapshot_plus_deltas_equal_agent_state_after_random_stream() {
+        let engines = 3u32;
+        let h = hub(engines, 1 << 20);
+        let mut rng = Lcg(7);
+        let mut early = h.subscribe("early".into());
+        let mut early_state = FeedState::default();
+        let mut late: Option<(Arc<Subscriber>, FeedState)> = None;
+        for step in 0..3000u64 {
+            let e = (rng.next() % u64::from(engines)) as usize;
+            let n = 1 + rng.next() % 4;
+            let keys: Vec<u64> = (0..n).map(|_| 1 + rng.next() % 64).collect();
+            let ev = match rng.next() % 20 {
+                0 => WireEvent::AllBlocksCleared,
+                1..=9 => removed(keys),
+                _ => stored(keys),
+            };
+            {
+                let mut st = h.state();
+                if rng.next().is_multiple_of(200) {
+                    st.reset(e, "test");
+                } else {
+                    st.apply(e, step, &batch(vec![ev]));
+                }
+            }
+            if step == 1500 {
+                late = Some((h.subscribe("late".into()), FeedState::default()));
+            }
+            if step.is_multiple_of(97) {
+                for m in drain(&early, &h) {
+                    early_state.apply(&m).unwrap();
+                }
+            }
+        }
+        let (late_sub, mut late_state) = late.unwrap();
+        for m in drain(&late_sub, &h) {
+            late_state.apply(&m).unwrap();
+        }
+        for m in drain(&early, &h) {
+            early_state.apply(&m).unwrap();
+        }
+        let truth: Vec<Vec<u64>> = h.state().engines.iter().map(|e| e.mirror.keys()).collect();
+        assert!(late_state.synced && early_state.synced);
+        assert_eq!(state_of(&late_state, engines), truth);
+        assert_eq!(state_of(&early_state, engines), truth);
+        assert!(truth.iter().any(|t| !t.is_empty()));
+        early = late_sub;
+        assert_eq!(early.snapshots_sent(), 1);
+    }
+
+    #[test]
+    fn lagging_subscriber_gets_fresh_snapshot_not_a_backlog() {
+        let h = hub(1, 16);
+        let sub = h.subscribe("slow".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        for i in 0..100u64 {
+            h.state().apply(0, i, &batch(vec![stored(vec![i + 1])]));
+        }
+        assert_eq!(h.state().feed.overflows, 1);
+        let msgs = drain(&sub, &h);
+        // Table + one chunk + complete: no backlog of 100 deltas.
+        assert!(msgs.len() <= 4, "{}", msgs.len());
+        // Numbered right after what the subscriber had received.
+        assert_eq!(msgs[0].seq, 3);
+        for m in &msgs {
+            fs.apply(m).unwrap();
+        }
+        assert!(matches!(&msgs[0].body, Some(Body::Replicas(_))));
+        assert_eq!(state_of(&fs, 1)[0], (1..=64).collect::<Vec<u64>>());
+        assert_eq!(sub.snapshots_sent(), 2);
+    }
+}
