@@ -299,5 +299,125 @@ fn lookup(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, decode_apply, index_apply, lookup);
+/// vLLM 0.33's captured payloads (both encodings), as the bytes it published.
+fn fixture_payloads(name: &str) -> Vec<Vec<u8>> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/vllm-0.33.0").join(name);
+    let text = std::fs::read_to_string(p).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let h = v["payload_hex"].as_str().unwrap();
+            (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect()
+        })
+        .collect()
+}
+
+/// The msgpack and CBOR codecs: decoding `KVEventBatch` payloads, and the CBOR pre-images of a
+/// 4,096-token prompt (256 blocks of 16) alone and hashed with sha256_cbor. With
+/// `--features legacy-codec` each case also runs on the hand-written codecs they replaced.
+fn codec(c: &mut Criterion) {
+    let (stream, _) = realistic_stream(1, 200, 2_000);
+    let sets = [
+        ("vllm_fixture_tagged", fixture_payloads("batches_native_seed0.jsonl")),
+        ("vllm_fixture_positional", fixture_payloads("batches_legacy_seed0.jsonl")),
+        ("synthetic_stream", stream),
+    ];
+    let mut g = c.benchmark_group("codec_decode");
+    for (name, payloads) in &sets {
+        let bytes: usize = payloads.iter().map(Vec::len).sum();
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.bench_function(format!("{name}/rmp"), |b| {
+            b.iter(|| {
+                let mut n = 0;
+                for p in payloads {
+                    n += llmgw_core::wire::decode_batch(black_box(p)).unwrap().events.len();
+                }
+                black_box(n)
+            })
+        });
+        #[cfg(feature = "legacy-codec")]
+        {
+            for p in payloads {
+                assert_eq!(
+                    llmgw_core::legacy::decode::decode_batch(p).unwrap(),
+                    llmgw_core::wire::decode_batch(p).unwrap()
+                );
+            }
+            g.bench_function(format!("{name}/hand_written"), |b| {
+                b.iter(|| {
+                    let mut n = 0;
+                    for p in payloads {
+                        n += llmgw_core::legacy::decode::decode_batch(black_box(p)).unwrap().events.len();
+                    }
+                    black_box(n)
+                })
+            });
+        }
+    }
+    g.finish();
+
+    let tokens: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000).collect();
+    let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+    let blocks = h.hash_request(&tokens, 16, &RequestExtras::default()).unwrap();
+    let parents: Vec<llmgw_core::Digest> =
+        std::iter::once(h.root()).chain(blocks.iter().map(|b| b.digest)).take(256).collect();
+    let mut g = c.benchmark_group("codec_cbor_preimages_256x16");
+    g.throughput(Throughput::Elements(256));
+    g.bench_function("minicbor", |b| {
+        b.iter(|| {
+            let mut n = 0;
+            for (t, p) in tokens.chunks(16).zip(&parents) {
+                n += h.preimage(black_box(p), t, &[]).len();
+            }
+            black_box(n)
+        })
+    });
+    #[cfg(feature = "legacy-codec")]
+    {
+        let mut buf = Vec::with_capacity(256);
+        for (t, p) in tokens.chunks(16).zip(&parents) {
+            llmgw_core::legacy::cbor_block(&mut buf, p, t);
+            assert_eq!(buf, h.preimage(p, t, &[]));
+        }
+        g.bench_function("hand_written", |b| {
+            b.iter(|| {
+                let mut n = 0;
+                for (t, p) in tokens.chunks(16).zip(&parents) {
+                    llmgw_core::legacy::cbor_block(&mut buf, black_box(p), t);
+                    n += buf.to_vec().len();
+                }
+                black_box(n)
+            })
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("codec_sha256_cbor_4096_tokens");
+    g.throughput(Throughput::Elements(256));
+    let mut out = Vec::with_capacity(256);
+    g.bench_function("minicbor", |b| {
+        b.iter(|| {
+            out.clear();
+            h.hash_request_into(black_box(&tokens), 16, &RequestExtras::default(), &mut out).unwrap();
+            black_box(out.len())
+        })
+    });
+    #[cfg(feature = "legacy-codec")]
+    {
+        let mut buf = Vec::with_capacity(256);
+        let mut old = Vec::with_capacity(256);
+        llmgw_core::legacy::hash_chain(&mut buf, h.root(), &tokens, 16, &mut old);
+        assert_eq!(old, blocks.iter().map(|b| b.digest).collect::<Vec<_>>());
+        g.bench_function("hand_written", |b| {
+            b.iter(|| {
+                old.clear();
+                llmgw_core::legacy::hash_chain(&mut buf, h.root(), black_box(&tokens), 16, &mut old);
+                black_box(old.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, hashing, decode_apply, index_apply, lookup, codec);
 criterion_main!(benches);

@@ -1,0 +1,391 @@
+//! The hand-written decoder as it was before `rmp` (kept only for the codec comparison bench).
+#![allow(dead_code, clippy::all)]
+
+use super::msgpack::{Int, Kind, MsgpackError, MsgpackErrorKind, Reader};
+use crate::hash::key_of_bytes;
+use crate::wire::{WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireValue};
+use std::fmt;
+
+/// Why a payload could not be decoded, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError {
+    /// Index of the event in the batch, when the error is inside one.
+    pub event: Option<usize>,
+    /// The field being read.
+    pub field: Option<&'static str>,
+    pub kind: DecodeErrorKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeErrorKind {
+    Msgpack(MsgpackError),
+    /// The batch array has fewer than 2 elements.
+    BatchTooShort(usize),
+    /// An event has no `type` key, or its tag is not a string.
+    MissingType,
+    /// A required field is absent.
+    MissingField,
+    /// A hash given as binary is shorter than 8 bytes.
+    HashTooShort(usize),
+    /// A token id does not fit 32 bits.
+    TokenOutOfRange(u64),
+    /// Values nested deeper than any vLLM field.
+    TooDeep,
+    /// Bytes after the batch.
+    TrailingBytes(usize),
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.event, self.field) {
+            (Some(e), Some(fl)) => write!(f, "event {e}, field {fl}: ")?,
+            (Some(e), None) => write!(f, "event {e}: ")?,
+            (None, Some(fl)) => write!(f, "batch {fl}: ")?,
+            (None, None) => f.write_str("batch: ")?,
+        }
+        match &self.kind {
+            DecodeErrorKind::Msgpack(e) => write!(f, "{e}"),
+            DecodeErrorKind::BatchTooShort(n) => write!(f, "batch array has {n} elements, expected [ts, events, rank]"),
+            DecodeErrorKind::MissingType => f.write_str("event has no string \"type\""),
+            DecodeErrorKind::MissingField => f.write_str("required field is missing"),
+            DecodeErrorKind::HashTooShort(n) => write!(f, "hash is {n} bytes, expected at least 8"),
+            DecodeErrorKind::TokenOutOfRange(t) => write!(f, "token id {t} does not fit 32 bits"),
+            DecodeErrorKind::TooDeep => f.write_str("values nested too deeply"),
+            DecodeErrorKind::TrailingBytes(n) => write!(f, "{n} bytes after the batch"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+/// Builds errors with the current location.
+#[derive(Clone, Copy)]
+struct Ctx {
+    event: Option<usize>,
+    field: Option<&'static str>,
+}
+
+impl Ctx {
+    fn err(self, kind: DecodeErrorKind) -> DecodeError {
+        DecodeError { event: self.event, field: self.field, kind }
+    }
+    fn field(self, f: &'static str) -> Ctx {
+        Ctx { field: Some(f), ..self }
+    }
+}
+
+trait At<T> {
+    fn at(self, c: Ctx) -> Result<T, DecodeError>;
+}
+
+impl<T> At<T> for Result<T, MsgpackError> {
+    fn at(self, c: Ctx) -> Result<T, DecodeError> {
+        self.map_err(|e| c.err(DecodeErrorKind::Msgpack(e)))
+    }
+}
+
+const MAX_DEPTH: u32 = 16;
+
+/// Decodes one `KVEventBatch` payload (the third frame of a ZMQ message).
+pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
+    let mut r = Reader::new(payload);
+    let c = Ctx { event: None, field: None };
+    let n = r.read_array_len().at(c)?;
+    if n < 2 {
+        return Err(c.err(DecodeErrorKind::BatchTooShort(n)));
+    }
+    let ts = r.read_f64().at(c.field("ts"))?;
+    let ce = c.field("events");
+    let n_events = r.read_array_len().at(ce)?;
+    let mut events = Vec::with_capacity(n_events.min(payload.len()));
+    for i in 0..n_events {
+        events.push(decode_event(&mut r, Ctx { event: Some(i), field: None })?);
+    }
+    let mut data_parallel_rank = None;
+    if n >= 3 {
+        let cr = c.field("data_parallel_rank");
+        if !r.try_nil().at(cr)? {
+            data_parallel_rank = Some(r.read_i64().at(cr)?);
+        }
+        for _ in 3..n {
+            r.skip().at(c)?;
+        }
+    }
+    if !r.is_at_end() {
+        return Err(c.err(DecodeErrorKind::TrailingBytes(payload.len().saturating_sub(r.position()))));
+    }
+    Ok(WireBatch { ts, events, data_parallel_rank })
+}
+
+/// Which event a tag names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown,
+}
+
+fn tag_of(s: &str) -> Tag {
+    match s {
+        "BlockStored" => Tag::Stored,
+        "BlockRemoved" => Tag::Removed,
+        "AllBlocksCleared" => Tag::Cleared,
+        _ => Tag::Unknown,
+    }
+}
+
+/// Every field of every event kind, filled as they are met.
+#[derive(Default)]
+struct Fields {
+    stored: WireBlockStored,
+    has_hashes: bool,
+    has_tokens: bool,
+    has_block_size: bool,
+}
+
+fn decode_event(r: &mut Reader<'_>, c: Ctx) -> Result<WireEvent, DecodeError> {
+    match r.peek_kind().at(c)? {
+        Kind::Map => decode_tagged(r, c),
+        Kind::Array => decode_positional(r, c),
+        other => Err(c.err(DecodeErrorKind::Msgpack(MsgpackError {
+            at: r.position(),
+            kind: MsgpackErrorKind::Unexpected { expected: "event (map or array)", found: other.name() },
+        }))),
+    }
+}
+
+fn decode_tagged(r: &mut Reader<'_>, c: Ctx) -> Result<WireEvent, DecodeError> {
+    let n = r.read_map_len().at(c)?;
+    let mut f = Fields::default();
+    let mut type_name: Option<String> = None;
+    for _ in 0..n {
+        if r.peek_kind().at(c)? != Kind::Str {
+            // Not a field name vLLM would write: skip key and value.
+            r.skip().at(c)?;
+            r.skip().at(c)?;
+            continue;
+        }
+        let key = r.read_str().at(c)?;
+        if key == "type" {
+            let ct = c.field("type");
+            if r.peek_kind().at(ct)? != Kind::Str {
+                return Err(ct.err(DecodeErrorKind::MissingType));
+            }
+            type_name = Some(r.read_str().at(ct)?.to_owned());
+            continue;
+        }
+        read_field(r, c, key, &mut f)?;
+    }
+    let Some(type_name) = type_name else {
+        return Err(c.err(DecodeErrorKind::MissingType));
+    };
+    finish(tag_of(&type_name), type_name, f, c)
+}
+
+/// Positional field order per event kind (vLLM 0.23; older versions stop earlier).
+const STORED_ORDER: [&str; 11] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+const REMOVED_ORDER: [&str; 3] = ["block_hashes", "medium", "group_idx"];
+
+fn decode_positional(r: &mut Reader<'_>, c: Ctx) -> Result<WireEvent, DecodeError> {
+    let n = r.read_array_len().at(c)?;
+    if n == 0 || r.peek_kind().at(c)? != Kind::Str {
+        return Err(c.err(DecodeErrorKind::MissingType));
+    }
+    let type_name = r.read_str().at(c.field("type"))?.to_owned();
+    let tag = tag_of(&type_name);
+    let order: &[&str] = match tag {
+        Tag::Stored => &STORED_ORDER,
+        Tag::Removed => &REMOVED_ORDER,
+        Tag::Cleared | Tag::Unknown => &[],
+    };
+    let mut f = Fields::default();
+    for i in 1..n {
+        match order.get(i.saturating_sub(1)) {
+            Some(key) => read_field(r, c, key, &mut f)?,
+            None => r.skip().at(c)?,
+        }
+    }
+    finish(tag, type_name, f, c)
+}
+
+fn finish(tag: Tag, type_name: String, f: Fields, c: Ctx) -> Result<WireEvent, DecodeError> {
+    match tag {
+        Tag::Stored => {
+            for (present, name) in
+                [(f.has_hashes, "block_hashes"), (f.has_tokens, "token_ids"), (f.has_block_size, "block_size")]
+            {
+                if !present {
+                    return Err(c.field(name).err(DecodeErrorKind::MissingField));
+                }
+            }
+            Ok(WireEvent::BlockStored(f.stored))
+        }
+        Tag::Removed => {
+            if !f.has_hashes {
+                return Err(c.field("block_hashes").err(DecodeErrorKind::MissingField));
+            }
+            let s = f.stored;
+            Ok(WireEvent::BlockRemoved(WireBlockRemoved {
+                block_hashes: s.block_hashes,
+                medium: s.medium,
+                group_idx: s.group_idx,
+                locality: s.locality,
+                ownership: s.ownership,
+            }))
+        }
+        Tag::Cleared => Ok(WireEvent::AllBlocksCleared),
+        Tag::Unknown => Ok(WireEvent::Unknown { type_name }),
+    }
+}
+
+fn opt_str(r: &mut Reader<'_>, c: Ctx) -> Result<Option<String>, DecodeError> {
+    if r.try_nil().at(c)? {
+        return Ok(None);
+    }
+    Ok(Some(r.read_str().at(c)?.to_owned()))
+}
+
+fn opt_i64(r: &mut Reader<'_>, c: Ctx) -> Result<Option<i64>, DecodeError> {
+    if r.try_nil().at(c)? {
+        return Ok(None);
+    }
+    Ok(Some(r.read_i64().at(c)?))
+}
+
+fn read_hash(r: &mut Reader<'_>, c: Ctx) -> Result<u64, DecodeError> {
+    match r.peek_kind().at(c)? {
+        Kind::Bin => {
+            let b = r.read_bin().at(c)?;
+            key_of_bytes(b).ok_or_else(|| c.err(DecodeErrorKind::HashTooShort(b.len())))
+        }
+        _ => r.read_u64().at(c),
+    }
+}
+
+fn read_tokens(r: &mut Reader<'_>, c: Ctx) -> Result<Vec<u32>, DecodeError> {
+    let n = r.read_array_len().at(c)?;
+    let mut v = Vec::with_capacity(n.min(1 << 20));
+    for _ in 0..n {
+        let t = r.read_u64().at(c)?;
+        v.push(u32::try_from(t).map_err(|_| c.err(DecodeErrorKind::TokenOutOfRange(t)))?);
+    }
+    Ok(v)
+}
+
+fn read_value(r: &mut Reader<'_>, c: Ctx, depth: u32) -> Result<WireValue, DecodeError> {
+    if depth > MAX_DEPTH {
+        return Err(c.err(DecodeErrorKind::TooDeep));
+    }
+    Ok(match r.peek_kind().at(c)? {
+        Kind::Nil => {
+            r.try_nil().at(c)?;
+            WireValue::Nil
+        }
+        Kind::Bool => WireValue::Bool(r.read_bool().at(c)?),
+        Kind::Int => match r.read_int().at(c)? {
+            Int::U(u) => WireValue::UInt(u),
+            Int::I(i) => WireValue::Int(i),
+        },
+        Kind::Float => WireValue::Float(r.read_f64().at(c)?),
+        Kind::Str => WireValue::Str(r.read_str().at(c)?.to_owned()),
+        Kind::Bin => WireValue::Bin(r.read_bin().at(c)?.to_vec()),
+        Kind::Array => {
+            let n = r.read_array_len().at(c)?;
+            let mut v = Vec::with_capacity(n.min(64));
+            for _ in 0..n {
+                v.push(read_value(r, c, depth.saturating_add(1))?);
+            }
+            WireValue::Array(v)
+        }
+        Kind::Map | Kind::Ext => {
+            r.skip().at(c)?;
+            WireValue::Other
+        }
+    })
+}
+
+fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(), DecodeError> {
+    let s = &mut f.stored;
+    match key {
+        "block_hashes" => {
+            let c = c.field("block_hashes");
+            let n = r.read_array_len().at(c)?;
+            s.block_hashes = Vec::with_capacity(n.min(1 << 16));
+            for _ in 0..n {
+                s.block_hashes.push(read_hash(r, c)?);
+            }
+            f.has_hashes = true;
+        }
+        "parent_block_hash" => {
+            let c = c.field("parent_block_hash");
+            s.parent_block_hash = if r.try_nil().at(c)? { None } else { Some(read_hash(r, c)?) };
+        }
+        "token_ids" => {
+            s.token_ids = read_tokens(r, c.field("token_ids"))?;
+            f.has_tokens = true;
+        }
+        "block_size" => {
+            s.block_size = r.read_u64().at(c.field("block_size"))?;
+            f.has_block_size = true;
+        }
+        "lora_id" => s.lora_id = opt_i64(r, c.field("lora_id"))?,
+        "medium" => s.medium = opt_str(r, c.field("medium"))?,
+        "lora_name" => s.lora_name = opt_str(r, c.field("lora_name"))?,
+        "extra_keys" => {
+            let c = c.field("extra_keys");
+            if r.try_nil().at(c)? {
+                s.extra_keys = None;
+            } else {
+                let n = r.read_array_len().at(c)?;
+                let mut all = Vec::with_capacity(n.min(1 << 16));
+                for _ in 0..n {
+                    if r.try_nil().at(c)? {
+                        all.push(None);
+                        continue;
+                    }
+                    match read_value(r, c, 1)? {
+                        WireValue::Array(items) => all.push(Some(items)),
+                        other => all.push(Some(vec![other])),
+                    }
+                }
+                s.extra_keys = Some(all);
+            }
+        }
+        "group_idx" => s.group_idx = opt_i64(r, c.field("group_idx"))?,
+        "kv_cache_spec_kind" => s.kv_cache_spec_kind = opt_str(r, c.field("kv_cache_spec_kind"))?,
+        "kv_cache_spec_sliding_window" => {
+            s.kv_cache_spec_sliding_window = opt_i64(r, c.field("kv_cache_spec_sliding_window"))?
+        }
+        "locality" => s.locality = opt_str(r, c.field("locality"))?,
+        "ownership" => s.ownership = opt_str(r, c.field("ownership"))?,
+        "session_id" => s.session_id = opt_str(r, c.field("session_id"))?,
+        "lookahead_token_ids" => {
+            let c = c.field("lookahead_token_ids");
+            if r.try_nil().at(c)? {
+                s.lookahead_token_ids = None;
+            } else {
+                let n = r.read_array_len().at(c)?;
+                let mut all = Vec::with_capacity(n.min(1 << 16));
+                for _ in 0..n {
+                    all.push(read_tokens(r, c)?);
+                }
+                s.lookahead_token_ids = Some(all);
+            }
+        }
+        _ => r.skip().at(c)?,
+    }
+    Ok(())
+}
