@@ -1,6 +1,7 @@
 //! The schema layer: `KVEventBatch` fields onto [`WireBatch`], in both encodings. Unknown
-//! fields and event types are skipped; counts read from the wire bound no allocation beyond
-//! what the payload's length could hold.
+//! fields and event types are skipped. A count read from the wire reserves at most
+//! [`capacity`] items: no more than the bytes left (every item takes one at least), and no more
+//! than a fixed bound, so a lying header costs nothing before the bytes run out.
 
 use super::reader::{Int, Kind, Reader};
 use super::{
@@ -37,6 +38,14 @@ impl<T> At<T> for Result<T, MsgpackError> {
 
 const MAX_DEPTH: u32 = 16;
 
+/// The most items reserved ahead for one wire count; longer sequences grow as they are read.
+const MAX_RESERVE: usize = 4096;
+
+/// What to reserve for `n` items announced by the wire, with the reader where they start.
+fn capacity(n: usize, r: &Reader<'_>) -> usize {
+    n.min(r.remaining()).min(MAX_RESERVE)
+}
+
 /// Decodes one `KVEventBatch` payload (the third frame of a ZMQ message).
 pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
     let mut r = Reader::new(payload);
@@ -48,7 +57,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
     let ts = r.read_f64().at(c.field("ts"))?;
     let ce = c.field("events");
     let n_events = r.read_array_len().at(ce)?;
-    let mut events = Vec::with_capacity(n_events.min(payload.len()));
+    let mut events = Vec::with_capacity(capacity(n_events, &r));
     for i in 0..n_events {
         events.push(decode_event(&mut r, Ctx { event: Some(i), field: None })?);
     }
@@ -228,7 +237,7 @@ fn read_hash(r: &mut Reader<'_>, c: Ctx) -> Result<u64, DecodeError> {
 
 fn read_tokens(r: &mut Reader<'_>, c: Ctx) -> Result<Vec<u32>, DecodeError> {
     let n = r.read_array_len().at(c)?;
-    let mut v = Vec::with_capacity(n.min(1 << 20));
+    let mut v = Vec::with_capacity(capacity(n, r));
     for _ in 0..n {
         let t = r.read_u64().at(c)?;
         v.push(u32::try_from(t).map_err(|_| c.err(DecodeErrorKind::TokenOutOfRange(t)))?);
@@ -255,7 +264,7 @@ fn read_value(r: &mut Reader<'_>, c: Ctx, depth: u32) -> Result<WireValue, Decod
         Kind::Bin => WireValue::Bin(r.read_bin().at(c)?.to_vec()),
         Kind::Array => {
             let n = r.read_array_len().at(c)?;
-            let mut v = Vec::with_capacity(n.min(64));
+            let mut v = Vec::with_capacity(capacity(n, r));
             for _ in 0..n {
                 v.push(read_value(r, c, depth.saturating_add(1))?);
             }
@@ -274,7 +283,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
         "block_hashes" => {
             let c = c.field("block_hashes");
             let n = r.read_array_len().at(c)?;
-            s.block_hashes = Vec::with_capacity(n.min(1 << 16));
+            s.block_hashes = Vec::with_capacity(capacity(n, r));
             for _ in 0..n {
                 s.block_hashes.push(read_hash(r, c)?);
             }
@@ -301,7 +310,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
                 s.extra_keys = None;
             } else {
                 let n = r.read_array_len().at(c)?;
-                let mut all = Vec::with_capacity(n.min(1 << 16));
+                let mut all = Vec::with_capacity(capacity(n, r));
                 for _ in 0..n {
                     if r.try_nil().at(c)? {
                         all.push(None);
@@ -329,7 +338,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
                 s.lookahead_token_ids = None;
             } else {
                 let n = r.read_array_len().at(c)?;
-                let mut all = Vec::with_capacity(n.min(1 << 16));
+                let mut all = Vec::with_capacity(capacity(n, r));
                 for _ in 0..n {
                     all.push(read_tokens(r, c)?);
                 }
@@ -429,5 +438,20 @@ mod tests {
         let p = unhex("93 00 91 82 a474797065 ab426c6f636b53746f726564 ac626c6f636b5f686173686573 9101 00");
         let e = decode_batch(&p).unwrap_err();
         assert_eq!(e.to_string(), "event 0, field token_ids: required field is missing");
+    }
+
+    #[test]
+    fn announced_counts_reserve_what_the_bytes_can_hold() {
+        let tail = [0u8; 100];
+        let r = Reader::new(&tail);
+        assert_eq!(capacity(u32::MAX as usize, &r), 100);
+        let big = vec![0u8; 1 << 20];
+        assert_eq!(capacity(u32::MAX as usize, &Reader::new(&big)), MAX_RESERVE);
+        // 2^32-1 events announced in a 7-byte payload: an error, nothing reserved for them.
+        let e = decode_batch(&[0x93, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff]).unwrap_err();
+        assert_eq!(
+            (e.event, e.kind),
+            (Some(0), DecodeErrorKind::Msgpack(MsgpackError { at: 7, kind: MsgpackErrorKind::Truncated }))
+        );
     }
 }

@@ -16,8 +16,8 @@ fn done<T>(r: Result<T, ValueWriteError<Infallible>>) {
     }
 }
 
-/// A length as msgpack carries it (32 bits). No batch we write comes near 2³² items or bytes;
-/// a longer one would be clamped, not wrapped.
+/// An array or map length as msgpack carries it (32 bits; a longer one would be clamped).
+/// Nothing the simulator, tests or benchmarks write comes near 2³² items.
 fn len32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }

@@ -96,6 +96,11 @@ impl<'a> Reader<'a> {
         self.buf.len().saturating_sub(self.rest.len())
     }
 
+    /// Bytes not yet read.
+    pub(super) fn remaining(&self) -> usize {
+        self.rest.len()
+    }
+
     pub(super) fn is_at_end(&self) -> bool {
         self.rest.is_empty()
     }
