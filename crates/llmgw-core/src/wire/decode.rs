@@ -239,8 +239,15 @@ fn read_tokens(r: &mut Reader<'_>, c: Ctx) -> Result<Vec<u32>, DecodeError> {
     let n = r.read_array_len().at(c)?;
     let mut v = Vec::with_capacity(capacity(n, r));
     for _ in 0..n {
-        let t = r.read_u64().at(c)?;
-        v.push(u32::try_from(t).map_err(|_| c.err(DecodeErrorKind::TokenOutOfRange(t)))?);
+        match r.read_u32() {
+            Ok(t) => v.push(t),
+            // Read again, wider, to name the token in the error.
+            Err(e) if matches!(e.kind, MsgpackErrorKind::OutOfRange { .. }) => match r.read_u64() {
+                Ok(t) => return Err(c.err(DecodeErrorKind::TokenOutOfRange(t))),
+                Err(_) => return Err(c.err(DecodeErrorKind::Msgpack(e))),
+            },
+            Err(e) => return Err(c.err(DecodeErrorKind::Msgpack(e))),
+        }
     }
     Ok(v)
 }
@@ -453,5 +460,24 @@ mod tests {
             (e.event, e.kind),
             (Some(0), DecodeErrorKind::Msgpack(MsgpackError { at: 7, kind: MsgpackErrorKind::Truncated }))
         );
+    }
+
+    #[test]
+    fn token_ids_must_fit_32_bits() {
+        // {"type":"BlockStored","block_hashes":[1],"token_ids":[1, 2^32],"block_size":2}
+        let stored = "a474797065 ab426c6f636b53746f726564 ac626c6f636b5f686173686573 9101 a9746f6b656e5f696473";
+        let p = unhex(&format!("93 00 91 84 {stored} 92 01 cf0000000100000000 aa626c6f636b5f73697a65 02 00"));
+        let e = decode_batch(&p).unwrap_err();
+        assert_eq!((e.field, e.kind), (Some("token_ids"), DecodeErrorKind::TokenOutOfRange(1 << 32)));
+        let p = unhex(&format!("93 00 91 84 {stored} 92 01 ff aa626c6f636b5f73697a65 02 00"));
+        let e = decode_batch(&p).unwrap_err();
+        assert!(matches!(
+            e.kind,
+            DecodeErrorKind::Msgpack(MsgpackError { kind: MsgpackErrorKind::OutOfRange { .. }, .. })
+        ));
+        let p = unhex(&format!("93 00 91 84 {stored} 92 01 ce ffffffff aa626c6f636b5f73697a65 02 00"));
+        let Ok(b) = decode_batch(&p) else { panic!("u32::MAX is a token") };
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!() };
+        assert_eq!(s.token_ids, vec![1, u32::MAX]);
     }
 }

@@ -213,6 +213,10 @@ impl<'a> Reader<'a> {
         self.run(rd::read_int::<u64, _>).map_err(|e| self.num_err(e, "unsigned integer"))
     }
 
+    pub(super) fn read_u32(&mut self) -> Result<u32, MsgpackError> {
+        self.run(rd::read_int::<u32, _>).map_err(|e| self.num_err(e, "32-bit unsigned integer"))
+    }
+
     pub(super) fn read_i64(&mut self) -> Result<i64, MsgpackError> {
         self.run(rd::read_int::<i64, _>).map_err(|e| self.num_err(e, "64-bit integer"))
     }
