@@ -8,7 +8,8 @@
 //!
 //! Measured once, old and new in one criterion run, before the hand-written msgpack reader and
 //! CBOR writer were deleted (they are in the history, with the `legacy-codec` feature that ran
-//! them here):
+//! them here; the chain case then ran as `codec_sha256_cbor_4096_tokens`, now
+//! `hash_4096_tokens/sha256_cbor`):
 //!
 //! ```text
 //! cargo bench -p llmgw-core --features legacy-codec --bench core -- codec --warm-up-time 2 --measurement-time 10
@@ -341,9 +342,9 @@ fn fixture_payloads(name: &str) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// The msgpack and CBOR codecs: decoding `KVEventBatch` payloads, and the CBOR pre-images of a
-/// 4,096-token prompt (256 blocks of 16) alone and hashed with sha256_cbor. With
-/// `--features legacy-codec` each case also runs on the hand-written codecs they replaced.
+/// The msgpack and CBOR codecs: decoding `KVEventBatch` payloads (`rmp`), and the CBOR
+/// pre-images of a 4,096-token prompt, 256 blocks of 16 (`minicbor`); the same prompt hashed is
+/// `hash_4096_tokens/sha256_cbor`.
 fn codec(c: &mut Criterion) {
     let (stream, _) = realistic_stream(1, 200, 2_000);
     let sets = [
@@ -364,24 +365,6 @@ fn codec(c: &mut Criterion) {
                 black_box(n)
             })
         });
-        #[cfg(feature = "legacy-codec")]
-        {
-            for p in payloads {
-                assert_eq!(
-                    llmgw_core::legacy::decode::decode_batch(p).unwrap(),
-                    llmgw_core::wire::decode_batch(p).unwrap()
-                );
-            }
-            g.bench_function(format!("{name}/hand_written"), |b| {
-                b.iter(|| {
-                    let mut n = 0;
-                    for p in payloads {
-                        n += llmgw_core::legacy::decode::decode_batch(black_box(p)).unwrap().events.len();
-                    }
-                    black_box(n)
-                })
-            });
-        }
     }
     g.finish();
 
@@ -401,50 +384,6 @@ fn codec(c: &mut Criterion) {
             black_box(n)
         })
     });
-    #[cfg(feature = "legacy-codec")]
-    {
-        let mut buf = Vec::with_capacity(256);
-        for (t, p) in tokens.chunks(16).zip(&parents) {
-            llmgw_core::legacy::cbor_block(&mut buf, p, t);
-            assert_eq!(buf, h.preimage(p, t, &[]));
-        }
-        g.bench_function("hand_written", |b| {
-            b.iter(|| {
-                let mut n = 0;
-                for (t, p) in tokens.chunks(16).zip(&parents) {
-                    llmgw_core::legacy::cbor_block(&mut buf, black_box(p), t);
-                    n += buf.to_vec().len();
-                }
-                black_box(n)
-            })
-        });
-    }
-    g.finish();
-
-    let mut g = c.benchmark_group("codec_sha256_cbor_4096_tokens");
-    g.throughput(Throughput::Elements(256));
-    let mut out = Vec::with_capacity(256);
-    g.bench_function("minicbor", |b| {
-        b.iter(|| {
-            out.clear();
-            h.hash_request_into(black_box(&tokens), 16, &RequestExtras::default(), &mut out).unwrap();
-            black_box(out.len())
-        })
-    });
-    #[cfg(feature = "legacy-codec")]
-    {
-        let mut buf = Vec::with_capacity(256);
-        let mut old = Vec::with_capacity(256);
-        llmgw_core::legacy::hash_chain(&mut buf, h.root(), &tokens, 16, &mut old);
-        assert_eq!(old, blocks.iter().map(|b| b.digest).collect::<Vec<_>>());
-        g.bench_function("hand_written", |b| {
-            b.iter(|| {
-                old.clear();
-                llmgw_core::legacy::hash_chain(&mut buf, h.root(), black_box(&tokens), 16, &mut old);
-                black_box(old.len())
-            })
-        });
-    }
     g.finish();
 }
 

@@ -24,9 +24,6 @@ pub mod feed;
 pub mod hash;
 pub mod idhash;
 pub mod index;
-#[cfg(feature = "legacy-codec")]
-#[doc(hidden)]
-pub mod legacy;
 pub mod mirror;
 pub mod pickle;
 pub mod policy;
