@@ -3,6 +3,36 @@
 //! a std `HashMap` with its default SipHash), so figures can be read as ratios.
 //!
 //! `cargo bench -p llmgw-core --bench core` (or `./build.sh bench`).
+//!
+//! ## Codecs: `rmp` and `minicbor` against the hand-written code they replaced
+//!
+//! Measured once, old and new in one criterion run, before the hand-written msgpack reader and
+//! CBOR writer were deleted (they are in the history, with the `legacy-codec` feature that ran
+//! them here; the chain case then ran as `codec_sha256_cbor_4096_tokens`, now
+//! `hash_4096_tokens/sha256_cbor`):
+//!
+//! ```text
+//! cargo bench -p llmgw-core --features legacy-codec --bench core -- codec --warm-up-time 2 --measurement-time 10
+//! ```
+//!
+//! Medians; 2-core machine shared with other builds (load average ≈ 1.0 during the run, so one
+//! core was busy elsewhere); release profile (LTO, one codegen unit). Ratio = new / old time.
+//!
+//! | case | old median | old throughput | new median | new throughput | new/old |
+//! |---|---|---|---|---|---|
+//! | decode, vLLM 0.33 fixture, tagged maps (17 batches, 9,126 B) | 27.1 µs | 321 MiB/s | 28.4 µs | 307 MiB/s | 1.05 |
+//! | decode, vLLM 0.33 fixture, positional arrays (17 batches, 5,613 B) | 19.4 µs | 276 MiB/s | 17.4 µs | 308 MiB/s | 0.90 |
+//! | decode, synthetic stream (200 batches, 638,138 B) | 2.14 ms | 285 MiB/s | 1.61 ms | 378 MiB/s | 0.75 |
+//! | CBOR pre-images only, 256 blocks of 16 | 18.1 µs | 14.1 Mblocks/s | 14.1 µs | 18.1 Mblocks/s | 0.78 |
+//! | sha256_cbor chain, 4,096 tokens (256 blocks) | 47.2 µs | 5.43 Mblocks/s | 40.2 µs | 6.37 Mblocks/s | 0.85 |
+//!
+//! Criterion runs cases one after another, so a load change on the shared machine moves one
+//! side only: earlier runs under load average 3–6 put single cases anywhere from 0.7 to 1.4.
+//! The same cases timed interleaved (best of 1,000 rounds, new then old in each,
+//! `--example codec_cmp` at the same commit) gave new/old 0.84 (tagged), 0.83 (positional),
+//! 0.71 (synthetic) and 0.89 (sha256_cbor chain). Reading token ids as u32 straight from `rmp`
+//! (not u64 then narrowed) is what put decoding ahead; before that change the interleaved
+//! ratios were 0.91, 0.95, 1.06 and 0.88.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -299,5 +329,63 @@ fn lookup(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, decode_apply, index_apply, lookup);
+/// vLLM 0.33's captured payloads (both encodings), as the bytes it published.
+fn fixture_payloads(name: &str) -> Vec<Vec<u8>> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/vllm-0.33.0").join(name);
+    let text = std::fs::read_to_string(p).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let h = v["payload_hex"].as_str().unwrap();
+            (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect()
+        })
+        .collect()
+}
+
+/// The msgpack and CBOR codecs: decoding `KVEventBatch` payloads (`rmp`), and the CBOR
+/// pre-images of a 4,096-token prompt, 256 blocks of 16 (`minicbor`); the same prompt hashed is
+/// `hash_4096_tokens/sha256_cbor`.
+fn codec(c: &mut Criterion) {
+    let (stream, _) = realistic_stream(1, 200, 2_000);
+    let sets = [
+        ("vllm_fixture_tagged", fixture_payloads("batches_native_seed0.jsonl")),
+        ("vllm_fixture_positional", fixture_payloads("batches_legacy_seed0.jsonl")),
+        ("synthetic_stream", stream),
+    ];
+    let mut g = c.benchmark_group("codec_decode");
+    for (name, payloads) in &sets {
+        let bytes: usize = payloads.iter().map(Vec::len).sum();
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.bench_function(format!("{name}/rmp"), |b| {
+            b.iter(|| {
+                let mut n = 0;
+                for p in payloads {
+                    n += llmgw_core::wire::decode_batch(black_box(p)).unwrap().events.len();
+                }
+                black_box(n)
+            })
+        });
+    }
+    g.finish();
+
+    let tokens: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_000).collect();
+    let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+    let blocks = h.hash_request(&tokens, 16, &RequestExtras::default()).unwrap();
+    let parents: Vec<llmgw_core::Digest> =
+        std::iter::once(h.root()).chain(blocks.iter().map(|b| b.digest)).take(256).collect();
+    let mut g = c.benchmark_group("codec_cbor_preimages_256x16");
+    g.throughput(Throughput::Elements(256));
+    g.bench_function("minicbor", |b| {
+        b.iter(|| {
+            let mut n = 0;
+            for (t, p) in tokens.chunks(16).zip(&parents) {
+                n += h.preimage(black_box(p), t, &[]).len();
+            }
+            black_box(n)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, hashing, decode_apply, index_apply, lookup, codec);
 criterion_main!(benches);

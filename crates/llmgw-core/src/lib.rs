@@ -4,7 +4,8 @@
 //!   over Python pickle, and the optional xxhash variants), with the root parent vLLM derives
 //!   from `PYTHONHASHSEED` and the extra keys (cache salt, LoRA, multimodal) it mixes in.
 //! * [`wire`]: decoding of vLLM's `KVEventBatch` msgpack payloads, in both encodings
-//!   (events as maps tagged by `type` since vLLM 0.24, positional arrays before).
+//!   (events as maps tagged by `type` since vLLM 0.24, positional arrays before), on `rmp`.
+//! * [`idhash`]: the stable (seedless) hashing helpers and the maps keyed by block keys.
 //! * [`event`]: the domain view of those events, independent of the wire form.
 //! * [`mirror`]: one engine's held blocks as a reference-counted multiset, yielding net changes
 //!   and checking hash parity.
@@ -20,7 +21,6 @@
 //! Nothing here does I/O, reads a clock or draws random numbers: every input is an argument,
 //! so the same code runs natively (agent, tests, benchmarks) and inside Envoy as wasm.
 
-pub mod cbor;
 pub mod config;
 pub mod event;
 pub mod feed;
@@ -29,7 +29,6 @@ pub mod hash;
 pub mod idhash;
 pub mod index;
 pub mod mirror;
-pub mod msgpack;
 pub mod pickle;
 pub mod policy;
 pub mod request;

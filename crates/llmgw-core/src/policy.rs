@@ -88,16 +88,8 @@ pub struct Decision {
     pub total: u32,
 }
 
-/// 64-bit FNV-1a followed by a SplitMix64 finaliser: stable across platforms, builds and
-/// processes (no random state), which is what cross-gateway consistency needs.
-pub fn stable_hash(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in data {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    mix(h)
-}
+/// Defined with the other stable hashing helpers; routing keys are made with it from here.
+pub use crate::idhash::stable_hash;
 
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -1,153 +1,14 @@
-//! vLLM's `KVEventBatch` msgpack payload, as it travels on the wire.
-//!
-//! The batch is always an array `[ts, events, data_parallel_rank]` (extra trailing elements are
-//! ignored). Each event is either a map tagged by `"type"` (vLLM ≥ 0.24) or a positional array
-//! `["BlockStored", field1, …]` (vLLM ≤ 0.23); both decode to the same [`WireEvent`]. Hashes may
-//! be integers of any msgpack width or binaries (16 or 32 bytes), and are reduced to the published
-//! u64 form. Unknown fields and unknown event types are skipped, never refused.
-//!
-//! These types mirror the wire one to one; [`crate::event`] holds the domain view.
+//! The schema layer: `KVEventBatch` fields onto [`WireBatch`], in both encodings. Unknown
+//! fields and event types are skipped. A count read from the wire reserves at most
+//! [`capacity`] items: no more than the bytes left (every item takes one at least), and no more
+//! than a fixed bound, so a lying header costs nothing before the bytes run out.
 
+use super::reader::{Int, Kind, Reader};
+use super::{
+    DecodeError, DecodeErrorKind, MsgpackError, MsgpackErrorKind, WireBatch, WireBlockRemoved, WireBlockStored,
+    WireEvent, WireValue,
+};
 use crate::hash::key_of_bytes;
-use crate::msgpack::{Int, Kind, MsgpackError, MsgpackErrorKind, Reader, Writer};
-use std::fmt;
-
-/// Which encoding the events of a batch used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Encoding {
-    /// Maps tagged by `"type"` (vLLM ≥ 0.24).
-    Tagged,
-    /// Positional arrays (vLLM ≤ 0.23).
-    Positional,
-}
-
-/// A decoded batch.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WireBatch {
-    pub ts: f64,
-    pub events: Vec<WireEvent>,
-    pub data_parallel_rank: Option<i64>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum WireEvent {
-    BlockStored(WireBlockStored),
-    BlockRemoved(WireBlockRemoved),
-    AllBlocksCleared,
-    /// An event type this version does not know; its content was skipped.
-    Unknown {
-        type_name: String,
-    },
-}
-
-impl WireEvent {
-    pub fn type_name(&self) -> &str {
-        match self {
-            WireEvent::BlockStored(_) => "BlockStored",
-            WireEvent::BlockRemoved(_) => "BlockRemoved",
-            WireEvent::AllBlocksCleared => "AllBlocksCleared",
-            WireEvent::Unknown { type_name } => type_name,
-        }
-    }
-}
-
-/// `BlockStored`, every field vLLM 0.33 publishes.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct WireBlockStored {
-    pub block_hashes: Vec<u64>,
-    pub parent_block_hash: Option<u64>,
-    pub token_ids: Vec<u32>,
-    pub block_size: u64,
-    pub lora_id: Option<i64>,
-    pub medium: Option<String>,
-    pub lora_name: Option<String>,
-    /// One entry per block hash: `None`, or the block's extra keys as published (untagged).
-    pub extra_keys: Option<Vec<Option<Vec<WireValue>>>>,
-    pub group_idx: Option<i64>,
-    pub kv_cache_spec_kind: Option<String>,
-    pub kv_cache_spec_sliding_window: Option<i64>,
-    pub locality: Option<String>,
-    pub ownership: Option<String>,
-    pub session_id: Option<String>,
-    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
-}
-
-/// `BlockRemoved`.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct WireBlockRemoved {
-    pub block_hashes: Vec<u64>,
-    pub medium: Option<String>,
-    pub group_idx: Option<i64>,
-    pub locality: Option<String>,
-    pub ownership: Option<String>,
-}
-
-/// A free-form value (the items of `extra_keys`).
-#[derive(Debug, Clone, PartialEq)]
-pub enum WireValue {
-    Nil,
-    Bool(bool),
-    Int(i64),
-    UInt(u64),
-    Float(f64),
-    Str(String),
-    Bin(Vec<u8>),
-    Array(Vec<WireValue>),
-    /// A map or an extension value: kept only as a marker.
-    Other,
-}
-
-/// Why a payload could not be decoded, and where.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DecodeError {
-    /// Index of the event in the batch, when the error is inside one.
-    pub event: Option<usize>,
-    /// The field being read.
-    pub field: Option<&'static str>,
-    pub kind: DecodeErrorKind,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DecodeErrorKind {
-    Msgpack(MsgpackError),
-    /// The batch array has fewer than 2 elements.
-    BatchTooShort(usize),
-    /// An event has no `type` key, or its tag is not a string.
-    MissingType,
-    /// A required field is absent.
-    MissingField,
-    /// A hash given as binary is shorter than 8 bytes.
-    HashTooShort(usize),
-    /// A token id does not fit 32 bits.
-    TokenOutOfRange(u64),
-    /// Values nested deeper than any vLLM field.
-    TooDeep,
-    /// Bytes after the batch.
-    TrailingBytes(usize),
-}
-
-impl fmt::Display for DecodeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match (self.event, self.field) {
-            (Some(e), Some(fl)) => write!(f, "event {e}, field {fl}: ")?,
-            (Some(e), None) => write!(f, "event {e}: ")?,
-            (None, Some(fl)) => write!(f, "batch {fl}: ")?,
-            (None, None) => f.write_str("batch: ")?,
-        }
-        match &self.kind {
-            DecodeErrorKind::Msgpack(e) => write!(f, "{e}"),
-            DecodeErrorKind::BatchTooShort(n) => write!(f, "batch array has {n} elements, expected [ts, events, rank]"),
-            DecodeErrorKind::MissingType => f.write_str("event has no string \"type\""),
-            DecodeErrorKind::MissingField => f.write_str("required field is missing"),
-            DecodeErrorKind::HashTooShort(n) => write!(f, "hash is {n} bytes, expected at least 8"),
-            DecodeErrorKind::TokenOutOfRange(t) => write!(f, "token id {t} does not fit 32 bits"),
-            DecodeErrorKind::TooDeep => f.write_str("values nested too deeply"),
-            DecodeErrorKind::TrailingBytes(n) => write!(f, "{n} bytes after the batch"),
-        }
-    }
-}
-
-impl std::error::Error for DecodeError {}
 
 /// Builds errors with the current location.
 #[derive(Clone, Copy)]
@@ -177,6 +38,14 @@ impl<T> At<T> for Result<T, MsgpackError> {
 
 const MAX_DEPTH: u32 = 16;
 
+/// The most items reserved ahead for one wire count; longer sequences grow as they are read.
+const MAX_RESERVE: usize = 4096;
+
+/// What to reserve for `n` items announced by the wire, with the reader where they start.
+fn capacity(n: usize, r: &Reader<'_>) -> usize {
+    n.min(r.remaining()).min(MAX_RESERVE)
+}
+
 /// Decodes one `KVEventBatch` payload (the third frame of a ZMQ message).
 pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
     let mut r = Reader::new(payload);
@@ -188,7 +57,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
     let ts = r.read_f64().at(c.field("ts"))?;
     let ce = c.field("events");
     let n_events = r.read_array_len().at(ce)?;
-    let mut events = Vec::with_capacity(n_events.min(payload.len()));
+    let mut events = Vec::with_capacity(capacity(n_events, &r));
     for i in 0..n_events {
         events.push(decode_event(&mut r, Ctx { event: Some(i), field: None })?);
     }
@@ -368,10 +237,17 @@ fn read_hash(r: &mut Reader<'_>, c: Ctx) -> Result<u64, DecodeError> {
 
 fn read_tokens(r: &mut Reader<'_>, c: Ctx) -> Result<Vec<u32>, DecodeError> {
     let n = r.read_array_len().at(c)?;
-    let mut v = Vec::with_capacity(n.min(1 << 20));
+    let mut v = Vec::with_capacity(capacity(n, r));
     for _ in 0..n {
-        let t = r.read_u64().at(c)?;
-        v.push(u32::try_from(t).map_err(|_| c.err(DecodeErrorKind::TokenOutOfRange(t)))?);
+        match r.read_u32() {
+            Ok(t) => v.push(t),
+            // Read again, wider, to name the token in the error.
+            Err(e) if matches!(e.kind, MsgpackErrorKind::OutOfRange { .. }) => match r.read_u64() {
+                Ok(t) => return Err(c.err(DecodeErrorKind::TokenOutOfRange(t))),
+                Err(_) => return Err(c.err(DecodeErrorKind::Msgpack(e))),
+            },
+            Err(e) => return Err(c.err(DecodeErrorKind::Msgpack(e))),
+        }
     }
     Ok(v)
 }
@@ -395,7 +271,7 @@ fn read_value(r: &mut Reader<'_>, c: Ctx, depth: u32) -> Result<WireValue, Decod
         Kind::Bin => WireValue::Bin(r.read_bin().at(c)?.to_vec()),
         Kind::Array => {
             let n = r.read_array_len().at(c)?;
-            let mut v = Vec::with_capacity(n.min(64));
+            let mut v = Vec::with_capacity(capacity(n, r));
             for _ in 0..n {
                 v.push(read_value(r, c, depth.saturating_add(1))?);
             }
@@ -414,7 +290,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
         "block_hashes" => {
             let c = c.field("block_hashes");
             let n = r.read_array_len().at(c)?;
-            s.block_hashes = Vec::with_capacity(n.min(1 << 16));
+            s.block_hashes = Vec::with_capacity(capacity(n, r));
             for _ in 0..n {
                 s.block_hashes.push(read_hash(r, c)?);
             }
@@ -441,7 +317,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
                 s.extra_keys = None;
             } else {
                 let n = r.read_array_len().at(c)?;
-                let mut all = Vec::with_capacity(n.min(1 << 16));
+                let mut all = Vec::with_capacity(capacity(n, r));
                 for _ in 0..n {
                     if r.try_nil().at(c)? {
                         all.push(None);
@@ -469,7 +345,7 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
                 s.lookahead_token_ids = None;
             } else {
                 let n = r.read_array_len().at(c)?;
-                let mut all = Vec::with_capacity(n.min(1 << 16));
+                let mut all = Vec::with_capacity(capacity(n, r));
                 for _ in 0..n {
                     all.push(read_tokens(r, c)?);
                 }
@@ -479,225 +355,6 @@ fn read_field(r: &mut Reader<'_>, c: Ctx, key: &str, f: &mut Fields) -> Result<(
         _ => r.skip().at(c)?,
     }
     Ok(())
-}
-
-/// How block hashes are written by [`encode_batch`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HashForm {
-    /// Unsigned integers (vLLM's default, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`).
-    Int,
-    /// 32-byte binaries whose last 8 bytes are the key (the leading 24 bytes are zero here).
-    Bytes,
-}
-
-fn write_hash(w: &mut Writer, h: u64, form: HashForm) {
-    match form {
-        HashForm::Int => w.uint(h),
-        HashForm::Bytes => {
-            let mut b = [0u8; 32];
-            if let Some(tail) = b.get_mut(24..) {
-                tail.copy_from_slice(&h.to_be_bytes());
-            }
-            w.bin(&b);
-        }
-    }
-}
-
-fn write_opt_str(w: &mut Writer, v: &Option<String>) {
-    match v {
-        Some(s) => w.str(s),
-        None => w.nil(),
-    }
-}
-
-fn write_opt_i64(w: &mut Writer, v: Option<i64>) {
-    match v {
-        Some(i) => w.int(i),
-        None => w.nil(),
-    }
-}
-
-fn write_value(w: &mut Writer, v: &WireValue) {
-    match v {
-        WireValue::Nil | WireValue::Other => w.nil(),
-        WireValue::Bool(b) => w.bool(*b),
-        WireValue::Int(i) => w.int(*i),
-        WireValue::UInt(u) => w.uint(*u),
-        WireValue::Float(f) => w.f64(*f),
-        WireValue::Str(s) => w.str(s),
-        WireValue::Bin(b) => w.bin(b),
-        WireValue::Array(a) => {
-            w.array(a.len());
-            a.iter().for_each(|x| write_value(w, x));
-        }
-    }
-}
-
-fn write_tokens(w: &mut Writer, t: &[u32]) {
-    w.array(t.len());
-    t.iter().for_each(|&x| w.uint(u64::from(x)));
-}
-
-fn write_extra_keys(w: &mut Writer, v: &Option<Vec<Option<Vec<WireValue>>>>) {
-    match v {
-        None => w.nil(),
-        Some(all) => {
-            w.array(all.len());
-            for e in all {
-                match e {
-                    None => w.nil(),
-                    Some(items) => {
-                        w.array(items.len());
-                        items.iter().for_each(|x| write_value(w, x));
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Encodes a batch as vLLM does: `Tagged` is vLLM ≥ 0.24 (maps; optional fields omitted when
-/// `None`), `Positional` is vLLM ≤ 0.23 (full-length arrays). Fields newer than 0.23
-/// (`locality`, `ownership`, `session_id`, `lookahead_token_ids`) exist only in the tagged form.
-pub fn encode_batch(b: &WireBatch, enc: Encoding, form: HashForm) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.array(3);
-    w.f64(b.ts);
-    w.array(b.events.len());
-    for ev in &b.events {
-        match (ev, enc) {
-            (WireEvent::BlockStored(s), Encoding::Tagged) => {
-                let optional: [(&str, bool); 8] = [
-                    ("extra_keys", s.extra_keys.is_some()),
-                    ("group_idx", s.group_idx.is_some()),
-                    ("kv_cache_spec_kind", s.kv_cache_spec_kind.is_some()),
-                    ("kv_cache_spec_sliding_window", s.kv_cache_spec_sliding_window.is_some()),
-                    ("locality", s.locality.is_some()),
-                    ("ownership", s.ownership.is_some()),
-                    ("session_id", s.session_id.is_some()),
-                    ("lookahead_token_ids", s.lookahead_token_ids.is_some()),
-                ];
-                let present = optional.iter().filter(|(_, p)| *p).count();
-                w.map(8usize.saturating_add(present));
-                w.str("type");
-                w.str("BlockStored");
-                w.str("block_hashes");
-                w.array(s.block_hashes.len());
-                s.block_hashes.iter().for_each(|&h| write_hash(&mut w, h, form));
-                w.str("parent_block_hash");
-                match s.parent_block_hash {
-                    Some(h) => write_hash(&mut w, h, form),
-                    None => w.nil(),
-                }
-                w.str("token_ids");
-                write_tokens(&mut w, &s.token_ids);
-                w.str("block_size");
-                w.uint(s.block_size);
-                w.str("lora_id");
-                write_opt_i64(&mut w, s.lora_id);
-                w.str("medium");
-                write_opt_str(&mut w, &s.medium);
-                w.str("lora_name");
-                write_opt_str(&mut w, &s.lora_name);
-                if s.extra_keys.is_some() {
-                    w.str("extra_keys");
-                    write_extra_keys(&mut w, &s.extra_keys);
-                }
-                if let Some(g) = s.group_idx {
-                    w.str("group_idx");
-                    w.int(g);
-                }
-                if let Some(v) = &s.kv_cache_spec_kind {
-                    w.str("kv_cache_spec_kind");
-                    w.str(v);
-                }
-                if let Some(v) = s.kv_cache_spec_sliding_window {
-                    w.str("kv_cache_spec_sliding_window");
-                    w.int(v);
-                }
-                for (k, v) in [("locality", &s.locality), ("ownership", &s.ownership), ("session_id", &s.session_id)] {
-                    if let Some(v) = v {
-                        w.str(k);
-                        w.str(v);
-                    }
-                }
-                if let Some(la) = &s.lookahead_token_ids {
-                    w.str("lookahead_token_ids");
-                    w.array(la.len());
-                    la.iter().for_each(|t| write_tokens(&mut w, t));
-                }
-            }
-            (WireEvent::BlockStored(s), Encoding::Positional) => {
-                w.array(12);
-                w.str("BlockStored");
-                w.array(s.block_hashes.len());
-                s.block_hashes.iter().for_each(|&h| write_hash(&mut w, h, form));
-                match s.parent_block_hash {
-                    Some(h) => write_hash(&mut w, h, form),
-                    None => w.nil(),
-                }
-                write_tokens(&mut w, &s.token_ids);
-                w.uint(s.block_size);
-                write_opt_i64(&mut w, s.lora_id);
-                write_opt_str(&mut w, &s.medium);
-                write_opt_str(&mut w, &s.lora_name);
-                write_extra_keys(&mut w, &s.extra_keys);
-                write_opt_i64(&mut w, s.group_idx);
-                write_opt_str(&mut w, &s.kv_cache_spec_kind);
-                write_opt_i64(&mut w, s.kv_cache_spec_sliding_window);
-            }
-            (WireEvent::BlockRemoved(r), Encoding::Tagged) => {
-                let present =
-                    [r.group_idx.is_some(), r.locality.is_some(), r.ownership.is_some()].iter().filter(|p| **p).count();
-                w.map(3usize.saturating_add(present));
-                w.str("type");
-                w.str("BlockRemoved");
-                w.str("block_hashes");
-                w.array(r.block_hashes.len());
-                r.block_hashes.iter().for_each(|&h| write_hash(&mut w, h, form));
-                w.str("medium");
-                write_opt_str(&mut w, &r.medium);
-                if let Some(g) = r.group_idx {
-                    w.str("group_idx");
-                    w.int(g);
-                }
-                for (k, v) in [("locality", &r.locality), ("ownership", &r.ownership)] {
-                    if let Some(v) = v {
-                        w.str(k);
-                        w.str(v);
-                    }
-                }
-            }
-            (WireEvent::BlockRemoved(r), Encoding::Positional) => {
-                w.array(4);
-                w.str("BlockRemoved");
-                w.array(r.block_hashes.len());
-                r.block_hashes.iter().for_each(|&h| write_hash(&mut w, h, form));
-                write_opt_str(&mut w, &r.medium);
-                write_opt_i64(&mut w, r.group_idx);
-            }
-            (WireEvent::AllBlocksCleared, Encoding::Tagged) => {
-                w.map(1);
-                w.str("type");
-                w.str("AllBlocksCleared");
-            }
-            (WireEvent::AllBlocksCleared, Encoding::Positional) => {
-                w.array(1);
-                w.str("AllBlocksCleared");
-            }
-            (WireEvent::Unknown { type_name }, Encoding::Tagged) => {
-                w.map(1);
-                w.str("type");
-                w.str(type_name);
-            }
-            (WireEvent::Unknown { type_name }, Encoding::Positional) => {
-                w.array(1);
-                w.str(type_name);
-            }
-        }
-    }
-    write_opt_i64(&mut w, b.data_parallel_rank);
-    w.into_inner()
 }
 
 #[cfg(test)]
@@ -788,5 +445,39 @@ mod tests {
         let p = unhex("93 00 91 82 a474797065 ab426c6f636b53746f726564 ac626c6f636b5f686173686573 9101 00");
         let e = decode_batch(&p).unwrap_err();
         assert_eq!(e.to_string(), "event 0, field token_ids: required field is missing");
+    }
+
+    #[test]
+    fn announced_counts_reserve_what_the_bytes_can_hold() {
+        let tail = [0u8; 100];
+        let r = Reader::new(&tail);
+        assert_eq!(capacity(u32::MAX as usize, &r), 100);
+        let big = vec![0u8; 1 << 20];
+        assert_eq!(capacity(u32::MAX as usize, &Reader::new(&big)), MAX_RESERVE);
+        // 2^32-1 events announced in a 7-byte payload: an error, nothing reserved for them.
+        let e = decode_batch(&[0x93, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff]).unwrap_err();
+        assert_eq!(
+            (e.event, e.kind),
+            (Some(0), DecodeErrorKind::Msgpack(MsgpackError { at: 7, kind: MsgpackErrorKind::Truncated }))
+        );
+    }
+
+    #[test]
+    fn token_ids_must_fit_32_bits() {
+        // {"type":"BlockStored","block_hashes":[1],"token_ids":[1, 2^32],"block_size":2}
+        let stored = "a474797065 ab426c6f636b53746f726564 ac626c6f636b5f686173686573 9101 a9746f6b656e5f696473";
+        let p = unhex(&format!("93 00 91 84 {stored} 92 01 cf0000000100000000 aa626c6f636b5f73697a65 02 00"));
+        let e = decode_batch(&p).unwrap_err();
+        assert_eq!((e.field, e.kind), (Some("token_ids"), DecodeErrorKind::TokenOutOfRange(1 << 32)));
+        let p = unhex(&format!("93 00 91 84 {stored} 92 01 ff aa626c6f636b5f73697a65 02 00"));
+        let e = decode_batch(&p).unwrap_err();
+        assert!(matches!(
+            e.kind,
+            DecodeErrorKind::Msgpack(MsgpackError { kind: MsgpackErrorKind::OutOfRange { .. }, .. })
+        ));
+        let p = unhex(&format!("93 00 91 84 {stored} 92 01 ce ffffffff aa626c6f636b5f73697a65 02 00"));
+        let Ok(b) = decode_batch(&p) else { panic!("u32::MAX is a token") };
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!() };
+        assert_eq!(s.token_ids, vec![1, u32::MAX]);
     }
 }
