@@ -91,15 +91,9 @@ pub struct Decision {
 /// Defined with the other stable hashing helpers; routing keys are made with it from here.
 pub use crate::idhash::stable_hash;
 
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// The rendezvous weight of `address` for a prefix key.
 pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
-    mix(key ^ stable_hash(address.as_bytes()))
+    crate::idhash::mix64(key ^ stable_hash(address.as_bytes()))
 }
 
 /// Indices of the replicas the policy may pick: up and not overloaded, or, when every up
