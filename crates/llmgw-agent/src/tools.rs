@@ -294,7 +294,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
         }
         changes.clear();
         mirror.apply(&batch, &mut changes);
-        index.apply(0, &changes);
+        index.apply(llmgw_core::ReplicaId(0), &changes);
         let added = changes.iter().filter(|c| matches!(c, llmgw_core::NetChange::Added(_))).count();
         let p = &mirror.stats().parity;
         w(

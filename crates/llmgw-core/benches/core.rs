@@ -44,6 +44,7 @@
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use llmgw_core::event::EventBatch;
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
+use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use llmgw_core::wire::{encode_batch, Encoding, HashForm, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent};
@@ -165,7 +166,7 @@ fn decode_apply(c: &mut Criterion) {
                     let batch = EventBatch::decode(p).unwrap();
                     ch.clear();
                     m.apply(&batch, &mut ch);
-                    ix.apply(3, &ch);
+                    ix.apply(ReplicaId(3), &ch);
                 }
                 black_box(ix.entries())
             },
@@ -190,7 +191,7 @@ fn churn(rng: &mut Rng, n: usize) -> (ReplicaIndex, Vec<(u16, Vec<NetChange>)>) 
     let mut held: Vec<Vec<u64>> =
         (0..REPLICAS).map(|_| (0..BLOCKS_PER_REPLICA).map(|_| rng.next()).collect()).collect();
     for (r, keys) in held.iter().enumerate() {
-        ix.replace_replica(r as u16, keys.iter().copied());
+        ix.replace_replica(ReplicaId(r as u16), keys.iter().copied());
     }
     let mut changes = Vec::new();
     for _ in 0..n {
@@ -221,7 +222,7 @@ fn index_apply(c: &mut Criterion) {
             || ix.clone(),
             |mut ix| {
                 for (r, ch) in &changes {
-                    ix.apply(*r, ch);
+                    ix.apply(ReplicaId(*r), ch);
                 }
                 black_box(ix.entries())
             },
@@ -279,7 +280,7 @@ fn lookup(c: &mut Criterion) {
         for &k in &keys {
             *base.entry(k).or_default() |= 1 << r;
         }
-        ix.replace_replica(r, keys.iter().copied());
+        ix.replace_replica(ReplicaId(r), keys.iter().copied());
         per_replica.push(keys);
     }
     let pairs = ix.entries();

@@ -17,6 +17,7 @@ use llmgw_core::config::Compiled;
 use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
 use llmgw_core::flow::{prefix_scores, Body, Router, Scratch, Step, TokenizerReply};
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
+use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::request::{parse_request, ApiKind};
 
@@ -43,11 +44,11 @@ fn index(held: &[u64]) -> ReplicaIndex {
     let mut ix = ReplicaIndex::new();
     for r in 0..REPLICAS as u16 {
         for k in 0..OTHER_BLOCKS {
-            ix.insert(r, k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(r));
+            ix.insert(ReplicaId(r), k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(r));
         }
     }
     for &k in held {
-        ix.insert(3, k);
+        ix.insert(ReplicaId(3), k);
     }
     ix
 }

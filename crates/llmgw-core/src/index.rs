@@ -16,8 +16,43 @@
 
 use crate::mirror::NetChange;
 
-/// A replica's slot in the index (dense, chosen by whoever owns the replica table).
-pub type ReplicaId = u16;
+/// A replica's slot in the index: dense from 0, chosen by whoever owns the replica table (the
+/// agent numbers the replicas of its feed). Distinct from the feed's wire `u32` so an id that
+/// does not fit is refused where it enters ([`ReplicaId::try_from`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct ReplicaId(pub u16);
+
+impl From<ReplicaId> for usize {
+    fn from(r: ReplicaId) -> usize {
+        usize::from(r.0)
+    }
+}
+
+impl From<ReplicaId> for u32 {
+    fn from(r: ReplicaId) -> u32 {
+        u32::from(r.0)
+    }
+}
+
+impl TryFrom<u32> for ReplicaId {
+    type Error = std::num::TryFromIntError;
+    fn try_from(v: u32) -> Result<Self, Self::Error> {
+        u16::try_from(v).map(ReplicaId)
+    }
+}
+
+impl TryFrom<usize> for ReplicaId {
+    type Error = std::num::TryFromIntError;
+    fn try_from(v: usize) -> Result<Self, Self::Error> {
+        u16::try_from(v).map(ReplicaId)
+    }
+}
+
+impl std::fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 const PAGE_BITS: usize = 16;
 const MASK_BITS: u32 = 16;
@@ -462,21 +497,21 @@ mod tests {
     fn leading_runs() {
         let mut ix = ReplicaIndex::new();
         for k in [10, 11, 12] {
-            ix.insert(0, k);
+            ix.insert(ReplicaId(0), k);
         }
         for k in [10, 12, 13] {
-            ix.insert(2, k);
+            ix.insert(ReplicaId(2), k);
         }
-        ix.insert(70, 10); // second page
-        ix.insert(70, 11);
+        ix.insert(ReplicaId(70), 10); // second page
+        ix.insert(ReplicaId(70), 11);
         let s = ix.score(&[10, 11, 12, 13]);
         assert_eq!(s.total, 4);
         assert_eq!(s.leading[0], 3);
         assert_eq!(s.leading[1], 0);
         assert_eq!(s.leading[2], 1);
         assert_eq!(s.leading[70], 2);
-        assert_eq!(s.best(), Some((0, 3)));
-        assert!((s.share(0) - 0.75).abs() < 1e-12);
+        assert_eq!(s.best(), Some((ReplicaId(0), 3)));
+        assert!((s.share(ReplicaId(0)) - 0.75).abs() < 1e-12);
         assert_eq!(ix.score(&[]).best(), None);
     }
 
@@ -484,17 +519,17 @@ mod tests {
     fn removal_keeps_probe_runs_intact() {
         let mut ix = ReplicaIndex::new();
         for k in 0..5000u64 {
-            ix.insert(1, k.wrapping_mul(7919));
+            ix.insert(ReplicaId(1), k.wrapping_mul(7919));
         }
         for k in (0..5000u64).step_by(2) {
-            ix.remove(1, k.wrapping_mul(7919));
+            ix.remove(ReplicaId(1), k.wrapping_mul(7919));
         }
         for k in 0..5000u64 {
-            assert_eq!(ix.holds(1, k.wrapping_mul(7919)), k % 2 == 1, "key {k}");
+            assert_eq!(ix.holds(ReplicaId(1), k.wrapping_mul(7919)), k % 2 == 1, "key {k}");
         }
-        assert_eq!(ix.replica_blocks(1), 2500);
-        ix.clear_replica(1);
+        assert_eq!(ix.replica_blocks(ReplicaId(1)), 2500);
+        ix.clear_replica(ReplicaId(1));
         assert_eq!(ix.entries(), 0);
-        assert!(!ix.holds(1, 7919));
+        assert!(!ix.holds(ReplicaId(1), 7919));
     }
 }

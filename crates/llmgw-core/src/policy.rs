@@ -227,7 +227,7 @@ mod tests {
     fn fleet(n: usize) -> Vec<Candidate<'static>> {
         (0..n)
             .map(|i| Candidate {
-                id: i as ReplicaId,
+                id: ReplicaId(i as u16),
                 address: ADDRS[i],
                 up: true,
                 in_flight: 0,
@@ -308,7 +308,7 @@ mod tests {
         let a = fleet(4);
         let mut b: Vec<Candidate<'static>> = fleet(4).into_iter().rev().collect();
         for (i, c) in b.iter_mut().enumerate() {
-            c.id = i as ReplicaId;
+            c.id = ReplicaId(i as u16);
         }
         let mut hits = [0u32; 4];
         for p in 0..200u32 {

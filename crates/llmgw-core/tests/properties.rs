@@ -10,6 +10,7 @@
 )]
 
 use llmgw_core::event::EventBatch;
+use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use llmgw_core::wire::{
@@ -144,7 +145,7 @@ proptest! {
                 prop_assert_eq!(mirrors[i].count(*k), *c);
             }
             prop_assert_eq!(mirrors[i].keys(), after.iter().copied().collect::<Vec<_>>());
-            index.apply(r, &changes);
+            index.apply(ReplicaId(r), &changes);
         }
         let universe: BTreeSet<u64> = stream
             .iter()
@@ -161,9 +162,9 @@ proptest! {
             let r = i as u16;
             let set: BTreeSet<u64> = model.keys().copied().collect();
             for k in &universe {
-                prop_assert_eq!(index.holds(r, *k), set.contains(k), "replica {} key {}", r, k);
+                prop_assert_eq!(index.holds(ReplicaId(r), *k), set.contains(k), "replica {} key {}", r, k);
             }
-            prop_assert_eq!(index.replica_blocks(r), set.len() as u64);
+            prop_assert_eq!(index.replica_blocks(ReplicaId(r)), set.len() as u64);
             for q in &queries {
                 let s = index.score(q);
                 prop_assert_eq!(s.leading.get(i).copied().unwrap_or(0), naive_leading(&set, q));
@@ -214,20 +215,20 @@ proptest! {
     fn index_snapshots_replace_a_replica(keys_a in prop::collection::btree_set(any::<u64>(), 0..300), keys_b in prop::collection::btree_set(any::<u64>(), 0..300)) {
         let mut index = ReplicaIndex::new();
         let holders = |ix: &ReplicaIndex, r: u16| -> BTreeSet<u64> {
-            keys_a.iter().chain(&keys_b).copied().filter(|k| ix.holds(r, *k)).collect()
+            keys_a.iter().chain(&keys_b).copied().filter(|k| ix.holds(ReplicaId(r), *k)).collect()
         };
-        index.replace_replica(5, keys_a.iter().copied());
-        index.replace_replica(1, keys_b.iter().copied());
-        index.replace_replica(40, keys_a.iter().copied()); // another page
+        index.replace_replica(ReplicaId(5), keys_a.iter().copied());
+        index.replace_replica(ReplicaId(1), keys_b.iter().copied());
+        index.replace_replica(ReplicaId(40), keys_a.iter().copied()); // another page
         prop_assert_eq!(&holders(&index, 5), &keys_a);
-        index.replace_replica(5, keys_b.iter().copied());
+        index.replace_replica(ReplicaId(5), keys_b.iter().copied());
         prop_assert_eq!(&holders(&index, 5), &keys_b);
         prop_assert_eq!(&holders(&index, 1), &keys_b);
         prop_assert_eq!(&holders(&index, 40), &keys_a);
-        index.clear_replica(40);
+        index.clear_replica(ReplicaId(40));
         prop_assert_eq!(index.entries(), 2 * keys_b.len() as u64);
-        index.clear_replica(1);
-        index.clear_replica(5);
+        index.clear_replica(ReplicaId(1));
+        index.clear_replica(ReplicaId(5));
         prop_assert_eq!(index.entries(), 0);
     }
 }

@@ -23,6 +23,7 @@ pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
 use crate::hash::{BlockHash, HashError, RequestExtras};
+use crate::index::ReplicaId;
 use crate::policy::{self, Candidate, Decision, Outcome};
 use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
@@ -209,7 +210,7 @@ fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFl
             None => true,
         })
         .filter_map(|r| {
-            let id = u16::try_from(r.id).ok()?;
+            let id = ReplicaId::try_from(r.id).ok()?;
             let load = feed.loads.iter().find(|l| l.replica == r.id);
             Some(Candidate {
                 id,

@@ -79,6 +79,7 @@ pub fn prefix_scores(
 mod tests {
     use super::*;
     use crate::hash::HashAlgo;
+    use crate::index::ReplicaId;
 
     const BS: usize = 4;
 
@@ -110,13 +111,13 @@ mod tests {
         let (mut h, tokens, all) = setup(64);
         let mut index = ReplicaIndex::new();
         for b in &all[..20] {
-            index.insert(1, b.key);
+            index.insert(ReplicaId(1), b.key);
         }
         for b in &all[..5] {
-            index.insert(0, b.key);
+            index.insert(ReplicaId(0), b.key);
         }
         // Replica 2 holds a later block but not block 0: no leading run.
-        index.insert(2, all[30].key);
+        index.insert(ReplicaId(2), all[30].key);
         let s = run(&index, &mut h, &tokens, &[]);
         assert_eq!(s.scores.leading, vec![5, 20, 0]);
         assert_eq!(s.scores.total, 64);
@@ -132,7 +133,7 @@ mod tests {
         let (mut h, tokens, all) = setup(40);
         let mut index = ReplicaIndex::new();
         for b in &all {
-            index.insert(0, b.key);
+            index.insert(ReplicaId(0), b.key);
         }
         let s = run(&index, &mut h, &tokens, &[]);
         assert_eq!((s.scores.leading.clone(), s.hashes.len()), (vec![40], 40));
