@@ -69,6 +69,14 @@ fn ok_reply(tokens: &[u32]) -> Vec<u8> {
     format!(r#"{{"count":{},"max_model_len":4096,"tokens":{tokens:?}}}"#, tokens.len()).into_bytes()
 }
 
+/// Routes a text prompt through a tokenizer call answered with `tokens`.
+fn tokenized(r: &mut Router, bytes: &[u8], tokens: &[u32], now_ns: u64) -> Step {
+    let call = tokenize(r.on_body(&body(COMPLETIONS, bytes), &(), now_ns));
+    let answer = ok_reply(tokens);
+    let read = || answer.clone();
+    r.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), now_ns)
+}
+
 const COMPLETIONS: &str = "/v1/completions";
 
 #[test]
@@ -166,11 +174,7 @@ fn a_prompt_seen_again_skips_the_tokenizer_by_its_raw_body_or_its_call() {
     let tokens: Vec<u32> = (0..24).collect();
     let mut r = router("", keys(&tokens), true);
     let first = br#"{"model":"m","prompt":"hello"}"#;
-    let call = tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0));
-    let answer = ok_reply(&tokens);
-    let read = || answer.clone();
-    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
-    assert_eq!(routed(r.on_tokenizer_reply(*call.pending, &reply, &(), 10)).address, B);
+    assert_eq!(routed(tokenized(&mut r, first, &tokens, 10)).address, B);
     // The same bytes: resolved through the raw-body alias, no call.
     let again = routed(r.on_body(&body(COMPLETIONS, first), &(), 20));
     assert_eq!((again.address.as_str(), again.report.tokenizer_cache), (B, Some(CacheLookup::RawBodyHit)));
@@ -187,8 +191,7 @@ fn a_prompt_seen_again_skips_the_tokenizer_by_its_raw_body_or_its_call() {
     assert_eq!(tokenize(late).report.tokenizer_cache, Some(CacheLookup::Miss));
     // With the cache off every text prompt is tokenized.
     let mut off = router(r#""tokenizer_cache_bytes":0,"#, keys(&tokens), true);
-    let call = tokenize(off.on_body(&body(COMPLETIONS, first), &(), 0));
-    let _ = off.on_tokenizer_reply(*call.pending, &reply, &(), 0);
+    let _ = tokenized(&mut off, first, &tokens, 0);
     let call = tokenize(off.on_body(&body(COMPLETIONS, first), &(), 0));
     assert_eq!(call.report.tokenizer_cache, None);
 }
@@ -227,11 +230,7 @@ fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
     let tokens: Vec<u32> = (0..24).collect();
     let mut r = router("", keys(&tokens), true);
     let first = br#"{"model":"m","prompt":"hello"}"#;
-    let call = tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0));
-    let answer = ok_reply(&tokens);
-    let read = || answer.clone();
-    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
-    let _ = r.on_tokenizer_reply(*call.pending, &reply, &(), 0);
+    let _ = tokenized(&mut r, first, &tokens, 0);
     assert_eq!(r.tokenizer_cache().len(), 1);
     r.reconfigure(config(r#""explain_header":true,"#));
     assert!(r.config().explain_header);
