@@ -28,7 +28,7 @@ fn config(extra: &str) -> String {
 
 fn keys(tokens: &[u32]) -> Vec<u64> {
     let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
-    h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key).collect()
+    h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key.0).collect()
 }
 
 fn replica(id: u32, address: &str, up: bool) -> Replica {

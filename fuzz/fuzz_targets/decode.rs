@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
         let mut changes = Vec::new();
         mirror.apply(&batch, &mut changes);
         let mut index = ReplicaIndex::new();
-        index.apply(0, &changes);
+        index.apply(llmgw_core::ReplicaId(0), &changes);
         let keys = mirror.keys();
         let _ = index.score(&keys);
     }

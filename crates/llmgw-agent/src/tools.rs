@@ -215,7 +215,7 @@ pub struct ReplayArgs {
 
 struct Request {
     id: String,
-    keys: Vec<u64>,
+    keys: Vec<llmgw_core::BlockKey>,
     best: u32,
     best_seq: Option<u64>,
 }

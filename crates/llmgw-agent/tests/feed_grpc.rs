@@ -15,6 +15,7 @@ use llmgw_agent::hub::Hub;
 use llmgw_core::event::EventBatch;
 use llmgw_core::feed::{self as core, Body, FeedState};
 use llmgw_core::wire::{encode_batch, Encoding, HashForm, WireBatch, WireBlockStored, WireEvent};
+use llmgw_core::BlockKey;
 use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
@@ -146,8 +147,8 @@ async fn subscribe_over_grpc_gets_table_snapshot_then_deltas() {
     assert_eq!(seqs, vec![0, 1, 2, 3, 4]);
     assert_eq!(st.replicas.len(), 3);
     assert_eq!(st.replicas[2].dp_rank, 1);
-    assert_eq!(st.index.score(&[1, 2, 3]).leading, vec![3, 0, 0]);
-    assert_eq!(st.index.score(&[9]).leading, vec![0, 0, 1]);
+    assert_eq!(st.index.score(&[BlockKey(1), BlockKey(2), BlockKey(3)]).leading, vec![3, 0, 0]);
+    assert_eq!(st.index.score(&[BlockKey(9)]).leading, vec![0, 0, 1]);
 
     // Live changes follow with seq + 1 each.
     h.state().apply(1, 0, &batch(vec![1, 2]));
@@ -159,7 +160,7 @@ async fn subscribe_over_grpc_gets_table_snapshot_then_deltas() {
     let m = next(&mut stream).await;
     assert_eq!(m.seq, 6);
     st.apply(&m).unwrap();
-    assert_eq!(st.index.score(&[1, 2, 3]).leading, vec![0, 2, 0]);
+    assert_eq!(st.index.score(&[BlockKey(1), BlockKey(2), BlockKey(3)]).leading, vec![0, 2, 0]);
     assert_eq!(h.state().live_subscribers(), 1);
 
     // A subscriber that goes away is dropped from the hub.

@@ -43,6 +43,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use llmgw_core::event::EventBatch;
+use llmgw_core::hash::BlockKey;
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
 use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
@@ -191,7 +192,7 @@ fn churn(rng: &mut Rng, n: usize) -> (ReplicaIndex, Vec<(u16, Vec<NetChange>)>) 
     let mut held: Vec<Vec<u64>> =
         (0..REPLICAS).map(|_| (0..BLOCKS_PER_REPLICA).map(|_| rng.next()).collect()).collect();
     for (r, keys) in held.iter().enumerate() {
-        ix.replace_replica(ReplicaId(r as u16), keys.iter().copied());
+        ix.replace_replica(ReplicaId(r as u16), keys.iter().copied().map(BlockKey));
     }
     let mut changes = Vec::new();
     for _ in 0..n {
@@ -200,10 +201,10 @@ fn churn(rng: &mut Rng, n: usize) -> (ReplicaIndex, Vec<(u16, Vec<NetChange>)>) 
         let mut ch = Vec::with_capacity(64);
         for _ in 0..32 {
             let i = rng.below(h.len() as u64) as usize;
-            ch.push(NetChange::Removed(h[i]));
+            ch.push(NetChange::Removed(BlockKey(h[i])));
             let k = rng.next();
             h[i] = k;
-            ch.push(NetChange::Added(k));
+            ch.push(NetChange::Added(BlockKey(k)));
         }
         changes.push((r, ch));
     }
@@ -245,12 +246,12 @@ fn index_apply(c: &mut Criterion) {
                     let bit = 1u64 << r;
                     for c in ch {
                         match *c {
-                            NetChange::Added(k) => *m.entry(k).or_default() |= bit,
+                            NetChange::Added(k) => *m.entry(k.0).or_default() |= bit,
                             NetChange::Removed(k) => {
-                                if let Some(v) = m.get_mut(&k) {
+                                if let Some(v) = m.get_mut(&k.0) {
                                     *v &= !bit;
                                     if *v == 0 {
-                                        m.remove(&k);
+                                        m.remove(&k.0);
                                     }
                                 }
                             }
@@ -280,7 +281,7 @@ fn lookup(c: &mut Criterion) {
         for &k in &keys {
             *base.entry(k).or_default() |= 1 << r;
         }
-        ix.replace_replica(ReplicaId(r), keys.iter().copied());
+        ix.replace_replica(ReplicaId(r), keys.iter().copied().map(BlockKey));
         per_replica.push(keys);
     }
     let pairs = ix.entries();
@@ -295,15 +296,17 @@ fn lookup(c: &mut Criterion) {
     // Requests: a 256-block prefix fully held by replica 7 (the worst case: every block is
     // probed), and one where everybody misses after a 16-block shared system prompt.
     let full: Vec<u64> = per_replica[7][..256].to_vec();
+    let full_keys: Vec<BlockKey> = full.iter().copied().map(BlockKey).collect();
     let mut partial: Vec<u64> = per_replica[2][45_000..45_016].to_vec();
     partial.extend((0..240).map(|_| rng.next()));
+    let partial_keys: Vec<BlockKey> = partial.iter().copied().map(BlockKey).collect();
     let mut g = c.benchmark_group("lookup_256_blocks_16x50000");
     g.throughput(Throughput::Elements(256));
     let mut scores = llmgw_core::index::Scores::default();
-    for (name, keys) in [("held_by_one", &full), ("shared_16_then_miss", &partial)] {
+    for (name, keys, typed) in [("held_by_one", &full, &full_keys), ("shared_16_then_miss", &partial, &partial_keys)] {
         g.bench_function(format!("replica_index/{name}"), |b| {
             b.iter(|| {
-                ix.score_into(black_box(keys), &mut scores);
+                ix.score_into(black_box(typed), &mut scores);
                 black_box(scores.leading[7])
             })
         });

@@ -16,7 +16,7 @@ use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use llmgw_core::config::Compiled;
 use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
 use llmgw_core::flow::{prefix_scores, Body, Router, Scratch, Step, TokenizerReply};
-use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
+use llmgw_core::hash::{BlockHasher, BlockKey, HashAlgo, RequestExtras};
 use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::request::{parse_request, ApiKind};
@@ -36,7 +36,7 @@ fn prompt(offset: u32) -> Vec<u32> {
 }
 
 fn keys(tokens: &[u32]) -> Vec<u64> {
-    hasher().hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key).collect()
+    hasher().hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key.0).collect()
 }
 
 /// Replica 3 holds the whole prompt `held`; every replica holds unrelated blocks.
@@ -44,11 +44,11 @@ fn index(held: &[u64]) -> ReplicaIndex {
     let mut ix = ReplicaIndex::new();
     for r in 0..REPLICAS as u16 {
         for k in 0..OTHER_BLOCKS {
-            ix.insert(ReplicaId(r), k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(r));
+            ix.insert(ReplicaId(r), BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(r)));
         }
     }
     for &k in held {
-        ix.insert(ReplicaId(3), k);
+        ix.insert(ReplicaId(3), BlockKey(k));
     }
     ix
 }
@@ -70,7 +70,7 @@ fn scoring(c: &mut Criterion) {
             let mut h = hasher();
             b.iter(|| {
                 let hs = h.hash_request(black_box(tokens), BS, &RequestExtras::default()).unwrap();
-                let ks: Vec<u64> = hs.iter().map(|b| b.key).collect();
+                let ks: Vec<BlockKey> = hs.iter().map(|b| b.key).collect();
                 black_box(ix.score(&ks).leading.len())
             })
         });

@@ -1,7 +1,7 @@
 //! The domain view of vLLM's KV-cache events: what happened to which blocks, independent of
 //! how the payload was encoded. Built from [`crate::wire`] types.
 
-use crate::hash::ExtraKey;
+use crate::hash::{BlockKey, ExtraKey};
 use crate::wire::{WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireValue};
 
 /// Where a block lives.
@@ -68,10 +68,10 @@ fn wire_i64(v: &WireValue) -> Option<i64> {
 /// Blocks that entered a cache.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredBlocks {
-    /// Block keys (published u64 form), in chain order.
-    pub hashes: Vec<u64>,
+    /// Block keys, in chain order.
+    pub hashes: Vec<BlockKey>,
     /// Key of the block before the first one, `None` when the run starts at block 0.
-    pub parent: Option<u64>,
+    pub parent: Option<BlockKey>,
     pub token_ids: Vec<u32>,
     pub block_size: u64,
     pub medium: Medium,
@@ -120,7 +120,7 @@ impl StoredBlocks {
 /// Blocks that left a cache.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RemovedBlocks {
-    pub hashes: Vec<u64>,
+    pub hashes: Vec<BlockKey>,
     pub medium: Medium,
     pub group_idx: Option<i64>,
     pub locality: Option<String>,
@@ -148,8 +148,8 @@ pub struct EventBatch {
 impl From<WireBlockStored> for StoredBlocks {
     fn from(w: WireBlockStored) -> Self {
         StoredBlocks {
-            hashes: w.block_hashes,
-            parent: w.parent_block_hash,
+            hashes: w.block_hashes.into_iter().map(BlockKey).collect(),
+            parent: w.parent_block_hash.map(BlockKey),
             token_ids: w.token_ids,
             block_size: w.block_size,
             medium: Medium::from_wire(w.medium),
@@ -175,7 +175,7 @@ impl From<WireBlockStored> for StoredBlocks {
 impl From<WireBlockRemoved> for RemovedBlocks {
     fn from(w: WireBlockRemoved) -> Self {
         RemovedBlocks {
-            hashes: w.block_hashes,
+            hashes: w.block_hashes.into_iter().map(BlockKey).collect(),
             medium: Medium::from_wire(w.medium),
             group_idx: w.group_idx,
             locality: w.locality,

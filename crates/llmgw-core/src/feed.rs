@@ -3,6 +3,7 @@
 //! that applies them to a subscriber's state. Field numbers must match the `.proto`; the
 //! agent's tests check this against code generated from it.
 
+use crate::hash::BlockKey;
 use crate::index::{ReplicaId, ReplicaIndex};
 use crate::mirror::NetChange;
 
@@ -120,8 +121,8 @@ impl BlockDelta {
         let mut d = BlockDelta { replica, added: Vec::new(), removed: Vec::new() };
         for c in changes {
             match *c {
-                NetChange::Added(k) => d.added.push(k),
-                NetChange::Removed(k) => d.removed.push(k),
+                NetChange::Added(k) => d.added.push(k.0),
+                NetChange::Removed(k) => d.removed.push(k.0),
             }
         }
         d
@@ -215,17 +216,17 @@ impl FeedState {
                     self.index.reserve(r, s.blocks.len());
                 }
                 for &k in &s.blocks {
-                    self.index.insert(r, k);
+                    self.index.insert(r, BlockKey(k));
                 }
             }
             Body::SnapshotComplete(_) => self.synced = true,
             Body::Delta(d) => {
                 let r = rid(d.replica)?;
                 for &k in &d.removed {
-                    self.index.remove(r, k);
+                    self.index.remove(r, BlockKey(k));
                 }
                 for &k in &d.added {
-                    self.index.insert(r, k);
+                    self.index.insert(r, BlockKey(k));
                 }
             }
             Body::Load(l) => {
@@ -366,10 +367,10 @@ mod tests {
             st.apply(&decoded).unwrap();
         }
         assert!(st.synced);
-        let s = st.index.score(&[1, 2, 3]);
+        let s = st.index.score(&[BlockKey(1), BlockKey(2), BlockKey(3)]);
         assert_eq!(s.leading, vec![1, 2]);
         st.apply(&msg(6, Body::Reset(ReplicaReset { replica: 1, reason: "restart".into() }))).unwrap();
-        assert_eq!(st.index.score(&[1, 2, 3]).leading, vec![1, 0]);
+        assert_eq!(st.index.score(&[BlockKey(1), BlockKey(2), BlockKey(3)]).leading, vec![1, 0]);
         assert_eq!(st.apply(&msg(8, Body::Heartbeat(Heartbeat {}))), Err(FeedError::Gap { expected: 7, got: 8 }));
         assert!(!st.synced);
         st.restart();
@@ -420,12 +421,12 @@ mod tests {
         view.apply(&msg(0, table(&[0]))).unwrap();
         view.apply(&msg(1, Body::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: vec![7] }))).unwrap();
         assert!(view.usable());
-        assert_eq!(view.serving().index.score(&[1, 2]).leading, vec![2]);
-        assert_eq!(view.serving().index.score(&[7]).leading, vec![0]);
+        assert_eq!(view.serving().index.score(&[BlockKey(1), BlockKey(2)]).leading, vec![2]);
+        assert_eq!(view.serving().index.score(&[BlockKey(7)]).leading, vec![0]);
         assert_eq!(view.apply(&msg(2, Body::SnapshotComplete(SnapshotComplete {}))), Ok(Applied::Swapped));
         assert!(!view.resyncing());
-        assert_eq!(view.serving().index.score(&[1, 2]).leading, vec![0]);
-        assert_eq!(view.serving().index.score(&[7]).leading, vec![1]);
+        assert_eq!(view.serving().index.score(&[BlockKey(1), BlockKey(2)]).leading, vec![0]);
+        assert_eq!(view.serving().index.score(&[BlockKey(7)]).leading, vec![1]);
     }
 
     #[test]
@@ -441,7 +442,7 @@ mod tests {
         view.apply(&msg(0, table(&[0]))).unwrap();
         assert!(view.apply(&msg(5, Body::Heartbeat(Heartbeat {}))).is_err());
         assert!(!view.resyncing() && view.usable());
-        assert_eq!(view.serving().index.score(&[1]).leading, vec![1]);
+        assert_eq!(view.serving().index.score(&[BlockKey(1)]).leading, vec![1]);
         // An incomplete serving state is rebuilt in place by the next subscription.
         let mut fresh = FeedView::default();
         fresh.begin_subscription();

@@ -55,7 +55,8 @@ impl Hasher for KeyHasher {
 }
 
 pub type BuildKeyHasher = BuildHasherDefault<KeyHasher>;
-pub type KeyMap<V> = HashMap<u64, V, BuildKeyHasher>;
+/// Maps keyed by block keys (or other u64-like ids) with the cheap key hasher.
+pub type KeyMap<V> = HashMap<crate::hash::BlockKey, V, BuildKeyHasher>;
 pub type KeySet = HashSet<u64, BuildKeyHasher>;
 
 #[cfg(test)]

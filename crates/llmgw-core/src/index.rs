@@ -14,6 +14,7 @@
 //!
 //! Everything is deterministic: no clocks, no random state.
 
+use crate::hash::BlockKey;
 use crate::mirror::NetChange;
 
 /// A replica's slot in the index: dense from 0, chosen by whoever owns the replica table (the
@@ -64,8 +65,8 @@ const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The 48-bit fingerprint of a key (never all of a slot: the mask of an occupied slot is set).
 #[inline]
-fn fingerprint(key: u64) -> u64 {
-    key.wrapping_mul(FIB) >> MASK_BITS
+fn fingerprint(key: BlockKey) -> u64 {
+    key.0.wrapping_mul(FIB) >> MASK_BITS
 }
 
 #[inline]
@@ -100,7 +101,7 @@ impl Table {
     }
 
     #[inline]
-    fn get(&self, key: u64) -> u64 {
+    fn get(&self, key: BlockKey) -> u64 {
         match self.find(fingerprint(key)) {
             (i, true) => self.slots.get(i).map_or(0, |&s| slot_mask(s)),
             _ => 0,
@@ -110,7 +111,7 @@ impl Table {
     /// Loads the home slots of `keys` so that their cache misses overlap (the result only
     /// exists to keep the loads from being optimised away).
     #[inline]
-    fn touch(&self, keys: impl Iterator<Item = u64>) -> u64 {
+    fn touch(&self, keys: impl Iterator<Item = BlockKey>) -> u64 {
         let mut acc = 0u64;
         for k in keys {
             if let Some(s) = self.slots.get(self.home(fingerprint(k))) {
@@ -164,7 +165,7 @@ impl Table {
     }
 
     /// Sets `bit` for `key`; true if it was not set.
-    fn set(&mut self, key: u64, bit: u64) -> bool {
+    fn set(&mut self, key: BlockKey, bit: u64) -> bool {
         self.grow_if_needed();
         let fp = fingerprint(key);
         let (i, found) = self.find(fp);
@@ -181,7 +182,7 @@ impl Table {
     }
 
     /// Clears `bit` for `key`; true if it was set.
-    fn unset(&mut self, key: u64, bit: u64) -> bool {
+    fn unset(&mut self, key: BlockKey, bit: u64) -> bool {
         let (i, found) = self.find(fingerprint(key));
         if !found {
             return false;
@@ -324,7 +325,7 @@ impl ReplicaIndex {
     }
 
     /// Records that `replica` holds `key`. Idempotent.
-    pub fn insert(&mut self, replica: ReplicaId, key: u64) {
+    pub fn insert(&mut self, replica: ReplicaId, key: BlockKey) {
         self.ensure(replica);
         let (p, bit) = Self::page_bit(replica);
         if self.pages.get_mut(p).is_some_and(|t| t.set(key, bit)) {
@@ -333,7 +334,7 @@ impl ReplicaIndex {
     }
 
     /// Records that `replica` no longer holds `key`. Idempotent.
-    pub fn remove(&mut self, replica: ReplicaId, key: u64) {
+    pub fn remove(&mut self, replica: ReplicaId, key: BlockKey) {
         let (p, bit) = Self::page_bit(replica);
         if self.pages.get_mut(p).is_some_and(|t| t.unset(key, bit)) {
             self.bump(replica, false);
@@ -386,7 +387,7 @@ impl ReplicaIndex {
     }
 
     /// Replaces `replica`'s blocks with a snapshot.
-    pub fn replace_replica(&mut self, replica: ReplicaId, keys: impl IntoIterator<Item = u64>) {
+    pub fn replace_replica(&mut self, replica: ReplicaId, keys: impl IntoIterator<Item = BlockKey>) {
         self.clear_replica(replica);
         let keys = keys.into_iter();
         self.reserve(replica, keys.size_hint().0);
@@ -402,7 +403,7 @@ impl ReplicaIndex {
     }
 
     /// Whether `replica` holds `key`.
-    pub fn holds(&self, replica: ReplicaId, key: u64) -> bool {
+    pub fn holds(&self, replica: ReplicaId, key: BlockKey) -> bool {
         let (p, bit) = Self::page_bit(replica);
         self.pages.get(p).is_some_and(|t| t.get(key) & bit != 0)
     }
@@ -431,14 +432,14 @@ impl ReplicaIndex {
     }
 
     /// Scores a request's block keys: for each replica, the number of leading blocks it holds.
-    pub fn score(&self, keys: &[u64]) -> Scores {
+    pub fn score(&self, keys: &[BlockKey]) -> Scores {
         let mut s = Scores::default();
         self.score_into(keys, &mut s);
         s
     }
 
     /// As [`Self::score`], reusing `out`'s allocation.
-    pub fn score_into(&self, keys: &[u64], out: &mut Scores) {
+    pub fn score_into(&self, keys: &[BlockKey], out: &mut Scores) {
         out.leading.clear();
         out.leading.resize(self.blocks.len(), 0);
         out.total = u32::try_from(keys.len()).unwrap_or(u32::MAX);
@@ -497,14 +498,14 @@ mod tests {
     fn leading_runs() {
         let mut ix = ReplicaIndex::new();
         for k in [10, 11, 12] {
-            ix.insert(ReplicaId(0), k);
+            ix.insert(ReplicaId(0), BlockKey(k));
         }
         for k in [10, 12, 13] {
-            ix.insert(ReplicaId(2), k);
+            ix.insert(ReplicaId(2), BlockKey(k));
         }
-        ix.insert(ReplicaId(70), 10); // second page
-        ix.insert(ReplicaId(70), 11);
-        let s = ix.score(&[10, 11, 12, 13]);
+        ix.insert(ReplicaId(70), BlockKey(10)); // second page
+        ix.insert(ReplicaId(70), BlockKey(11));
+        let s = ix.score(&[BlockKey(10), BlockKey(11), BlockKey(12), BlockKey(13)]);
         assert_eq!(s.total, 4);
         assert_eq!(s.leading[0], 3);
         assert_eq!(s.leading[1], 0);
@@ -519,17 +520,17 @@ mod tests {
     fn removal_keeps_probe_runs_intact() {
         let mut ix = ReplicaIndex::new();
         for k in 0..5000u64 {
-            ix.insert(ReplicaId(1), k.wrapping_mul(7919));
+            ix.insert(ReplicaId(1), BlockKey(k.wrapping_mul(7919)));
         }
         for k in (0..5000u64).step_by(2) {
-            ix.remove(ReplicaId(1), k.wrapping_mul(7919));
+            ix.remove(ReplicaId(1), BlockKey(k.wrapping_mul(7919)));
         }
         for k in 0..5000u64 {
-            assert_eq!(ix.holds(ReplicaId(1), k.wrapping_mul(7919)), k % 2 == 1, "key {k}");
+            assert_eq!(ix.holds(ReplicaId(1), BlockKey(k.wrapping_mul(7919))), k % 2 == 1, "key {k}");
         }
         assert_eq!(ix.replica_blocks(ReplicaId(1)), 2500);
         ix.clear_replica(ReplicaId(1));
         assert_eq!(ix.entries(), 0);
-        assert!(!ix.holds(ReplicaId(1), 7919));
+        assert!(!ix.holds(ReplicaId(1), BlockKey(7919)));
     }
 }

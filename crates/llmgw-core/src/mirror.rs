@@ -11,19 +11,19 @@
 //! with the published key, so an engine started with another seed or algorithm shows up at once.
 
 use crate::event::{EventBatch, KvEvent, Medium, RemovedBlocks, StoredBlocks};
-use crate::hash::{BlockHasher, Digest};
+use crate::hash::{BlockHasher, BlockKey, Digest};
 use crate::idhash::KeyMap;
 use std::collections::BTreeMap;
 
 /// A change in whether a block is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum NetChange {
-    Added(u64),
-    Removed(u64),
+    Added(BlockKey),
+    Removed(BlockKey),
 }
 
 impl NetChange {
-    pub fn key(self) -> u64 {
+    pub fn key(self) -> BlockKey {
         match self {
             NetChange::Added(k) | NetChange::Removed(k) => k,
         }
@@ -57,7 +57,7 @@ pub struct ParityStats {
     /// LoRA path unknown, lookahead hashing, hybrid-model token layout).
     pub unverifiable: u64,
     /// The last mismatch: (published key, recomputed key).
-    pub last_mismatch: Option<(u64, u64)>,
+    pub last_mismatch: Option<(BlockKey, BlockKey)>,
 }
 
 impl ParityStats {
@@ -84,7 +84,7 @@ pub struct EngineMirror {
     lora_paths: BTreeMap<String, String>,
     stats: MirrorStats,
     touched: KeyMap<bool>,
-    touched_order: Vec<u64>,
+    touched_order: Vec<BlockKey>,
 }
 
 impl EngineMirror {
@@ -120,18 +120,18 @@ impl EngineMirror {
         self.held.is_empty()
     }
 
-    pub fn contains(&self, key: u64) -> bool {
+    pub fn contains(&self, key: BlockKey) -> bool {
         self.held.contains_key(&key)
     }
 
     /// How many copies of `key` the engine holds.
-    pub fn count(&self, key: u64) -> u32 {
+    pub fn count(&self, key: BlockKey) -> u32 {
         self.held.get(&key).copied().unwrap_or(0)
     }
 
     /// Every held block key, sorted (a snapshot).
-    pub fn keys(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.held.keys().copied().collect();
+    pub fn keys(&self) -> Vec<BlockKey> {
+        let mut v: Vec<BlockKey> = self.held.keys().copied().collect();
         v.sort_unstable();
         v
     }
@@ -159,7 +159,7 @@ impl EngineMirror {
                 KvEvent::AllCleared => {
                     self.stats.events_applied = self.stats.events_applied.saturating_add(1);
                     self.stats.clears = self.stats.clears.saturating_add(1);
-                    let keys: Vec<u64> = self.held.keys().copied().collect();
+                    let keys: Vec<BlockKey> = self.held.keys().copied().collect();
                     for k in keys {
                         self.touch(k);
                     }
@@ -180,7 +180,7 @@ impl EngineMirror {
         }
     }
 
-    fn touch(&mut self, k: u64) {
+    fn touch(&mut self, k: BlockKey) {
         if let std::collections::hash_map::Entry::Vacant(e) = self.touched.entry(k) {
             e.insert(self.held.contains_key(&k));
             self.touched_order.push(k);
@@ -242,7 +242,7 @@ impl EngineMirror {
 
     /// Recomputes the stored run's hashes where possible; returns the last block's key and
     /// digest when the whole run verified (a later run may continue from it).
-    fn check_parity(&mut self, s: &StoredBlocks) -> Option<(u64, Digest)> {
+    fn check_parity(&mut self, s: &StoredBlocks) -> Option<(BlockKey, Digest)> {
         let n = s.hashes.len();
         let unverifiable = |stats: &mut MirrorStats| {
             stats.parity.unverifiable = stats.parity.unverifiable.saturating_add(n as u64);
@@ -265,7 +265,7 @@ impl EngineMirror {
             return unverifiable(&mut self.stats);
         };
         let mut all_matched = true;
-        let mut last: Option<(u64, Digest)> = None;
+        let mut last: Option<(BlockKey, Digest)> = None;
         let lora_paths = &self.lora_paths;
         for (i, (block, &published)) in s.token_ids.chunks_exact(bs).zip(&s.hashes).enumerate() {
             let Some(extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {

@@ -250,7 +250,7 @@ impl TokenCache {
 #[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
-    use crate::hash::Digest;
+    use crate::hash::{BlockKey, Digest};
 
     fn tok(n: u32) -> Tokenized {
         Tokenized { tokens: (0..n).collect(), hashes: Vec::new() }
@@ -266,7 +266,7 @@ mod tests {
         c.insert(a, tok(32), 10);
         let mut got = c.take(a, 20).unwrap();
         assert_eq!(got.tokens.len(), 32);
-        got.hashes.push(BlockHash { digest: Digest::from_sha256([1; 32]), key: 7 });
+        got.hashes.push(BlockHash { digest: Digest::from_sha256([1; 32]), key: BlockKey(7) });
         c.put_back(a, got.clone());
         assert_eq!(c.take(a, 30), Some(got.clone()));
         c.put_back(a, got);

@@ -10,6 +10,7 @@
 )]
 
 use llmgw_core::event::{EventBatch, KvEvent};
+use llmgw_core::hash::BlockKey;
 use llmgw_core::hash::{hex, BlockHasher, Digest, ExtraKey, HashAlgo, MmFeature, RequestExtras};
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use llmgw_core::wire::{decode_batch, WireEvent};
@@ -100,7 +101,7 @@ fn check_golden(file: &str, seed: Option<&str>) -> usize {
                 }
                 assert_eq!(h.hash_block(&parent, block, &extra), b.digest, "{ctx}: extra keys");
                 assert_eq!(b.digest.to_hex(), w["hash_hex"].as_str().unwrap(), "{ctx}: digest");
-                assert_eq!(b.key, w["event_u64"].as_u64().unwrap(), "{ctx}: event u64");
+                assert_eq!(b.key, BlockKey(w["event_u64"].as_u64().unwrap()), "{ctx}: event u64");
                 checked += 3;
                 parent = b.digest;
             }
@@ -124,7 +125,7 @@ fn check_requests() -> usize {
             r["block_hashes_u64"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         let id = r["request_id"].as_str().unwrap();
         assert_eq!(got.iter().map(|b| b.digest.to_hex()).collect::<Vec<_>>(), want_hex, "{id}");
-        assert_eq!(got.iter().map(|b| b.key).collect::<Vec<_>>(), want_u64, "{id}");
+        assert_eq!(got.iter().map(|b| b.key.0).collect::<Vec<_>>(), want_u64, "{id}");
         checked += 2 * got.len();
     }
     checked
@@ -230,12 +231,12 @@ fn check_stream(file: &str) -> (usize, Vec<Vec<NetChange>>) {
         let batch = EventBatch::from(wire);
         for ev in &batch.events {
             match ev {
-                KvEvent::Stored(s) => s.hashes.iter().for_each(|k| *naive.entry(*k).or_default() += 1),
+                KvEvent::Stored(s) => s.hashes.iter().for_each(|k| *naive.entry(k.0).or_default() += 1),
                 KvEvent::Removed(r) => r.hashes.iter().for_each(|k| {
-                    if let Some(c) = naive.get_mut(k) {
+                    if let Some(c) = naive.get_mut(&k.0) {
                         *c -= 1;
                         if *c == 0 {
-                            naive.remove(k);
+                            naive.remove(&k.0);
                         }
                     }
                 }),
@@ -247,14 +248,14 @@ fn check_stream(file: &str) -> (usize, Vec<Vec<NetChange>>) {
         let mut changes = Vec::new();
         mirror.apply(&batch, &mut changes);
         let added: BTreeSet<u64> =
-            changes.iter().filter(|c| matches!(c, NetChange::Added(_))).map(|c| c.key()).collect();
+            changes.iter().filter(|c| matches!(c, NetChange::Added(_))).map(|c| c.key().0).collect();
         let removed: BTreeSet<u64> =
-            changes.iter().filter(|c| matches!(c, NetChange::Removed(_))).map(|c| c.key()).collect();
+            changes.iter().filter(|c| matches!(c, NetChange::Removed(_))).map(|c| c.key().0).collect();
         assert_eq!(added, after.difference(&before).copied().collect(), "{ctx}: added");
         assert_eq!(removed, before.difference(&after).copied().collect(), "{ctx}: removed");
-        assert_eq!(mirror.keys(), after.iter().copied().collect::<Vec<_>>(), "{ctx}: mirror");
+        assert_eq!(mirror.keys(), after.iter().copied().map(BlockKey).collect::<Vec<_>>(), "{ctx}: mirror");
         for (k, c) in &naive {
-            assert_eq!(mirror.count(*k), *c, "{ctx}: count of {k}");
+            assert_eq!(mirror.count(BlockKey(*k)), *c, "{ctx}: count of {k}");
         }
         checked += 3;
         all_changes.push(changes);

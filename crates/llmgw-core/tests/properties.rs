@@ -10,6 +10,7 @@
 )]
 
 use llmgw_core::event::EventBatch;
+use llmgw_core::hash::BlockKey;
 use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
 use llmgw_core::mirror::{EngineMirror, NetChange};
@@ -133,8 +134,8 @@ proptest! {
             }
             let after: BTreeSet<u64> = models[i].keys().copied().collect();
             // Net changes are exactly the difference, each key at most once.
-            let added: Vec<u64> = changes.iter().filter(|c| matches!(c, NetChange::Added(_))).map(|c| c.key()).collect();
-            let removed: Vec<u64> = changes.iter().filter(|c| matches!(c, NetChange::Removed(_))).map(|c| c.key()).collect();
+            let added: Vec<u64> = changes.iter().filter(|c| matches!(c, NetChange::Added(_))).map(|c| c.key().0).collect();
+            let removed: Vec<u64> = changes.iter().filter(|c| matches!(c, NetChange::Removed(_))).map(|c| c.key().0).collect();
             let added_set: BTreeSet<u64> = added.iter().copied().collect();
             let removed_set: BTreeSet<u64> = removed.iter().copied().collect();
             prop_assert_eq!(added.len(), added_set.len());
@@ -142,9 +143,9 @@ proptest! {
             prop_assert_eq!(&added_set, &after.difference(&before).copied().collect::<BTreeSet<_>>());
             prop_assert_eq!(&removed_set, &before.difference(&after).copied().collect::<BTreeSet<_>>());
             for (k, c) in &models[i] {
-                prop_assert_eq!(mirrors[i].count(*k), *c);
+                prop_assert_eq!(mirrors[i].count(BlockKey(*k)), *c);
             }
-            prop_assert_eq!(mirrors[i].keys(), after.iter().copied().collect::<Vec<_>>());
+            prop_assert_eq!(mirrors[i].keys(), after.iter().copied().map(BlockKey).collect::<Vec<_>>());
             index.apply(ReplicaId(r), &changes);
         }
         let universe: BTreeSet<u64> = stream
@@ -162,11 +163,11 @@ proptest! {
             let r = i as u16;
             let set: BTreeSet<u64> = model.keys().copied().collect();
             for k in &universe {
-                prop_assert_eq!(index.holds(ReplicaId(r), *k), set.contains(k), "replica {} key {}", r, k);
+                prop_assert_eq!(index.holds(ReplicaId(r), BlockKey(*k)), set.contains(k), "replica {} key {}", r, k);
             }
             prop_assert_eq!(index.replica_blocks(ReplicaId(r)), set.len() as u64);
             for q in &queries {
-                let s = index.score(q);
+                let s = index.score(&q.iter().copied().map(BlockKey).collect::<Vec<_>>());
                 prop_assert_eq!(s.leading.get(i).copied().unwrap_or(0), naive_leading(&set, q));
             }
         }
@@ -215,13 +216,13 @@ proptest! {
     fn index_snapshots_replace_a_replica(keys_a in prop::collection::btree_set(any::<u64>(), 0..300), keys_b in prop::collection::btree_set(any::<u64>(), 0..300)) {
         let mut index = ReplicaIndex::new();
         let holders = |ix: &ReplicaIndex, r: u16| -> BTreeSet<u64> {
-            keys_a.iter().chain(&keys_b).copied().filter(|k| ix.holds(ReplicaId(r), *k)).collect()
+            keys_a.iter().chain(&keys_b).copied().filter(|k| ix.holds(ReplicaId(r), BlockKey(*k))).collect()
         };
-        index.replace_replica(ReplicaId(5), keys_a.iter().copied());
-        index.replace_replica(ReplicaId(1), keys_b.iter().copied());
-        index.replace_replica(ReplicaId(40), keys_a.iter().copied()); // another page
+        index.replace_replica(ReplicaId(5), keys_a.iter().copied().map(BlockKey));
+        index.replace_replica(ReplicaId(1), keys_b.iter().copied().map(BlockKey));
+        index.replace_replica(ReplicaId(40), keys_a.iter().copied().map(BlockKey)); // another page
         prop_assert_eq!(&holders(&index, 5), &keys_a);
-        index.replace_replica(ReplicaId(5), keys_b.iter().copied());
+        index.replace_replica(ReplicaId(5), keys_b.iter().copied().map(BlockKey));
         prop_assert_eq!(&holders(&index, 5), &keys_b);
         prop_assert_eq!(&holders(&index, 1), &keys_b);
         prop_assert_eq!(&holders(&index, 40), &keys_a);

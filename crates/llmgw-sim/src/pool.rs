@@ -10,7 +10,7 @@
 //! * A finished request frees its blocks tail first, so its last blocks are evicted first.
 //! * Two requests can cache the same hash in two blocks; each copy is removed on its own.
 
-use llmgw_core::hash::{BlockHash, BlockHasher, Digest, RequestExtras};
+use llmgw_core::hash::{BlockHash, BlockHasher, BlockKey, Digest, RequestExtras};
 use llmgw_core::wire::{WireBlockRemoved, WireBlockStored, WireEvent, WireValue};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -32,7 +32,7 @@ impl fmt::Display for PoolFull {
 #[derive(Debug, Clone, Default)]
 struct Block {
     /// Key and digest once the block is full and cached.
-    hash: Option<(u64, Digest)>,
+    hash: Option<(BlockKey, Digest)>,
     refs: u32,
     /// Position in the free queue while `refs == 0`.
     free_at: Option<u64>,
@@ -63,7 +63,7 @@ pub struct BlockPool {
     blocks: Vec<Block>,
     free: BTreeMap<u64, usize>,
     next_tick: u64,
-    cached: HashMap<u64, Vec<usize>>,
+    cached: HashMap<BlockKey, Vec<usize>>,
     hasher: BlockHasher,
     seqs: HashMap<u64, Seq>,
     next_seq: u64,
@@ -116,8 +116,8 @@ impl BlockPool {
     }
 
     /// Distinct cached block keys (for tests and debugging).
-    pub fn cached_keys(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.cached.keys().copied().collect();
+    pub fn cached_keys(&self) -> Vec<BlockKey> {
+        let mut v: Vec<BlockKey> = self.cached.keys().copied().collect();
         v.sort_unstable();
         v
     }
@@ -157,7 +157,7 @@ impl BlockPool {
             }
             self.stats.evictions = self.stats.evictions.saturating_add(1);
             self.events.push(WireEvent::BlockRemoved(WireBlockRemoved {
-                block_hashes: vec![key],
+                block_hashes: vec![key.0],
                 medium: Some("GPU".into()),
                 group_idx: Some(0),
                 ..Default::default()
@@ -269,7 +269,7 @@ impl BlockPool {
         let parent = start.checked_sub(1).and_then(|p| hashes.get(p)).map(|h| h.key);
         let mut keys = Vec::new();
         let mut extra_keys = Vec::new();
-        let run: Vec<(usize, u64, Digest)> = (start..full)
+        let run: Vec<(usize, BlockKey, Digest)> = (start..full)
             .filter_map(|i| Some((*s.blocks.get(i)?, hashes.get(i)?.key, hashes.get(i)?.digest)))
             .collect();
         let token_ids = s.tokens.get(start.saturating_mul(bs)..full.saturating_mul(bs)).unwrap_or_default().to_vec();
@@ -298,8 +298,8 @@ impl BlockPool {
             s.cached = full;
         }
         self.events.push(WireEvent::BlockStored(WireBlockStored {
-            block_hashes: keys,
-            parent_block_hash: parent,
+            block_hashes: keys.iter().map(|k: &BlockKey| k.0).collect(),
+            parent_block_hash: parent.map(|k: BlockKey| k.0),
             token_ids,
             block_size: bs as u64,
             lora_id: None,

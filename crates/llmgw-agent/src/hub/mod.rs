@@ -99,7 +99,9 @@ pub(crate) mod fixtures {
     pub fn state_of(st: &FeedState, engines: u32) -> Vec<Vec<u64>> {
         (0..engines)
             .map(|r| {
-                let mut v: Vec<u64> = (1..=64u64).filter(|k| st.index.score(&[*k]).leading[r as usize] == 1).collect();
+                let mut v: Vec<u64> = (1..=64u64)
+                    .filter(|k| st.index.score(&[llmgw_core::BlockKey(*k)]).leading[r as usize] == 1)
+                    .collect();
                 v.sort_unstable();
                 v
             })

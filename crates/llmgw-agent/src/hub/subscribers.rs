@@ -154,7 +154,11 @@ impl HubState {
                 out.push(Body::Snapshot(SnapshotChunk { replica: e.spec.id, first: true, blocks: Vec::new() }));
             }
             for (i, chunk) in keys.chunks(CHUNK_BLOCKS).enumerate() {
-                out.push(Body::Snapshot(SnapshotChunk { replica: e.spec.id, first: i == 0, blocks: chunk.to_vec() }));
+                out.push(Body::Snapshot(SnapshotChunk {
+                    replica: e.spec.id,
+                    first: i == 0,
+                    blocks: chunk.iter().map(|k| k.0).collect(),
+                }));
             }
         }
         out.push(Body::SnapshotComplete(SnapshotComplete {}));
@@ -271,7 +275,8 @@ mod tests {
         for m in drain(&early, &h) {
             early_state.apply(&m).unwrap();
         }
-        let truth: Vec<Vec<u64>> = h.state().engines.iter().map(|e| e.mirror.keys()).collect();
+        let truth: Vec<Vec<u64>> =
+            h.state().engines.iter().map(|e| e.mirror.keys().iter().map(|k| k.0).collect()).collect();
         assert!(late_state.synced && early_state.synced);
         assert_eq!(state_of(&late_state, engines), truth);
         assert_eq!(state_of(&early_state, engines), truth);

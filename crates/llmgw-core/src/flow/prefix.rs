@@ -6,7 +6,7 @@
 //! nobody has cached costs a few sha256s, not one per block. Each batch is scored on its own
 //! and joined to the runs so far, so every block is looked up once.
 
-use crate::hash::{BlockHash, BlockHasher, HashError, RequestExtras};
+use crate::hash::{BlockHash, BlockHasher, BlockKey, HashError, RequestExtras};
 use crate::index::{ReplicaIndex, Scores};
 
 /// Blocks hashed before the first look at the index.
@@ -21,7 +21,7 @@ pub struct Scratch {
     /// After [`prefix_scores`]: per replica, its leading run; `total` is the request's full
     /// blocks, hashed or not.
     pub scores: Scores,
-    keys: Vec<u64>,
+    keys: Vec<BlockKey>,
     batch: Scores,
 }
 
@@ -139,7 +139,7 @@ mod tests {
         assert_eq!((s.scores.leading.clone(), s.hashes.len()), (vec![40], 40));
         // Known hashes are taken as given (a wrong one would show in the score).
         let mut wrong = all[..30].to_vec();
-        wrong[29].key ^= 1;
+        wrong[29].key.0 ^= 1;
         let s = run(&index, &mut h, &tokens, &wrong);
         assert_eq!(s.scores.leading, vec![29]);
         assert_eq!(s.hashes[..29], all[..29]);

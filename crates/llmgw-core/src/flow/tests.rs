@@ -19,7 +19,7 @@ fn config(extra: &str) -> Compiled {
 
 fn keys(tokens: &[u32]) -> Vec<u64> {
     let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
-    h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key).collect()
+    h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key.0).collect()
 }
 
 /// A router whose feed knows replicas A and B (both up), B holding `on_b`.

@@ -150,8 +150,8 @@ impl Digest {
     }
 
     /// The form KV events publish: the last 8 bytes, big-endian.
-    pub fn key(&self) -> u64 {
-        key_of_bytes(self.as_bytes()).unwrap_or(0)
+    pub fn key(&self) -> BlockKey {
+        key_of_bytes(self.as_bytes()).unwrap_or_default()
     }
 
     pub fn to_hex(&self) -> String {
@@ -165,12 +165,25 @@ impl fmt::Debug for Digest {
     }
 }
 
+/// A block's key: vLLM's block hash in the u64 form its KV events publish (the digest's last 8
+/// bytes, big-endian; what `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` sends as an int). Events, the
+/// engine mirror, the feed and the index all name blocks by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize)]
+#[serde(transparent)]
+pub struct BlockKey(pub u64);
+
+impl fmt::Display for BlockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// The published u64 form of a hash given as bytes (`int.from_bytes(b, "big") & (2**64-1)`):
 /// its last 8 bytes, big-endian. `None` when shorter than 8 bytes.
-pub fn key_of_bytes(b: &[u8]) -> Option<u64> {
+pub fn key_of_bytes(b: &[u8]) -> Option<BlockKey> {
     let start = b.len().checked_sub(8)?;
     let tail: [u8; 8] = b.get(start..)?.try_into().ok()?;
-    Some(u64::from_be_bytes(tail))
+    Some(BlockKey(u64::from_be_bytes(tail)))
 }
 
 /// Lowercase hex.
@@ -219,7 +232,7 @@ pub struct RequestExtras {
 pub struct BlockHash {
     pub digest: Digest,
     /// The published u64 form (`digest.key()`).
-    pub key: u64,
+    pub key: BlockKey,
 }
 
 /// Computes vLLM block hashes for one algorithm and seed. Holds scratch buffers, so reuse it.
@@ -346,7 +359,7 @@ mod tests {
             b.first().map(|b| b.digest.to_hex()).as_deref(),
             Some("202da172482d928bbc42ab25b0151e2b895f13f41002e27b2ceabcfae6d332ea")
         );
-        assert_eq!(b.first().map(|b| b.key), Some(3236607068019569386));
+        assert_eq!(b.first().map(|b| b.key), Some(BlockKey(3236607068019569386)));
     }
 
     #[test]

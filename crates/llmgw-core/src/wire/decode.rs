@@ -229,7 +229,7 @@ fn read_hash(r: &mut Reader<'_>, c: Ctx) -> Result<u64, DecodeError> {
     match r.peek_kind().at(c)? {
         Kind::Bin => {
             let b = r.read_bin().at(c)?;
-            key_of_bytes(b).ok_or_else(|| c.err(DecodeErrorKind::HashTooShort(b.len())))
+            key_of_bytes(b).map(|k| k.0).ok_or_else(|| c.err(DecodeErrorKind::HashTooShort(b.len())))
         }
         _ => r.read_u64().at(c),
     }
