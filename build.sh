@@ -160,7 +160,7 @@ setup_peers() {
 }
 
 bench() {
-  # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core)
+  # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core --bench flow)
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
   setup
@@ -175,7 +175,7 @@ bench() {
   if [ "${1:-}" = core ]; then
     shift
     log "criterion benchmarks (core)"
-    cargo bench -p llmgw-core --bench core -- "$@"
+    cargo bench -p llmgw-core --bench core --bench flow -- "$@"
     return
   fi
   log "building (release): agent, simulator, llmgw.wasm"

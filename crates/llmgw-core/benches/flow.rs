@@ -3,7 +3,7 @@
 //! whole body (token ids, and a prompt whose tokenization is cached) against parsing the body
 //! alone.
 //!
-//! `cargo bench -p llmgw-core --bench flow` (or `./build.sh bench core-flow`).
+//! `cargo bench -p llmgw-core --bench flow` (or `./build.sh bench core`).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
