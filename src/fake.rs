@@ -218,11 +218,11 @@ impl Host for FakeHost {
         self.resumed.set(self.resumed.get() + 1);
     }
 
-    fn shared_data(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        match self.shared.borrow().get(key) {
+    fn shared_data(&self, key: &str) -> Option<(Option<Vec<u8>>, Option<u32>)> {
+        Some(match self.shared.borrow().get(key) {
             Some((v, cas)) => (Some(v.clone()), Some(*cas)),
             None => (None, None),
-        }
+        })
     }
 
     fn set_shared_data(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWrite> {

@@ -57,8 +57,8 @@ pub trait Host {
     fn send_http_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
     fn resume_http_request(&self);
 
-    /// A value and its compare-and-swap version.
-    fn shared_data(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    /// A value and its compare-and-swap version (`None` when the host refused the read).
+    fn shared_data(&self, key: &str) -> Option<(Option<Vec<u8>>, Option<u32>)>;
     fn set_shared_data(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWrite>;
 
     fn open_grpc_stream(&self, cluster: &str, service: &str, method: &str) -> Result<u32, Status>;
@@ -135,8 +135,8 @@ mod proxy {
             let _ = hostcalls::resume_http_request();
         }
 
-        fn shared_data(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-            hostcalls::get_shared_data(key).unwrap_or((None, None))
+        fn shared_data(&self, key: &str) -> Option<(Option<Vec<u8>>, Option<u32>)> {
+            hostcalls::get_shared_data(key).ok()
         }
 
         fn set_shared_data(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWrite> {

@@ -100,6 +100,8 @@ impl Request {
             }
             Step::Tokenize(t) => {
                 s.metrics.report(&t.report);
+                // The decision so far; the call's round trip is not the filter's time.
+                self.record_busy(s, t0);
                 let cluster = &s.router.config().tokenizer_cluster;
                 let headers = [
                     (":method", "POST"),
@@ -111,15 +113,16 @@ impl Request {
                 let timeout = Duration::from_millis(u64::from(t.timeout_ms));
                 match self.host.dispatch_http_call(cluster, &headers, &t.body, timeout) {
                     Ok(token) => {
-                        self.record_busy(s, t0);
                         self.phase = Phase::Tokenizing { token, started_ns: self.host.now_ns(), pending: t.pending };
                         return Action::Pause;
                     }
                     Err(e) => {
                         log::warn!("llmgw: tokenizer callout to cluster `{cluster}` refused: {e:?}");
+                        let t1 = self.host.now_ns();
                         let in_flight = inflight::Snapshot::read(self.host.as_ref());
-                        let step = s.router.on_tokenizer_reply(*t.pending, &TokenizerReply::Refused, &in_flight, t0);
-                        return self.act(s, step, t0, resuming);
+                        let step = s.router.on_tokenizer_reply(*t.pending, &TokenizerReply::Refused, &in_flight, t1);
+                        // A refused call yields a route or a 503, never another call.
+                        return self.act(s, step, t1, resuming);
                     }
                 }
             }

@@ -64,7 +64,7 @@ pub struct Snapshot(Vec<u8>);
 
 impl Snapshot {
     pub fn read(host: &dyn Host) -> Snapshot {
-        Snapshot(host.shared_data(KEY).0.unwrap_or_default())
+        Snapshot(host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default())
     }
 }
 
@@ -77,7 +77,8 @@ impl InFlight for Snapshot {
 fn update(host: &dyn Host, address: &str, up: bool) {
     let id = address_id(address);
     for _ in 0..CAS_RETRIES {
-        let (v, cas) = host.shared_data(KEY);
+        // A refused read leaves the record alone (a blind write would drop other replicas' counts).
+        let Some((v, cas)) = host.shared_data(KEY) else { return };
         let next = bump(v.as_deref().unwrap_or_default(), id, up);
         match host.set_shared_data(KEY, &next, cas) {
             Err(SharedWrite::CasMismatch) => continue,

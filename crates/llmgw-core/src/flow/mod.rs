@@ -132,6 +132,9 @@ pub struct Pending {
     cache_tag: Option<CacheTag>,
     /// The tag of the raw body (see [`Router::on_body`]).
     raw_tag: Option<CacheTag>,
+    /// The configuration generation the call was made under: a reply to a call made before a
+    /// reconfigure is routed but not cached.
+    generation: u64,
 }
 
 /// What to do next.
@@ -152,6 +155,8 @@ pub struct Router {
     tokcache: TokenCache,
     tokcache_key: u64,
     scratch: Scratch,
+    /// Bumped by every reconfigure.
+    generation: u64,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -236,6 +241,7 @@ impl Router {
             feed: FeedView::default(),
             tokcache_key,
             scratch: Scratch::default(),
+            generation: 0,
         }
     }
 
@@ -248,6 +254,7 @@ impl Router {
     pub fn reconfigure(&mut self, config: Compiled) {
         self.tokcache = token_cache(&config, self.tokcache_key);
         self.config = config;
+        self.generation = self.generation.wrapping_add(1);
     }
 
     pub fn tokenizer_cache(&self) -> &TokenCache {
@@ -278,14 +285,18 @@ impl Router {
                 }
             }
         }
-        let parsed = if body.too_large { None } else { parse_request(kind, bytes).ok() };
-        let model = parsed.as_ref().and_then(|p| p.model.clone());
+        let parsed_opt = if body.too_large { None } else { parse_request(kind, bytes).ok() };
+        let model = parsed_opt.as_ref().and_then(|p| p.model.clone());
         let profile = self.config.profile_for(model.as_deref().unwrap_or_default());
         let nbytes = self.approx_bytes(profile);
-        let why =
-            fallback_reason(body, parsed.as_ref(), profile.and_then(|i| self.config.profile(i)), self.feed.usable());
-        let (Some(parsed), Some(pi), None) = (parsed.as_ref(), profile, why) else {
-            let approx = || approx_key(parsed.as_ref(), bytes, nbytes);
+        let why = fallback_reason(
+            body,
+            parsed_opt.as_ref(),
+            profile.and_then(|i| self.config.profile(i)),
+            self.feed.usable(),
+        );
+        let (Some(parsed), Some(pi), None) = (parsed_opt.as_ref(), profile, why) else {
+            let approx = || approx_key(parsed_opt.as_ref(), bytes, nbytes);
             return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, Report::default());
         };
         // The approximate key, computed only if the decision needs it.
@@ -324,8 +335,12 @@ impl Router {
             // No call possible; without a replica `finish` answers 503.
             return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, report);
         };
-        let pending =
-            Box::new(Pending { profile: pi, parsed: parsed.clone(), approx_bytes: nbytes, cache_tag, raw_tag });
+        // The parsed request moves into the pending call (no copy of the prompt).
+        let Some(parsed) = parsed_opt else {
+            return self.finish(model.as_deref(), profile, false, &|| None, why, in_flight, report);
+        };
+        let generation = self.generation;
+        let pending = Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation });
         Step::Tokenize(Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report })
     }
 
@@ -344,7 +359,7 @@ impl Router {
             Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
             Ok(tokens) => {
                 if self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]).is_ok() {
-                    if let Some(tag) = pending.cache_tag {
+                    if let Some(tag) = pending.cache_tag.filter(|_| pending.generation == self.generation) {
                         let hashes = self.scratch.hashes.clone();
                         self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
                         if let Some(raw) = pending.raw_tag {

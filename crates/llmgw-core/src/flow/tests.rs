@@ -238,4 +238,12 @@ fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
     // The feed stays: the index still routes.
     assert!(r.feed.usable());
     assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0)).report.tokenizer_cache, Some(CacheLookup::Miss));
+    // A call made before a reconfigure and answered after it is routed, not cached.
+    let call = tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0));
+    r.reconfigure(config(""));
+    let answer = ok_reply(&tokens);
+    let read = || answer.clone();
+    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+    assert_eq!(routed(r.on_tokenizer_reply(*call.pending, &reply, &(), 0)).address, B);
+    assert!(r.tokenizer_cache().is_empty());
 }
