@@ -3,8 +3,8 @@
 //! call the tokenizer and hand its reply back), resume.
 
 use crate::host::{Buffer, Headers, Host};
-use crate::{inflight, Shared, DEFAULT_DESTINATION_HEADER};
-use llmgw_core::config::DEFAULT_APPROX_PREFIX_BYTES;
+use crate::{inflight, Shared};
+use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
 use llmgw_core::flow::{Body, Pending, Rejected, Step, TokenizerReply};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -72,9 +72,12 @@ impl Request {
     /// The one exit path: carries out a router step. `resuming`: the request is paused on a
     /// callout and must be resumed once routed.
     fn act(&mut self, s: &mut Shared, step: Step, t0: u64, resuming: bool) -> Action {
+        s.metrics.report(step.report());
+        if let Some(f) = step.report().tokenizer_failure {
+            log::debug!("llmgw: tokenizer call failed: {}", f.as_str());
+        }
         let action = match step {
             Step::Route(r) => {
-                s.metrics.report(&r.report);
                 let cfg = s.router.config();
                 self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
                 inflight::increment(self.host.as_ref(), &r.address);
@@ -89,7 +92,6 @@ impl Request {
                 Action::Continue
             }
             Step::Reject(r) => {
-                s.metrics.report(&r.report);
                 let mut headers = vec![("content-type", "application/json")];
                 if s.router.config().explain_header {
                     headers.push((EXPLAIN_HEADER, Rejected::EXPLAIN));
@@ -99,7 +101,6 @@ impl Request {
                 Action::Pause
             }
             Step::Tokenize(t) => {
-                s.metrics.report(&t.report);
                 // The decision so far; the call's round trip is not the filter's time.
                 self.record_busy(s, t0);
                 let cluster = &s.router.config().tokenizer_cluster;
@@ -141,11 +142,12 @@ impl Request {
 
 impl Context for Request {
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _trailers: usize) {
-        if !matches!(self.phase, Phase::Tokenizing { token, .. } if token == token_id) {
-            return;
-        }
-        let Phase::Tokenizing { started_ns, pending, .. } = std::mem::replace(&mut self.phase, Phase::Done) else {
-            return;
+        let (started_ns, pending) = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Tokenizing { token, started_ns, pending } if token == token_id => (started_ns, pending),
+            other => {
+                self.phase = other;
+                return;
+            }
         };
         let Some(shared) = self.shared.clone() else {
             self.host.resume_http_request();
@@ -168,13 +170,6 @@ impl Context for Request {
         };
         let in_flight = inflight::Snapshot::read(self.host.as_ref());
         let step = s.router.on_tokenizer_reply(*pending, &reply, &in_flight, t0);
-        if let Some(f) = match &step {
-            Step::Route(r) => r.report.tokenizer_failure,
-            Step::Reject(r) => r.report.tokenizer_failure,
-            Step::Tokenize(_) => None,
-        } {
-            log::debug!("llmgw: tokenizer call failed: {}", f.as_str());
-        }
         self.act(&mut s, step, t0, true);
     }
 }
@@ -183,14 +178,13 @@ impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // Never trust a client-supplied destination: ORIGINAL_DST forwards to any address.
         // Removed before anything else, on every path (no configuration included).
-        let configured = self
-            .shared
-            .as_ref()
-            .and_then(|s| s.try_borrow().ok().map(|s| s.router.config().destination_header.clone()));
         self.host.set_header(Headers::Request, DEFAULT_DESTINATION_HEADER, None);
-        if let Some(dest) = configured.as_deref().filter(|d| *d != DEFAULT_DESTINATION_HEADER) {
-            self.host.set_header(Headers::Request, dest, None);
-        }
+        let configured = self.shared.as_ref().and_then(|s| s.try_borrow().ok()).map(|s| {
+            let dest = &s.router.config().destination_header;
+            if dest != DEFAULT_DESTINATION_HEADER {
+                self.host.set_header(Headers::Request, dest, None);
+            }
+        });
         if configured.is_none() {
             return self.pass();
         }

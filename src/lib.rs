@@ -38,10 +38,6 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::new(Rc::new(ProxyWasm))) });
 }}
 
-/// The destination header when no configuration names one (the Gateway API Inference
-/// Extension's).
-pub(crate) const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-
 /// Block digests each profile's hasher remembers (56 bytes each, about 460 KB per profile and
 /// VM): 131,072 tokens of recent prompts at block size 16. A prefix seen again (a shared
 /// system prompt, a conversation's history) skips its sha256s.

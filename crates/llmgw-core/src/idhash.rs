@@ -8,7 +8,7 @@
 //!   keys, 128-bit tags), one multiply (Fibonacci hashing) spreads them; no SipHash, and
 //!   iteration order is a function of the inputs only.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// The odd constant ⌊2⁶⁴/φ⌋ behind Fibonacci hashing and SplitMix64's increment.
@@ -55,9 +55,8 @@ impl Hasher for KeyHasher {
 }
 
 pub type BuildKeyHasher = BuildHasherDefault<KeyHasher>;
-/// Maps keyed by block keys (or other u64-like ids) with the cheap key hasher.
+/// Maps keyed by block keys, with the cheap key hasher.
 pub type KeyMap<V> = HashMap<crate::hash::BlockKey, V, BuildKeyHasher>;
-pub type KeySet = HashSet<u64, BuildKeyHasher>;
 
 #[cfg(test)]
 mod tests {

@@ -79,10 +79,8 @@ impl Compiled {
                 Some(m) => hasher.with_cache(m.slots, m.key),
                 None => hasher,
             };
-            let block_size = usize::try_from(p.block_size)
-                .ok()
-                .filter(|&b| b > 0)
-                .ok_or_else(|| ConfigError { field: field("block_size"), message: "must be at least 1".into() })?;
+            // At least 1: validated.
+            let block_size = usize::try_from(p.block_size).unwrap_or(usize::MAX);
             profiles.push(CompiledProfile {
                 catch_all: p.models.iter().any(|m| m == "*"),
                 name: p.name,

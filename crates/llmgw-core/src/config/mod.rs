@@ -28,8 +28,11 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// The destination header when the configuration names none: the Gateway API Inference
+/// Extension's. The filter also removes it from every request, configured or not.
+pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 fn default_header() -> String {
-    "x-gateway-destination-endpoint".to_owned()
+    DEFAULT_DESTINATION_HEADER.to_owned()
 }
 fn default_agent_cluster() -> String {
     "llmgw_agent".to_owned()

@@ -22,7 +22,7 @@ pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
-use crate::hash::{BlockHash, HashError, RequestExtras};
+use crate::hash::{BlockHash, RequestExtras};
 use crate::index::ReplicaId;
 use crate::policy::{self, Candidate, Decision, Outcome};
 use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
@@ -143,6 +143,17 @@ pub enum Step {
     Route(Routed),
     Reject(Rejected),
     Tokenize(Tokenize),
+}
+
+impl Step {
+    /// What to count for this step.
+    pub fn report(&self) -> &Report {
+        match self {
+            Step::Route(r) => &r.report,
+            Step::Reject(r) => &r.report,
+            Step::Tokenize(t) => &t.report,
+        }
+    }
 }
 
 /// One VM's routing state: the compiled configuration (with each profile's hasher), the feed's
@@ -286,35 +297,53 @@ impl Router {
             }
         }
         let parsed_opt = if body.too_large { None } else { parse_request(kind, bytes).ok() };
-        let model = parsed_opt.as_ref().and_then(|p| p.model.clone());
-        let profile = self.config.profile_for(model.as_deref().unwrap_or_default());
-        let nbytes = self.approx_bytes(profile);
+        let profile = self.config.profile_for(parsed_opt.as_ref().and_then(|p| p.model.as_deref()).unwrap_or_default());
         let why = fallback_reason(
             body,
             parsed_opt.as_ref(),
             profile.and_then(|i| self.config.profile(i)),
             self.feed.usable(),
         );
-        let (Some(parsed), Some(pi), None) = (parsed_opt.as_ref(), profile, why) else {
-            let approx = || approx_key(parsed_opt.as_ref(), bytes, nbytes);
-            return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, Report::default());
-        };
+        match (parsed_opt, profile, why) {
+            (Some(parsed), Some(pi), None) => self.route_parsed(parsed, pi, raw_tag, bytes, in_flight, now_ns),
+            (parsed, profile, why) => {
+                let nbytes = self.approx_bytes(profile);
+                let approx = || approx_key(parsed.as_ref(), bytes, nbytes);
+                let model = parsed.as_ref().and_then(|p| p.model.as_deref());
+                self.finish(model, profile, false, &approx, why, in_flight, Report::default())
+            }
+        }
+    }
+
+    /// A parsed body its profile routes exactly: scored at once (token ids, or a tokenization
+    /// cached), or sent to the tokenizer (the request moves into the pending call).
+    fn route_parsed(
+        &mut self,
+        parsed: ParsedRequest,
+        pi: usize,
+        raw_tag: Option<CacheTag>,
+        bytes: &[u8],
+        in_flight: &dyn InFlight,
+        now_ns: u64,
+    ) -> Step {
+        let nbytes = self.approx_bytes(Some(pi));
+        let model = parsed.model.as_deref();
         // The approximate key, computed only if the decision needs it.
-        let approx = || approx_key(Some(parsed), bytes, nbytes);
+        let approx = || approx_key(Some(&parsed), bytes, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let exact = self.exact(pi, parsed.cache_salt.as_deref(), parsed.model.as_deref(), tokens, &[]).is_ok();
+            let exact = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[]);
             let why = (!exact).then_some(Fallback::Hash);
-            return self.finish(model.as_deref(), profile, exact, &approx, why, in_flight, Report::default());
+            return self.finish(model, Some(pi), exact, &approx, why, in_flight, Report::default());
         }
         let Some(p) = self.config.profile(pi) else {
-            return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, Report::default());
+            return self.finish(model, Some(pi), false, &approx, None, in_flight, Report::default());
         };
         let call = parsed.tokenizer_call(p.tokenizer, bytes);
         let timeout_ms = p.tokenizer_timeout_ms;
         let why = call.is_none().then_some(Fallback::NoPrompt);
         let mut report = Report::default();
         // The same prompt seen recently: its tokens (and leading hashes) are known.
-        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, parsed, c));
+        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, &parsed, c));
         if let Some(tag) = cache_tag {
             let alias = Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone() };
             if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, CacheLookup::Hit) {
@@ -328,16 +357,12 @@ impl Router {
         // Tokenize on the least-loaded healthy replica of the model.
         let target = call.as_ref().and_then(|_| {
             let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
-            let cands = candidates(self.feed.serving(), model.as_deref(), in_flight);
+            let cands = candidates(self.feed.serving(), model, in_flight);
             policy::least_loaded(&cands, w).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
         });
         let (Some(call), Some(target)) = (call, target) else {
             // No call possible; without a replica `finish` answers 503.
-            return self.finish(model.as_deref(), profile, false, &approx, why, in_flight, report);
-        };
-        // The parsed request moves into the pending call (no copy of the prompt).
-        let Some(parsed) = parsed_opt else {
-            return self.finish(model.as_deref(), profile, false, &|| None, why, in_flight, report);
+            return self.finish(model, Some(pi), false, &approx, why, in_flight, report);
         };
         let generation = self.generation;
         let pending = Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation });
@@ -358,7 +383,7 @@ impl Router {
             // The index may have lost its sync while the call was out.
             Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
             Ok(tokens) => {
-                if self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]).is_ok() {
+                if self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]) {
                     if let Some(tag) = pending.cache_tag.filter(|_| pending.generation == self.generation) {
                         let hashes = self.scratch.hashes.clone();
                         self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
@@ -386,7 +411,8 @@ impl Router {
         self.finish(p.model.as_deref(), Some(pending.profile), exact, &approx, why, in_flight, report)
     }
 
-    /// Hashes and scores `tokens` for a profile into the scratch space.
+    /// Hashes and scores `tokens` for a profile into the scratch space; false when that was not
+    /// possible (no such profile, or the hasher refused).
     fn exact(
         &mut self,
         profile: usize,
@@ -394,11 +420,11 @@ impl Router {
         model: Option<&str>,
         tokens: &[u32],
         known: &[BlockHash],
-    ) -> Result<(), HashError> {
+    ) -> bool {
         let Router { config, feed, scratch, .. } = self;
-        let p = config.profiles.get_mut(profile).ok_or(HashError::ZeroBlockSize)?;
+        let Some(p) = config.profiles.get_mut(profile) else { return false };
         let extras = RequestExtras { cache_salt: cache_salt.map(str::to_owned), lora: p.lora(model), mm: Vec::new() };
-        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch)
+        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch).is_ok()
     }
 
     /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
@@ -427,9 +453,8 @@ impl Router {
     ) -> Option<Step> {
         let mut t = self.tokcache.take(alias.tag, now_ns)?;
         let report = Report { tokenizer_cache: Some(lookup), ..Report::default() };
-        let exact = self
-            .exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes)
-            .is_ok();
+        let exact =
+            self.exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes);
         if exact && self.scratch.hashes.len() > t.hashes.len() {
             t.hashes.clone_from(&self.scratch.hashes);
         }

@@ -69,12 +69,17 @@ fn ok_reply(tokens: &[u32]) -> Vec<u8> {
     format!(r#"{{"count":{},"max_model_len":4096,"tokens":{tokens:?}}}"#, tokens.len()).into_bytes()
 }
 
+/// Answers a pending tokenizer call with `tokens`.
+fn answer(r: &mut Router, pending: Pending, tokens: &[u32], now_ns: u64) -> Step {
+    let answer = ok_reply(tokens);
+    let read = || answer.clone();
+    r.on_tokenizer_reply(pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), now_ns)
+}
+
 /// Routes a text prompt through a tokenizer call answered with `tokens`.
 fn tokenized(r: &mut Router, bytes: &[u8], tokens: &[u32], now_ns: u64) -> Step {
     let call = tokenize(r.on_body(&body(COMPLETIONS, bytes), &(), now_ns));
-    let answer = ok_reply(tokens);
-    let read = || answer.clone();
-    r.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), now_ns)
+    answer(r, *call.pending, tokens, now_ns)
 }
 
 const COMPLETIONS: &str = "/v1/completions";
@@ -141,14 +146,7 @@ fn a_text_prompt_is_tokenized_on_the_least_loaded_replica_then_scored() {
     assert_eq!((call.target.as_str(), call.path, call.timeout_ms), (B, "/tokenize", 500));
     assert!(String::from_utf8_lossy(&call.body).contains(r#""prompt":"hello""#));
     assert_eq!(call.report.tokenizer_cache, Some(CacheLookup::Miss));
-    let answer = ok_reply(&tokens);
-    let read = || answer.clone();
-    let got = routed(r.on_tokenizer_reply(
-        *call.pending,
-        &TokenizerReply::Answered { status: Some(b"200"), body: &read },
-        &(),
-        0,
-    ));
+    let got = routed(answer(&mut r, *call.pending, &tokens, 0));
     assert_eq!((got.address.as_str(), got.decision.matched, got.decision.total), (B, 5, 10));
     assert_eq!(got.report.outcome, Some(Outcome::Exact));
 }
@@ -217,10 +215,7 @@ fn a_reply_after_the_index_lost_its_sync_falls_back() {
     let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"x"}"#), &(), 0));
     // The view was replaced while the call was out (nothing synced yet).
     r.feed = FeedView::default();
-    let answer = ok_reply(&tokens);
-    let read = || answer.clone();
-    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
-    let step = r.on_tokenizer_reply(*call.pending, &reply, &(), 0);
+    let step = answer(&mut r, *call.pending, &tokens, 0);
     let Step::Reject(rej) = step else { panic!("no replicas are known: {step:?}") };
     assert_eq!(rej.report.fallback, Some(Fallback::NotSynced));
 }
@@ -241,9 +236,6 @@ fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
     // A call made before a reconfigure and answered after it is routed, not cached.
     let call = tokenize(r.on_body(&body(COMPLETIONS, first), &(), 0));
     r.reconfigure(config(""));
-    let answer = ok_reply(&tokens);
-    let read = || answer.clone();
-    let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
-    assert_eq!(routed(r.on_tokenizer_reply(*call.pending, &reply, &(), 0)).address, B);
+    assert_eq!(routed(answer(&mut r, *call.pending, &tokens, 0)).address, B);
     assert!(r.tokenizer_cache().is_empty());
 }
