@@ -1,6 +1,6 @@
 //! The vLLM flags and environment that make a replica publish what this agent expects.
 
-use crate::config::{parse_tcp, Config, Mode, ReplicaConfig};
+use crate::config::{parse_tcp, Config, DiscoveryConfig, HashConfig, Mode, ReplicaConfig, Sources};
 use serde_json::json;
 
 /// Flags and environment for one replica (rank 0; vLLM offsets the ports of other ranks).
@@ -40,15 +40,39 @@ fn replay_endpoint(e: &str) -> String {
 }
 
 pub fn for_replica(cfg: &Config, r: &ReplicaConfig) -> VllmArgs {
-    let hash = r.hash.clone().unwrap_or_else(|| cfg.hash.clone());
+    let hash = r.hash.as_ref().unwrap_or(&cfg.hash);
+    let replay = r.replay_endpoint.as_deref().map(replay_endpoint);
+    flags(&r.name, hash, publisher_endpoint(r), replay, &r.topic)
+}
+
+/// vLLM's default publisher and replay ports, used for discovered replicas whose configuration
+/// names none (`sources = "kv_event_sources"` reads the ports back from each replica).
+pub const DEFAULT_EVENTS_PORT: u16 = 5557;
+pub const DEFAULT_REPLAY_PORT: u16 = 5558;
+
+/// Flags for every replica behind a `[[discovery]]` name: the publisher and the replay socket
+/// bound on all interfaces (each agent that resolves the name connects to them).
+pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig) -> VllmArgs {
+    let hash = d.hash.as_ref().unwrap_or(&cfg.hash);
+    let (events, replay) = match d.sources {
+        Sources::Static => (d.events_port.unwrap_or(DEFAULT_EVENTS_PORT), d.replay_port),
+        Sources::KvEventSources => {
+            (d.events_port.unwrap_or(DEFAULT_EVENTS_PORT), Some(d.replay_port.unwrap_or(DEFAULT_REPLAY_PORT)))
+        }
+    };
+    let replay = replay.map(|p| format!("tcp://*:{p}"));
+    flags(&d.name, hash, format!("tcp://*:{events}"), replay, &d.topic)
+}
+
+fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>, topic: &str) -> VllmArgs {
     let mut kv = json!({
         "enable_kv_cache_events": true,
         "publisher": "zmq",
-        "endpoint": publisher_endpoint(r),
-        "topic": r.topic,
+        "endpoint": endpoint,
+        "topic": topic,
     });
-    if let (Some(rep), Some(obj)) = (&r.replay_endpoint, kv.as_object_mut()) {
-        obj.insert("replay_endpoint".into(), json!(replay_endpoint(rep)));
+    if let (Some(rep), Some(obj)) = (replay, kv.as_object_mut()) {
+        obj.insert("replay_endpoint".into(), json!(rep));
     }
     let mut env = Vec::new();
     if let Some(seed) = &hash.seed {
@@ -63,7 +87,7 @@ pub fn for_replica(cfg: &Config, r: &ReplicaConfig) -> VllmArgs {
         "--kv-events-config".to_owned(),
         kv.to_string(),
     ];
-    VllmArgs { replica: r.name.clone(), env, args }
+    VllmArgs { replica: name.to_owned(), env, args }
 }
 
 fn shell_quote(s: &str) -> String {
@@ -74,24 +98,34 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
-/// Shell lines for every replica.
+fn line(out: &mut String, a: &VllmArgs, model: Option<&String>) {
+    let env: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={}", shell_quote(v))).collect();
+    let args: Vec<String> = a.args.iter().map(|s| shell_quote(s)).collect();
+    let model = model.map(|m| shell_quote(m)).unwrap_or_else(|| "MODEL".to_owned());
+    let mut l = env.join(" ");
+    if !l.is_empty() {
+        l.push(' ');
+    }
+    l.push_str(&format!("vllm serve {model} {}\n", args.join(" ")));
+    out.push_str(&l);
+}
+
+/// Shell lines for every replica and every discovered pool.
 pub fn render(cfg: &Config) -> String {
     let mut out = String::new();
     for r in &cfg.replicas {
-        let a = for_replica(cfg, r);
         out.push_str(&format!(
             "# replica {} ({} data-parallel rank(s); vLLM adds the rank to both ports)\n",
-            a.replica, r.dp_ranks
+            r.name, r.dp_ranks
         ));
-        let env: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={}", shell_quote(v))).collect();
-        let args: Vec<String> = a.args.iter().map(|s| shell_quote(s)).collect();
-        let model = r.models.first().map(|m| shell_quote(m)).unwrap_or_else(|| "MODEL".to_owned());
-        let mut line = env.join(" ");
-        if !line.is_empty() {
-            line.push(' ');
-        }
-        line.push_str(&format!("vllm serve {model} {}\n", args.join(" ")));
-        out.push_str(&line);
+        line(&mut out, &for_replica(cfg, r), r.models.first());
+    }
+    for d in &cfg.discovery {
+        out.push_str(&format!(
+            "# every replica behind {} (discovery {}; vLLM adds the data-parallel rank to both ports)\n",
+            d.dns, d.name
+        ));
+        line(&mut out, &for_discovery(cfg, d), d.models.first());
     }
     out
 }
@@ -144,5 +178,43 @@ endpoint = "tcp://127.0.0.1:6100"
         assert_eq!(kv["endpoint"], "tcp://[::ffff:127.0.0.1]:6100");
         let text = render(&cfg);
         assert!(text.contains("PYTHONHASHSEED=0 vllm serve m --enable-prefix-caching"), "{text}");
+    }
+
+    #[test]
+    fn discovered_replicas_bind_publisher_and_replay() {
+        let cfg = Config::parse(
+            r#"
+[hash]
+seed = "7"
+block_size = 32
+[[discovery]]
+name = "pool"
+dns = "vllm.ns.svc.cluster.local"
+port = 8000
+models = ["m"]
+[[discovery]]
+name = "fixed"
+dns = "other.ns.svc.cluster.local"
+port = 8000
+sources = "static"
+events_port = 6000
+topic = "t"
+"#,
+        )
+        .unwrap();
+        let a = for_discovery(&cfg, &cfg.discovery[0]);
+        assert_eq!(a.env, vec![("PYTHONHASHSEED".to_owned(), "7".to_owned())]);
+        assert_eq!(a.args[4], "32");
+        let kv: serde_json::Value = serde_json::from_str(&a.args[6]).unwrap();
+        assert_eq!(kv["endpoint"], "tcp://*:5557");
+        assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
+        let b = for_discovery(&cfg, &cfg.discovery[1]);
+        let kv: serde_json::Value = serde_json::from_str(&b.args[6]).unwrap();
+        assert_eq!(kv["endpoint"], "tcp://*:6000");
+        assert!(kv.get("replay_endpoint").is_none(), "{kv}");
+        assert_eq!(kv["topic"], "t");
+        let text = render(&cfg);
+        assert!(text.contains("# every replica behind vllm.ns.svc.cluster.local"), "{text}");
+        assert!(text.contains("PYTHONHASHSEED=7 vllm serve m --enable-prefix-caching"), "{text}");
     }
 }
