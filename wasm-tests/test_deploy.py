@@ -1,0 +1,379 @@
+"""The deployment manifests (envoy/kubernetes, envoy/istio, envoy/envoy-gateway): every object
+validates against its schema, every Envoy fragment assembles into a bootstrap the way its control
+plane assembles it and passes `envoy --mode validate` with llmgw.wasm loaded, the shipped
+settings agree with each other, and each assembled bootstrap routes a follow-up exactly in front
+of simulated replicas and the agent while ignoring a client's destination header. Broken copies
+of the manifests are refused (how each check could fail)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+import deploy_support as deploy
+import llmgw_testkit as kit
+from llmgw_testkit import wait_until
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command
+from llmgw_testkit.stub import StubHandler, StubServer
+
+KINDS = list(deploy.MANIFESTS)
+FILES = sorted({f for fs in deploy.MANIFESTS.values() for f in fs})
+LOCAL = kit.ROOT / "envoy" / "llmgw-local.yaml"
+DEST = "x-gateway-destination-endpoint"
+
+
+# ---------------------------------------------------------------------------------------------
+# What ships, and its schemas.
+
+
+def test_every_shipped_manifest_is_one_the_tests_read():
+    shipped = {str(p.relative_to(deploy.ENVOY_DIR)) for p in deploy.ENVOY_DIR.rglob("*.yaml")} - {LOCAL.name}
+    assert shipped == set(FILES), f"untested manifests: {sorted(shipped - set(FILES))}; missing: {sorted(set(FILES) - shipped)}"
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_every_object_validates_against_its_schema(path):
+    objs = deploy.load(path)
+    assert objs, f"{path} holds no objects"
+    for o in objs:
+        checked = deploy.validate(o)
+        assert checked, o["kind"]
+
+
+def _mutated(objs, kind, change):
+    o = copy.deepcopy(next(x for x in objs if x["kind"] == kind))
+    change(o)
+    return o
+
+
+# One broken object per schema source: a misspelt field, a value outside an enum, a wrong type.
+BROKEN = [
+    ("kubernetes/vllm.yaml", "Deployment", lambda o: o["spec"].__setitem__("replica", 2)),
+    ("kubernetes/llmgw-gateway.yaml", "Service", lambda o: o["spec"]["ports"][0].__setitem__("port", "eighty")),
+    ("istio/llmgw-envoyfilter.yaml", "EnvoyFilter",
+     lambda o: o["spec"]["configPatches"][1].__setitem__("applyTo", "HTTP_FILTERS")),
+    ("istio/llmgw-gateway.yaml", "VirtualService", lambda o: o["spec"]["http"][0].__setitem__("matches", [])),
+    ("envoy-gateway/llmgw-envoypatchpolicy.yaml", "EnvoyPatchPolicy",
+     lambda o: o["spec"]["jsonPatches"][0]["operation"].__setitem__("op", "insert")),
+    ("envoy-gateway/llmgw-gateway.yaml", "HTTPRoute",
+     lambda o: o["spec"]["rules"][0]["matches"][0]["path"].__setitem__("type", "Prefix")),
+    ("envoy-gateway/llmgw-gateway.yaml", "EnvoyProxy",
+     lambda o: o["spec"]["provider"]["kubernetes"]["envoyDeployment"].__setitem__("sidecars", [])),
+]
+
+
+@pytest.mark.parametrize("path,kind,change", BROKEN, ids=[f"{p}:{k}" for p, k, _ in BROKEN])
+def test_a_broken_object_is_refused(path, kind, change):
+    bad = _mutated(deploy.load(path), kind, change)
+    with pytest.raises(Exception) as e:
+        deploy.validate(bad)
+    assert isinstance(e.value, jsonschema.ValidationError) or "Validation" in type(e.value).__name__, e.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembled as each control plane assembles them.
+
+
+@pytest.fixture(scope="module")
+def assembled():
+    return {k: deploy.ASSEMBLE[k]() for k in KINDS}
+
+
+INFERENCE_LISTENER = {"kubernetes": "llmgw", "istio": "0.0.0.0_8080", "envoy-gateway": "tcp-80"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_filter_sits_before_the_router_behind_the_header_removal(assembled, kind):
+    b = assembled[kind]
+    names = [f["name"] for f in deploy.http_filters(b, INFERENCE_LISTENER[kind])]
+    i = names.index(deploy.WASM_FILTER)
+    assert names[i - 1] == deploy.HEADER_MUTATION and names[-1] == deploy.ROUTER and names.count(deploy.WASM_FILTER) == 1, names
+    (wasm,) = [f for f in deploy.http_filters(b) if f["name"] == deploy.WASM_FILTER]
+    cfg = wasm["typed_config"]["config"]
+    assert cfg["allow_on_headers_stop_iteration"] is True and cfg["failure_policy"] == "FAIL_RELOAD"
+    (hm,) = [f for f in deploy.http_filters(b, INFERENCE_LISTENER[kind]) if f["name"] == deploy.HEADER_MUTATION]
+    assert hm["typed_config"]["mutations"]["request_mutations"] == [{"remove": DEST}]
+    lst = next(x for x in b["static_resources"]["listeners"] if x["name"] == INFERENCE_LISTENER[kind])
+    (filter_cfg,) = deploy.wasm_configs(b)
+    assert lst["per_connection_buffer_limit_bytes"] >= filter_cfg["max_body_bytes"]
+    for name in ("llmgw_replicas", "llmgw_tokenizer", "llmgw_agent"):
+        deploy.cluster(b, name)
+    # The inference paths, and only they, go to the replica the filter names.
+    to_replicas = {r["match"].get("path") for r in deploy.routes(b, INFERENCE_LISTENER[kind])
+                   if r.get("route", {}).get("cluster") == "llmgw_replicas"}
+    assert to_replicas == {"/v1/chat/completions", "/v1/completions"}
+    first = deploy.routes(b, INFERENCE_LISTENER[kind])[:2]
+    assert all(r["route"]["cluster"] == "llmgw_replicas" for r in first), first
+
+
+def test_envoy_gateway_patches_address_the_generated_names(assembled):
+    b = assembled["envoy-gateway"]
+    (lst,) = b["static_resources"]["listeners"]
+    assert lst["name"] == "tcp-80" and lst["default_filter_chain"]["name"] == "http-80"
+    assert lst["address"]["socket_address"]["port_value"] == 10080
+    (hcm,) = deploy.hcm_of(lst)
+    assert hcm["route_config"]["name"] == "http-80" and hcm["stat_prefix"] == "http-80"
+    # What Envoy Gateway generated stays: its own route to the Service is behind llmgw's.
+    assert [r["route"]["cluster"] for r in deploy.routes(b, "tcp-80")][2:] == ["httproute/llmgw/llmgw/rule/0"] * 2
+
+
+def _copy_envoy_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "envoy"
+    shutil.copytree(deploy.ENVOY_DIR, root)
+    return root
+
+
+def _edit(root: Path, rel: str, old: str, new: str) -> None:
+    p = root / rel
+    text = p.read_text()
+    assert text.count(old) >= 1, f"{old!r} not in {rel}"
+    p.write_text(text.replace(old, new))
+
+
+BROKEN_ASSEMBLY = [
+    # A patch aimed at a port the Gateway does not have matches nothing.
+    ("istio", "istio/llmgw-envoyfilter.yaml", "portNumber: 8080", "portNumber: 8081", "matches nothing"),
+    # The pods must carry the label the EnvoyFilter selects.
+    ("istio", "istio/llmgw-envoyfilter.yaml", "labels: {istio: llmgw-gateway}", "labels: {istio: ingressgateway}",
+     "workloadSelector"),
+    # The old (pre-V2) listener name is not what 1.9 with scheme V2 generates.
+    ("envoy-gateway", "envoy-gateway/llmgw-envoypatchpolicy.yaml", "name: tcp-80", "name: llmgw/llmgw/http",
+     "no Listener named"),
+    ("envoy-gateway", "envoy-gateway/envoy-gateway-config.yaml", "enabled: [XDSNameSchemeV2]", "enabled: []",
+     "scheme V2"),
+    ("envoy-gateway", "envoy-gateway/envoy-gateway-config.yaml", "enableEnvoyPatchPolicy: true",
+     "enableEnvoyPatchPolicy: false", "not enabled"),
+]
+
+
+@pytest.mark.parametrize("kind,rel,old,new,message", BROKEN_ASSEMBLY, ids=[f"{k}:{n}" for k, _, n, _, _ in BROKEN_ASSEMBLY])
+def test_a_patch_that_would_not_apply_is_refused(tmp_path, kind, rel, old, new, message):
+    root = _copy_envoy_dir(tmp_path)
+    deploy.ASSEMBLE[kind](root)  # the copy assembles before the edit
+    _edit(root, rel, old, new)
+    with pytest.raises(deploy.AssemblyError, match=message):
+        deploy.ASSEMBLE[kind](root)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_assembled_config_passes_envoy_validation(assembled, kind, tmp_path, envoy_bin, wasm_path):
+    path = deploy.write(deploy.with_wasm(assembled[kind], wasm_path), tmp_path / f"{kind}.json")
+    r = deploy.envoy_validate(envoy_bin, path)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_envoy_validation_runs_the_filters_configure_step(assembled, tmp_path, envoy_bin, wasm_path):
+    """The validation above is worth something: a bad filter configuration in an assembled
+    bootstrap fails it, naming the field."""
+    b = deploy.with_wasm(assembled["istio"], wasm_path)
+    (wasm,) = [f for f in deploy.http_filters(b) if f["name"] == deploy.WASM_FILTER]
+    value = wasm["typed_config"]["config"]["configuration"]
+    value["value"] = value["value"].replace('"block_size": 16', '"block_size": 0')
+    r = deploy.envoy_validate(envoy_bin, deploy.write(b, tmp_path / "bad.json"))
+    assert r.returncode != 0 and "profiles[0].block_size" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped settings agree with each other.
+
+
+def _agent_tomls() -> dict[str, str]:
+    out = {}
+    for kind in KINDS:
+        for o in deploy.load_kind(kind):
+            if o["kind"] == "ConfigMap" and "agent.toml" in o.get("data", {}):
+                out[kind] = o["data"]["agent.toml"]
+    return out
+
+
+def test_shipped_settings_agree(assembled):
+    import tomllib
+
+    local = yaml.safe_load(LOCAL.read_text())
+    configs = {"local": deploy.wasm_configs(local)}
+    configs.update({k: deploy.wasm_configs(b) for k, b in assembled.items()})
+    reference = configs["local"][0]
+    for where, cfgs in configs.items():
+        assert cfgs == [reference], f"{where}'s filter configuration differs from envoy/llmgw-local.yaml's"
+    header = reference["destination_header"]
+    for where, b in {"local": local, **assembled}.items():
+        # Every ORIGINAL_DST cluster reads the header the filter sets, and Envoy removes exactly it.
+        for c in b["static_resources"]["clusters"]:
+            if c.get("type") == "ORIGINAL_DST":
+                assert c["original_dst_lb_config"]["http_header_name"] == header, (where, c["name"])
+        removed = [m["remove"] for f in deploy.http_filters(b) if f["name"] == deploy.HEADER_MUTATION
+                   for m in f["typed_config"]["mutations"]["request_mutations"]]
+        assert removed == [header], where
+    agents = {k: tomllib.loads(t) for k, t in _agent_tomls().items()}
+    assert set(agents) == set(KINDS), agents.keys()
+    agent = agents["kubernetes"]
+    assert all(a == agent for a in agents.values()), "the agent configurations differ"
+    (profile,) = reference["profiles"]
+    assert (agent["hash"]["algo"], agent["hash"]["seed"], agent["hash"]["block_size"]) == \
+        (profile["hash_algo"], profile["seed"], profile["block_size"])
+    feed_port = int(agent["feed"]["listen"].rsplit(":", 1)[1])
+    assert agent["feed"]["listen"].startswith("127.0.0.1:"), "the sidecar agent's feed stays on loopback"
+    for where, b in assembled.items():
+        (ep,) = deploy.cluster(b, "llmgw_agent")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert ep["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": feed_port}, where
+    # The agents find the replicas through the headless Service of vllm.yaml.
+    vllm = deploy.load("kubernetes/vllm.yaml")
+    svc = deploy.find(vllm, "Service", "vllm")
+    (disc,) = agent["discovery"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert disc["dns"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
+    assert disc["port"] in [p["port"] for p in svc["spec"]["ports"]]
+
+
+def test_agent_configurations_are_accepted_by_the_agent(tmp_path, agent_bin):
+    for kind, text in _agent_tomls().items():
+        path = tmp_path / f"{kind}.toml"
+        path.write_text(text)
+        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{kind}: {r.stdout}{r.stderr}"
+
+
+def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
+    """vllm.yaml's command line holds exactly what `llmgw-agent vllm-args` prints for the
+    shipped agent configuration: prefix caching, algorithm, block size, the KV-events config
+    with the publisher and replay bound on all interfaces, and PYTHONHASHSEED."""
+    path = tmp_path / "agent.toml"
+    path.write_text(_agent_tomls()["kubernetes"])
+    out = subprocess.run([str(agent_bin), "vllm-args", "--config", str(path)], capture_output=True, text=True, check=True)
+    (line,) = [x for x in out.stdout.splitlines() if x and not x.startswith("#")]
+    words = shlex.split(line)
+    serve = words.index("vllm")
+    env = dict(w.split("=", 1) for w in words[:serve])
+    model, printed = words[serve + 2], words[serve + 3:]
+    dep = deploy.find(deploy.load("kubernetes/vllm.yaml"), "Deployment", "vllm")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["vllm", "serve"] and c["args"][0] == model
+    args = c["args"][1:]
+    flags = [a for a in args if not a.startswith(("--host=", "--port="))]
+    assert flags == printed, f"vllm.yaml: {flags}\nvllm-args: {printed}"
+    assert {e["name"]: e["value"] for e in c["env"]} == env
+    kv = json.loads(printed[printed.index("--kv-events-config") + 1])
+    ports = {p["containerPort"] for p in c["ports"]}
+    assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1])} <= ports
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: each assembled bootstrap in front of simulated replicas and the agent.
+
+MODEL = "demo-model"
+
+
+class Canary:
+    """An HTTP server on loopback that records every request: where a client's destination
+    header points."""
+
+    def __init__(self):
+        self.hits = []
+        hits = self.hits
+
+        class Handler(StubHandler):
+            def do_POST(self):
+                hits.append(self.path)
+                self.reply(200, b'{"canary": true}')
+
+            do_GET = do_POST
+
+        self.server = StubServer(0, Handler)
+        self.port = self.server.port
+
+    def stop(self):
+        self.server.stop()
+
+
+@pytest.fixture
+def canary():
+    c = Canary()
+    yield c
+    c.stop()
+
+
+def _start(procs, tmp_path, envoy_bin, wasm_path, bootstrap, agent_port):
+    ports = {p: kit.free_port() for p in deploy.listener_ports(bootstrap)}
+    admin, closed = kit.free_port(), kit.free_port()
+    local = deploy.localize(bootstrap, wasm_path, ports, admin, agent_port, closed)
+    path = deploy.write(local, tmp_path / "envoy.json")
+    proc = kit.start_envoy(procs, envoy_bin, path, "envoy")
+    api = kit.EnvoyAdmin(admin)
+    api.wait_ready(30, proc=proc)
+    return ports, api
+
+
+def _post(port, path, body, headers=None):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers.get("x-llmgw-sim-replica"), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, None, e.read()
+
+
+@pytest.fixture
+def fleet(procs, tmp_path, agent_bin, sim_bin):
+    sims = new_sims(3)
+    agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL)
+    for s in sims:
+        procs.start(sim_command(sim_bin, s, MODEL, blocks=256, seed="0", decode_ms=1), s["name"])
+    for s in sims:
+        kit.wait_port(s["port"])
+    return sims, agent
+
+
+SYSTEM = {"role": "system", "content": " ".join(f"rule{i}" for i in range(200))}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deployed_config_routes_exactly_and_ignores_a_clients_destination(kind, assembled, fleet, canary, procs,
+                                                                          tmp_path, envoy_bin, wasm_path):
+    sims, agent = fleet
+    ports, envoy = _start(procs, tmp_path, envoy_bin, wasm_path, assembled[kind], agent.feed)
+    envoy.wait_feed(60)
+    listen = ports[next(lst["address"]["socket_address"]["port_value"]
+                        for lst in assembled[kind]["static_resources"]["listeners"]
+                        if lst["name"] == INFERENCE_LISTENER[kind])]
+    first = [SYSTEM, {"role": "user", "content": f"{kind}: tell me about deployments " * 10}]
+    status, served_by, _ = _post(listen, "/v1/chat/completions", {"model": MODEL, "messages": first, "max_tokens": 4})
+    assert status == 200 and served_by, status
+    blocks = wait_until(lambda: agent.replica(served_by)["blocks"], 20, "the agent mirrored the first turn")
+    wait_until(lambda: (v := envoy.index_blocks()) and all(x >= blocks for x in v), 20, "every filter VM's index")
+    exact_before = envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"')
+    followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+    # The client names the canary as the destination: Envoy drops the header, llmgw routes.
+    status, again, _ = _post(listen, "/v1/chat/completions", {"model": MODEL, "messages": followup, "max_tokens": 4},
+                             {DEST: f"127.0.0.1:{canary.port}"})
+    assert status == 200 and again == served_by, f"follow-up went to {again}, its prefix is on {served_by}"
+    # The decision is exact, and Prometheus sees it with its label.
+    assert envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"') == exact_before + 1
+    assert canary.hits == []
+    # Other paths are not passed to the replicas.
+    status, _, _ = _post(listen, "/kv_event_sources", {})
+    assert status == 404
+    assert canary.hits == []
+
+
+def test_without_the_filter_a_clients_destination_reaches_nobody(assembled, canary, procs, tmp_path, envoy_bin,
+                                                                   wasm_path):
+    """Fail closed: with llmgw removed from the chain (as if it failed to start on a worker), a
+    request naming the canary gets 503, because Envoy itself dropped the header."""
+    b = copy.deepcopy(assembled["kubernetes"])
+    for hcm in deploy.hcm_of(b["static_resources"]["listeners"][0]):
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != deploy.WASM_FILTER]
+    ports, _ = _start(procs, tmp_path, envoy_bin, wasm_path, b, kit.free_port())
+    status, _, _ = _post(ports[8080], "/v1/completions", {"model": MODEL, "prompt": "hi"},
+                         {DEST: f"127.0.0.1:{canary.port}"})
+    assert status == 503 and canary.hits == [], (status, canary.hits)
