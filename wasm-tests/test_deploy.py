@@ -48,6 +48,20 @@ def test_every_object_validates_against_its_schema(path):
     for o in objs:
         checked = deploy.validate(o)
         assert checked, o["kind"]
+        # Every container names its image (Kubernetes' schema lets it be omitted).
+        for c in _containers(o):
+            assert c.get("image"), f"{path}: {o['kind']} {o['metadata']['name']}: container {c['name']} names no image"
+
+
+def _containers(o: dict) -> list[dict]:
+    if o["kind"] == "Deployment":
+        spec = o["spec"]["template"]["spec"]
+        return spec.get("initContainers", []) + spec["containers"]
+    if o["kind"] == "EnvoyProxy":
+        dep = o["spec"]["provider"]["kubernetes"]["envoyDeployment"]
+        patched = dep.get("patch", {}).get("value", {}).get("spec", {}).get("template", {}).get("spec", {})
+        return dep.get("initContainers", []) + patched.get("containers", [])
+    return []
 
 
 def _mutated(objs, kind, change):
