@@ -189,9 +189,17 @@ pub fn decide_lazy(
                 w.prefix * share - w.load * c.load_term(w)
             };
             let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| rendezvous_weight(k, c.address)));
+            // Scores within the tie margin are equal (see `Weights::tie_margin`).
+            let by_score = |a: usize, b: usize| {
+                let (sa, sb) = (score(a), score(b));
+                if (sa - sb).abs() <= w.tie_margin {
+                    std::cmp::Ordering::Equal
+                } else {
+                    sa.total_cmp(&sb)
+                }
+            };
             let best = idx.iter().copied().max_by(|&a, &b| {
-                score(a)
-                    .total_cmp(&score(b))
+                by_score(a, b)
                     .then(leading(s, a).cmp(&leading(s, b)))
                     // Lazily: the key is only computed for a tie.
                     .then_with(|| tiebreak(a).cmp(&tiebreak(b)))
@@ -360,6 +368,38 @@ mod tests {
         assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(home));
         c4[spill].in_flight = 1;
         assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(home));
+    }
+
+    #[test]
+    fn holders_within_the_tie_margin_are_chosen_by_the_prompt_not_by_load_noise() {
+        let w = Weights::default();
+        let both = scores(&[10, 10, 0], 10);
+        let mut first = [0u32; 2];
+        for p in 0..200u32 {
+            let key = stable_hash(format!("prompt {p}").as_bytes());
+            let idle = decide(&fleet(3), Some(&both), Some(key), &w).winner.unwrap();
+            // One gateway's agent scraped a running request on one holder, another's on the
+            // other: both still choose the same holder.
+            for busy in 0..2 {
+                let mut c = fleet(3);
+                c[busy].running = 1;
+                assert_eq!(decide(&c, Some(&both), Some(key), &w).winner, Some(idle), "prompt {p}");
+            }
+            first[idle] += 1;
+            // A real difference in load still moves it.
+            let mut c = fleet(3);
+            c[idle].running = 4;
+            assert_eq!(decide(&c, Some(&both), Some(key), &w).winner, Some(1 - idle));
+        }
+        // Equal holders share the prompts between them.
+        assert!(first.iter().all(|&n| n > 60), "{first:?}");
+        // Without the margin, one running request decides.
+        let strict = Weights { tie_margin: 0.0, ..Weights::default() };
+        let key = stable_hash(b"prompt 0");
+        let idle = decide(&fleet(3), Some(&both), Some(key), &strict).winner.unwrap();
+        let mut c = fleet(3);
+        c[idle].running = 1;
+        assert_eq!(decide(&c, Some(&both), Some(key), &strict).winner, Some(1 - idle));
     }
 
     #[test]

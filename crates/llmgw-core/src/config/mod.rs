@@ -152,6 +152,12 @@ pub struct Weights {
     /// first, load bound permitting. Fallbacks without exact data always take the first.
     #[serde(default = "default_approx_choices")]
     pub approx_choices: u32,
+    /// Replicas holding a request's blocks whose scores differ by at most this much are equally
+    /// good: the one the prompt's rendezvous order puts first wins. A difference of one request
+    /// (0.5 × 1/9 at the defaults) is within it: engine-reported loads reach every gateway at a
+    /// different instant, and without the margin gateways with the same index split on them.
+    #[serde(default = "default_tie_margin")]
+    pub tie_margin: f64,
 }
 
 fn default_load_scale() -> f64 {
@@ -178,6 +184,9 @@ fn default_approx_choices() -> u32 {
 fn default_spill_slack() -> u32 {
     2
 }
+fn default_tie_margin() -> f64 {
+    0.06
+}
 
 fn one() -> f64 {
     1.0
@@ -199,6 +208,7 @@ impl Default for Weights {
             spill_factor: default_spill_factor(),
             spill_slack: default_spill_slack(),
             approx_choices: default_approx_choices(),
+            tie_margin: default_tie_margin(),
         }
     }
 }
