@@ -61,6 +61,11 @@ pub enum Outcome {
     /// Least load (nothing to hash, or exact data said the prefix lives on a replica that load
     /// ruled out and nobody else holds any of it).
     Load,
+    /// Replicas held the request's leading blocks, but every one of them was past the holders'
+    /// load bound (`Weights::holder_spill_factor`): the request went where a new prefix would
+    /// (its rendezvous order, bounded by load), and that replica then holds the prefix too. A
+    /// hot prefix is replicated this way; a cold one stays where it is.
+    Spill,
     /// No healthy replica.
     NoReplica,
 }
@@ -71,11 +76,12 @@ impl Outcome {
             Outcome::Exact => "exact",
             Outcome::Approx => "approx",
             Outcome::Load => "load",
+            Outcome::Spill => "spill",
             Outcome::NoReplica => "no_replica",
         }
     }
 
-    pub const ALL: [Outcome; 4] = [Outcome::Exact, Outcome::Approx, Outcome::Load, Outcome::NoReplica];
+    pub const ALL: [Outcome; 5] = [Outcome::Exact, Outcome::Approx, Outcome::Load, Outcome::Spill, Outcome::NoReplica];
 }
 
 /// The choice: `winner` indexes the candidate slice.
@@ -124,6 +130,16 @@ pub fn least_loaded(cands: &[Candidate<'_>], w: &Weights) -> Option<usize> {
     least_of(cands, &eligible(cands, w))
 }
 
+/// The load bound: `ceil(factor × (total pressure + 1) / n) + slack`, the most pressure a
+/// replica may have after taking the request.
+fn load_cap(cands: &[Candidate<'_>], idx: &[usize], factor: f64, slack: u32) -> u64 {
+    let n = idx.len().max(1);
+    let total: u64 = idx.iter().filter_map(|&i| cands.get(i)).map(|c| c.pressure()).fold(0u64, u64::saturating_add);
+    let mean = (total.saturating_add(1)) as f64 / n as f64;
+    let cap = (factor * mean).ceil() as u64;
+    cap.saturating_add(u64::from(slack))
+}
+
 /// Rendezvous order with bounded-load spillover: among the replicas within the load bound, the
 /// least pressured of the first `choices` in the key's rendezvous order (ties: the earlier
 /// one), so equal loads keep a prefix on its first replica everywhere.
@@ -132,11 +148,7 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights, ch
     if n == 0 {
         return None;
     }
-    let total: u64 = idx.iter().filter_map(|&i| cands.get(i)).map(|c| c.pressure()).fold(0u64, u64::saturating_add);
-    // capacity = ceil(spill_factor × (total + 1) / n) + spill_slack
-    let mean = (total.saturating_add(1)) as f64 / n as f64;
-    let cap = (w.spill_factor * mean).ceil() as u64;
-    let cap = cap.saturating_add(u64::from(w.spill_slack));
+    let cap = load_cap(cands, idx, w.spill_factor, w.spill_slack);
     let mut order: Vec<(u64, usize)> =
         idx.iter().filter_map(|&i| cands.get(i).map(|c| (rendezvous_weight(key, c.address), i))).collect();
     order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -180,8 +192,21 @@ pub fn decide_lazy(
     let leading = |s: &Scores, i: usize| -> u32 {
         cands.get(i).and_then(|c| s.leading.get(usize::from(c.id))).copied().unwrap_or(0)
     };
+    // Holders past their load bound give up their claim to the prefix.
+    let mut spilled = false;
     if let Some(s) = exact {
         let any_match = idx.iter().any(|&i| leading(s, i) > 0);
+        let cap = load_cap(cands, &idx, w.holder_spill_factor, w.spill_slack.saturating_mul(2));
+        let bounded = w.holder_spill_factor > 0.0;
+        let within = |i: usize| !bounded || cands.get(i).is_some_and(|c| c.pressure().saturating_add(1) <= cap);
+        let holders_within = idx.iter().any(|&i| leading(s, i) > 0 && within(i));
+        spilled = any_match && !holders_within;
+        let idx: Vec<usize> = if spilled {
+            Vec::new()
+        } else {
+            idx.iter().copied().filter(|&i| within(i) || leading(s, i) == 0).collect()
+        };
+        let any_match = any_match && !spilled;
         if any_match && s.total > 0 {
             let score = |i: usize| -> f64 {
                 let Some(c) = cands.get(i) else { return f64::NEG_INFINITY };
@@ -216,12 +241,18 @@ pub fn decide_lazy(
     // With exact data the prefix is known to be new: it may go to the less loaded of its first
     // rendezvous choices. Without (a fallback), its first choice is the best guess of where
     // earlier requests sharing it went, so only the load bound moves it.
-    let choices = if exact.is_some() { w.approx_choices } else { 1 };
+    // A spilled hot prefix is replicated to the least loaded replica within the bound.
+    let choices = if spilled {
+        u32::try_from(idx.len()).unwrap_or(u32::MAX)
+    } else if exact.is_some() {
+        w.approx_choices
+    } else {
+        1
+    };
+    let (approx, load) = if spilled { (Outcome::Spill, Outcome::Spill) } else { (Outcome::Approx, Outcome::Load) };
     match approx_key() {
-        Some(k) => {
-            Decision { winner: approx_pick(cands, &idx, k, w, choices), outcome: Outcome::Approx, matched: 0, total }
-        }
-        None => Decision { winner: least_of(cands, &idx), outcome: Outcome::Load, matched: 0, total },
+        Some(k) => Decision { winner: approx_pick(cands, &idx, k, w, choices), outcome: approx, matched: 0, total },
+        None => Decision { winner: least_of(cands, &idx), outcome: load, matched: 0, total },
     }
 }
 
@@ -269,7 +300,14 @@ mod tests {
         let mut c = fleet(3);
         c[0].running = 30;
         c[0].waiting = 10;
-        // Replica 0 holds 1 of 10 blocks but is busy; 1 holds nothing: load wins.
+        // Replica 0 holds 1 of 10 blocks but is far past the holders' load bound: the request
+        // goes where a new prefix would.
+        let d = decide(&c, Some(&scores(&[1, 0, 0], 10)), None, &w);
+        assert_eq!(d.outcome, Outcome::Spill);
+        assert_ne!(d.winner, Some(0));
+        // Within the bound, load still outweighs a short prefix.
+        let mut c = fleet(3);
+        c[0].running = 6;
         let d = decide(&c, Some(&scores(&[1, 0, 0], 10)), None, &w);
         assert_eq!(d.outcome, Outcome::Load);
         assert_ne!(d.winner, Some(0));
@@ -400,6 +438,45 @@ mod tests {
         let mut c = fleet(3);
         c[idle].running = 1;
         assert_eq!(decide(&c, Some(&both), Some(key), &strict).winner, Some(1 - idle));
+    }
+
+    #[test]
+    fn a_hot_prefix_spills_past_the_holders_bound_and_a_cold_one_stays() {
+        let w = Weights::default();
+        let key = stable_hash(b"hot prefix");
+        let held = scores(&[10, 0, 0, 0], 10);
+        // A burst on one gateway: each request is counted in flight where it went.
+        let mut c = fleet(4);
+        let mut spills = 0;
+        for _ in 0..64 {
+            let d = decide(&c, Some(&held), Some(key), &w);
+            let i = d.winner.unwrap();
+            spills += usize::from(d.outcome == Outcome::Spill);
+            c[i].in_flight += 1;
+        }
+        let max = c.iter().map(|x| x.in_flight).max().unwrap();
+        assert!(spills > 0 && max <= 40, "holder kept {max} of 64 ({spills} spilled)");
+        // (Here the index keeps showing one holder; in a fleet the replicas it spilled to hold
+        // the prefix too after their first prefill.)
+        assert!(
+            c.iter().filter(|x| x.in_flight > 0).count() >= 3,
+            "{:?}",
+            c.iter().map(|x| x.in_flight).collect::<Vec<_>>()
+        );
+        // A cold prefix (a few requests) stays on its holder.
+        let mut c = fleet(4);
+        for _ in 0..4 {
+            let d = decide(&c, Some(&held), Some(key), &w);
+            assert_eq!((d.winner, d.outcome), (Some(0), Outcome::Exact));
+            c[0].in_flight += 1;
+        }
+        // Engine-reported load (other gateways' requests) counts too.
+        let mut c = fleet(4);
+        c[0].waiting = 20;
+        assert_eq!(decide(&c, Some(&held), Some(key), &w).outcome, Outcome::Spill);
+        // Without the bound the holder keeps everything short of overload.
+        let unbounded = Weights { holder_spill_factor: 0.0, ..Weights::default() };
+        assert_eq!(decide(&c, Some(&held), Some(key), &unbounded).outcome, Outcome::Exact);
     }
 
     #[test]

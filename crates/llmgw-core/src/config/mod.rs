@@ -158,6 +158,12 @@ pub struct Weights {
     /// different instant, and without the margin gateways with the same index split on them.
     #[serde(default = "default_tie_margin")]
     pub tie_margin: f64,
+    /// Replicas holding a request's blocks keep it while their pressure stays within
+    /// `holder_spill_factor` × the mean pressure (+ 2 × `spill_slack`); when every holder is past
+    /// that, the request goes where a new prefix would (outcome `spill`), so a hot prefix is
+    /// replicated instead of queueing on one replica. 0 turns the bound off.
+    #[serde(default = "default_holder_spill_factor")]
+    pub holder_spill_factor: f64,
 }
 
 fn default_load_scale() -> f64 {
@@ -187,6 +193,9 @@ fn default_spill_slack() -> u32 {
 fn default_tie_margin() -> f64 {
     0.06
 }
+fn default_holder_spill_factor() -> f64 {
+    1.5
+}
 
 fn one() -> f64 {
     1.0
@@ -209,6 +218,7 @@ impl Default for Weights {
             spill_slack: default_spill_slack(),
             approx_choices: default_approx_choices(),
             tie_margin: default_tie_margin(),
+            holder_spill_factor: default_holder_spill_factor(),
         }
     }
 }
