@@ -9,7 +9,7 @@
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
-#          benchmarks; `bench filter`: the filter against plain Envoy
+#          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways
 #   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
 #   conformance  the suite against real vLLM 0.33.0 (installs it into .venv-vllm, about 3 GB); arguments go to pytest
 #   clean  cargo clean, dist/ removed
@@ -163,7 +163,18 @@ bench() {
   # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core --bench flow)
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
+  # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
   setup
+  if [ "${1:-}" = gateways ]; then
+    shift
+    log "building (release): agent, simulator, llmgw.wasm"
+    cargo build -q --release -p llmgw-agent -p llmgw-sim
+    build_wasm
+    setup_envoy
+    target_dir >/dev/null
+    PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/gateways.py "$@"
+    return
+  fi
   if [ "${1:-}" = filter ]; then
     shift
     build_wasm
