@@ -41,7 +41,9 @@ MODEL = "demo-model"
 ARMS = {
     "llmgw": ("llmgw (defaults)", {}),
     "unbounded": ("llmgw without the holders' load bound and tie margin", {"holder_spill_factor": 0, "tie_margin": 0}),
+    "all-choices": ("llmgw, a new prefix to the least loaded of all replicas", {"approx_choices": 1024}),
 }
+DEFAULT_ARMS = ["llmgw", "unbounded"]
 
 
 def log(msg: str) -> None:
@@ -119,7 +121,7 @@ def main() -> int:
     ap.add_argument("--load-interval-ms", type=int, default=100, help="the agents' load scrape interval")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip", choices=["burst", "sessions"], action="append", default=[])
-    ap.add_argument("--arms", type=lambda v: v.split(","), default=list(ARMS),
+    ap.add_argument("--arms", type=lambda v: v.split(","), default=DEFAULT_ARMS,
                     help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--out", type=Path, default=kit.ROOT / "results" / "bench")
     a = ap.parse_args()

@@ -116,7 +116,8 @@ def test_filter_sits_before_the_router_behind_the_header_removal(assembled, kind
     cfg = wasm["typed_config"]["config"]
     assert cfg["allow_on_headers_stop_iteration"] is True and cfg["failure_policy"] == "FAIL_RELOAD"
     (hm,) = [f for f in deploy.http_filters(b, INFERENCE_LISTENER[kind]) if f["name"] == deploy.HEADER_MUTATION]
-    assert hm["typed_config"]["mutations"]["request_mutations"] == [{"remove": DEST}]
+    assert hm["typed_config"]["mutations"]["request_mutations"] == [
+        {"remove": DEST}, {"remove_on_match": {"key_matcher": {"prefix": "x-envoy-"}}}]
     lst = next(x for x in b["static_resources"]["listeners"] if x["name"] == INFERENCE_LISTENER[kind])
     (filter_cfg,) = deploy.wasm_configs(b)
     assert lst["per_connection_buffer_limit_bytes"] >= filter_cfg["max_body_bytes"]
@@ -226,7 +227,7 @@ def test_shipped_settings_agree(assembled):
             if c.get("type") == "ORIGINAL_DST":
                 assert c["original_dst_lb_config"]["http_header_name"] == header, (where, c["name"])
         removed = [m["remove"] for f in deploy.http_filters(b) if f["name"] == deploy.HEADER_MUTATION
-                   for m in f["typed_config"]["mutations"]["request_mutations"]]
+                   for m in f["typed_config"]["mutations"]["request_mutations"] if "remove" in m]
         assert removed == [header], where
     agents = {k: tomllib.loads(t) for k, t in _agent_tomls().items()}
     assert set(agents) == set(KINDS), agents.keys()
@@ -352,7 +353,7 @@ SYSTEM = {"role": "system", "content": " ".join(f"rule{i}" for i in range(200))}
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_deployed_config_routes_exactly_and_ignores_a_clients_destination(kind, assembled, fleet, canary, procs,
+def test_deployed_config_routes_exactly_and_ignores_a_clients_destination_and_envoy_headers(kind, assembled, fleet, canary, procs,
                                                                           tmp_path, envoy_bin, wasm_path):
     sims, agent = fleet
     ports, envoy = _start(procs, tmp_path, envoy_bin, wasm_path, assembled[kind], agent.feed)
@@ -368,8 +369,9 @@ def test_deployed_config_routes_exactly_and_ignores_a_clients_destination(kind, 
     exact_before = envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"')
     followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
     # The client names the canary as the destination: Envoy drops the header, llmgw routes.
+    # It also asks Envoy for a 1 ms upstream timeout, which is not honoured either.
     status, again, _ = _post(listen, "/v1/chat/completions", {"model": MODEL, "messages": followup, "max_tokens": 4},
-                             {DEST: f"127.0.0.1:{canary.port}"})
+                             {DEST: f"127.0.0.1:{canary.port}", "x-envoy-upstream-rq-timeout-ms": "1"})
     assert status == 200 and again == served_by, f"follow-up went to {again}, its prefix is on {served_by}"
     # The decision is exact, and Prometheus sees it with its label.
     assert envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"') == exact_before + 1
@@ -391,3 +393,26 @@ def test_without_the_filter_a_clients_destination_reaches_nobody(assembled, cana
     status, _, _ = _post(ports[8080], "/v1/completions", {"model": MODEL, "prompt": "hi"},
                          {DEST: f"127.0.0.1:{canary.port}"})
     assert status == 503 and canary.hits == [], (status, canary.hits)
+
+
+def test_a_clients_envoy_headers_are_not_honoured(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
+    """A client asking Envoy for a 20 ms upstream timeout (x-envoy-upstream-rq-timeout-ms) of a
+    request that takes longer still gets its answer: header_mutation drops the client's x-envoy-*
+    headers before the router reads them (envoy/llmgw-local.yaml, which trusts its clients'
+    addresses; the Kubernetes, Istio and Envoy Gateway listeners also sanitise them by
+    use_remote_address)."""
+    sims = new_sims(1)
+    agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL)
+    procs.start(sim_command(sim_bin, sims[0], MODEL, seed="0", decode_ms=100), sims[0]["name"])
+    kit.wait_port(sims[0]["port"])
+    listen, admin = kit.free_port(), kit.free_port()
+    config = kit.shipped_config(wasm_path, listen, admin, agent.feed, kit.filter_config())
+    path = tmp_path / "local.yaml"
+    path.write_text(config)
+    proc = kit.start_envoy(procs, envoy_bin, path, "envoy")
+    envoy = kit.EnvoyAdmin(admin)
+    envoy.wait_ready(30, proc=proc)
+    envoy.wait_feed(30)
+    status, served_by, _ = _post(listen, "/v1/completions", {"model": MODEL, "prompt": "slow " * 20, "max_tokens": 3},
+                                 {"x-envoy-upstream-rq-timeout-ms": "20", "x-envoy-max-retries": "5"})
+    assert status == 200 and served_by == sims[0]["name"], status
