@@ -398,17 +398,20 @@ def test_without_the_filter_a_clients_destination_reaches_nobody(assembled, cana
 def test_a_clients_envoy_headers_are_not_honoured(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
     """A client asking Envoy for a 20 ms upstream timeout (x-envoy-upstream-rq-timeout-ms) of a
     request that takes longer still gets its answer: header_mutation drops the client's x-envoy-*
-    headers before the router reads them (envoy/llmgw-local.yaml, which trusts its clients'
-    addresses; the Kubernetes, Istio and Envoy Gateway listeners also sanitise them by
-    use_remote_address)."""
+    headers before the router reads them, even from a client Envoy deems internal (without the
+    removal: 504)."""
     sims = new_sims(1)
     agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL)
     procs.start(sim_command(sim_bin, sims[0], MODEL, seed="0", decode_ms=100), sims[0]["name"])
     kit.wait_port(sims[0]["port"])
     listen, admin = kit.free_port(), kit.free_port()
-    config = kit.shipped_config(wasm_path, listen, admin, agent.feed, kit.filter_config())
-    path = tmp_path / "local.yaml"
-    path.write_text(config)
+    config = yaml.safe_load(kit.shipped_config(wasm_path, listen, admin, agent.feed, kit.filter_config()))
+    # Envoy honours x-envoy-* request headers from clients it deems internal: say loopback is,
+    # as an operator marking the cluster's network internal would.
+    (hcm,) = deploy.hcm_of(config["static_resources"]["listeners"][0])
+    hcm["use_remote_address"] = True
+    hcm["internal_address_config"] = {"cidr_ranges": [{"address_prefix": "127.0.0.1", "prefix_len": 32}]}
+    path = deploy.write(config, tmp_path / "local.json")
     proc = kit.start_envoy(procs, envoy_bin, path, "envoy")
     envoy = kit.EnvoyAdmin(admin)
     envoy.wait_ready(30, proc=proc)
