@@ -48,11 +48,36 @@ impl FeedService {
     }
 }
 
+/// Equal tokens, in time independent of where or whether they differ, and of their lengths:
+/// both are hashed (SHA-256) and the digests compared in constant time.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+    use sha2::{Digest, Sha256};
+    use subtle::ConstantTimeEq;
+    let (da, db) = (Sha256::digest(a), Sha256::digest(b));
+    bool::from(da.as_slice().ct_eq(db.as_slice()))
+}
+
+/// The longest subscriber name kept and logged (a client chooses it); longer ones are cut.
+pub const MAX_SUBSCRIBER_NAME: usize = 64;
+
+/// A client-chosen subscriber name made safe to store and log: control characters replaced,
+/// cut to [`MAX_SUBSCRIBER_NAME`] characters. Returns the name and whether it was changed.
+pub fn bounded_name(name: &str) -> (String, bool) {
+    let mut changed = false;
+    let mut out = String::new();
+    for (i, c) in name.chars().enumerate() {
+        if i >= MAX_SUBSCRIBER_NAME {
+            changed = true;
+            break;
+        }
+        if c.is_control() {
+            changed = true;
+            out.push('?');
+        } else {
+            out.push(c);
+        }
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    (out, changed)
 }
 
 #[tonic::async_trait]
@@ -67,7 +92,11 @@ impl service::feed_server::Feed for FeedService {
             warn!(?peer, "feed subscription rejected: bad or missing token");
             return Err(Status::unauthenticated("bad or missing token"));
         }
-        let name = req.into_inner().subscriber;
+        let (name, cut) = bounded_name(&req.into_inner().subscriber);
+        if cut {
+            let mut st = self.hub.state();
+            st.feed.names_cut = st.feed.names_cut.saturating_add(1);
+        }
         info!(subscriber = %name, ?peer, "feed subscriber connected");
         let sub = self.hub.subscribe(name);
         let hub = self.hub.clone();
@@ -116,5 +145,28 @@ pub async fn heartbeats(hub: Arc<Hub>, period: Duration) {
     loop {
         t.tick().await;
         hub.state().publish(Body::Heartbeat(Heartbeat {}));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_compare_equal_only_when_equal_whatever_their_lengths() {
+        assert!(constant_time_eq(b"secret-token", b"secret-token"));
+        assert!(!constant_time_eq(b"secret-token", b"secret-tokeN"));
+        assert!(!constant_time_eq(b"secret-token", b"secret"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn subscriber_names_are_bounded_and_printable() {
+        assert_eq!(bounded_name("vm-1"), ("vm-1".to_owned(), false));
+        let (long, cut) = bounded_name(&"é".repeat(10_000));
+        assert!(cut && long.chars().count() == MAX_SUBSCRIBER_NAME);
+        let (ctl, cut) = bounded_name("a\nb\u{1b}[31m");
+        assert!(cut && !ctl.chars().any(char::is_control), "{ctl:?}");
     }
 }

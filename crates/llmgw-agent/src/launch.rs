@@ -36,6 +36,31 @@ pub fn command_line(cfg: &Config, spec: &LaunchSpec) -> Result<(Vec<String>, Env
     Ok((argv, extra.env))
 }
 
+/// vLLM flags whose value is a secret (the API key, tokens); their values never reach a log.
+const SECRET_FLAGS: [&str; 3] = ["--api-key", "--hf-token", "--ssl-keyfile-password"];
+
+/// The command line as it may be logged: the value of each secret flag (`--api-key K` or
+/// `--api-key=K`) replaced by `<redacted>`.
+pub fn redacted(argv: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(argv.len());
+    let mut hide_next = false;
+    for a in argv {
+        if hide_next {
+            out.push("<redacted>".to_owned());
+            hide_next = false;
+            continue;
+        }
+        match a.split_once('=') {
+            Some((flag, _)) if SECRET_FLAGS.contains(&flag) => out.push(format!("{flag}=<redacted>")),
+            _ => {
+                hide_next = SECRET_FLAGS.contains(&a.as_str());
+                out.push(a.clone());
+            }
+        }
+    }
+    out
+}
+
 fn spawn(argv: &[String], env: &[(String, String)]) -> Result<Child, String> {
     let (prog, args) = argv.split_first().ok_or("empty command")?;
     let mut c = Command::new(prog);
@@ -65,7 +90,7 @@ pub async fn supervise(
         hub.state().engines.iter().enumerate().filter(|(_, e)| e.spec.replica == name).map(|(i, _)| i).collect();
     let mut backoff = Duration::from_secs(1);
     loop {
-        info!(replica = %name, command = ?argv, env = ?env, "starting vLLM");
+        info!(replica = %name, command = ?redacted(&argv), env = ?env, "starting vLLM");
         let mut child = spawn(&argv, &env)?;
         let started = tokio::time::Instant::now();
         let exited = tokio::select! {
@@ -106,6 +131,17 @@ pub async fn supervise(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_are_redacted_from_the_logged_command_line() {
+        let argv: Vec<String> = ["vllm", "serve", "m", "--api-key", "s3cret", "--port", "8000", "--hf-token=hf_x"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let shown = redacted(&argv).join(" ");
+        assert_eq!(shown, "vllm serve m --api-key <redacted> --port 8000 --hf-token=<redacted>");
+        assert!(!shown.contains("s3cret") && !shown.contains("hf_x"));
+    }
 
     #[test]
     fn appends_matching_flags() {

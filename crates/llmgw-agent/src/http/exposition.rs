@@ -173,6 +173,12 @@ pub fn metrics_text(st: &HubState) -> String {
         "counter",
         vec![(String::new(), st.feed.rejected_token as f64)],
     );
+    counter(
+        "feed_names_cut_total",
+        "Subscriber names cut to 64 characters or with control characters replaced.",
+        "counter",
+        vec![(String::new(), st.feed.names_cut as f64)],
+    );
     s
 }
 

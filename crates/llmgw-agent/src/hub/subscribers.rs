@@ -75,6 +75,8 @@ pub struct FeedCounters {
     pub messages: u64,
     pub overflows: u64,
     pub rejected_token: u64,
+    /// Subscriber names longer than the limit or holding control characters (cut, replaced).
+    pub names_cut: u64,
 }
 
 impl Hub {
