@@ -7,7 +7,7 @@ import re
 import pytest
 
 from agent_support import Model, Publisher, capture, cleared, removed, stored
-from llmgw_testkit import free_port
+from llmgw_testkit import free_port, wait_until
 
 
 def seq_is(n):
@@ -338,3 +338,27 @@ def test_agent_verified_reconnect_drops_a_restarted_engine_at_once_and_keeps_the
         assert r["resets"] == {"restart_on_reconnect": 1} and r["gaps"] == 0
     finally:
         c.close()
+
+
+def test_agent_drops_an_event_message_past_the_size_cap(start_agent, bound_pub):
+    """A publisher sending a message larger than zmq.max_message_bytes loses its connection
+    before the agent allocates or applies it (counted as a publisher disconnect); it reconnects
+    and later batches apply."""
+    pub = bound_pub
+    agent = start_agent(replica_of(pub), zmq={"max_message_bytes": 1 << 20})
+    pub.wait_subscribed()
+    pub.send(0, stored([1]))
+    agent.wait_for("r0", seq_is(0), "seq 0")
+    big = stored(range(100, 100 + 60_000))  # a valid batch of about 1.4 MB
+    assert len(big) > 1 << 20
+    pub.send(1, big)
+    wait_until(lambda: re.search(r'llmgw_agent_publisher_disconnects_total\{replica="r0",dp_rank="0"\} [1-9]',
+                                 agent.metrics()), 20, "the oversized message's connection dropped")
+
+    def applied_after_reconnect():
+        pub.send(2, stored([3]))
+        return 3 in agent.keys("r0")
+    wait_until(applied_after_reconnect, 20, "a batch after the reconnect applied", interval=0.2)
+    keys = agent.keys("r0")
+    assert not keys & set(range(100, 100 + 60_000)), "the oversized batch was applied"
+    assert agent.proc.poll() is None

@@ -121,6 +121,7 @@ impl Engine {
     fn session(&mut self, attempt: u64) -> Result<(), zmq::Error> {
         let sub = self.ctx.socket(zmq::SUB)?;
         sub.set_rcvhwm(self.cfg.rcvhwm)?;
+        sub.set_maxmsgsize(self.cfg.max_message_bytes)?;
         sub.set_linger(0)?;
         sub.set_reconnect_ivl(100)?;
         sub.set_reconnect_ivl_max(self.cfg.reconnect_ivl_max_ms)?;
@@ -142,9 +143,23 @@ impl Engine {
         }
         info!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, mode = ?self.spec.mode, topic = %self.spec.topic, "subscribed to KV events");
         self.connections = 0;
+        let mut was_connected = false;
+        // libzmq does not reconnect a connecting socket whose peer broke the protocol (e.g. a
+        // message past max_message_bytes): past this, a lost connection gets a new socket.
+        let stuck_after = Duration::from_millis(u64::try_from(self.cfg.reconnect_ivl_max_ms).unwrap_or(0))
+            .saturating_add(Duration::from_secs(2));
         loop {
             if self.stopped() {
                 return Ok(());
+            }
+            was_connected |= self.connections > 0;
+            if self.spec.mode == Mode::Connect
+                && was_connected
+                && self.connections == 0
+                && self.disconnected_since.is_some_and(|t| t.elapsed() >= stuck_after)
+            {
+                warn!(replica = %self.spec.label(), "publisher connection lost and not re-established (a message past zmq.max_message_bytes?); opening a new socket");
+                return Err(zmq::Error::ENOTCONN);
             }
             let (sub_ready, mon_ready) = {
                 let mut items = [sub.as_poll_item(zmq::POLLIN), mon.as_poll_item(zmq::POLLIN)];
@@ -252,6 +267,7 @@ impl Engine {
 
     fn dealer(&self, endpoint: &str) -> Result<zmq::Socket, zmq::Error> {
         let d = self.ctx.socket(zmq::DEALER)?;
+        d.set_maxmsgsize(self.cfg.max_message_bytes)?;
         d.set_linger(0)?;
         d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
         if endpoint.contains('[') {

@@ -171,6 +171,11 @@ pub struct ZmqConfig {
     /// Blocks one engine may hold; past it the engine's mirror is reset (flood bound).
     #[serde(default = "default_max_blocks")]
     pub max_blocks_per_engine: usize,
+    /// The largest event message accepted from a publisher, bytes (libzmq drops the connection
+    /// of a peer sending more, before allocating it; it reconnects, and the lost batches are a
+    /// gap). vLLM's largest batches are well under 1 MiB per 100,000 prompt tokens.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: i64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -269,6 +274,9 @@ fn default_publisher_down() -> u64 {
 fn default_max_blocks() -> usize {
     16 << 20
 }
+fn default_max_message_bytes() -> i64 {
+    16 << 20
+}
 fn default_true() -> bool {
     true
 }
@@ -322,6 +330,7 @@ impl Default for ZmqConfig {
             reconnect_ivl_max_ms: default_reconnect_max(),
             replay_timeout_ms: default_replay_timeout(),
             max_blocks_per_engine: default_max_blocks(),
+            max_message_bytes: default_max_message_bytes(),
             down_after_disconnect_ms: default_publisher_down(),
             verify_on_reconnect: true,
         }

@@ -31,6 +31,9 @@ impl Config {
         if self.zmq.rcvhwm < 0 {
             return Err(err("zmq.rcvhwm", "must be >= 0"));
         }
+        if self.zmq.max_message_bytes < 1024 {
+            return Err(err("zmq.max_message_bytes", "must be at least 1024"));
+        }
         if self.zmq.reconnect_ivl_max_ms < 0 {
             return Err(err("zmq.reconnect_ivl_max_ms", "must be >= 0"));
         }
