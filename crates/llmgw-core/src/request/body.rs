@@ -4,50 +4,57 @@
 //! messages and template inputs stay the raw JSON the client sent (validated, never decoded).
 
 use super::{ApiKind, ParsedRequest, Prompt, RawJson, RequestError};
+use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use serde_json::Value;
+use std::fmt;
 
+/// The fields the router reads, each borrowed as the raw JSON text the client sent and read
+/// typed only when used: no value tree is built for any of them (a 32 MiB array of token ids
+/// parses into one `Vec<u32>`, not tens of millions of JSON values).
 #[derive(Deserialize)]
-struct RawRequest {
-    #[serde(default)]
-    model: Option<Value>,
-    #[serde(default)]
-    stream: Option<Value>,
-    #[serde(default)]
-    cache_salt: Option<Value>,
-    #[serde(default)]
-    prompt: Option<Value>,
-    #[serde(default)]
-    messages: Option<Box<RawValue>>,
-    #[serde(default)]
-    add_generation_prompt: Option<Value>,
-    #[serde(default)]
-    continue_final_message: Option<Value>,
-    #[serde(default)]
-    add_special_tokens: Option<Value>,
-    #[serde(default)]
-    chat_template: Option<Box<RawValue>>,
-    #[serde(default)]
-    chat_template_kwargs: Option<Box<RawValue>>,
-    #[serde(default)]
-    tools: Option<Box<RawValue>>,
+struct RawRequest<'a> {
+    #[serde(default, borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    cache_salt: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    prompt: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    add_generation_prompt: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    continue_final_message: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    add_special_tokens: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    chat_template: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    tools: Option<&'a RawValue>,
 }
 
-fn string(v: Option<Value>) -> Option<String> {
-    match v {
-        Some(Value::String(s)) => Some(s),
+/// A string field, absent when of another type (read only if the text starts a string).
+fn string(v: Option<&RawValue>) -> Option<String> {
+    let v = v?;
+    (first_byte(v.get().as_bytes()) == Some(b'"')).then(|| serde_json::from_str::<String>(v.get()).ok()).flatten()
+}
+
+fn boolean(v: Option<&RawValue>) -> Option<bool> {
+    match v.map(|v| v.get().trim()) {
+        Some("true") => Some(true),
+        Some("false") => Some(false),
         _ => None,
     }
 }
 
-fn boolean(v: &Option<Value>) -> Option<bool> {
-    v.as_ref().and_then(Value::as_bool)
-}
-
 /// A raw value unless it is JSON `null`.
-fn non_null(v: Option<Box<RawValue>>) -> Option<RawJson> {
-    v.filter(|v| v.get() != "null").map(RawJson)
+fn non_null(v: Option<&RawValue>) -> Option<RawJson> {
+    v.filter(|v| v.get() != "null").map(|v| RawJson(v.to_owned()))
 }
 
 /// The first byte of JSON text after whitespace.
@@ -55,23 +62,132 @@ fn first_byte(s: &[u8]) -> Option<u8> {
     s.iter().copied().find(|b| !b.is_ascii_whitespace())
 }
 
-/// Token ids from a JSON array, if every element is a u32.
-fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
-    items.iter().map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
-}
+/// Token ids: every element a u32, else `None` (the rest is skipped without being kept).
+struct TokenIds(Option<Vec<u32>>);
 
-fn completion_prompt(v: Option<Value>) -> Prompt {
-    match v {
-        Some(Value::String(s)) if !s.is_empty() => Prompt::Text(s),
-        Some(Value::Array(items)) => {
-            match items.first() {
-                // A batch of prompts: each is its own engine request; route by the first.
-                Some(Value::String(s)) => Prompt::Text(s.clone()),
-                Some(Value::Array(inner)) => token_ids(inner).map_or(Prompt::None, Prompt::Tokens),
-                Some(_) => token_ids(&items).map_or(Prompt::None, Prompt::Tokens),
-                None => Prompt::None,
+impl<'de> Deserialize<'de> for TokenIds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TokenIds;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of token ids")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<TokenIds, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+                while let Some(t) = seq.next_element::<Token>()? {
+                    match t.0 {
+                        Some(id) => ids.push(id),
+                        None => {
+                            while seq.next_element::<IgnoredAny>()?.is_some() {}
+                            return Ok(TokenIds(None));
+                        }
+                    }
+                }
+                Ok(TokenIds(Some(ids)))
             }
         }
+        d.deserialize_seq(V)
+    }
+}
+
+/// One element of a token array: a u32, or anything else (consumed, `None`).
+struct Token(Option<u32>);
+
+impl<'de> Deserialize<'de> for Token {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Token;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a token id")
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Token, E> {
+                Ok(Token(u32::try_from(n).ok()))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Token, E> {
+                Ok(Token(None))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Token, E> {
+                Ok(Token(None))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Token, E> {
+                Ok(Token(None))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Token, E> {
+                Ok(Token(None))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Token, E> {
+                Ok(Token(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Token, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Token(None))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Token, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Token(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A completion's `prompt` array: text or token ids from its first element (a batch of
+/// prompts: each is its own engine request; route by the first), or the ids it is made of.
+struct PromptArray(Prompt);
+
+impl<'de> Deserialize<'de> for PromptArray {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PromptArray;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a prompt array")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptArray, A::Error> {
+                let Some(first) = seq.next_element::<&RawValue>()? else { return Ok(PromptArray(Prompt::None)) };
+                let prompt = match first_byte(first.get().as_bytes()) {
+                    Some(b'"') => serde_json::from_str::<String>(first.get()).map_or(Prompt::None, Prompt::Text),
+                    Some(b'[') => serde_json::from_str::<TokenIds>(first.get())
+                        .ok()
+                        .and_then(|t| t.0)
+                        .map_or(Prompt::None, Prompt::Tokens),
+                    _ => {
+                        // The array itself is the token ids.
+                        let Some(id) = serde_json::from_str::<Token>(first.get()).ok().and_then(|t| t.0) else {
+                            while seq.next_element::<IgnoredAny>()?.is_some() {}
+                            return Ok(PromptArray(Prompt::None));
+                        };
+                        let mut ids = vec![id];
+                        while let Some(t) = seq.next_element::<Token>()? {
+                            match t.0 {
+                                Some(id) => ids.push(id),
+                                None => {
+                                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                                    return Ok(PromptArray(Prompt::None));
+                                }
+                            }
+                        }
+                        return Ok(PromptArray(Prompt::Tokens(ids)));
+                    }
+                };
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(PromptArray(prompt))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+fn completion_prompt(v: Option<&RawValue>) -> Prompt {
+    let Some(v) = v else { return Prompt::None };
+    match first_byte(v.get().as_bytes()) {
+        Some(b'"') => match serde_json::from_str::<String>(v.get()) {
+            Ok(s) if !s.is_empty() => Prompt::Text(s),
+            _ => Prompt::None,
+        },
+        Some(b'[') => serde_json::from_str::<PromptArray>(v.get()).map_or(Prompt::None, |p| p.0),
         _ => Prompt::None,
     }
 }
@@ -97,7 +213,7 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
                 if first_byte(text.get(1..).unwrap_or_default()) == Some(b']') {
                     Prompt::None
                 } else {
-                    Prompt::Chat(RawJson(m))
+                    Prompt::Chat(RawJson(m.to_owned()))
                 }
             }
         },
@@ -105,10 +221,10 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
     };
     Ok(ParsedRequest {
         kind,
-        stream: boolean(&raw.stream).unwrap_or(false),
-        add_generation_prompt: boolean(&raw.add_generation_prompt),
-        continue_final_message: boolean(&raw.continue_final_message),
-        add_special_tokens: boolean(&raw.add_special_tokens),
+        stream: boolean(raw.stream).unwrap_or(false),
+        add_generation_prompt: boolean(raw.add_generation_prompt),
+        continue_final_message: boolean(raw.continue_final_message),
+        add_special_tokens: boolean(raw.add_special_tokens),
         model: string(raw.model),
         cache_salt: string(raw.cache_salt).filter(|s| !s.is_empty()),
         prompt,
@@ -123,7 +239,7 @@ mod tests {
     use super::*;
     use crate::config::TokenizerEndpoint;
     use crate::request::tests::body;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     #[test]
     fn completion_text_and_tokens() {
