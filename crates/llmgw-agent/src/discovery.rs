@@ -34,32 +34,55 @@ fn is_wildcard(host: &str) -> bool {
     matches!(host, "*" | "0.0.0.0" | "[::]" | "::")
 }
 
+/// Whether `host` (as written in an endpoint) is the replica's own address `ip`. A replica
+/// names only its own sockets: any other host (another replica's, or a loopback address while
+/// the replica is not on loopback) would make the agent subscribe where the replica chose.
+fn is_own_host(ip: IpAddr, host: &str) -> bool {
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let named = if bare == "localhost" { Some(IpAddr::from([127, 0, 0, 1])) } else { bare.parse::<IpAddr>().ok() };
+    named.is_some_and(|n| n.to_canonical() == ip.to_canonical())
+}
+
 /// The address to connect to for a publisher vLLM reports as `published`. vLLM binds its PUB
 /// only when the endpoint has `*` or `::`; otherwise it connects somewhere, which discovery
-/// cannot serve (`None`).
-pub fn publisher_endpoint(ip: IpAddr, published: &str) -> Option<String> {
+/// cannot serve. A concrete host must be the replica's own.
+pub fn publisher_endpoint(ip: IpAddr, published: &str) -> Result<String, String> {
     if !(published.contains('*') || published.contains("::")) {
-        return None;
+        return Err(format!("publisher {published:?} connects out; discovery needs it to bind"));
     }
-    let (host, port) = parse_tcp(published).ok()?;
+    let (host, port) = parse_tcp(published)?;
     if port == 0 {
-        return None;
+        return Err(format!("publisher {published:?} has port 0"));
     }
-    let host = if is_wildcard(&host) { host_of(ip) } else { host };
-    Some(format!("tcp://{host}:{port}"))
+    endpoint_on(ip, &host, port, published)
 }
 
 /// vLLM always binds the replay ROUTER.
-pub fn replay_endpoint(ip: IpAddr, published: &str) -> Option<String> {
-    let (host, port) = parse_tcp(published).ok()?;
-    let host = if is_wildcard(&host) { host_of(ip) } else { host };
-    Some(format!("tcp://{host}:{port}"))
+pub fn replay_endpoint(ip: IpAddr, published: &str) -> Result<String, String> {
+    let (host, port) = parse_tcp(published)?;
+    endpoint_on(ip, &host, port, published)
 }
+
+fn endpoint_on(ip: IpAddr, host: &str, port: u16, published: &str) -> Result<String, String> {
+    if is_wildcard(host) {
+        Ok(format!("tcp://{}:{port}", host_of(ip)))
+    } else if is_own_host(ip, host) {
+        Ok(format!("tcp://{host}:{port}"))
+    } else {
+        Err(format!("{published:?} names host {host}, not this replica's address {ip}"))
+    }
+}
+
+/// The most data-parallel ranks one replica may list (each is an engine with its own thread).
+pub const MAX_RANKS: usize = 64;
 
 /// Parses `GET /kv_event_sources`: `{"0": {"endpoint": ..., "replay_endpoint": ..., "topic": ...}}`.
 pub fn parse_sources(ip: IpAddr, body: &str) -> Result<Vec<Source>, String> {
     let v: Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
     let obj = v.as_object().ok_or("not a JSON object")?;
+    if obj.len() > MAX_RANKS {
+        return Err(format!("{} ranks listed; at most {MAX_RANKS} are accepted", obj.len()));
+    }
     let mut out = Vec::new();
     for (rank, cfg) in obj {
         let rank: u32 = rank.parse().map_err(|_| format!("rank {rank:?} is not a number"))?;
@@ -70,9 +93,11 @@ pub fn parse_sources(ip: IpAddr, body: &str) -> Result<Vec<Source>, String> {
             continue;
         }
         let published = cfg.get("endpoint").and_then(Value::as_str).ok_or(format!("rank {rank}: no endpoint"))?;
-        let endpoint = publisher_endpoint(ip, published)
-            .ok_or(format!("rank {rank}: publisher {published:?} connects out; discovery needs it to bind"))?;
-        let replay = cfg.get("replay_endpoint").and_then(Value::as_str).and_then(|r| replay_endpoint(ip, r));
+        let endpoint = publisher_endpoint(ip, published).map_err(|e| format!("rank {rank}: {e}"))?;
+        let replay = match cfg.get("replay_endpoint").and_then(Value::as_str) {
+            Some(r) => Some(replay_endpoint(ip, r).map_err(|e| format!("rank {rank}: replay {e}"))?),
+            None => None,
+        };
         let topic = cfg.get("topic").and_then(Value::as_str).unwrap_or("").to_owned();
         out.push(Source { rank, endpoint, replay_endpoint: replay, topic });
     }
@@ -168,6 +193,8 @@ pub async fn run(cfg: Config, idx: usize, hub: Arc<Hub>, ctx: zmq::Context, stop
                             Ok(s) => s,
                             Err(e) => {
                                 warn!(discovery = %d.name, %url, error = %e, "unusable /kv_event_sources");
+                                let mut st = hub.state();
+                                st.discovery_refused = st.discovery_refused.saturating_add(1);
                                 continue;
                             }
                         },
@@ -208,18 +235,40 @@ mod tests {
 
     #[test]
     fn endpoints_follow_vllm_bind_rule() {
-        assert_eq!(publisher_endpoint(IP, "tcp://*:5557").as_deref(), Some("tcp://10.0.0.5:5557"));
-        assert_eq!(publisher_endpoint(IP, "tcp://[::]:5557").as_deref(), Some("tcp://10.0.0.5:5557"));
-        assert_eq!(
-            publisher_endpoint(IP, "tcp://[::ffff:127.0.0.1]:5557").as_deref(),
-            Some("tcp://[::ffff:127.0.0.1]:5557")
-        );
+        assert_eq!(publisher_endpoint(IP, "tcp://*:5557").as_deref(), Ok("tcp://10.0.0.5:5557"));
+        assert_eq!(publisher_endpoint(IP, "tcp://[::]:5557").as_deref(), Ok("tcp://10.0.0.5:5557"));
         // A concrete address means vLLM connects out.
-        assert_eq!(publisher_endpoint(IP, "tcp://10.0.0.9:5557"), None);
-        assert_eq!(replay_endpoint(IP, "tcp://*:5558").as_deref(), Some("tcp://10.0.0.5:5558"));
-        assert_eq!(replay_endpoint(IP, "tcp://127.0.0.1:5558").as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert!(publisher_endpoint(IP, "tcp://10.0.0.9:5557").is_err());
+        assert_eq!(replay_endpoint(IP, "tcp://*:5558").as_deref(), Ok("tcp://10.0.0.5:5558"));
+        assert_eq!(replay_endpoint(IP, "tcp://10.0.0.5:5558").as_deref(), Ok("tcp://10.0.0.5:5558"));
         let v6: IpAddr = "fd00::1".parse().unwrap();
-        assert_eq!(publisher_endpoint(v6, "tcp://*:5557").as_deref(), Some("tcp://[fd00::1]:5557"));
+        assert_eq!(publisher_endpoint(v6, "tcp://*:5557").as_deref(), Ok("tcp://[fd00::1]:5557"));
+        // A replica on loopback may name loopback in any form.
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        assert_eq!(
+            publisher_endpoint(lo, "tcp://[::ffff:127.0.0.1]:5557").as_deref(),
+            Ok("tcp://[::ffff:127.0.0.1]:5557")
+        );
+        assert_eq!(replay_endpoint(lo, "tcp://127.0.0.1:5558").as_deref(), Ok("tcp://127.0.0.1:5558"));
+        assert_eq!(replay_endpoint(lo, "tcp://localhost:5558").as_deref(), Ok("tcp://localhost:5558"));
+    }
+
+    #[test]
+    fn a_replica_cannot_name_another_hosts_sockets() {
+        // Another replica's publisher, or the agent's own loopback, named by 10.0.0.5.
+        for e in ["tcp://[::ffff:10.0.0.9]:5557", "tcp://[::ffff:127.0.0.1]:5557"] {
+            let err = publisher_endpoint(IP, e).unwrap_err();
+            assert!(err.contains("not this replica's address"), "{err}");
+        }
+        assert!(replay_endpoint(IP, "tcp://127.0.0.1:5558").is_err());
+        let body = r#"{"0":{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://10.0.0.9:5558"}}"#;
+        assert!(parse_sources(IP, body).unwrap_err().contains("replay"));
+        // Ranks are bounded.
+        let many: String = (0..=MAX_RANKS)
+            .map(|r| format!(r#""{r}":{{"endpoint":"tcp://*:{}"}}"#, 6000 + r))
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(parse_sources(IP, &format!("{{{many}}}")).unwrap_err().contains("ranks"));
     }
 
     #[test]

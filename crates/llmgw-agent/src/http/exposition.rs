@@ -179,6 +179,12 @@ pub fn metrics_text(st: &HubState) -> String {
         "counter",
         vec![(String::new(), st.feed.names_cut as f64)],
     );
+    counter(
+        "discovery_refused_total",
+        "Discovered replicas' /kv_event_sources answers refused (unparseable, naming another host's sockets, too many ranks).",
+        "counter",
+        vec![(String::new(), st.discovery_refused as f64)],
+    );
     s
 }
 

@@ -70,6 +70,8 @@ pub struct HubState {
     pub max_queue: usize,
     pub max_blocks: usize,
     pub feed: FeedCounters,
+    /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks).
+    pub discovery_refused: u64,
     /// Empty between calls: one batch's net changes while they are published (kept for its
     /// allocation).
     pub(super) changes: Vec<NetChange>,
@@ -104,6 +106,7 @@ impl HubState {
             max_queue,
             max_blocks,
             feed: FeedCounters::default(),
+            discovery_refused: 0,
             changes: Vec::new(),
         }
     }
