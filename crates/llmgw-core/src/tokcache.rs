@@ -63,6 +63,17 @@ pub struct Alias {
 /// Bytes of budget per alias slot (aliases are capped at budget / this).
 const ALIAS_BYTES: usize = 2048;
 
+/// Bytes charged per alias besides its model name and cache salt.
+const ALIAS_OVERHEAD: usize = 128;
+
+impl Alias {
+    /// What the alias costs: the client chooses its model name and salt, so they are charged.
+    fn bytes(&self) -> usize {
+        let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        ALIAS_OVERHEAD.saturating_add(text(&self.model)).saturating_add(text(&self.cache_salt))
+    }
+}
+
 /// Counters since creation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -70,6 +81,9 @@ pub struct CacheStats {
     pub misses: u64,
     pub expired: u64,
     pub evicted: u64,
+    /// Aliases not kept because their model name and salt alone exceed a sixteenth of the
+    /// aliases' byte budget.
+    pub aliases_refused: u64,
 }
 
 /// The cache. `budget_bytes == 0` turns it off (every lookup misses, nothing is stored).
@@ -84,6 +98,8 @@ pub struct TokenCache {
     /// Raw-body tags → tokenization tags, first in first out.
     aliases: HashMap<CacheTag, Alias, BuildKeyHasher>,
     alias_order: VecDeque<CacheTag>,
+    /// Bytes the aliases held are charged (at most a quarter of the budget).
+    alias_used: usize,
     pub stats: CacheStats,
 }
 
@@ -99,6 +115,7 @@ impl TokenCache {
             order: VecDeque::new(),
             aliases: HashMap::default(),
             alias_order: VecDeque::new(),
+            alias_used: 0,
             stats: CacheStats::default(),
         }
     }
@@ -216,19 +233,36 @@ impl TokenCache {
         self.aliases.get(&raw_tag)
     }
 
-    /// Remembers what a raw body resolves to (the oldest aliases go past the cap).
+    /// Remembers what a raw body resolves to. Aliases are capped by count (`budget / 2048`, at
+    /// least 16) and by bytes (a quarter of the budget, their model names and salts charged);
+    /// the oldest go first, and one larger than a sixteenth of the byte cap is not kept.
     pub fn add_alias(&mut self, raw_tag: CacheTag, alias: Alias) {
         if !self.enabled() {
             return;
         }
-        if self.aliases.insert(raw_tag, alias).is_none() {
-            self.alias_order.push_back(raw_tag);
+        let byte_cap = (self.budget / 4).max(ALIAS_BYTES.saturating_mul(16));
+        let bytes = alias.bytes();
+        if bytes > byte_cap / 16 {
+            self.stats.aliases_refused = self.stats.aliases_refused.saturating_add(1);
+            return;
         }
+        match self.aliases.insert(raw_tag, alias) {
+            Some(old) => self.alias_used = self.alias_used.saturating_sub(old.bytes()),
+            None => self.alias_order.push_back(raw_tag),
+        }
+        self.alias_used = self.alias_used.saturating_add(bytes);
         let cap = (self.budget / ALIAS_BYTES).max(16);
-        while self.aliases.len() > cap {
+        while self.aliases.len() > cap || self.alias_used > byte_cap {
             let Some(old) = self.alias_order.pop_front() else { break };
-            self.aliases.remove(&old);
+            if let Some(a) = self.aliases.remove(&old) {
+                self.alias_used = self.alias_used.saturating_sub(a.bytes());
+            }
         }
+    }
+
+    /// Bytes the aliases are charged.
+    pub fn alias_bytes(&self) -> usize {
+        self.alias_used
     }
 
     /// Entries held.
@@ -270,7 +304,7 @@ mod tests {
         c.put_back(a, got.clone());
         assert_eq!(c.take(a, 30), Some(got.clone()));
         c.put_back(a, got);
-        assert_eq!(c.stats, CacheStats { hits: 2, misses: 1, expired: 0, evicted: 0 });
+        assert_eq!(c.stats, CacheStats { hits: 2, misses: 1, expired: 0, evicted: 0, aliases_refused: 0 });
         // Expired after the TTL.
         assert_eq!(c.take(a, 2_000), None);
         assert_eq!(c.stats.expired, 1);
@@ -320,6 +354,33 @@ mod tests {
         let mut off = TokenCache::new(0, u64::MAX, 1);
         off.add_alias(CacheTag(1), a(1));
         assert!(off.alias(CacheTag(1)).is_none());
+    }
+
+    #[test]
+    fn aliases_are_capped_by_the_bytes_clients_choose() {
+        let budget = 4 << 20;
+        let mut c = TokenCache::new(budget, u64::MAX, 1);
+        let salted = |i: u128, n: usize| Alias {
+            tag: CacheTag(i + 1000),
+            profile: 0,
+            model: Some("m".into()),
+            cache_salt: Some("s".repeat(n)),
+        };
+        // A salt near the largest kept (1/16 of the alias budget), many times: the aliases stay
+        // within a quarter of the budget.
+        for i in 0..200u128 {
+            c.add_alias(CacheTag(i), salted(i, (budget / 4) / 16 - 200));
+            assert!(c.alias_bytes() <= budget / 4, "{} bytes of aliases", c.alias_bytes());
+        }
+        assert!(c.alias(CacheTag(199)).is_some() && c.alias(CacheTag(0)).is_none());
+        // A 30 MB salt is not kept at all.
+        c.add_alias(CacheTag(500), salted(500, 30 << 20));
+        assert!(c.alias(CacheTag(500)).is_none());
+        assert_eq!(c.stats.aliases_refused, 1);
+        // Replacing an alias charges it once.
+        let before = c.alias_bytes();
+        c.add_alias(CacheTag(199), salted(199, 10));
+        assert!(c.alias_bytes() < before);
     }
 
     #[test]
