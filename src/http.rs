@@ -80,7 +80,7 @@ impl Request {
             Step::Route(r) => {
                 let cfg = s.router.config();
                 self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
-                inflight::increment(self.host.as_ref(), &r.address);
+                inflight::increment(self.host.as_ref(), s.vm, &r.address);
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));
                 }
@@ -238,7 +238,9 @@ impl HttpContext for Request {
 
     fn on_log(&mut self) {
         if let Some(addr) = self.counted.take() {
-            inflight::decrement(self.host.as_ref(), &addr);
+            if let Some(vm) = self.shared.as_ref().and_then(|s| s.try_borrow().ok().map(|s| s.vm)) {
+                inflight::decrement(self.host.as_ref(), vm, &addr);
+            }
         }
     }
 }

@@ -51,6 +51,8 @@ pub(crate) struct Shared {
     pub metrics: Metrics,
     /// This VM's tag (metrics, explain header, feed subscriber name).
     pub vm_tag: String,
+    /// This VM's id in the shared in-flight records.
+    pub vm: inflight::VmId,
 }
 
 /// A random value per VM (`RandomState` draws from the host's WASI random source).
@@ -140,6 +142,7 @@ impl RootContext for Root {
                     router: Router::new(compiled, self.tokcache_key),
                     metrics,
                     vm_tag: self.vm_tag.clone(),
+                    vm: inflight::VmId(u32::from_str_radix(&self.vm_tag, 16).unwrap_or_default()),
                 })));
             }
         }
@@ -153,6 +156,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(Ok(s)) = self.shared.as_ref().map(|s| s.try_borrow()) {
             self.feed.on_tick(&s);
+            inflight::heartbeat(self.host.as_ref(), s.vm, self.host.now_ns());
         }
     }
 

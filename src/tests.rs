@@ -175,7 +175,7 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
     assert_eq!(e.host.samples("llmgw_matched_blocks"), vec![8]);
     assert_eq!(e.host.samples("llmgw_decision_us").len(), 1);
     let in_flight = e.host.shared_value("llmgw.inflight").unwrap();
-    assert_eq!(in_flight.len(), 12);
+    assert_eq!(in_flight.len(), 16);
     ctx.on_http_response_headers(1, false);
     assert!(e
         .host
