@@ -65,6 +65,8 @@ fn generated_and_core_messages_agree_on_field_numbers() {
                 models: vec!["m1".into(), "m2".into()],
                 up: true,
                 dp_rank: 3,
+                hash: Some(pb::HashSettings { algo: "sha256".into(), seeded: true, seed: "7".into(), block_size: 32 }),
+                dp_size: 4,
             }],
         }),
         G::Snapshot(pb::SnapshotChunk { replica: 2, first: true, blocks: vec![1, u64::MAX, 3] }),

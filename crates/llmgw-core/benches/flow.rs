@@ -89,6 +89,8 @@ fn router(held: &[u64]) -> Router {
             models: vec![],
             up: true,
             dp_rank: 0,
+            hash: None,
+            dp_size: 0,
         })
         .collect();
     r.feed.begin_subscription();

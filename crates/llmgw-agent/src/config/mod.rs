@@ -310,6 +310,17 @@ impl Default for HttpConfig {
         Self { listen: default_http_listen() }
     }
 }
+impl HashConfig {
+    /// The settings as the core names them (the feed carries them to the filters).
+    pub fn spec(&self) -> llmgw_core::hash::HashSpec {
+        llmgw_core::hash::HashSpec {
+            algo: self.algo,
+            seed: self.seed.clone(),
+            block_size: usize::try_from(self.block_size).unwrap_or(usize::MAX),
+        }
+    }
+}
+
 impl Default for HashConfig {
     fn default() -> Self {
         Self { algo: default_algo(), seed: None, block_size: default_block_size() }

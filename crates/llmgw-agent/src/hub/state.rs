@@ -6,7 +6,7 @@
 use super::subscribers::{FeedCounters, Subscriber};
 use crate::config::EngineSpec;
 use llmgw_core::event::EventBatch;
-use llmgw_core::feed::{Body, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable};
+use llmgw_core::feed::{Body, HashSettings, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable};
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -156,6 +156,8 @@ impl HubState {
                     models: e.spec.models.clone(),
                     up: e.up,
                     dp_rank: e.spec.dp_rank,
+                    hash: Some(HashSettings::from_spec(&e.spec.hash.spec())),
+                    dp_size: e.spec.dp_size,
                 })
                 .collect(),
         }
@@ -378,6 +380,39 @@ mod tests {
         let spec = h.state().engines[0].spec.clone();
         assert_eq!(h.state().add_engine(spec), 2);
         assert!(!crate::http::exposition::metrics_text(&h.state()).contains("pool-10.0.0.7"));
+    }
+
+    #[test]
+    fn the_table_carries_each_engines_hash_settings_and_data_parallel_size() {
+        let cfg = Config::parse(
+            "[hash]\nseed = \"0\"\nblock_size = 32\n[[replicas]]\nname = \"dp\"\naddress = \"127.0.0.1:1\"\n\
+             endpoint = \"tcp://127.0.0.1:2\"\ndp_ranks = 2\n[[replicas]]\nname = \"one\"\naddress = \"127.0.0.1:3\"\n\
+             endpoint = \"tcp://127.0.0.1:4\"\nhash = { algo = \"sha256\" }\n",
+        )
+        .unwrap();
+        let h = Hub::new(cfg.engines(), 64, 10);
+        let table = h.state().table();
+        let got: Vec<_> = table
+            .replicas
+            .iter()
+            .map(|r| {
+                (r.name.as_str(), r.dp_rank, r.dp_size, r.data_parallel(), r.hash.as_ref().unwrap().spec().unwrap())
+            })
+            .collect();
+        let spec = |algo, seed: Option<&str>, block_size| llmgw_core::hash::HashSpec {
+            algo,
+            seed: seed.map(str::to_owned),
+            block_size,
+        };
+        use llmgw_core::hash::HashAlgo::{Sha256, Sha256Cbor};
+        assert_eq!(
+            got,
+            vec![
+                ("dp", 0, 2, true, spec(Sha256Cbor, Some("0"), 32)),
+                ("dp", 1, 2, true, spec(Sha256Cbor, Some("0"), 32)),
+                ("one", 0, 1, false, spec(Sha256, None, 16)),
+            ]
+        );
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
-use crate::hash::{BlockHash, RequestExtras};
+use crate::hash::{BlockHash, HashSpec, RequestExtras};
 use crate::index::ReplicaId;
 use crate::policy::{self, Candidate, Decision, Outcome};
 use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
@@ -61,6 +61,9 @@ pub struct Report {
     /// A tokenization-cache lookup, when one was made.
     pub tokenizer_cache: Option<CacheLookup>,
     pub tokenizer_failure: Option<TokenizerFailure>,
+    /// Some replica serving the model hashes otherwise than the request was hashed (see
+    /// [`Router::take_hash_note`] for which and how): its blocks were not credited.
+    pub hash_mismatch: bool,
 }
 
 /// How the tokenization cache answered.
@@ -84,6 +87,9 @@ impl CacheLookup {
 pub struct Routed {
     /// `ip:port`, the destination header's value.
     pub address: String,
+    /// The chosen engine's data-parallel rank, when the replica behind `address` runs several
+    /// (the value of `X-data-parallel-rank`).
+    pub dp_rank: Option<u32>,
     pub decision: Decision,
     pub report: Report,
 }
@@ -168,6 +174,31 @@ pub struct Router {
     scratch: Scratch,
     /// Bumped by every reconfigure.
     generation: u64,
+    /// The current request's hash check: replicas whose hashing differs (not credited).
+    mismatched: Vec<ReplicaId>,
+    hash_mismatch: bool,
+    /// The last hash-settings mismatch described, and the last one handed out for the log.
+    hash_note: Option<String>,
+    hash_logged: Option<String>,
+}
+
+/// What [`Router::hash_check`] found.
+enum HashCheck {
+    /// Hash with the profile's hasher; `changed`: it was just rebuilt for new settings (hashes
+    /// computed earlier no longer apply).
+    Use { changed: bool },
+    /// No replica serving the model hashes as the profile does.
+    Mismatch,
+    /// The settings cannot be hashed here (an algorithm this build lacks, xxhash unseeded).
+    Unusable,
+}
+
+/// Whether replica `r` serves `model` (every replica, when the model is unknown).
+fn serves(r: &crate::feed::Replica, model: Option<&str>) -> bool {
+    match model {
+        Some(m) => r.models.is_empty() || r.models.iter().any(|x| x == m),
+        None => true,
+    }
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -221,10 +252,7 @@ fn fallback_reason(
 fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFlight) -> Vec<Candidate<'a>> {
     feed.replicas
         .iter()
-        .filter(|r| match model {
-            Some(m) => r.models.is_empty() || r.models.iter().any(|x| x == m),
-            None => true,
-        })
+        .filter(|r| serves(r, model))
         .filter_map(|r| {
             let id = ReplicaId::try_from(r.id).ok()?;
             let load = feed.loads.iter().find(|l| l.replica == r.id);
@@ -236,6 +264,7 @@ fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFl
                 running: load.map_or(0, |l| l.running),
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
+                dp_rank: r.data_parallel().then_some(r.dp_rank),
             })
         })
         .collect()
@@ -253,6 +282,82 @@ impl Router {
             tokcache_key,
             scratch: Scratch::default(),
             generation: 0,
+            mismatched: Vec::new(),
+            hash_mismatch: false,
+            hash_note: None,
+            hash_logged: None,
+        }
+    }
+
+    /// A description of the last hash-settings mismatch, naming both values, once per
+    /// distinct mismatch (for the log): `None` when there is nothing new to say.
+    pub fn take_hash_note(&mut self) -> Option<String> {
+        let note = self.hash_note.take()?;
+        if self.hash_logged.as_deref() == Some(note.as_str()) {
+            return None;
+        }
+        self.hash_logged = Some(note.clone());
+        Some(note)
+    }
+
+    /// Checks the hashing of profile `pi` against what the feed says the replicas serving
+    /// `model` use: the profile's own settings first, then those of the first such replica
+    /// that carries any, then the defaults. The profile's hasher is rebuilt when that changes;
+    /// replicas that hash otherwise go into `mismatched` (never credited) and are described.
+    fn hash_check(&mut self, pi: usize, model: Option<&str>) -> HashCheck {
+        let Router { config, feed, mismatched, .. } = self;
+        mismatched.clear();
+        let Some(p) = config.profiles.get_mut(pi) else { return HashCheck::Unusable };
+        let serving = feed.serving();
+        let published: Vec<(&crate::feed::Replica, Result<HashSpec, String>)> = serving
+            .replicas
+            .iter()
+            .filter(|r| r.up && serves(r, model))
+            .filter_map(|r| r.hash.as_ref().map(|h| (r, h.spec())))
+            .collect();
+        let reference = published.iter().find_map(|(_, s)| s.as_ref().ok());
+        let spec = p.effective_spec(reference);
+        let before = p.spec.clone();
+        if !p.use_spec(&spec) {
+            return HashCheck::Unusable;
+        }
+        let changed = before != spec;
+        let mut notes = Vec::new();
+        for (r, theirs) in &published {
+            let diff = match theirs {
+                Ok(t) if *t == spec => continue,
+                Ok(t) => spec
+                    .differences(t)
+                    .into_iter()
+                    .map(|(field, ours, theirs)| format!("{field} {theirs} (profile `{}` uses {ours})", p.name))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                Err(e) => format!("unusable settings ({e})"),
+            };
+            if let Ok(id) = ReplicaId::try_from(r.id) {
+                mismatched.push(id);
+            }
+            notes.push(format!("replica `{}` rank {} ({}) hashes with {diff}", r.name, r.dp_rank, r.address));
+        }
+        let all = !published.is_empty() && mismatched.len() == published.len();
+        if changed {
+            // Cached tokenizations carry hashes of the old settings.
+            self.tokcache = token_cache(&self.config, self.tokcache_key);
+        }
+        if notes.is_empty() {
+            return HashCheck::Use { changed };
+        }
+        self.hash_mismatch = true;
+        let what = if all { "routing by the fallback" } else { "its blocks are not credited" };
+        self.hash_note = Some(format!(
+            "llmgw: hash settings mismatch for model `{}`: {}; {what}",
+            model.unwrap_or("(none)"),
+            notes.join("; ")
+        ));
+        if all {
+            HashCheck::Mismatch
+        } else {
+            HashCheck::Use { changed }
         }
     }
 
@@ -280,6 +385,7 @@ impl Router {
 
     /// Decides for a complete body (or the head of one too large to read).
     pub fn on_body(&mut self, body: &Body<'_>, in_flight: &dyn InFlight, now_ns: u64) -> Step {
+        self.hash_mismatch = false;
         let kind = ApiKind::from_path(body.path);
         let bytes = body.bytes;
         // A byte-identical body seen recently resolves to its cached tokenization unparsed
@@ -331,9 +437,8 @@ impl Router {
         // The approximate key, computed only if the decision needs it.
         let approx = || approx_key(Some(&parsed), bytes, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let exact = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[]);
-            let why = (!exact).then_some(Fallback::Hash);
-            return self.finish(model, Some(pi), exact, &approx, why, in_flight, Report::default());
+            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[]).err();
+            return self.finish(model, Some(pi), why.is_none(), &approx, why, in_flight, Report::default());
         }
         let Some(p) = self.config.profile(pi) else {
             return self.finish(model, Some(pi), false, &approx, None, in_flight, Report::default());
@@ -377,13 +482,17 @@ impl Router {
         in_flight: &dyn InFlight,
         now_ns: u64,
     ) -> Step {
+        self.hash_mismatch = false;
         let mut report = Report::default();
         let p = &pending.parsed;
         let (exact, why) = match tokenizer_tokens(reply) {
             // The index may have lost its sync while the call was out.
             Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
             Ok(tokens) => {
-                if self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]) {
+                let scored = self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]);
+                if let Err(why) = scored {
+                    (false, Some(why))
+                } else {
                     if let Some(tag) = pending.cache_tag.filter(|_| pending.generation == self.generation) {
                         let hashes = self.scratch.hashes.clone();
                         self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
@@ -398,8 +507,6 @@ impl Router {
                         }
                     }
                     (true, None)
-                } else {
-                    (false, Some(Fallback::Hash))
                 }
             }
             Err(f) => {
@@ -411,8 +518,9 @@ impl Router {
         self.finish(p.model.as_deref(), Some(pending.profile), exact, &approx, why, in_flight, report)
     }
 
-    /// Hashes and scores `tokens` for a profile into the scratch space; false when that was not
-    /// possible (no such profile, or the hasher refused).
+    /// Hashes and scores `tokens` for a profile into the scratch space (replicas that hash
+    /// otherwise score 0), or the fallback that applies: the replicas' hashing does not match
+    /// ([`Fallback::HashMismatch`]) or cannot be done (no such profile, the hasher refused).
     fn exact(
         &mut self,
         profile: usize,
@@ -420,11 +528,24 @@ impl Router {
         model: Option<&str>,
         tokens: &[u32],
         known: &[BlockHash],
-    ) -> bool {
-        let Router { config, feed, scratch, .. } = self;
-        let Some(p) = config.profiles.get_mut(profile) else { return false };
+    ) -> Result<(), Fallback> {
+        let known = match self.hash_check(profile, model) {
+            HashCheck::Use { changed: false } => known,
+            HashCheck::Use { changed: true } => &[],
+            HashCheck::Mismatch => return Err(Fallback::HashMismatch),
+            HashCheck::Unusable => return Err(Fallback::Hash),
+        };
+        let Router { config, feed, scratch, mismatched, .. } = self;
+        let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
         let extras = RequestExtras { cache_salt: cache_salt.map(str::to_owned), lora: p.lora(model), mm: Vec::new() };
-        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch).is_ok()
+        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch)
+            .map_err(|_| Fallback::Hash)?;
+        for id in mismatched.iter() {
+            if let Some(l) = scratch.scores.leading.get_mut(usize::from(*id)) {
+                *l = 0;
+            }
+        }
+        Ok(())
     }
 
     /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
@@ -451,15 +572,20 @@ impl Router {
         now_ns: u64,
         lookup: CacheLookup,
     ) -> Option<Step> {
+        // New hash settings drop the cached tokenizations (their hashes no longer apply).
+        if let HashCheck::Use { changed: true } = self.hash_check(alias.profile, alias.model.as_deref()) {
+            return None;
+        }
         let mut t = self.tokcache.take(alias.tag, now_ns)?;
         let report = Report { tokenizer_cache: Some(lookup), ..Report::default() };
-        let exact =
+        let scored =
             self.exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes);
+        let exact = scored.is_ok();
         if exact && self.scratch.hashes.len() > t.hashes.len() {
             t.hashes.clone_from(&self.scratch.hashes);
         }
         self.tokcache.put_back(alias.tag, t);
-        let why = (!exact).then_some(Fallback::Hash);
+        let why = scored.err();
         Some(self.finish(alias.model.as_deref(), Some(alias.profile), exact, approx, why, in_flight, report))
     }
 
@@ -480,12 +606,13 @@ impl Router {
         let scores = exact.then_some(&self.scratch.scores);
         let d: Decision = policy::decide_lazy(&cands, scores, approx, w);
         report.outcome = Some(d.outcome);
+        report.hash_mismatch = self.hash_mismatch;
         report.fallback = why.or((exact && d.outcome == Outcome::Approx).then_some(Fallback::NoMatch));
         if exact {
             report.matched_blocks = Some(d.matched);
         }
         match d.winner.and_then(|i| cands.get(i)) {
-            Some(c) => Step::Route(Routed { address: c.address.to_owned(), decision: d, report }),
+            Some(c) => Step::Route(Routed { address: c.address.to_owned(), dp_rank: c.dp_rank, decision: d, report }),
             None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
         }
     }

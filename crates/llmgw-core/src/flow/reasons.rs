@@ -24,10 +24,13 @@ pub enum Fallback {
     Hash,
     /// The index knows none of the request's blocks.
     NoMatch,
+    /// No replica serving the model hashes as the profile says (algorithm, seed or block
+    /// size): their blocks cannot be matched.
+    HashMismatch,
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 9] = [
+    pub const ALL: [Fallback; 10] = [
         Fallback::NoProfile,
         Fallback::NoKvEvents,
         Fallback::Unparseable,
@@ -37,6 +40,7 @@ impl Fallback {
         Fallback::Tokenizer,
         Fallback::Hash,
         Fallback::NoMatch,
+        Fallback::HashMismatch,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +54,7 @@ impl Fallback {
             Fallback::Tokenizer => "tokenizer",
             Fallback::Hash => "hash",
             Fallback::NoMatch => "no_match",
+            Fallback::HashMismatch => "hash_mismatch",
         }
     }
 }

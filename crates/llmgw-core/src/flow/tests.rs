@@ -32,6 +32,8 @@ fn router(extra: &str, on_b: Vec<u64>, up: bool) -> Router {
         models: vec![],
         up,
         dp_rank: 0,
+        hash: None,
+        dp_size: 0,
     };
     r.feed.begin_subscription();
     for (seq, body) in [
@@ -127,6 +129,7 @@ fn token_ids_held_by_a_replica_route_there_exactly() {
             matched_blocks: Some(8),
             tokenizer_cache: None,
             tokenizer_failure: None,
+            hash_mismatch: false,
         }
     );
     assert_eq!(got.explain("vm1"), format!("outcome=exact; replica={B}; matched=8/8; vm=vm1"));
@@ -238,4 +241,123 @@ fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
     r.reconfigure(config(""));
     assert_eq!(routed(answer(&mut r, *call.pending, &tokens, 0)).address, B);
     assert!(r.tokenizer_cache().is_empty());
+}
+
+fn settings(seed: &str, block_size: u32) -> crate::feed::HashSettings {
+    crate::feed::HashSettings { algo: "sha256_cbor".into(), seeded: true, seed: seed.into(), block_size }
+}
+
+/// A router with `profile_json` as its only profile (model "m"), whose feed knows A and B
+/// with the given hash settings, B holding `on_b`.
+fn router_with_hash(
+    profile_json: &str,
+    a: Option<crate::feed::HashSettings>,
+    b: Option<crate::feed::HashSettings>,
+    on_b: Vec<u64>,
+) -> Router {
+    let json = format!(r#"{{"profiles":[{profile_json}]}}"#);
+    let mut r = Router::new(Compiled::from_json(json.as_bytes(), None).unwrap(), 2);
+    let replica = |id: u32, address: &str, hash| Replica {
+        id,
+        name: format!("r{id}"),
+        address: address.into(),
+        models: vec![],
+        up: true,
+        dp_rank: 0,
+        hash,
+        dp_size: 1,
+    };
+    r.feed.begin_subscription();
+    for (seq, body) in [
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, a), replica(1, B, b)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(body) }).unwrap();
+    }
+    r
+}
+
+#[test]
+fn a_profile_without_hash_settings_hashes_as_the_feed_says_the_replicas_do() {
+    // The replicas hash with seed "0" and 4-token blocks; the profile names neither (its own
+    // defaults would be no seed and 16-token blocks, which match nothing).
+    let tokens: Vec<u32> = (0..32).collect();
+    let mut r = router_with_hash(
+        r#"{"name":"p","models":["m"],"kv_events":true}"#,
+        Some(settings("0", BS as u32)),
+        Some(settings("0", BS as u32)),
+        keys(&tokens),
+    );
+    let bytes = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#);
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (B, Outcome::Exact, 8));
+    assert!(!got.report.hash_mismatch);
+    assert_eq!(r.take_hash_note(), None);
+    // Without settings in the feed (an older agent), the profile's defaults apply.
+    let mut old = router_with_hash(r#"{"name":"p","models":["m"],"kv_events":true}"#, None, None, keys(&tokens));
+    let got = routed(old.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::NoMatch));
+}
+
+#[test]
+fn a_profile_pinning_another_seed_counts_names_both_values_and_falls_back() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let mut r = router_with_hash(
+        &format!(r#"{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"1"}}"#),
+        Some(settings("0", BS as u32)),
+        Some(settings("0", BS as u32)),
+        keys(&tokens),
+    );
+    let bytes = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#);
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
+    assert!(got.report.hash_mismatch);
+    assert_eq!(got.decision.outcome, Outcome::Approx);
+    assert_eq!(got.report.matched_blocks, None);
+    let note = r.take_hash_note().unwrap();
+    assert!(
+        note.contains(r#"replica `r1` rank 0 (127.0.0.1:8002) hashes with seed "0" (profile `p` uses "1")"#),
+        "{note}"
+    );
+    assert!(note.contains(r#"replica `r0`"#) && note.ends_with("routing by the fallback"), "{note}");
+    // Counted on every request, logged once.
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert!(got.report.hash_mismatch);
+    assert_eq!(r.take_hash_note(), None);
+}
+
+#[test]
+fn a_replica_hashing_otherwise_is_never_credited_while_the_others_route_exactly() {
+    let tokens: Vec<u32> = (0..32).collect();
+    // A says it hashes with seed "1", B with "0"; the profile pins "0". B holds the prompt.
+    let mut r = router_with_hash(
+        &format!(r#"{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0"}}"#),
+        Some(settings("1", BS as u32)),
+        Some(settings("0", BS as u32)),
+        keys(&tokens),
+    );
+    let bytes = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#);
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!((got.address.as_str(), got.decision.outcome), (B, Outcome::Exact));
+    assert!(got.report.hash_mismatch);
+    let note = r.take_hash_note().unwrap();
+    assert!(
+        note.contains(r#"replica `r0` rank 0 (127.0.0.1:8001) hashes with seed "1" (profile `p` uses "0")"#),
+        "{note}"
+    );
+    assert!(!note.contains("`r1`") && note.ends_with("its blocks are not credited"), "{note}");
+    // Another block size is a mismatch too, named with both values.
+    let mut r = router_with_hash(
+        r#"{"name":"p","models":["m"],"kv_events":true,"block_size":16}"#,
+        Some(settings("0", BS as u32)),
+        None,
+        vec![],
+    );
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
+    assert!(r.take_hash_note().unwrap().contains("block_size 4 (profile `p` uses 16)"));
 }

@@ -73,6 +73,43 @@ impl HashAlgo {
     }
 }
 
+/// What must agree between the router and an engine for their block keys to match: the
+/// algorithm, the seed (`PYTHONHASHSEED`, `None` when unset) and the tokens per block.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HashSpec {
+    pub algo: HashAlgo,
+    pub seed: Option<String>,
+    /// At least 1 where a spec is built from configuration or the feed.
+    pub block_size: usize,
+}
+
+impl HashSpec {
+    /// The hasher for this spec (without a digest memo).
+    pub fn hasher(&self) -> Result<BlockHasher, HashError> {
+        BlockHasher::new(self.algo, self.seed.as_deref())
+    }
+
+    /// The seed as a log line shows it: quoted, or `unset`.
+    pub fn seed_text(&self) -> String {
+        self.seed.as_ref().map_or_else(|| "unset".to_owned(), |s| format!("{s:?}"))
+    }
+
+    /// The fields where `self` and `other` differ: (field, self's value, other's value).
+    pub fn differences(&self, other: &HashSpec) -> Vec<(&'static str, String, String)> {
+        let mut out = Vec::new();
+        if self.algo != other.algo {
+            out.push(("hash_algo", self.algo.name().to_owned(), other.algo.name().to_owned()));
+        }
+        if self.seed != other.seed {
+            out.push(("seed", self.seed_text(), other.seed_text()));
+        }
+        if self.block_size != other.block_size {
+            out.push(("block_size", self.block_size.to_string(), other.block_size.to_string()));
+        }
+        out
+    }
+}
+
 /// Read from configuration as vLLM's flag value (`"sha256_cbor"`, …); an unknown name is an
 /// error that lists the known ones.
 impl<'de> serde::Deserialize<'de> for HashAlgo {
