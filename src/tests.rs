@@ -376,6 +376,7 @@ fn hash_settings(seed: &str) -> llmgw_core::feed::HashSettings {
         seeded: true,
         seed: seed.into(),
         block_size: BS as u32,
+        lookahead_tokens: 0,
     }
 }
 

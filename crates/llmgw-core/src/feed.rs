@@ -3,7 +3,7 @@
 //! that applies them to a subscriber's state. Field numbers must match the `.proto`; the
 //! agent's tests check this against code generated from it.
 
-use crate::hash::{BlockKey, HashAlgo, HashSpec};
+use crate::hash::{BlockKey, HashAlgo, HashSpec, MAX_LOOKAHEAD};
 use crate::index::{ReplicaId, ReplicaIndex};
 use crate::mirror::NetChange;
 
@@ -82,6 +82,8 @@ pub struct HashSettings {
     pub seed: String,
     #[prost(uint32, tag = "4")]
     pub block_size: u32,
+    #[prost(uint32, tag = "5")]
+    pub lookahead_tokens: u32,
 }
 
 impl HashSettings {
@@ -92,6 +94,7 @@ impl HashSettings {
             seeded: spec.seed.is_some(),
             seed: spec.seed.clone().unwrap_or_default(),
             block_size: u32::try_from(spec.block_size).unwrap_or(u32::MAX),
+            lookahead_tokens: u32::try_from(spec.lookahead).unwrap_or(u32::MAX),
         }
     }
 
@@ -101,7 +104,11 @@ impl HashSettings {
         let algo = HashAlgo::parse(&self.algo).map_err(|e| e.to_string())?;
         let block_size = usize::try_from(self.block_size).ok().filter(|&b| b > 0);
         let Some(block_size) = block_size else { return Err("block size 0".to_owned()) };
-        Ok(HashSpec { algo, seed: self.seeded.then(|| self.seed.clone()), block_size })
+        let lookahead = usize::try_from(self.lookahead_tokens).unwrap_or(usize::MAX);
+        if lookahead > MAX_LOOKAHEAD {
+            return Err(format!("{lookahead} lookahead tokens (at most {MAX_LOOKAHEAD})"));
+        }
+        Ok(HashSpec { algo, seed: self.seeded.then(|| self.seed.clone()), block_size, lookahead })
     }
 }
 

@@ -11,7 +11,7 @@
 //! with the published key, so an engine started with another seed or algorithm shows up at once.
 
 use crate::event::{EventBatch, KvEvent, Medium, RemovedBlocks, StoredBlocks};
-use crate::hash::{BlockHasher, BlockKey, Digest};
+use crate::hash::{BlockHasher, BlockKey, Digest, ExtraKey};
 use crate::idhash::KeyMap;
 use std::collections::BTreeMap;
 
@@ -46,6 +46,9 @@ pub struct MirrorStats {
     pub ignored_group: u64,
     pub unknown_events: u64,
     pub parity: ParityStats,
+    /// Lookahead hashing seen in this engine's events (EAGLE-family speculative decoding):
+    /// the tokens per block of the last store that carried `lookahead_token_ids`.
+    pub lookahead_tokens: Option<usize>,
 }
 
 /// Hash parity of stored blocks.
@@ -54,7 +57,8 @@ pub struct ParityStats {
     pub matched: u64,
     pub mismatched: u64,
     /// Blocks whose hash could not be recomputed (unknown parent, no hasher configured,
-    /// LoRA path unknown, lookahead hashing, hybrid-model token layout).
+    /// LoRA path unknown, hybrid-model token layout). Lookahead-hashed stores are verified
+    /// with the lookahead tokens their events carry.
     pub unverifiable: u64,
     /// The last mismatch: (published key, recomputed key).
     pub last_mismatch: Option<(BlockKey, BlockKey)>,
@@ -254,8 +258,17 @@ impl EngineMirror {
         let Ok(bs) = usize::try_from(s.block_size) else {
             return unverifiable(&mut self.stats);
         };
-        if bs == 0 || s.lookahead_token_ids.is_some() || Some(s.token_ids.len()) != n.checked_mul(bs) {
+        if bs == 0 || Some(s.token_ids.len()) != n.checked_mul(bs) {
             return unverifiable(&mut self.stats);
+        }
+        // Lookahead hashing: each block's hash also covers the tokens after it, published
+        // beside it (one list per hash).
+        let lookahead = s.lookahead_token_ids.as_deref();
+        if let Some(la) = lookahead {
+            if la.len() != n {
+                return unverifiable(&mut self.stats);
+            }
+            self.stats.lookahead_tokens = la.first().map(Vec::len);
         }
         let parent = match s.parent {
             None => Some(hasher.root()),
@@ -268,11 +281,14 @@ impl EngineMirror {
         let mut last: Option<(BlockKey, Digest)> = None;
         let lora_paths = &self.lora_paths;
         for (i, (block, &published)) in s.token_ids.chunks_exact(bs).zip(&s.hashes).enumerate() {
-            let Some(extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
+            let Some(mut extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
                 let rest = n.saturating_sub(i) as u64;
                 self.stats.parity.unverifiable = self.stats.parity.unverifiable.saturating_add(rest);
                 return None;
             };
+            if let Some(next) = lookahead.and_then(|la| la.get(i)) {
+                extra.push(ExtraKey::Lookahead(next.clone()));
+            }
             let d = hasher.hash_block(&parent, block, &extra);
             if d.key() == published {
                 self.stats.parity.matched = self.stats.parity.matched.saturating_add(1);

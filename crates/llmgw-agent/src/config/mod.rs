@@ -145,6 +145,10 @@ pub struct HashConfig {
     pub seed: Option<String>,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
+    /// vLLM's lookahead hashing (EAGLE-family speculative decoding with prefix caching): the
+    /// tokens after each block its hash covers; 0 without it.
+    #[serde(default)]
+    pub lookahead_tokens: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -317,13 +321,14 @@ impl HashConfig {
             algo: self.algo,
             seed: self.seed.clone(),
             block_size: usize::try_from(self.block_size).unwrap_or(usize::MAX),
+            lookahead: usize::try_from(self.lookahead_tokens).unwrap_or(usize::MAX),
         }
     }
 }
 
 impl Default for HashConfig {
     fn default() -> Self {
-        Self { algo: default_algo(), seed: None, block_size: default_block_size() }
+        Self { algo: default_algo(), seed: None, block_size: default_block_size(), lookahead_tokens: 0 }
     }
 }
 impl Default for ZmqConfig {
@@ -458,7 +463,10 @@ metrics_url = ""
     #[test]
     fn hash_algorithm_is_read_once_and_defaults_come_from_the_core() {
         let cfg = Config::parse("").unwrap();
-        assert_eq!(cfg.hash, HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE });
+        assert_eq!(
+            cfg.hash,
+            HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE, lookahead_tokens: 0 }
+        );
         let cfg =
             Config::parse(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"xxhash\", seed = \"1\" }"))
                 .unwrap();

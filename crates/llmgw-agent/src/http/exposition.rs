@@ -32,6 +32,14 @@ pub fn debug_json(st: &HubState) -> Value {
                 "block_keys": blocks,
                 "last_seq": e.last_seq,
                 "last_event_age_secs": e.last_event.map(|t| now.saturating_duration_since(t).as_secs_f64()),
+                "hash": {
+                    "algo": e.spec.hash.algo.name(),
+                    "seed": e.spec.hash.seed,
+                    "block_size": e.spec.hash.block_size,
+                    "lookahead_tokens": e.spec.hash.lookahead_tokens,
+                },
+                // Lookahead hashing as the engine's own events show it (EAGLE-family engines).
+                "lookahead_tokens_seen": s.lookahead_tokens,
                 "parity": {
                     "matched": p.matched,
                     "mismatched": p.mismatched,

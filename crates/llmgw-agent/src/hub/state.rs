@@ -54,6 +54,8 @@ pub struct EngineState {
     pub load: Option<ReplicaLoad>,
     pub counters: EngineCounters,
     pub parity_warned: bool,
+    /// The lookahead its events show, when it differs from the configured one (warned once).
+    pub lookahead_warned: Option<usize>,
     /// Removed by discovery: no longer in the table; its id is never reused.
     pub gone: bool,
     /// Tells the engine's thread to stop (discovery removed it).
@@ -89,6 +91,7 @@ impl EngineState {
             load: None,
             counters: EngineCounters::default(),
             parity_warned: false,
+            lookahead_warned: None,
             rebuild: Arc::new(AtomicBool::new(false)),
             gone: false,
             stop: Arc::new(AtomicBool::new(false)),
@@ -290,6 +293,24 @@ impl HubState {
         }
     }
 
+    /// Engines whose events show lookahead hashing (EAGLE-family speculative decoding) other
+    /// than configured, once per distinct value: (label, seen, configured). The filters hash
+    /// as configured, so such an engine is not credited until `lookahead_tokens` is set.
+    pub fn lookahead_alarms(&mut self) -> Vec<(String, usize, u32)> {
+        let mut out = Vec::new();
+        for e in self.engines.iter_mut().filter(|e| !e.gone) {
+            let seen = e.mirror.stats().lookahead_tokens.unwrap_or(0);
+            let configured = e.spec.hash.lookahead_tokens;
+            if usize::try_from(configured).ok() == Some(seen) {
+                e.lookahead_warned = None;
+            } else if e.lookahead_warned != Some(seen) {
+                e.lookahead_warned = Some(seen);
+                out.push((e.spec.label(), seen, configured));
+            }
+        }
+        out
+    }
+
     /// Parity judgement per engine: returns (label, ratio, matched, mismatched) for engines that
     /// crossed above the threshold since the last call.
     pub fn parity_alarms(&mut self, threshold: f64, min_verified: u64) -> Vec<(String, f64, u64, u64)> {
@@ -403,6 +424,7 @@ mod tests {
             algo,
             seed: seed.map(str::to_owned),
             block_size,
+            lookahead: 0,
         };
         use llmgw_core::hash::HashAlgo::{Sha256, Sha256Cbor};
         assert_eq!(
@@ -413,6 +435,27 @@ mod tests {
                 ("one", 0, 1, false, spec(Sha256, None, 16)),
             ]
         );
+    }
+
+    #[test]
+    fn an_engine_publishing_lookahead_hashes_not_configured_is_named_once() {
+        let h = hub(1, 64);
+        let stored = llmgw_core::wire::WireEvent::BlockStored(llmgw_core::wire::WireBlockStored {
+            block_hashes: vec![9],
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            lookahead_token_ids: Some(vec![vec![16]]),
+            ..Default::default()
+        });
+        assert!(h.state().lookahead_alarms().is_empty());
+        h.state().apply(0, 0, &batch(vec![stored.clone()]));
+        assert_eq!(h.state().engines[0].mirror.stats().lookahead_tokens, Some(1));
+        assert_eq!(h.state().lookahead_alarms(), vec![("r0#0".to_owned(), 1, 0)]);
+        h.state().apply(0, 1, &batch(vec![stored]));
+        assert!(h.state().lookahead_alarms().is_empty(), "once");
+        // Configured as it publishes: nothing to say.
+        h.state().engines[0].spec.hash.lookahead_tokens = 1;
+        assert!(h.state().lookahead_alarms().is_empty());
     }
 
     #[test]

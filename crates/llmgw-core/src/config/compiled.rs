@@ -52,6 +52,7 @@ pub struct HashPins {
     /// `Some(None)`: pinned to "no seed".
     pub seed: Option<Option<String>>,
     pub block_size: Option<usize>,
+    pub lookahead: Option<usize>,
 }
 
 impl CompiledProfile {
@@ -66,6 +67,7 @@ impl CompiledProfile {
                 None => base.seed.clone(),
             },
             block_size: self.pins.block_size.unwrap_or(base.block_size),
+            lookahead: self.pins.lookahead.unwrap_or(base.lookahead),
         }
     }
 
@@ -134,6 +136,7 @@ impl Compiled {
                 algo: p.hash_algo,
                 seed: p.seed.clone(),
                 block_size: p.block_size.map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+                lookahead: p.lookahead_tokens.map(|l| usize::try_from(l).unwrap_or(usize::MAX)),
             };
             profiles.push(CompiledProfile {
                 default_spec: spec.clone(),

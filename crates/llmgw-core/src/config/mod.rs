@@ -4,7 +4,7 @@
 mod compiled;
 pub use compiled::{Compiled, CompiledProfile, HashPins, MemoSettings};
 
-use crate::hash::{defaults, HashAlgo, HashSpec};
+use crate::hash::{defaults, HashAlgo, HashSpec, MAX_LOOKAHEAD};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -99,6 +99,12 @@ pub struct Profile {
     /// (else unset).
     #[serde(default, deserialize_with = "present")]
     pub seed: Option<Option<String>>,
+    /// vLLM's lookahead hashing: tokens after each block its hash covers (1 for EAGLE and
+    /// EAGLE3 with prefix caching, `num_speculative_tokens` for multi-module MTP, 0 when the
+    /// engines run without it or with `disable_lookahead_block_hashes`). Absent: from the feed
+    /// (else 0).
+    #[serde(default)]
+    pub lookahead_tokens: Option<u32>,
     #[serde(default = "default_tokenizer")]
     pub tokenizer: TokenizerEndpoint,
     #[serde(default = "default_timeout")]
@@ -122,6 +128,7 @@ impl Profile {
             algo: self.hash_algo.unwrap_or(defaults::ALGO),
             seed: self.seed.clone().flatten(),
             block_size: usize::try_from(self.block_size.unwrap_or(defaults::BLOCK_SIZE)).unwrap_or(usize::MAX),
+            lookahead: usize::try_from(self.lookahead_tokens.unwrap_or(0)).unwrap_or(usize::MAX),
         }
     }
 }
@@ -306,6 +313,9 @@ impl FilterConfig {
             }
             if p.block_size == Some(0) {
                 return bad(f("block_size"), "must be at least 1");
+            }
+            if p.lookahead_tokens.is_some_and(|l| usize::try_from(l).map_or(true, |l| l > MAX_LOOKAHEAD)) {
+                return bad(f("lookahead_tokens"), &format!("must be at most {MAX_LOOKAHEAD}"));
             }
             if let Err(e) = p.default_spec().hasher() {
                 return bad(f("seed"), &e.to_string());

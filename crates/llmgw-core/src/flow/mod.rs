@@ -537,7 +537,12 @@ impl Router {
         };
         let Router { config, feed, scratch, mismatched, .. } = self;
         let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
-        let extras = RequestExtras { cache_salt: cache_salt.map(str::to_owned), lora: p.lora(model), mm: Vec::new() };
+        let extras = RequestExtras {
+            cache_salt: cache_salt.map(str::to_owned),
+            lora: p.lora(model),
+            mm: Vec::new(),
+            lookahead: p.spec.lookahead,
+        };
         prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch)
             .map_err(|_| Fallback::Hash)?;
         for id in mismatched.iter() {

@@ -244,7 +244,13 @@ fn reconfiguring_replaces_profiles_and_forgets_tokenizations() {
 }
 
 fn settings(seed: &str, block_size: u32) -> crate::feed::HashSettings {
-    crate::feed::HashSettings { algo: "sha256_cbor".into(), seeded: true, seed: seed.into(), block_size }
+    crate::feed::HashSettings {
+        algo: "sha256_cbor".into(),
+        seeded: true,
+        seed: seed.into(),
+        block_size,
+        lookahead_tokens: 0,
+    }
 }
 
 /// A router with `profile_json` as its only profile (model "m"), whose feed knows A and B
@@ -360,4 +366,44 @@ fn a_replica_hashing_otherwise_is_never_credited_while_the_others_route_exactly(
     let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
     assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
     assert!(r.take_hash_note().unwrap().contains("block_size 4 (profile `p` uses 16)"));
+}
+
+#[test]
+fn an_eagle_engines_lookahead_hashes_are_matched_from_the_profile_or_the_feed() {
+    // 33 tokens, lookahead 1: the engine hashes 8 blocks of 4, each also over the next token.
+    let tokens: Vec<u32> = (0..33).collect();
+    let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+    let ex = RequestExtras { lookahead: 1, ..RequestExtras::default() };
+    let eagle: Vec<u64> = h.hash_request(&tokens, BS, &ex).unwrap().iter().map(|b| b.key.0).collect();
+    assert_eq!(eagle.len(), 8);
+    let bytes = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#);
+    let eagle_settings = || crate::feed::HashSettings { lookahead_tokens: 1, ..settings("0", BS as u32) };
+    // The profile says lookahead 1 (the feed says nothing).
+    let mut r = router_with_hash(
+        &format!(r#"{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0","lookahead_tokens":1}}"#),
+        None,
+        None,
+        eagle.clone(),
+    );
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (B, Outcome::Exact, 8));
+    // The feed says lookahead 1 (the profile says nothing about it).
+    let mut r = router_with_hash(
+        &format!(r#"{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0"}}"#),
+        Some(eagle_settings()),
+        Some(eagle_settings()),
+        eagle.clone(),
+    );
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (B, Outcome::Exact, 8));
+    // A profile pinning lookahead 0 against such engines: a mismatch naming both values.
+    let mut r = router_with_hash(
+        &format!(r#"{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0","lookahead_tokens":0}}"#),
+        Some(eagle_settings()),
+        Some(eagle_settings()),
+        eagle,
+    );
+    let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
+    assert!(r.take_hash_note().unwrap().contains("lookahead_tokens 1 (profile `p` uses 0)"));
 }

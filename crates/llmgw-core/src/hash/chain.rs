@@ -60,9 +60,17 @@ impl BlockHasher {
         if block_size == 0 {
             return Err(HashError::ZeroBlockSize);
         }
-        let blocks = tokens.chunks_exact(block_size).enumerate().skip(first).take(n);
+        // With lookahead, a block is hashed only once the tokens after it exist.
+        let la = extras.lookahead;
+        let hashable = tokens.get(..tokens.len().saturating_sub(la)).unwrap_or_default();
+        let blocks = hashable.chunks_exact(block_size).enumerate().skip(first).take(n);
         let mut added = 0usize;
-        if self.cache.is_some() && extras.cache_salt.is_none() && extras.lora.is_none() && extras.mm.is_empty() {
+        if self.cache.is_some()
+            && extras.cache_salt.is_none()
+            && extras.lora.is_none()
+            && extras.mm.is_empty()
+            && la == 0
+        {
             // No extra keys: the memo's tag is taken over the parent digest and the raw token ids
             // (what the preimage encodes), so a memo hit needs no preimage encoding.
             let Self { algo, buf, pickler, cache, .. } = self;
@@ -98,11 +106,27 @@ impl BlockHasher {
             if let Some((name, path)) = &extras.lora {
                 extra.push(ExtraKey::Lora { name: name.clone(), path: path.clone() });
             }
-            mm_idx = mm_extra_keys(&extras.mm, start, end, mm_idx, &mut extra);
+            // With lookahead the keys cover the block and the tokens after it; the item index
+            // rewinds to the first item still reaching past the block.
+            let window_end = end.saturating_add(la as u64);
+            mm_idx = mm_extra_keys(&extras.mm, start, window_end, mm_idx, &mut extra);
+            if la > 0 {
+                while let Some(prev) = mm_idx.checked_sub(1).and_then(|p| extras.mm.get(p)) {
+                    if prev.offset.saturating_add(prev.length) <= end {
+                        break;
+                    }
+                    mm_idx = mm_idx.saturating_sub(1);
+                }
+            }
             if i == 0 {
                 if let Some(salt) = &extras.cache_salt {
                     extra.push(ExtraKey::CacheSalt(salt.clone()));
                 }
+            }
+            if la > 0 {
+                let from = usize::try_from(end).unwrap_or(usize::MAX);
+                let next = tokens.get(from..from.saturating_add(la)).unwrap_or_default();
+                extra.push(ExtraKey::Lookahead(next.to_vec()));
             }
             let digest = self.hash_block(&parent, block, &extra);
             out.push(BlockHash { digest, key: digest.key() });

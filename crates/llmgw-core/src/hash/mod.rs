@@ -20,6 +20,10 @@ use memo::DigestCache;
 use sha2::{Digest as _, Sha256};
 use std::fmt;
 
+/// Most lookahead tokens a hash setting may name (vLLM uses 1 for EAGLE and
+/// `num_speculative_tokens` for multi-module MTP; this bounds what the feed can ask for).
+pub const MAX_LOOKAHEAD: usize = 64;
+
 /// The seed vLLM hashes for the root parent when `PYTHONHASHSEED` is unset (vLLM ≥ 0.29).
 pub const UNSET_SEED: &str = "vllm-none-hash";
 
@@ -81,6 +85,8 @@ pub struct HashSpec {
     pub seed: Option<String>,
     /// At least 1 where a spec is built from configuration or the feed.
     pub block_size: usize,
+    /// Lookahead tokens per block hash (EAGLE-family speculative decoding; 0: none).
+    pub lookahead: usize,
 }
 
 impl HashSpec {
@@ -105,6 +111,9 @@ impl HashSpec {
         }
         if self.block_size != other.block_size {
             out.push(("block_size", self.block_size.to_string(), other.block_size.to_string()));
+        }
+        if self.lookahead != other.lookahead {
+            out.push(("lookahead_tokens", self.lookahead.to_string(), other.lookahead.to_string()));
         }
         out
     }
@@ -244,6 +253,10 @@ pub enum ExtraKey {
     CacheSalt(String),
     /// `("prompt_embeds", sha256 of the block's embedding tensor bytes)`.
     PromptEmbeds(Vec<u8>),
+    /// Lookahead hashing (EAGLE-family speculative decoding, vLLM 0.33): the `L` tokens after
+    /// the block. Always the last key; the block's extra keys are then `(E, *tokens)`, where `E`
+    /// is the tuple of the keys before it (or `None` when there are none).
+    Lookahead(Vec<u32>),
 }
 
 /// A multimodal item's placeholder range in the prompt.
@@ -262,6 +275,18 @@ pub struct RequestExtras {
     pub lora: Option<(String, String)>,
     /// Sorted by offset, as vLLM keeps them.
     pub mm: Vec<MmFeature>,
+    /// vLLM's `num_hash_lookahead_tokens` (EAGLE-family speculative decoding with prefix
+    /// caching): each block's hash also covers the next this many tokens, so a block is hashed
+    /// only once they exist. 0: plain hashing.
+    pub lookahead: usize,
+}
+
+impl RequestExtras {
+    /// Full blocks of `n_tokens` the engine hashes (those followed by `lookahead` more tokens);
+    /// `None` for a zero block size.
+    pub fn hashed_blocks(&self, n_tokens: usize, block_size: usize) -> Option<usize> {
+        n_tokens.saturating_sub(self.lookahead).checked_div(block_size)
+    }
 }
 
 /// One hashed full block.
