@@ -1,9 +1,11 @@
 """Issue 15, item 1: a replica started with `--data-parallel-size 2` is two engines behind one
 address. The agent mirrors each rank from its own publisher (base port + rank); the filter
 credits the rank holding a prompt's blocks and names it in `X-data-parallel-rank`, so vLLM
-serves the request on that rank instead of the one its own balancer would pick (idle engines:
-always rank 0). The proof is vLLM's: the follow-up's `cached_tokens` equals the blocks the
-filter credited, and the new blocks it stores are published by that rank's publisher.
+serves the request on that rank instead of the one its own balancer picks. The proof is vLLM's:
+the follow-up's `cached_tokens` equals the blocks the filter credited, and the new blocks it
+stores are published by that rank's publisher. (With the header-setting line removed from the
+filter, both cases failed: vLLM's balancer put each follow-up on the rank without the blocks,
+0 cached tokens.)
 
 This module starts its own replica, agent and Envoy (the session fleet is not needed)."""
 
@@ -78,8 +80,7 @@ def test_a_followup_is_served_by_the_rank_holding_its_prefix(dp_fleet, rank):
     followup = prompt + " " + words(rng, 20, f"dq{rank}")
     headers, reply = f.completion(None, followup, max_tokens=2)
     outcome, served, matched, cached = f.routed(headers, reply)
-    # vLLM reports the credited blocks as cached: the request ran on the rank that holds them
-    # (without the header vLLM's balancer puts an idle fleet's request on rank 0).
+    # vLLM reports the credited blocks as cached: the request ran on the rank that holds them.
     assert (outcome, served.name, matched) == ("exact", "dp", len(keys)), headers.get("x-llmgw-decision")
     assert cached == BLOCK * len(keys), (cached, len(keys))
     # The follow-up's new blocks are published by that rank's publisher, none by the other.
