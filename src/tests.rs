@@ -41,6 +41,7 @@ fn replica(id: u32, address: &str, up: bool) -> Replica {
         dp_rank: 0,
         hash: None,
         dp_size: 0,
+        kv_groups: vec![],
     }
 }
 

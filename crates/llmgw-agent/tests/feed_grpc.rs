@@ -73,6 +73,12 @@ fn generated_and_core_messages_agree_on_field_numbers() {
                     lookahead_tokens: 1,
                 }),
                 dp_size: 4,
+                kv_groups: vec![pb::KvCacheGroup {
+                    group_idx: 1,
+                    kind: "sliding_window".into(),
+                    block_size: 16,
+                    sliding_window: 32,
+                }],
             }],
         }),
         G::Snapshot(pb::SnapshotChunk { replica: 2, first: true, blocks: vec![1, u64::MAX, 3] }),

@@ -91,6 +91,7 @@ fn router(held: &[u64]) -> Router {
             dp_rank: 0,
             hash: None,
             dp_size: 0,
+            kv_groups: vec![],
         })
         .collect();
     r.feed.begin_subscription();

@@ -61,6 +61,38 @@ pub struct Replica {
     /// Data-parallel ranks behind `address` (0 from older agents: read as 1).
     #[prost(uint32, tag = "8")]
     pub dp_size: u32,
+    /// The engine's KV-cache groups (empty: one, as before hybrid support).
+    #[prost(message, repeated, tag = "9")]
+    pub kv_groups: Vec<KvCacheGroup>,
+}
+
+/// One KV-cache group of an engine.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct KvCacheGroup {
+    #[prost(uint32, tag = "1")]
+    pub group_idx: u32,
+    #[prost(string, tag = "2")]
+    pub kind: String,
+    #[prost(uint32, tag = "3")]
+    pub block_size: u32,
+    /// Tokens; 0 without a sliding window.
+    #[prost(uint32, tag = "4")]
+    pub sliding_window: u32,
+}
+
+impl KvCacheGroup {
+    /// The groups of a mirror, for the feed.
+    pub fn from_mirror(groups: &std::collections::BTreeMap<u32, crate::mirror::GroupSpec>) -> Vec<KvCacheGroup> {
+        groups
+            .iter()
+            .map(|(&group_idx, g)| KvCacheGroup {
+                group_idx,
+                kind: g.kind.clone(),
+                block_size: u32::try_from(g.block_size).unwrap_or(u32::MAX),
+                sliding_window: g.sliding_window.map_or(0, |w| u32::try_from(w).unwrap_or(u32::MAX)),
+            })
+            .collect()
+    }
 }
 
 impl Replica {
@@ -398,6 +430,7 @@ mod tests {
                     dp_rank: 0,
                     hash: None,
                     dp_size: 0,
+                    kv_groups: vec![],
                 },
                 Replica {
                     id: 1,
@@ -408,6 +441,7 @@ mod tests {
                     dp_rank: 0,
                     hash: None,
                     dp_size: 0,
+                    kv_groups: vec![],
                 },
             ],
         };
@@ -451,6 +485,7 @@ mod tests {
                     dp_rank: 0,
                     hash: None,
                     dp_size: 0,
+                    kv_groups: vec![],
                 })
                 .collect(),
         })

@@ -6,7 +6,9 @@
 use super::subscribers::{FeedCounters, Subscriber};
 use crate::config::EngineSpec;
 use llmgw_core::event::EventBatch;
-use llmgw_core::feed::{Body, HashSettings, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable};
+use llmgw_core::feed::{
+    Body, HashSettings, KvCacheGroup, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable,
+};
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -161,6 +163,7 @@ impl HubState {
                     dp_rank: e.spec.dp_rank,
                     hash: Some(HashSettings::from_spec(&e.spec.hash.spec())),
                     dp_size: e.spec.dp_size,
+                    kv_groups: KvCacheGroup::from_mirror(e.mirror.groups()),
                 })
                 .collect(),
         }
@@ -197,11 +200,19 @@ impl HubState {
             self.changes = changes;
             return;
         }
+        let groups_before = e.mirror.groups_version();
         e.mirror.apply(batch, &mut changes);
         e.counters.applied = e.counters.applied.saturating_add(1);
         let over = e.mirror.len() > max_blocks;
+        // Only several groups change how the filters score (hybrid models).
+        let groups_changed = e.mirror.groups_version() != groups_before && e.mirror.groups().len() > 1;
         let id = e.spec.id;
         self.changes = changes;
+        // A new KV-cache group (hybrid model) is in the table before its blocks arrive.
+        if groups_changed {
+            let table = self.table();
+            self.publish(Body::Replicas(table));
+        }
         self.publish_changes(id);
         if over {
             if let Some(e) = self.engine(engine) {
@@ -456,6 +467,67 @@ mod tests {
         // Configured as it publishes: nothing to say.
         h.state().engines[0].spec.hash.lookahead_tokens = 1;
         assert!(h.state().lookahead_alarms().is_empty());
+    }
+
+    #[test]
+    fn every_kv_cache_group_is_mirrored_apart_and_named_in_the_table() {
+        use llmgw_core::hash::group_key;
+        use llmgw_core::wire::{WireBlockRemoved, WireBlockStored, WireEvent};
+        let h = hub(1, 64);
+        let sub = h.subscribe("t".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        // vLLM 0.33 with a hybrid spec: the same hashes in group 0 (full attention) and, for
+        // the blocks still inside the window, group 1 (sliding window).
+        let store = |group: i64, kind: &str, window: Option<i64>, hashes: Vec<u64>| {
+            WireEvent::BlockStored(WireBlockStored {
+                block_hashes: hashes,
+                token_ids: (0..48).collect(),
+                block_size: 16,
+                group_idx: Some(group),
+                kv_cache_spec_kind: Some(kind.into()),
+                kv_cache_spec_sliding_window: window,
+                ..Default::default()
+            })
+        };
+        h.state().apply(
+            0,
+            0,
+            &batch(vec![
+                store(0, "full_attention", None, vec![1, 2, 3]),
+                store(1, "sliding_window", Some(32), vec![3]),
+            ]),
+        );
+        let mirror_keys = h.state().engines[0].mirror.keys();
+        let mut want = vec![
+            llmgw_core::BlockKey(1),
+            llmgw_core::BlockKey(2),
+            llmgw_core::BlockKey(3),
+            group_key(llmgw_core::BlockKey(3), 1),
+        ];
+        want.sort_unstable();
+        assert_eq!(mirror_keys, want);
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        let groups = &fs.replicas[0].kv_groups;
+        assert_eq!(groups.len(), 2, "{groups:?}");
+        assert_eq!((groups[1].group_idx, groups[1].kind.as_str(), groups[1].sliding_window), (1, "sliding_window", 32));
+        assert!(fs.index.holds(llmgw_core::ReplicaId(0), group_key(llmgw_core::BlockKey(3), 1)));
+        // A removal names its group: group 1's copy goes, group 0's stays.
+        let rm = WireEvent::BlockRemoved(WireBlockRemoved {
+            block_hashes: vec![3],
+            group_idx: Some(1),
+            ..Default::default()
+        });
+        h.state().apply(0, 1, &batch(vec![rm]));
+        assert!(h.state().engines[0].mirror.contains(llmgw_core::BlockKey(3)));
+        assert!(!h.state().engines[0].mirror.contains(group_key(llmgw_core::BlockKey(3), 1)));
+        // Group indexes past the bound are counted, not mirrored.
+        h.state().apply(0, 2, &batch(vec![store(99, "full_attention", None, vec![7])]));
+        assert_eq!(h.state().engines[0].mirror.stats().ignored_group, 1);
     }
 
     #[test]

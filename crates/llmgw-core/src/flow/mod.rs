@@ -14,9 +14,11 @@
 //! Every step carries a [`Report`] of what to count. A step never fails the request: only a
 //! model with no healthy replica is answered locally (503).
 
+mod hybrid;
 mod prefix;
 mod reasons;
 
+pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 
@@ -64,6 +66,9 @@ pub struct Report {
     /// Some replica serving the model hashes otherwise than the request was hashed (see
     /// [`Router::take_hash_note`] for which and how): its blocks were not credited.
     pub hash_mismatch: bool,
+    /// Some replica serving the model has KV-cache groups the hybrid scoring does not model
+    /// (Mamba layers, mixed block sizes): it was scored by its first group alone.
+    pub hybrid_unsupported: bool,
 }
 
 /// How the tokenization cache answered.
@@ -177,6 +182,7 @@ pub struct Router {
     /// The current request's hash check: replicas whose hashing differs (not credited).
     mismatched: Vec<ReplicaId>,
     hash_mismatch: bool,
+    hybrid_unsupported: bool,
     /// The last hash-settings mismatch described, and the last one handed out for the log.
     hash_note: Option<String>,
     hash_logged: Option<String>,
@@ -284,6 +290,7 @@ impl Router {
             generation: 0,
             mismatched: Vec::new(),
             hash_mismatch: false,
+            hybrid_unsupported: false,
             hash_note: None,
             hash_logged: None,
         }
@@ -386,6 +393,7 @@ impl Router {
     /// Decides for a complete body (or the head of one too large to read).
     pub fn on_body(&mut self, body: &Body<'_>, in_flight: &dyn InFlight, now_ns: u64) -> Step {
         self.hash_mismatch = false;
+        self.hybrid_unsupported = false;
         let kind = ApiKind::from_path(body.path);
         let bytes = body.bytes;
         // A byte-identical body seen recently resolves to its cached tokenization unparsed
@@ -483,6 +491,7 @@ impl Router {
         now_ns: u64,
     ) -> Step {
         self.hash_mismatch = false;
+        self.hybrid_unsupported = false;
         let mut report = Report::default();
         let p = &pending.parsed;
         let (exact, why) = match tokenizer_tokens(reply) {
@@ -535,7 +544,7 @@ impl Router {
             HashCheck::Mismatch => return Err(Fallback::HashMismatch),
             HashCheck::Unusable => return Err(Fallback::Hash),
         };
-        let Router { config, feed, scratch, mismatched, .. } = self;
+        let Router { config, feed, scratch, mismatched, hybrid_unsupported, .. } = self;
         let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
         let extras = RequestExtras {
             cache_salt: cache_salt.map(str::to_owned),
@@ -548,6 +557,18 @@ impl Router {
         for id in mismatched.iter() {
             if let Some(l) = scratch.scores.leading.get_mut(usize::from(*id)) {
                 *l = 0;
+            }
+        }
+        // Hybrid engines hit only as far as every KV-cache group allows.
+        let serving = feed.serving();
+        for r in serving.replicas.iter().filter(|r| r.kv_groups.len() > 1) {
+            let Ok(id) = ReplicaId::try_from(r.id) else { continue };
+            let Some(l) = scratch.scores.leading.get_mut(usize::from(id)) else { continue };
+            let run = usize::try_from(*l).unwrap_or(usize::MAX);
+            match hybrid_hit(&serving.index, r, id, &scratch.hashes, run, tokens.len(), p.block_size) {
+                HybridHit::Hit(n) => *l = u32::try_from(n).unwrap_or(u32::MAX),
+                HybridHit::Unsupported => *hybrid_unsupported = true,
+                HybridHit::NotHybrid => {}
             }
         }
         Ok(())
@@ -612,6 +633,7 @@ impl Router {
         let d: Decision = policy::decide_lazy(&cands, scores, approx, w);
         report.outcome = Some(d.outcome);
         report.hash_mismatch = self.hash_mismatch;
+        report.hybrid_unsupported = self.hybrid_unsupported;
         report.fallback = why.or((exact && d.outcome == Outcome::Approx).then_some(Fallback::NoMatch));
         if exact {
             report.matched_blocks = Some(d.matched);

@@ -3,7 +3,7 @@
 use super::*;
 use crate::config::MemoSettings;
 use crate::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
-use crate::hash::{BlockHasher, HashAlgo};
+use crate::hash::{BlockHasher, BlockKey, HashAlgo};
 
 const A: &str = "127.0.0.1:8001";
 const B: &str = "127.0.0.1:8002";
@@ -34,6 +34,7 @@ fn router(extra: &str, on_b: Vec<u64>, up: bool) -> Router {
         dp_rank: 0,
         hash: None,
         dp_size: 0,
+        kv_groups: vec![],
     };
     r.feed.begin_subscription();
     for (seq, body) in [
@@ -130,6 +131,7 @@ fn token_ids_held_by_a_replica_route_there_exactly() {
             tokenizer_cache: None,
             tokenizer_failure: None,
             hash_mismatch: false,
+            hybrid_unsupported: false,
         }
     );
     assert_eq!(got.explain("vm1"), format!("outcome=exact; replica={B}; matched=8/8; vm=vm1"));
@@ -272,6 +274,7 @@ fn router_with_hash(
         dp_rank: 0,
         hash,
         dp_size: 1,
+        kv_groups: vec![],
     };
     r.feed.begin_subscription();
     for (seq, body) in [
@@ -406,4 +409,73 @@ fn an_eagle_engines_lookahead_hashes_are_matched_from_the_profile_or_the_feed() 
     let got = routed(r.on_body(&body(COMPLETIONS, bytes.as_bytes()), &(), 0));
     assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
     assert!(r.take_hash_note().unwrap().contains("lookahead_tokens 1 (profile `p` uses 0)"));
+}
+
+#[test]
+fn a_hybrid_engine_is_scored_as_vllms_coordinator_hits_it() {
+    use crate::feed::KvCacheGroup;
+    use crate::hash::group_key;
+    // B: full attention (group 0) plus a sliding window of 8 tokens (group 1): a hit needs the
+    // 2 blocks before its end cached in group 1 too.
+    let tokens: Vec<u32> = (0..33).collect();
+    let k = keys(&tokens);
+    let group = |group_idx, kind: &str, sliding_window| KvCacheGroup {
+        group_idx,
+        kind: kind.into(),
+        block_size: BS as u32,
+        sliding_window,
+    };
+    let hybrid = vec![group(0, "full_attention", 0), group(1, "sliding_window", 8)];
+    let mut on_b = k.clone();
+    // The window group keeps only the last two blocks of the prompt (as vLLM's does).
+    on_b.extend([6, 7].map(|i| group_key(BlockKey(k[i]), 1).0));
+    let mut r = router_with_hash(
+        &format!(r#"{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0"}}"#),
+        None,
+        None,
+        on_b,
+    );
+    let table = ReplicaTable {
+        replicas: r
+            .feed
+            .serving()
+            .replicas
+            .iter()
+            .map(|x| Replica { kv_groups: if x.id == 1 { hybrid.clone() } else { vec![] }, ..x.clone() })
+            .collect(),
+    };
+    r.feed.apply(&FeedMessage { seq: 3, body: Some(Msg::Replicas(table)) }).unwrap();
+    // The whole prompt and more: every group hits all 8 blocks.
+    let longer: Vec<u32> = (0..40).collect();
+    let body_of = |t: &[u32]| format!(r#"{{"model":"m","prompt":{t:?}}}"#);
+    let got = routed(r.on_body(&body(COMPLETIONS, body_of(&longer).as_bytes()), &(), 0));
+    assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (B, Outcome::Exact, 8));
+    // Exactly the prompt: vLLM never hits the last token, so 7 blocks are the most it can
+    // hit, and the window group has no 2 cached blocks ending there (6 is, 5 is not).
+    let got = routed(r.on_body(&body(COMPLETIONS, body_of(&tokens[..32]).as_bytes()), &(), 0));
+    assert_eq!(got.report.matched_blocks, Some(0));
+    // Sharing the first 5 blocks only: group 0 holds them, group 1 holds none of blocks 3 and
+    // 4, so vLLM hits nothing (group 0 alone would claim 5).
+    let mut diverging: Vec<u32> = (0..20).collect();
+    diverging.extend(1000..1020);
+    let got = routed(r.on_body(&body(COMPLETIONS, body_of(&diverging).as_bytes()), &(), 0));
+    assert_eq!((got.report.matched_blocks, got.report.fallback), (Some(0), Some(Fallback::NoMatch)));
+    assert!(!got.report.hybrid_unsupported);
+    // A Mamba group is not modelled: scored by group 0 alone, and said so.
+    let table = ReplicaTable {
+        replicas: r
+            .feed
+            .serving()
+            .replicas
+            .iter()
+            .map(|x| Replica {
+                kv_groups: if x.id == 1 { vec![group(0, "full_attention", 0), group(1, "mamba", 0)] } else { vec![] },
+                ..x.clone()
+            })
+            .collect(),
+    };
+    r.feed.apply(&FeedMessage { seq: 4, body: Some(Msg::Replicas(table)) }).unwrap();
+    let got = routed(r.on_body(&body(COMPLETIONS, body_of(&diverging).as_bytes()), &(), 0));
+    assert_eq!(got.report.matched_blocks, Some(5));
+    assert!(got.report.hybrid_unsupported);
 }

@@ -224,6 +224,22 @@ impl fmt::Display for BlockKey {
     }
 }
 
+/// KV-cache groups an engine may have mirrored (hybrid models have a few; past it a group's
+/// events are counted as ignored).
+pub const MAX_KV_GROUPS: u32 = 16;
+
+/// The key block `key` of KV-cache group `group` is indexed under: the key itself for group 0,
+/// a stable mix of key and group for the others. vLLM publishes the same hash in every group
+/// that caches the block, and a hybrid model hits only as far as every group allows, so the
+/// mirror, the feed and the index keep each group's blocks apart in one key space.
+pub fn group_key(key: BlockKey, group: u32) -> BlockKey {
+    if group == 0 {
+        return key;
+    }
+    let salt = crate::idhash::mix64(0x6b76_5f67_726f_7570 ^ u64::from(group));
+    BlockKey(crate::idhash::mix64(key.0 ^ salt))
+}
+
 /// The published u64 form of a hash given as bytes (`int.from_bytes(b, "big") & (2**64-1)`):
 /// its last 8 bytes, big-endian. `None` when shorter than 8 bytes.
 pub fn key_of_bytes(b: &[u8]) -> Option<BlockKey> {
