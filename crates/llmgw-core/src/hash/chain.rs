@@ -143,7 +143,7 @@ impl BlockHasher {
 /// index of the first item a later block must look at.
 fn mm_extra_keys(items: &[MmFeature], start: u64, end: u64, mut idx: usize, out: &mut Vec<ExtraKey>) -> usize {
     let Some(last) = items.last() else { return idx };
-    if last.offset.saturating_add(last.length) < start {
+    if last.offset.saturating_add(last.length) <= start {
         return idx;
     }
     while let Some(item) = items.get(idx) {
@@ -151,7 +151,7 @@ fn mm_extra_keys(items: &[MmFeature], start: u64, end: u64, mut idx: usize, out:
         if end <= item.offset {
             break;
         }
-        if start > item_end {
+        if start >= item_end {
             idx = idx.saturating_add(1);
             continue;
         }
@@ -177,11 +177,17 @@ mod tests {
     fn hashing_a_few_blocks_at_a_time_gives_the_same_chain() {
         let toks: Vec<u32> = (0..200).map(|i| i * 31 % 50_000).collect();
         let mm = vec![MmFeature { identifier: "img".into(), offset: 20, length: 30 }];
+        // An item ending exactly where a later call starts (block 3 starts at token 48).
+        let edge = vec![
+            MmFeature { identifier: "img".into(), offset: 20, length: 28 },
+            MmFeature { identifier: "two".into(), offset: 60, length: 10 },
+        ];
         for memo in [0, 64] {
             for ex in [
                 RequestExtras::default(),
                 RequestExtras { cache_salt: Some("s".into()), ..Default::default() },
                 RequestExtras { lora: Some(("a".into(), "/p".into())), mm: mm.clone(), ..Default::default() },
+                RequestExtras { mm: edge.clone(), ..Default::default() },
             ] {
                 let Ok(h) = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")) else { panic!("hasher") };
                 let mut h = h.with_cache(memo, 9);
