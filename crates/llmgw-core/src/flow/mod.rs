@@ -20,14 +20,14 @@ mod reasons;
 
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
-pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
+pub use reasons::{tokenizer_answer, tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
-use crate::hash::{BlockHash, HashSpec, RequestExtras};
+use crate::hash::{BlockHash, HashSpec, MmFeature, RequestExtras};
 use crate::index::ReplicaId;
 use crate::policy::{self, Candidate, Decision, Outcome};
-use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
+use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAnswer, TokenizerCall};
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 
 /// Requests in flight per replica address, as this gateway counts them.
@@ -445,7 +445,7 @@ impl Router {
         // The approximate key, computed only if the decision needs it.
         let approx = || approx_key(Some(&parsed), bytes, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[]).err();
+            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[], Vec::new()).err();
             return self.finish(model, Some(pi), why.is_none(), &approx, why, in_flight, Report::default());
         }
         let Some(p) = self.config.profile(pi) else {
@@ -494,15 +494,18 @@ impl Router {
         self.hybrid_unsupported = false;
         let mut report = Report::default();
         let p = &pending.parsed;
-        let (exact, why) = match tokenizer_tokens(reply) {
+        let (exact, why) = match tokenizer_answer(reply) {
             // The index may have lost its sync while the call was out.
             Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
-            Ok(tokens) => {
-                let scored = self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]);
+            Ok(TokenizerAnswer { tokens, mm }) => {
+                // A multimodal prompt's hashes need its media items: never cached.
+                let cacheable = mm.is_empty();
+                let scored = self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[], mm);
                 if let Err(why) = scored {
                     (false, Some(why))
                 } else {
-                    if let Some(tag) = pending.cache_tag.filter(|_| pending.generation == self.generation) {
+                    let tag = pending.cache_tag.filter(|_| pending.generation == self.generation && cacheable);
+                    if let Some(tag) = tag {
                         let hashes = self.scratch.hashes.clone();
                         self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
                         if let Some(raw) = pending.raw_tag {
@@ -537,6 +540,7 @@ impl Router {
         model: Option<&str>,
         tokens: &[u32],
         known: &[BlockHash],
+        mm: Vec<MmFeature>,
     ) -> Result<(), Fallback> {
         let known = match self.hash_check(profile, model) {
             HashCheck::Use { changed: false } => known,
@@ -549,7 +553,7 @@ impl Router {
         let extras = RequestExtras {
             cache_salt: cache_salt.map(str::to_owned),
             lora: p.lora(model),
-            mm: Vec::new(),
+            mm,
             lookahead: p.spec.lookahead,
         };
         prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch)
@@ -576,7 +580,8 @@ impl Router {
 
     /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
     fn cache_tag(&self, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<CacheTag> {
-        if !self.tokcache.enabled() {
+        // A multimodal chat's hashes depend on its media items, which are not cached.
+        if !self.tokcache.enabled() || parsed.multimodal() {
             return None;
         }
         let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
@@ -604,8 +609,14 @@ impl Router {
         }
         let mut t = self.tokcache.take(alias.tag, now_ns)?;
         let report = Report { tokenizer_cache: Some(lookup), ..Report::default() };
-        let scored =
-            self.exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes);
+        let scored = self.exact(
+            alias.profile,
+            alias.cache_salt.as_deref(),
+            alias.model.as_deref(),
+            &t.tokens,
+            &t.hashes,
+            Vec::new(),
+        );
         let exact = scored.is_ok();
         if exact && self.scratch.hashes.len() > t.hashes.len() {
             t.hashes.clone_from(&self.scratch.hashes);

@@ -479,3 +479,59 @@ fn a_hybrid_engine_is_scored_as_vllms_coordinator_hits_it() {
     assert_eq!(got.report.matched_blocks, Some(5));
     assert!(got.report.hybrid_unsupported);
 }
+
+#[test]
+fn a_chat_with_an_image_is_rendered_and_hashed_with_its_media_items() {
+    use crate::hash::MmFeature;
+    let tokens: Vec<u32> = (0..33).collect();
+    let image = MmFeature { identifier: "9f2c-image-hash".into(), offset: 5, length: 10 };
+    let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+    let with_image = RequestExtras { mm: vec![image.clone()], ..RequestExtras::default() };
+    let mm_keys: Vec<u64> = h.hash_request(&tokens, BS, &with_image).unwrap().iter().map(|b| b.key.0).collect();
+    // B holds the blocks as vLLM hashed them for this image; A holds the same tokens hashed
+    // without it (block 0, before the image, is the same in both).
+    let mut r = router("", mm_keys.clone(), true);
+    r.feed
+        .apply(&FeedMessage {
+            seq: 3,
+            body: Some(Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: keys(&tokens) })),
+        })
+        .unwrap();
+    let chat = br#"{"model":"m","messages":[{"role":"user","content":[
+        {"type":"text","text":"What is in this picture?"},
+        {"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}}]}]}"#;
+    let reply = format!(
+        r#"{{"request_id":"x","token_ids":{tokens:?},"features":{{"mm_hashes":{{"image":["9f2c-image-hash"]}},
+            "mm_placeholders":{{"image":[{{"offset":5,"length":10}}]}}}},"sampling_params":{{}}}}"#
+    )
+    .into_bytes();
+    for round in 0..2 {
+        // The profile tokenizes with /tokenize, but a chat with media goes to render, unchanged.
+        let call = tokenize(r.on_body(&body("/v1/chat/completions", chat), &(), round));
+        assert_eq!((call.path, call.body.as_slice()), ("/v1/chat/completions/render", &chat[..]));
+        // Never cached: each round asks again.
+        assert_eq!(call.report.tokenizer_cache, None, "round {round}");
+        let read = || reply.clone();
+        let got = routed(r.on_tokenizer_reply(
+            *call.pending,
+            &TokenizerReply::Answered { status: Some(b"200"), body: &read },
+            &(),
+            round,
+        ));
+        assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (B, Outcome::Exact, 8));
+    }
+    // A text-only chat still uses /tokenize.
+    let text = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(tokenize(r.on_body(&body("/v1/chat/completions", text), &(), 9)).path, "/tokenize");
+    // Features that do not pair hashes with placeholders are a bad answer.
+    let call = tokenize(r.on_body(&body("/v1/chat/completions", chat), &(), 10));
+    let bad = format!(r#"{{"token_ids":{tokens:?},"features":{{"mm_hashes":{{"image":["a","b"]}},"mm_placeholders":{{"image":[{{"offset":5,"length":10}}]}}}}}}"#).into_bytes();
+    let read = || bad.clone();
+    let got = routed(r.on_tokenizer_reply(
+        *call.pending,
+        &TokenizerReply::Answered { status: Some(b"200"), body: &read },
+        &(),
+        10,
+    ));
+    assert_eq!(got.report.tokenizer_failure, Some(TokenizerFailure::BadResponse));
+}
