@@ -9,6 +9,7 @@
 //! algo = "sha256_cbor"             # vLLM's --prefix-caching-hash-algo
 //! seed = "0"                       # the replicas' PYTHONHASHSEED (omit when unset)
 //! block_size = 16
+//! lookahead_tokens = 0             # EAGLE-family lookahead hashing (vLLM 0.33); 0 without it
 //!
 //! [[replicas]]
 //! name = "r0"
