@@ -10,17 +10,18 @@ filter, both cases failed: vLLM's balancer put each follow-up on the rank withou
 This module starts its own replica, agent and Envoy (the session fleet is not needed)."""
 
 import random
+import socket
 
 import pytest
 
 from conftest import (AGENT, BLOCK, Fleet, Replica, agent_hash, agent_toml, wait_healthy, wait_until,
                       words)
-from llmgw_testkit import http_json
+from llmgw_testkit import free_port, http_json
 
 
 class DpReplica(Replica):
-    """`vllm serve --data-parallel-size 2`: ranks 0 and 1 publish on kv and kv + 1 (the agent
-    binds both), their replay sockets on replay and replay + 1."""
+    """`vllm serve --data-parallel-size 2`: ranks 0 and 1 publish on kv and kv + 1, their
+    replay sockets on replay and replay + 1."""
 
     def serve_args(self, with_events: bool = True) -> list[str]:
         return super().serve_args(with_events) + ["--data-parallel-size", "2"]
@@ -29,18 +30,42 @@ class DpReplica(Replica):
         return {**super().agent_entry(), "dp_ranks": 2}
 
 
+def free_pair() -> int:
+    """A port p with p + 1 free too (rank 1 uses base + 1)."""
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def dp_fleet(procs, logdir):
     d = logdir / "dp"
     d.mkdir(exist_ok=True)
     f = Fleet(procs, d)
-    r = DpReplica("dp", "bind", blocks=128)
+    # vLLM binds its publishers (loopback) and the agent connects, so the replica can start
+    # again on new ports when one was taken meanwhile (vLLM's own processes pick free ports
+    # too while it starts), before the agent is configured.
+    for attempt in range(3):
+        r = DpReplica("dp", "connect", blocks=128)
+        r.kv, r.replay = free_pair(), free_pair()
+        f.start_replica(r)
+        try:
+            wait_healthy(r, r.proc)
+            break
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+            procs.stop(r.proc)
     f.replicas = {r.name: r}
     (d / "agent.toml").write_text(agent_toml([r], f.feed, f.http))
     f.agent_proc = procs.start([AGENT, "run", "--config", d / "agent.toml", "--log-level", "info"], "agent-dp")
     wait_until(lambda: http_json(f"{f.agent.base}/healthz", timeout=2)[0] in (200, 503), 30, "the agent's HTTP")
-    f.start_replica(r)
-    wait_healthy(r, r.proc)
     for rank in (0, 1):
         wait_until(lambda: (e := f.agent.replica(r.name, rank))["up"] and e["connected"], 60,
                    f"the agent to see rank {rank} of {r.name} up")
