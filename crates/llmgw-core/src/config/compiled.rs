@@ -37,6 +37,9 @@ pub struct CompiledProfile {
     /// The hashing where neither the profile nor the feed says anything.
     pub default_spec: HashSpec,
     memo: Option<MemoSettings>,
+    /// Hashers of other specs used recently (a catch-all profile over models whose replicas
+    /// hash differently switches between them without losing their digest memos).
+    others: Vec<(HashSpec, BlockHasher)>,
     pub tokenizer: TokenizerEndpoint,
     pub tokenizer_timeout_ms: u32,
     pub weights: Weights,
@@ -44,6 +47,9 @@ pub struct CompiledProfile {
     /// Leading prompt bytes the approximate key reads.
     pub approx_prefix_bytes: usize,
 }
+
+/// Hashers a profile keeps besides its current one.
+const OTHER_HASHERS: usize = 3;
 
 /// The hash settings a profile sets itself; `None`: the feed's (else the default).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -77,16 +83,27 @@ impl CompiledProfile {
         if *spec == self.spec {
             return true;
         }
-        let Ok(hasher) = spec.hasher() else { return false };
         if spec.block_size == 0 {
             return false;
         }
-        self.hasher = match self.memo {
-            Some(m) => hasher.with_cache(m.slots, m.key),
-            None => hasher,
+        let (spec, hasher) = match self.others.iter().position(|(s, _)| s == spec) {
+            Some(i) => self.others.swap_remove(i),
+            None => {
+                let Ok(hasher) = spec.hasher() else { return false };
+                let hasher = match self.memo {
+                    Some(m) => hasher.with_cache(m.slots, m.key),
+                    None => hasher,
+                };
+                (spec.clone(), hasher)
+            }
         };
-        self.block_size = spec.block_size;
-        self.spec = spec.clone();
+        let old_hasher = std::mem::replace(&mut self.hasher, hasher);
+        let old_spec = std::mem::replace(&mut self.spec, spec);
+        self.block_size = self.spec.block_size;
+        if self.others.len() >= OTHER_HASHERS {
+            self.others.remove(0);
+        }
+        self.others.push((old_spec, old_hasher));
         true
     }
 
@@ -143,6 +160,7 @@ impl Compiled {
                 spec,
                 pins,
                 memo,
+                others: Vec::new(),
                 catch_all: p.models.iter().any(|m| m == "*"),
                 name: p.name,
                 models: p.models,

@@ -146,6 +146,8 @@ pub struct Pending {
     /// The configuration generation the call was made under: a reply to a call made before a
     /// reconfigure is routed but not cached.
     generation: u64,
+    /// The hashing the cache tag was taken under (a reply hashed otherwise is not cached).
+    spec: u64,
 }
 
 /// What to do next.
@@ -296,6 +298,11 @@ impl Router {
         }
     }
 
+    /// The fingerprint of the hashing profile `pi` currently uses (0 without such a profile).
+    fn spec_fingerprint(&self, pi: usize) -> u64 {
+        self.config.profile(pi).map_or(0, |p| p.spec.fingerprint())
+    }
+
     /// A description of the last hash-settings mismatch, naming both values, once per
     /// distinct mismatch (for the log): `None` when there is nothing new to say.
     pub fn take_hash_note(&mut self) -> Option<String> {
@@ -309,7 +316,8 @@ impl Router {
 
     /// Checks the hashing of profile `pi` against what the feed says the replicas serving
     /// `model` use: the profile's own settings first, then those of the first such replica
-    /// that carries any, then the defaults. The profile's hasher is rebuilt when that changes;
+    /// that carries any, then the defaults. The profile switches hashers when that changes (it keeps
+    /// a few);
     /// replicas that hash otherwise go into `mismatched` (never credited) and are described.
     fn hash_check(&mut self, pi: usize, model: Option<&str>) -> HashCheck {
         let Router { config, feed, mismatched, .. } = self;
@@ -347,10 +355,6 @@ impl Router {
             notes.push(format!("replica `{}` rank {} ({}) hashes with {diff}", r.name, r.dp_rank, r.address));
         }
         let all = !published.is_empty() && mismatched.len() == published.len();
-        if changed {
-            // Cached tokenizations carry hashes of the old settings.
-            self.tokcache = token_cache(&self.config, self.tokcache_key);
-        }
         if notes.is_empty() {
             return HashCheck::Use { changed };
         }
@@ -455,10 +459,14 @@ impl Router {
         let timeout_ms = p.tokenizer_timeout_ms;
         let why = call.is_none().then_some(Fallback::NoPrompt);
         let mut report = Report::default();
-        // The same prompt seen recently: its tokens (and leading hashes) are known.
-        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, &parsed, c));
+        // The same prompt seen recently under the same hashing: its tokens (and leading hashes)
+        // are known.
+        let _ = self.hash_check(pi, model);
+        let spec = self.spec_fingerprint(pi);
+        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, spec, &parsed, c));
         if let Some(tag) = cache_tag {
-            let alias = Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone() };
+            let alias =
+                Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone(), spec };
             if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, CacheLookup::Hit) {
                 if let Some(raw) = raw_tag {
                     self.tokcache.add_alias(raw, alias);
@@ -478,7 +486,8 @@ impl Router {
             return self.finish(model, Some(pi), false, &approx, why, in_flight, report);
         };
         let generation = self.generation;
-        let pending = Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation });
+        let pending =
+            Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation, spec });
         Step::Tokenize(Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report })
     }
 
@@ -504,7 +513,9 @@ impl Router {
                 if let Err(why) = scored {
                     (false, Some(why))
                 } else {
-                    let tag = pending.cache_tag.filter(|_| pending.generation == self.generation && cacheable);
+                    let same =
+                        pending.generation == self.generation && pending.spec == self.spec_fingerprint(pending.profile);
+                    let tag = pending.cache_tag.filter(|_| same && cacheable);
                     if let Some(tag) = tag {
                         let hashes = self.scratch.hashes.clone();
                         self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
@@ -514,6 +525,7 @@ impl Router {
                                 profile: pending.profile,
                                 model: p.model.clone(),
                                 cache_salt: p.cache_salt.clone(),
+                                spec: pending.spec,
                             };
                             self.tokcache.add_alias(raw, alias);
                         }
@@ -579,7 +591,7 @@ impl Router {
     }
 
     /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
-    fn cache_tag(&self, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<CacheTag> {
+    fn cache_tag(&self, profile: usize, spec: u64, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<CacheTag> {
         // A multimodal chat's hashes depend on its media items, which are not cached.
         if !self.tokcache.enabled() || parsed.multimodal() {
             return None;
@@ -587,6 +599,7 @@ impl Router {
         let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
         Some(self.tokcache.tag(&[
             &profile,
+            &spec.to_le_bytes(),
             call.path.as_bytes(),
             &call.body,
             parsed.cache_salt.as_deref().unwrap_or_default().as_bytes(),
@@ -603,8 +616,9 @@ impl Router {
         now_ns: u64,
         lookup: CacheLookup,
     ) -> Option<Step> {
-        // New hash settings drop the cached tokenizations (their hashes no longer apply).
-        if let HashCheck::Use { changed: true } = self.hash_check(alias.profile, alias.model.as_deref()) {
+        // Only a tokenization hashed as the replicas now hash is used.
+        let _ = self.hash_check(alias.profile, alias.model.as_deref());
+        if self.spec_fingerprint(alias.profile) != alias.spec {
             return None;
         }
         let mut t = self.tokcache.take(alias.tag, now_ns)?;

@@ -535,3 +535,53 @@ fn a_chat_with_an_image_is_rendered_and_hashed_with_its_media_items() {
     ));
     assert_eq!(got.report.tokenizer_failure, Some(TokenizerFailure::BadResponse));
 }
+
+#[test]
+fn a_catch_all_profile_over_replicas_hashing_differently_keeps_each_models_tokenizations() {
+    // Model m1 runs on A with seed "0", model m2 on B with seed "1"; one catch-all profile
+    // names no hash settings, so each request hashes as its model's replicas do.
+    let json = format!(r#"{{"profiles":[{{"name":"any","models":["*"],"kv_events":true,"block_size":{BS}}}]}}"#);
+    let mut r = Router::new(Compiled::from_json(json.as_bytes(), None).unwrap(), 2);
+    let text: Vec<u32> = (0..32).collect();
+    let ids: Vec<u32> = (500..532).collect();
+    let seeded = |seed: &str, tokens: &[u32]| {
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some(seed)).unwrap();
+        h.hash_request(tokens, BS, &RequestExtras::default()).unwrap().iter().map(|b| b.key.0).collect::<Vec<_>>()
+    };
+    let replica = |id: u32, address: &str, model: &str, seed: &str| Replica {
+        id,
+        name: format!("r{id}"),
+        address: address.into(),
+        models: vec![model.into()],
+        up: true,
+        dp_rank: 0,
+        hash: Some(settings(seed, BS as u32)),
+        dp_size: 1,
+        kv_groups: vec![],
+    };
+    r.feed.begin_subscription();
+    for (seq, b) in [
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, "m1", "0"), replica(1, B, "m2", "1")] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: seeded("0", &text) }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: seeded("1", &ids) }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(b) }).unwrap();
+    }
+    let m1 = br#"{"model":"m1","prompt":"a text prompt"}"#;
+    let m2 = format!(r#"{{"model":"m2","prompt":{ids:?}}}"#);
+    let call = tokenize(r.on_body(&body(COMPLETIONS, m1), &(), 0));
+    let got = routed(answer(&mut r, *call.pending, &text, 0));
+    assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (A, Outcome::Exact, 8));
+    for round in 1..3 {
+        let got = routed(r.on_body(&body(COMPLETIONS, m2.as_bytes()), &(), round));
+        assert_eq!((got.address.as_str(), got.decision.outcome, got.decision.matched), (B, Outcome::Exact, 8));
+        // Back to m1: its tokenization is still cached and still hashes as A does.
+        let got = routed(r.on_body(&body(COMPLETIONS, m1), &(), round));
+        assert_eq!((got.address.as_str(), got.decision.matched), (A, 8), "round {round}");
+        assert!(got.report.tokenizer_cache.is_some_and(CacheLookup::is_hit), "round {round}");
+    }
+}

@@ -95,6 +95,25 @@ impl HashSpec {
         BlockHasher::new(self.algo, self.seed.as_deref())
     }
 
+    /// A stable 64-bit name of this spec (tags cached tokenizations with the hashing their
+    /// block hashes were computed by).
+    pub fn fingerprint(&self) -> u64 {
+        let mut bytes = Vec::with_capacity(64);
+        bytes.extend_from_slice(self.algo.name().as_bytes());
+        bytes.push(0);
+        match &self.seed {
+            Some(s) => {
+                bytes.push(1);
+                bytes.extend_from_slice(s.as_bytes());
+            }
+            None => bytes.push(0),
+        }
+        bytes.push(0);
+        bytes.extend_from_slice(&u64::try_from(self.block_size).unwrap_or(u64::MAX).to_le_bytes());
+        bytes.extend_from_slice(&u64::try_from(self.lookahead).unwrap_or(u64::MAX).to_le_bytes());
+        crate::idhash::stable_hash(&bytes)
+    }
+
     /// The seed as a log line shows it: quoted, or `unset`.
     pub fn seed_text(&self) -> String {
         self.seed.as_ref().map_or_else(|| "unset".to_owned(), |s| format!("{s:?}"))
