@@ -3,14 +3,19 @@ full-attention KV-cache layer, and returns a fixed sampled token for every reque
 prompt (and earlier output) has been computed. The scheduler, prefix cache, block pool,
 eviction and KV-event publisher that drive it are vLLM's own.
 
+With LLMGW_CONFORMANCE_SLIDING_WINDOW=W it reports a hybrid model instead: a full-attention
+layer and a sliding-window layer of W tokens, so vLLM builds two KV-cache groups (its hybrid
+coordinator, and events with group_idx, kv_cache_spec_kind and the window).
+
 Selected with `--distributed-executor-backend llmgw_conformance_executor.NoModelExecutor`
 (this directory on PYTHONPATH)."""
 
+import os
 from concurrent.futures import Future
 
 import torch
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
@@ -23,12 +28,16 @@ class NoModelExecutor(Executor):
         self._prompt_len: dict[str, int] = {}
         self._num_output: dict[str, int] = {}
         mc = self.model_config
-        self._spec = FullAttentionSpec(
+        shape = dict(
             block_size=self.cache_config.block_size or 16,
             num_kv_heads=mc.get_num_kv_heads(self.parallel_config),
             head_size=mc.get_head_size(),
             dtype=torch.float32,
         )
+        self._specs = {"model.layers.0.self_attn.attn": FullAttentionSpec(**shape)}
+        window = os.environ.get("LLMGW_CONFORMANCE_SLIDING_WINDOW")
+        if window:
+            self._specs["model.layers.1.self_attn.attn"] = SlidingWindowSpec(**shape, sliding_window=int(window))
 
     # Control-plane calls the engine core makes on its workers, answered here.
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
@@ -42,7 +51,7 @@ class NoModelExecutor(Executor):
 
     def _rpc(self, name, *args, **kwargs):
         if name == "get_kv_cache_spec":
-            return {"model.layers.0.self_attn.attn": self._spec}
+            return dict(self._specs)
         if name == "get_supported_kv_cache_layouts":
             return ["LBNHC"]
         if name == "determine_available_memory":

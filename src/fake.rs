@@ -62,6 +62,37 @@ pub struct FakeHost {
     next_token: Cell<u32>,
 }
 
+thread_local! {
+    /// Log records of this test thread (see [`capture_logs`]).
+    static LOGS: RefCell<Vec<(log::Level, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+struct Capture;
+
+impl log::Log for Capture {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        LOGS.with(|l| l.borrow_mut().push((record.level(), record.args().to_string())));
+    }
+    fn flush(&self) {}
+}
+
+static CAPTURE: Capture = Capture;
+
+/// Sends the filter's log lines (the `log` crate's, which Envoy's logger gets in a VM) to a
+/// per-thread list that [`logs`] reads; each test runs on its own thread.
+pub fn capture_logs() {
+    let _ = log::set_logger(&CAPTURE);
+    log::set_max_level(log::LevelFilter::Debug);
+}
+
+/// This thread's log lines so far.
+pub fn logs() -> Vec<(log::Level, String)> {
+    LOGS.with(|l| l.borrow().clone())
+}
+
 fn map_id(m: Headers) -> u8 {
     match m {
         Headers::Request => 0,

@@ -13,6 +13,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 const EXPLAIN_HEADER: &str = "x-llmgw-decision";
+/// vLLM's (0.33) request header naming the data-parallel rank that serves a request.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 /// Leading bytes read of a body too large to buffer (they still give an approximate key).
 const HEAD_BYTES: usize = DEFAULT_APPROX_PREFIX_BYTES as usize;
 
@@ -73,6 +75,9 @@ impl Request {
     /// callout and must be resumed once routed.
     fn act(&mut self, s: &mut Shared, step: Step, t0: u64, resuming: bool) -> Action {
         s.metrics.report(step.report());
+        if let Some(note) = s.router.take_hash_note() {
+            log::warn!("{note}");
+        }
         if let Some(f) = step.report().tokenizer_failure {
             log::debug!("llmgw: tokenizer call failed: {}", f.as_str());
         }
@@ -80,6 +85,10 @@ impl Request {
             Step::Route(r) => {
                 let cfg = s.router.config();
                 self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
+                // The rank the decision credited, so vLLM's own balancer does not pick another;
+                // a client's value is removed when the engine is not data-parallel.
+                let rank = r.dp_rank.map(|rank| rank.to_string());
+                self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
                 inflight::increment(self.host.as_ref(), s.vm, &r.address);
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));

@@ -26,6 +26,8 @@ pub struct Metrics {
     feed_rejected: Option<u32>,
     tokenizer_cache_hits: Option<u32>,
     tokenizer_cache_misses: Option<u32>,
+    hash_mismatches: Option<u32>,
+    hybrid_unsupported: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
     feed_connected: Cell<Option<Option<u32>>>,
@@ -63,6 +65,8 @@ impl Metrics {
             feed_rejected: c("llmgw_feed_rejected_total"),
             tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
+            hash_mismatches: c("llmgw_hash_mismatch_total"),
+            hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
@@ -103,6 +107,12 @@ impl Metrics {
         }
         if let Some(f) = r.fallback {
             self.labelled(&self.fallbacks, f);
+        }
+        if r.hash_mismatch {
+            self.inc(self.hash_mismatches);
+        }
+        if r.hybrid_unsupported {
+            self.inc(self.hybrid_unsupported);
         }
         if let Some(n) = r.matched_blocks {
             self.record(self.matched_blocks, u64::from(n));

@@ -32,7 +32,17 @@ fn keys(tokens: &[u32]) -> Vec<u64> {
 }
 
 fn replica(id: u32, address: &str, up: bool) -> Replica {
-    Replica { id, name: format!("r{id}"), address: address.into(), models: vec![], up, dp_rank: 0 }
+    Replica {
+        id,
+        name: format!("r{id}"),
+        address: address.into(),
+        models: vec![],
+        up,
+        dp_rank: 0,
+        hash: None,
+        dp_size: 0,
+        kv_groups: vec![],
+    }
 }
 
 struct Env {
@@ -90,7 +100,15 @@ impl Env {
     /// Sends a request's headers (with a client-chosen destination) and body; returns the
     /// context and the last action.
     fn request(&self, path: &str, body: &[u8]) -> (Request, Action) {
+        self.request_with(path, body, &[])
+    }
+
+    /// As [`Self::request`], with more client headers.
+    fn request_with(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (Request, Action) {
         self.host.next_request();
+        for (k, v) in headers {
+            self.host.set_header(Headers::Request, k, Some(v));
+        }
         self.host.set_header(Headers::Request, ":path", Some(path));
         self.host.set_header(Headers::Request, DEST, Some("169.254.169.254:80"));
         self.host.set_buffer(Buffer::Request, body);
@@ -351,4 +369,84 @@ fn a_configuration_error_is_refused_and_a_new_one_replaces_the_old_whole() {
     ]);
     let (_c, _) = e.request(COMPLETIONS, b"");
     assert_eq!(e.host.request_header("x-to").as_deref(), Some(A));
+}
+
+fn hash_settings(seed: &str) -> llmgw_core::feed::HashSettings {
+    llmgw_core::feed::HashSettings {
+        algo: "sha256_cbor".into(),
+        seeded: true,
+        seed: seed.into(),
+        block_size: BS as u32,
+        lookahead_tokens: 0,
+    }
+}
+
+#[test]
+fn a_profile_whose_seed_disagrees_with_the_feed_counts_logs_both_values_and_falls_back() {
+    crate::fake::capture_logs();
+    let tokens: Vec<u32> = (0..32).collect();
+    // The replicas hash with seed "0" (their blocks are keyed so); the profile says "1".
+    let mut e = env(&config("").replace(r#""seed":"0""#, r#""seed":"1""#));
+    e.subscribe();
+    let with = |id, address| Replica { hash: Some(hash_settings("0")), dp_size: 1, ..replica(id, address, true) };
+    e.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![with(0, A), with(1, B)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: keys(&tokens) }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    for _ in 0..2 {
+        let (_ctx, action) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+        assert_eq!(action, Action::Continue);
+        assert!(e.dest().is_some_and(|d| d == A || d == B), "routed anyway");
+    }
+    assert_eq!(e.counter("llmgw_hash_mismatch_total"), 2);
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.hash_mismatch"), 2);
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.approx"), 2);
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 0);
+    let warnings: Vec<String> = crate::fake::logs()
+        .into_iter()
+        .filter(|(l, m)| *l == log::Level::Warn && m.contains("hash settings"))
+        .map(|(_, m)| m)
+        .collect();
+    assert_eq!(warnings.len(), 1, "logged once: {warnings:?}");
+    assert!(
+        warnings[0].contains(r#"replica `r1` rank 0 (127.0.0.1:8002) hashes with seed "0" (profile `p` uses "1")"#),
+        "{}",
+        warnings[0]
+    );
+    assert!(warnings[0].ends_with("routing by the fallback"), "{}", warnings[0]);
+    // The same profile agreeing with the feed routes exactly, nothing counted.
+    let e = synced("", vec![], keys(&tokens), true);
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!((e.dest().as_deref(), e.counter("llmgw_hash_mismatch_total")), (Some(B), 0));
+}
+
+#[test]
+fn a_data_parallel_engine_is_named_in_x_data_parallel_rank() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let other: Vec<u32> = (100..132).collect();
+    // Replica A runs two data-parallel ranks (two engines, one address); B runs one.
+    let mut e = env(&config(""));
+    e.subscribe();
+    let rank = |id, r| Replica { dp_rank: r, dp_size: 2, ..replica(id, A, true) };
+    e.feed(vec![
+        Msg::Replicas(ReplicaTable {
+            replicas: vec![rank(0, 0), rank(1, 1), Replica { dp_size: 1, ..replica(2, B, true) }],
+        }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: keys(&tokens) }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: keys(&other) }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    for (prompt, want) in [(&tokens, "1"), (&other, "0")] {
+        let (_ctx, _) = e.request_with(COMPLETIONS, &tokens_body("m", prompt), &[("x-data-parallel-rank", "7")]);
+        assert_eq!(e.dest().as_deref(), Some(A));
+        assert_eq!(e.host.request_header("x-data-parallel-rank").as_deref(), Some(want));
+        assert_eq!(e.host.samples("llmgw_matched_blocks").last(), Some(&8));
+    }
+    // A replica that is not data-parallel gets no rank; a client's value is removed.
+    let b_only: Vec<u32> = (200..232).collect();
+    e.feed(vec![Msg::Delta(llmgw_core::feed::BlockDelta { replica: 2, added: keys(&b_only), removed: vec![] })]);
+    let (_ctx, _) = e.request_with(COMPLETIONS, &tokens_body("m", &b_only), &[("x-data-parallel-rank", "1")]);
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.request_header("x-data-parallel-rank"), None);
 }

@@ -356,3 +356,57 @@ def test_filter_resubscribes_when_the_feed_goes_silent(procs, envoy_bin, wasm_pa
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+
+def hashed_feed(feed_pb, fleet, blocks):
+    """A feed stub whose replica table carries every replica's hash settings: sha256_cbor,
+    PYTHONHASHSEED 0, BLOCK-token blocks."""
+    pb, pb_grpc = feed_pb
+    reps = table(fleet)
+    for r in reps:
+        r["hash"] = {"algo": "sha256_cbor", "seeded": True, "seed": "0", "block_size": BLOCK}
+    return FeedStub(pb, pb_grpc, free_port(), reps, blocks)
+
+
+def test_filter_hashes_as_the_feed_says_where_its_profile_is_silent(procs, envoy_bin, wasm_path, tmp_path,
+                                                                   feed_pb, fleet):
+    """Issue 15, item 5: a profile that names no hash settings (its defaults, 16-token blocks
+    and no seed, would match nothing here) routes exactly with the ones the feed carries."""
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = hashed_feed(feed_pb, fleet, {1: comp})
+    try:
+        silent = filter_cfg()
+        for k in ("block_size", "hash_algo", "seed"):
+            del silent["profiles"][0][k]
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, silent)
+        port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert port == fleet[1].port and hdrs["x-llmgw-decision"].startswith(
+            f"outcome=exact; replica={fleet[1].address}; matched={len(comp)}/{len(comp)}"), hdrs
+        assert gw.envoy.metric("llmgw_hash_mismatch_total") == 0
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
+
+
+def test_filter_counts_logs_and_falls_back_when_its_seed_disagrees_with_the_feed(procs, envoy_bin, wasm_path,
+                                                                                 tmp_path, feed_pb, fleet):
+    """Issue 15, item 5: the profile says PYTHONHASHSEED 1, the feed says the replicas run with
+    0: every request counts llmgw_hash_mismatch_total and the hash_mismatch fallback and is
+    routed approximately; the log names both values once."""
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = hashed_feed(feed_pb, fleet, {1: comp})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(seed="1"))
+        for _ in range(2):
+            status, hdrs, _ = gw.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+            assert status == 200 and hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
+        wait_until(lambda: gw.envoy.metric("llmgw_hash_mismatch_total") == 2, what="the mismatch counted")
+        assert gw.envoy.metric("llmgw_fallbacks_total", 'reason="hash_mismatch"') == 2
+        log = gw.proc.log_path.read_text(errors="replace")
+        want = f'replica `r1` rank 0 ({fleet[1].address}) hashes with seed "0" (profile `default` uses "1")'
+        lines = [line for line in log.splitlines() if "hash settings mismatch" in line]
+        assert lines and want in lines[0] and "routing by the fallback" in lines[0], lines or log[-3000:]
+        gw.assert_no_panic()
+    finally:
+        feed.stop()

@@ -136,6 +136,7 @@ pub fn specs(cfg: &Config, d: &DiscoveryConfig, ip: IpAddr, sources: &[Source]) 
             address: address.clone(),
             models: d.models.clone(),
             dp_rank: s.rank,
+            dp_size: u32::try_from(sources.len()).unwrap_or(u32::MAX),
             mode: Mode::Connect,
             endpoint: s.endpoint.clone(),
             replay_endpoint: s.replay_endpoint.clone(),

@@ -153,5 +153,15 @@ async fn parity_watch(hub: Arc<hub::Hub>, threshold: f64, min_verified: u64) {
                  (requests will not score against its cache)"
             );
         }
+        for (replica, seen, configured) in hub.state().lookahead_alarms() {
+            warn!(
+                %replica,
+                lookahead_seen = seen,
+                lookahead_configured = configured,
+                "this replica's events show lookahead block hashing (EAGLE-family speculative decoding) \
+                 other than its [hash] lookahead_tokens: the filters hash as configured and will not \
+                 score against its cache until lookahead_tokens matches"
+            );
+        }
     }
 }

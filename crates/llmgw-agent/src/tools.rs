@@ -31,6 +31,10 @@ pub struct HashArgs {
     /// LoRA adapter path, as the engine loaded it (needs --lora-name).
     #[arg(long, requires = "lora_name")]
     pub lora_path: Option<String>,
+    /// vLLM's lookahead hashing (EAGLE-family speculative decoding with prefix caching): each
+    /// block's hash also covers the next N tokens.
+    #[arg(long, default_value_t = 0)]
+    pub lookahead_tokens: u32,
 }
 
 #[derive(Args, Debug)]
@@ -72,6 +76,10 @@ pub fn hash(a: &HashArgs) -> Result<(), String> {
         cache_salt: a.cache_salt.clone(),
         lora: a.lora_name.clone().zip(a.lora_path.clone()),
         mm: Vec::new(),
+        lookahead: usize::try_from(a.lookahead_tokens)
+            .ok()
+            .filter(|&l| l <= llmgw_core::hash::MAX_LOOKAHEAD)
+            .ok_or_else(|| format!("--lookahead-tokens must be at most {}", llmgw_core::hash::MAX_LOOKAHEAD))?,
     };
     let blocks = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
     let blocks: Vec<Value> = blocks.iter().map(|b| json!({"hash_hex": b.digest.to_hex(), "u64": b.key})).collect();

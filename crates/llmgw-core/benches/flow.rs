@@ -89,6 +89,9 @@ fn router(held: &[u64]) -> Router {
             models: vec![],
             up: true,
             dp_rank: 0,
+            hash: None,
+            dp_size: 0,
+            kv_groups: vec![],
         })
         .collect();
     r.feed.begin_subscription();

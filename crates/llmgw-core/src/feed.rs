@@ -3,7 +3,7 @@
 //! that applies them to a subscriber's state. Field numbers must match the `.proto`; the
 //! agent's tests check this against code generated from it.
 
-use crate::hash::BlockKey;
+use crate::hash::{BlockKey, HashAlgo, HashSpec, MAX_LOOKAHEAD};
 use crate::index::{ReplicaId, ReplicaIndex};
 use crate::mirror::NetChange;
 
@@ -55,6 +55,93 @@ pub struct Replica {
     pub up: bool,
     #[prost(uint32, tag = "6")]
     pub dp_rank: u32,
+    /// How this engine hashes (absent from older agents).
+    #[prost(message, optional, tag = "7")]
+    pub hash: Option<HashSettings>,
+    /// Data-parallel ranks behind `address` (0 from older agents: read as 1).
+    #[prost(uint32, tag = "8")]
+    pub dp_size: u32,
+    /// The engine's KV-cache groups (empty: one, as before hybrid support).
+    #[prost(message, repeated, tag = "9")]
+    pub kv_groups: Vec<KvCacheGroup>,
+}
+
+/// One KV-cache group of an engine.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct KvCacheGroup {
+    #[prost(uint32, tag = "1")]
+    pub group_idx: u32,
+    #[prost(string, tag = "2")]
+    pub kind: String,
+    #[prost(uint32, tag = "3")]
+    pub block_size: u32,
+    /// Tokens; 0 without a sliding window.
+    #[prost(uint32, tag = "4")]
+    pub sliding_window: u32,
+}
+
+impl KvCacheGroup {
+    /// The groups of a mirror, for the feed.
+    pub fn from_mirror(groups: &std::collections::BTreeMap<u32, crate::mirror::GroupSpec>) -> Vec<KvCacheGroup> {
+        groups
+            .iter()
+            .map(|(&group_idx, g)| KvCacheGroup {
+                group_idx,
+                kind: g.kind.clone(),
+                block_size: u32::try_from(g.block_size).unwrap_or(u32::MAX),
+                sliding_window: g.sliding_window.map_or(0, |w| u32::try_from(w).unwrap_or(u32::MAX)),
+            })
+            .collect()
+    }
+}
+
+impl Replica {
+    /// Whether the replica behind `address` runs several data-parallel ranks (requests then
+    /// name the rank in `X-data-parallel-rank`).
+    pub fn data_parallel(&self) -> bool {
+        self.dp_size > 1
+    }
+}
+
+/// vLLM's prefix-cache hashing of one engine, as the feed carries it.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct HashSettings {
+    #[prost(string, tag = "1")]
+    pub algo: String,
+    #[prost(bool, tag = "2")]
+    pub seeded: bool,
+    #[prost(string, tag = "3")]
+    pub seed: String,
+    #[prost(uint32, tag = "4")]
+    pub block_size: u32,
+    #[prost(uint32, tag = "5")]
+    pub lookahead_tokens: u32,
+}
+
+impl HashSettings {
+    /// The settings of `spec`, for the feed.
+    pub fn from_spec(spec: &HashSpec) -> HashSettings {
+        HashSettings {
+            algo: spec.algo.name().to_owned(),
+            seeded: spec.seed.is_some(),
+            seed: spec.seed.clone().unwrap_or_default(),
+            block_size: u32::try_from(spec.block_size).unwrap_or(u32::MAX),
+            lookahead_tokens: u32::try_from(spec.lookahead).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// The settings as a [`HashSpec`]; an error names what cannot be used (an unknown
+    /// algorithm, a zero block size).
+    pub fn spec(&self) -> Result<HashSpec, String> {
+        let algo = HashAlgo::parse(&self.algo).map_err(|e| e.to_string())?;
+        let block_size = usize::try_from(self.block_size).ok().filter(|&b| b > 0);
+        let Some(block_size) = block_size else { return Err("block size 0".to_owned()) };
+        let lookahead = usize::try_from(self.lookahead_tokens).unwrap_or(usize::MAX);
+        if lookahead > MAX_LOOKAHEAD {
+            return Err(format!("{lookahead} lookahead tokens (at most {MAX_LOOKAHEAD})"));
+        }
+        Ok(HashSpec { algo, seed: self.seeded.then(|| self.seed.clone()), block_size, lookahead })
+    }
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -341,6 +428,9 @@ mod tests {
                     models: vec!["m".into()],
                     up: true,
                     dp_rank: 0,
+                    hash: None,
+                    dp_size: 0,
+                    kv_groups: vec![],
                 },
                 Replica {
                     id: 1,
@@ -349,6 +439,9 @@ mod tests {
                     models: vec!["m".into()],
                     up: true,
                     dp_rank: 0,
+                    hash: None,
+                    dp_size: 0,
+                    kv_groups: vec![],
                 },
             ],
         };
@@ -390,6 +483,9 @@ mod tests {
                     models: vec![],
                     up: true,
                     dp_rank: 0,
+                    hash: None,
+                    dp_size: 0,
+                    kv_groups: vec![],
                 })
                 .collect(),
         })

@@ -36,6 +36,6 @@ pub mod tokcache;
 pub mod wire;
 
 pub use event::{EventBatch, KvEvent};
-pub use hash::{BlockHash, BlockHasher, BlockKey, Digest, ExtraKey, HashAlgo, MmFeature, RequestExtras};
+pub use hash::{BlockHash, BlockHasher, BlockKey, Digest, ExtraKey, HashAlgo, HashSpec, MmFeature, RequestExtras};
 pub use index::{ReplicaId, ReplicaIndex};
 pub use mirror::{EngineMirror, NetChange};

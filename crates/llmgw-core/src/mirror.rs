@@ -3,15 +3,17 @@
 //! vLLM can store the same hash more than once (two physical copies, or a `full` report-mode
 //! re-announcement) and removes each copy with its own `BlockRemoved`, so a block is held while
 //! its count is positive. Applying a batch yields the **net** changes of that batch: blocks that
-//! were not held before and are now, and the reverse. Only events about this engine's GPU cache
-//! in KV-cache group 0 (local) change the mirror; the rest are counted and ignored.
+//! were not held before and are now, and the reverse. Only events about this engine's local GPU
+//! cache change the mirror; the rest are counted and ignored. Every KV-cache group is mirrored
+//! (hybrid models: full attention plus sliding window, ...), group g's blocks under
+//! [`group_key`]`(key, g)`, and each group's spec as its events describe it is kept.
 //!
 //! Parity: each stored block whose parent's full digest is known (a run starting at block 0, or
 //! a parent this mirror verified earlier) is re-hashed from the event's `token_ids` and compared
 //! with the published key, so an engine started with another seed or algorithm shows up at once.
 
 use crate::event::{EventBatch, KvEvent, Medium, RemovedBlocks, StoredBlocks};
-use crate::hash::{BlockHasher, BlockKey, Digest};
+use crate::hash::{group_key, BlockHasher, BlockKey, Digest, ExtraKey, MAX_KV_GROUPS};
 use crate::idhash::KeyMap;
 use std::collections::BTreeMap;
 
@@ -46,6 +48,9 @@ pub struct MirrorStats {
     pub ignored_group: u64,
     pub unknown_events: u64,
     pub parity: ParityStats,
+    /// Lookahead hashing seen in this engine's events (EAGLE-family speculative decoding):
+    /// the tokens per block of the last store that carried `lookahead_token_ids`.
+    pub lookahead_tokens: Option<usize>,
 }
 
 /// Hash parity of stored blocks.
@@ -54,7 +59,8 @@ pub struct ParityStats {
     pub matched: u64,
     pub mismatched: u64,
     /// Blocks whose hash could not be recomputed (unknown parent, no hasher configured,
-    /// LoRA path unknown, lookahead hashing, hybrid-model token layout).
+    /// LoRA path unknown, hybrid-model token layout). Lookahead-hashed stores are verified
+    /// with the lookahead tokens their events carry.
     pub unverifiable: u64,
     /// The last mismatch: (published key, recomputed key).
     pub last_mismatch: Option<(BlockKey, BlockKey)>,
@@ -72,6 +78,20 @@ impl ParityStats {
     }
 }
 
+/// A KV-cache group as the engine's events describe it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// `kv_cache_spec_kind` (`full_attention`, `sliding_window`, `mamba`, ...; empty when the
+    /// events do not say, as before vLLM 0.33).
+    pub kind: String,
+    pub block_size: u64,
+    /// `kv_cache_spec_sliding_window`, in tokens.
+    pub sliding_window: Option<u64>,
+}
+
+/// Longest `kv_cache_spec_kind` kept (vLLM's are under 32 bytes).
+const MAX_KIND_LEN: usize = 64;
+
 /// One engine's (replica, data-parallel rank) mirror.
 ///
 /// Memory: a held block costs one map entry (key and copy count). Full digests, needed to
@@ -85,6 +105,8 @@ pub struct EngineMirror {
     stats: MirrorStats,
     touched: KeyMap<bool>,
     touched_order: Vec<BlockKey>,
+    groups: BTreeMap<u32, GroupSpec>,
+    groups_version: u64,
 }
 
 impl EngineMirror {
@@ -98,7 +120,19 @@ impl EngineMirror {
             stats: MirrorStats::default(),
             touched: KeyMap::default(),
             touched_order: Vec::new(),
+            groups: BTreeMap::new(),
+            groups_version: 0,
         }
+    }
+
+    /// Bumped whenever [`Self::groups`] changes.
+    pub fn groups_version(&self) -> u64 {
+        self.groups_version
+    }
+
+    /// The KV-cache groups seen in this engine's stores, by index (at most [`MAX_KV_GROUPS`]).
+    pub fn groups(&self) -> &BTreeMap<u32, GroupSpec> {
+        &self.groups
     }
 
     /// Tells parity checks where the engine loaded a LoRA adapter from (vLLM hashes the path
@@ -187,30 +221,46 @@ impl EngineMirror {
         }
     }
 
-    /// Whether an event is about this engine's local GPU cache, KV group 0; counts it if not.
-    fn relevant(&mut self, medium: &Medium, locality: Option<&str>, group: Option<i64>) -> bool {
+    /// The KV-cache group of an event about this engine's local GPU cache (0 when the event
+    /// names none); `None`, counted, for other media and localities and for group indexes past
+    /// [`MAX_KV_GROUPS`].
+    fn relevant(&mut self, medium: &Medium, locality: Option<&str>, group: Option<i64>) -> Option<u32> {
         if *medium != Medium::Gpu {
             self.stats.ignored_medium = self.stats.ignored_medium.saturating_add(1);
-            return false;
+            return None;
         }
         if !matches!(locality, None | Some("LOCAL")) {
             self.stats.ignored_locality = self.stats.ignored_locality.saturating_add(1);
-            return false;
+            return None;
         }
-        if !matches!(group, None | Some(0)) {
-            self.stats.ignored_group = self.stats.ignored_group.saturating_add(1);
-            return false;
+        match u32::try_from(group.unwrap_or(0)) {
+            Ok(g) if g < MAX_KV_GROUPS => Some(g),
+            _ => {
+                self.stats.ignored_group = self.stats.ignored_group.saturating_add(1);
+                None
+            }
         }
-        true
     }
 
     fn apply_stored(&mut self, s: &StoredBlocks) {
-        if !self.relevant(&s.medium, s.locality.as_deref(), s.group_idx) {
+        let Some(group) = self.relevant(&s.medium, s.locality.as_deref(), s.group_idx) else {
             return;
-        }
+        };
         self.stats.events_applied = self.stats.events_applied.saturating_add(1);
-        let tail = self.check_parity(s);
+        let kind = s.spec_kind.as_deref().unwrap_or_default();
+        let spec = GroupSpec {
+            kind: kind.get(..MAX_KIND_LEN).unwrap_or(kind).to_owned(),
+            block_size: s.block_size,
+            sliding_window: s.sliding_window.and_then(|w| u64::try_from(w).ok()),
+        };
+        if self.groups.get(&group) != Some(&spec) {
+            self.groups.insert(group, spec);
+            self.groups_version = self.groups_version.wrapping_add(1);
+        }
+        // Group 0's verified runs are the chains later stores continue from.
+        let tail = self.check_parity(s).filter(|_| group == 0);
         for &k in &s.hashes {
+            let k = group_key(k, group);
             self.touch(k);
             let c = self.held.entry(k).or_insert(0);
             *c = c.saturating_add(1);
@@ -222,11 +272,12 @@ impl EngineMirror {
     }
 
     fn apply_removed(&mut self, r: &RemovedBlocks) {
-        if !self.relevant(&r.medium, r.locality.as_deref(), r.group_idx) {
+        let Some(group) = self.relevant(&r.medium, r.locality.as_deref(), r.group_idx) else {
             return;
-        }
+        };
         self.stats.events_applied = self.stats.events_applied.saturating_add(1);
         for &k in &r.hashes {
+            let k = group_key(k, group);
             self.touch(k);
             match self.held.get_mut(&k) {
                 Some(c) if *c > 1 => *c = c.saturating_sub(1),
@@ -254,8 +305,17 @@ impl EngineMirror {
         let Ok(bs) = usize::try_from(s.block_size) else {
             return unverifiable(&mut self.stats);
         };
-        if bs == 0 || s.lookahead_token_ids.is_some() || Some(s.token_ids.len()) != n.checked_mul(bs) {
+        if bs == 0 || Some(s.token_ids.len()) != n.checked_mul(bs) {
             return unverifiable(&mut self.stats);
+        }
+        // Lookahead hashing: each block's hash also covers the tokens after it, published
+        // beside it (one list per hash).
+        let lookahead = s.lookahead_token_ids.as_deref();
+        if let Some(la) = lookahead {
+            if la.len() != n {
+                return unverifiable(&mut self.stats);
+            }
+            self.stats.lookahead_tokens = la.first().map(Vec::len);
         }
         let parent = match s.parent {
             None => Some(hasher.root()),
@@ -268,11 +328,14 @@ impl EngineMirror {
         let mut last: Option<(BlockKey, Digest)> = None;
         let lora_paths = &self.lora_paths;
         for (i, (block, &published)) in s.token_ids.chunks_exact(bs).zip(&s.hashes).enumerate() {
-            let Some(extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
+            let Some(mut extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
                 let rest = n.saturating_sub(i) as u64;
                 self.stats.parity.unverifiable = self.stats.parity.unverifiable.saturating_add(rest);
                 return None;
             };
+            if let Some(next) = lookahead.and_then(|la| la.get(i)) {
+                extra.push(ExtraKey::Lookahead(next.clone()));
+            }
             let d = hasher.hash_block(&parent, block, &extra);
             if d.key() == published {
                 self.stats.parity.matched = self.stats.parity.matched.saturating_add(1);

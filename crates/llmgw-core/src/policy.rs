@@ -30,9 +30,22 @@ pub struct Candidate<'a> {
     pub running: u32,
     pub waiting: u32,
     pub kv_usage: f32,
+    /// The engine's data-parallel rank when the replica behind `address` runs several (its
+    /// ranks share the address; the rank tells them apart).
+    pub dp_rank: Option<u32>,
 }
 
 impl Candidate<'_> {
+    /// The rendezvous weight of this engine for a prefix key: by address, and by rank among a
+    /// data-parallel replica's ranks.
+    pub fn rendezvous_weight(&self, key: u64) -> u64 {
+        let w = rendezvous_weight(key, self.address);
+        match self.dp_rank {
+            Some(rank) => crate::idhash::mix64(w ^ u64::from(rank)),
+            None => w,
+        }
+    }
+
     /// in-flight + running + 2 × waiting.
     pub fn pressure(&self) -> u64 {
         u64::from(self.in_flight)
@@ -150,7 +163,7 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights, ch
     }
     let cap = load_cap(cands, idx, w.spill_factor, w.spill_slack);
     let mut order: Vec<(u64, usize)> =
-        idx.iter().filter_map(|&i| cands.get(i).map(|c| (rendezvous_weight(key, c.address), i))).collect();
+        idx.iter().filter_map(|&i| cands.get(i).map(|c| (c.rendezvous_weight(key), i))).collect();
     order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let choices = usize::try_from(choices.max(1)).unwrap_or(1);
     order
@@ -213,7 +226,7 @@ pub fn decide_lazy(
                 let share = f64::from(leading(s, i)) / f64::from(s.total);
                 w.prefix * share - w.load * c.load_term(w)
             };
-            let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| rendezvous_weight(k, c.address)));
+            let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
             // Scores within the tie margin are equal (see `Weights::tie_margin`).
             let by_score = |a: usize, b: usize| {
                 let (sa, sb) = (score(a), score(b));
@@ -268,6 +281,7 @@ mod tests {
             .map(|i| Candidate {
                 id: ReplicaId(i as u16),
                 address: ADDRS[i],
+                dp_rank: None,
                 up: true,
                 in_flight: 0,
                 running: 0,

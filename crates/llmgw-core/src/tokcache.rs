@@ -58,6 +58,8 @@ pub struct Alias {
     pub profile: usize,
     pub model: Option<String>,
     pub cache_salt: Option<String>,
+    /// The hashing (`HashSpec::fingerprint`) the entry's block hashes were computed by.
+    pub spec: u64,
 }
 
 /// Bytes of budget per alias slot (aliases are capped at budget / this).
@@ -344,7 +346,8 @@ mod tests {
     #[test]
     fn aliases_are_capped_first_in_first_out() {
         let mut c = TokenCache::new(ALIAS_BYTES * 20, u64::MAX, 1);
-        let a = |i: u128| Alias { tag: CacheTag(i + 1000), profile: 0, model: Some("m".into()), cache_salt: None };
+        let a =
+            |i: u128| Alias { tag: CacheTag(i + 1000), profile: 0, model: Some("m".into()), cache_salt: None, spec: 0 };
         for i in 0..30u128 {
             c.add_alias(CacheTag(i), a(i));
         }
@@ -365,6 +368,7 @@ mod tests {
             profile: 0,
             model: Some("m".into()),
             cache_salt: Some("s".repeat(n)),
+            spec: 0,
         };
         // A salt near the largest kept (1/16 of the alias budget), many times: the aliases stay
         // within a quarter of the budget.

@@ -50,6 +50,7 @@ fn extras_of(case: &Value) -> RequestExtras {
                     .collect()
             })
             .unwrap_or_default(),
+        lookahead: case["lookahead_tokens"].as_u64().map_or(0, |l| l as usize),
     }
 }
 
@@ -333,4 +334,67 @@ fn reencoding_reproduces_vllm_payloads() {
             }
         }
     }
+}
+
+/// EAGLE-family lookahead hashing (vLLM 0.33 `num_hash_lookahead_tokens`): golden hashes from
+/// vLLM's own request block hasher (`golden_lookahead_seed0.json`, written by
+/// `conformance/golden_lookahead.py`), for both sha256 algorithms; lookahead 1 (EAGLE), 2 and 3
+/// (multi-module MTP), with a cache salt and a LoRA adapter, and a prompt whose last full block
+/// is not hashed yet (its lookahead token does not exist).
+#[test]
+fn lookahead_hashes_match_vllms_and_lookahead_events_verify() {
+    let doc: Value = serde_json::from_str(&data("golden_lookahead_seed0.json")).unwrap();
+    assert_eq!(doc["vllm_version"], "0.33.0");
+    let mut checked = 0;
+    for (algo_name, algo) in doc["algorithms"].as_object().unwrap() {
+        let algo_v = HashAlgo::parse(algo_name).unwrap();
+        let mut h = BlockHasher::new(algo_v, Some("0")).unwrap();
+        assert_eq!(h.root().to_hex(), algo["none_hash_hex"].as_str().unwrap());
+        for case in algo["cases"].as_array().unwrap() {
+            let name = case["name"].as_str().unwrap();
+            let toks = tokens(&case["token_ids"]);
+            let ex = extras_of(case);
+            let got = h.hash_request(&toks, 16, &ex).unwrap();
+            let want: Vec<String> =
+                case["hash_hex"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
+            let got_hex: Vec<String> = got.iter().map(|b| b.digest.to_hex()).collect();
+            assert_eq!(got_hex, want, "{algo_name} {name}");
+            assert_eq!(got.iter().map(|b| b.key.0).collect::<Vec<_>>(), json_u64s(&case["event_u64"]));
+            assert_eq!(ex.hashed_blocks(toks.len(), 16), Some(want.len()), "{name}: blocks the engine hashes");
+            checked += want.len();
+            // The lookahead changes every hash: plain hashing of the same tokens matches none.
+            if ex.lookahead > 0 {
+                let plain = h.hash_request(&toks, 16, &RequestExtras { lookahead: 0, ..ex.clone() }).unwrap();
+                assert!(plain.iter().zip(&got).all(|(a, b)| a.key != b.key), "{name}");
+            }
+            // The agent's parity check recomputes a lookahead engine's stored blocks from the
+            // lookahead tokens its events carry (plain prompts: no extra keys to rebuild).
+            if ex.lookahead > 0 && ex.cache_salt.is_none() && ex.lora.is_none() && algo_v == HashAlgo::Sha256Cbor {
+                let la: Vec<Vec<u32>> = case["lookahead_token_ids"].as_array().unwrap().iter().map(tokens).collect();
+                let stored = llmgw_core::wire::WireBlockStored {
+                    block_hashes: got.iter().map(|b| b.key.0).collect(),
+                    token_ids: toks[..got.len() * 16].to_vec(),
+                    block_size: 16,
+                    lookahead_token_ids: Some(la),
+                    ..Default::default()
+                };
+                let batch = llmgw_core::wire::WireBatch {
+                    ts: 1.0,
+                    events: vec![WireEvent::BlockStored(stored)],
+                    data_parallel_rank: Some(0),
+                };
+                let bytes = llmgw_core::wire::encode_batch(
+                    &batch,
+                    llmgw_core::wire::Encoding::Tagged,
+                    llmgw_core::wire::HashForm::Int,
+                );
+                let mut mirror = EngineMirror::new(Some(BlockHasher::new(algo_v, Some("0")).unwrap()));
+                mirror.apply(&EventBatch::decode(&bytes).unwrap(), &mut Vec::new());
+                let p = &mirror.stats().parity;
+                assert_eq!((p.matched, p.mismatched, p.unverifiable), (got.len() as u64, 0, 0), "{name}");
+                assert_eq!(mirror.stats().lookahead_tokens, Some(ex.lookahead), "{name}");
+            }
+        }
+    }
+    assert!(checked >= 30, "{checked}");
 }

@@ -30,7 +30,7 @@ fn medium() -> impl Strategy<Value = Option<String>> {
 }
 
 fn group() -> impl Strategy<Value = Option<i64>> {
-    prop_oneof![8 => Just(Some(0)), 1 => Just(None), 1 => Just(Some(1))]
+    prop_oneof![8 => Just(Some(0)), 1 => Just(None), 1 => Just(Some(1)), 1 => Just(Some(20)), 1 => Just(Some(-1))]
 }
 
 fn locality() -> impl Strategy<Value = Option<String>> {
@@ -76,24 +76,33 @@ fn stream() -> impl Strategy<Value = Vec<(u16, Option<WireBatch>)>> {
     prop::collection::vec((0u16..3, prop_oneof![20 => batch().prop_map(Some), 1 => Just(None)]), 1..40)
 }
 
-fn relevant(medium: &Option<String>, group: Option<i64>, locality: &Option<String>) -> bool {
-    matches!(medium.as_deref(), None | Some("GPU"))
-        && matches!(group, None | Some(0))
-        && matches!(locality.as_deref(), None | Some("LOCAL"))
+/// The group an event is mirrored in (every group below the bound; each apart), if any.
+fn relevant(medium: &Option<String>, group: Option<i64>, locality: &Option<String>) -> Option<u32> {
+    let g = u32::try_from(group.unwrap_or(0)).ok().filter(|&g| g < llmgw_core::hash::MAX_KV_GROUPS)?;
+    (matches!(medium.as_deref(), None | Some("GPU")) && matches!(locality.as_deref(), None | Some("LOCAL")))
+        .then_some(g)
+}
+
+fn in_group(k: u64, g: u32) -> u64 {
+    llmgw_core::hash::group_key(llmgw_core::BlockKey(k), g).0
 }
 
 fn naive_apply(model: &mut BTreeMap<u64, u32>, b: &WireBatch) {
     for ev in &b.events {
         match ev {
-            WireEvent::BlockStored(s) if relevant(&s.medium, s.group_idx, &s.locality) => {
-                s.block_hashes.iter().for_each(|k| *model.entry(*k).or_default() += 1)
+            WireEvent::BlockStored(s) => {
+                if let Some(g) = relevant(&s.medium, s.group_idx, &s.locality) {
+                    s.block_hashes.iter().for_each(|k| *model.entry(in_group(*k, g)).or_default() += 1)
+                }
             }
-            WireEvent::BlockRemoved(r) if relevant(&r.medium, r.group_idx, &r.locality) => {
+            WireEvent::BlockRemoved(r) => {
+                let Some(g) = relevant(&r.medium, r.group_idx, &r.locality) else { continue };
                 for k in &r.block_hashes {
-                    if let Some(c) = model.get_mut(k) {
+                    let k = in_group(*k, g);
+                    if let Some(c) = model.get_mut(&k) {
                         *c -= 1;
                         if *c == 0 {
-                            model.remove(k);
+                            model.remove(&k);
                         }
                     }
                 }

@@ -14,6 +14,8 @@ pub struct EngineSpec {
     pub address: String,
     pub models: Vec<String>,
     pub dp_rank: u32,
+    /// Data-parallel ranks of the replica (1: not data-parallel).
+    pub dp_size: u32,
     pub mode: Mode,
     pub endpoint: String,
     pub replay_endpoint: Option<String>,
@@ -52,6 +54,7 @@ impl Config {
                     address: r.address.clone(),
                     models: r.models.clone(),
                     dp_rank: rank,
+                    dp_size: r.dp_ranks,
                     mode: r.mode,
                     endpoint: offset_port(&r.endpoint, rank).unwrap_or_else(|| r.endpoint.clone()),
                     replay_endpoint: r

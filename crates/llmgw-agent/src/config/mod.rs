@@ -9,6 +9,7 @@
 //! algo = "sha256_cbor"             # vLLM's --prefix-caching-hash-algo
 //! seed = "0"                       # the replicas' PYTHONHASHSEED (omit when unset)
 //! block_size = 16
+//! lookahead_tokens = 0             # EAGLE-family lookahead hashing (vLLM 0.33); 0 without it
 //!
 //! [[replicas]]
 //! name = "r0"
@@ -145,6 +146,10 @@ pub struct HashConfig {
     pub seed: Option<String>,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
+    /// vLLM's lookahead hashing (EAGLE-family speculative decoding with prefix caching): the
+    /// tokens after each block its hash covers; 0 without it.
+    #[serde(default)]
+    pub lookahead_tokens: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -318,9 +323,21 @@ impl Default for HttpConfig {
         Self { listen: default_http_listen() }
     }
 }
+impl HashConfig {
+    /// The settings as the core names them (the feed carries them to the filters).
+    pub fn spec(&self) -> llmgw_core::hash::HashSpec {
+        llmgw_core::hash::HashSpec {
+            algo: self.algo,
+            seed: self.seed.clone(),
+            block_size: usize::try_from(self.block_size).unwrap_or(usize::MAX),
+            lookahead: usize::try_from(self.lookahead_tokens).unwrap_or(usize::MAX),
+        }
+    }
+}
+
 impl Default for HashConfig {
     fn default() -> Self {
-        Self { algo: default_algo(), seed: None, block_size: default_block_size() }
+        Self { algo: default_algo(), seed: None, block_size: default_block_size(), lookahead_tokens: 0 }
     }
 }
 impl Default for ZmqConfig {
@@ -456,7 +473,10 @@ metrics_url = ""
     #[test]
     fn hash_algorithm_is_read_once_and_defaults_come_from_the_core() {
         let cfg = Config::parse("").unwrap();
-        assert_eq!(cfg.hash, HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE });
+        assert_eq!(
+            cfg.hash,
+            HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE, lookahead_tokens: 0 }
+        );
         let cfg =
             Config::parse(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"xxhash\", seed = \"1\" }"))
                 .unwrap();

@@ -146,6 +146,10 @@ fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
     if h.block_size == 0 {
         return Err(err(format!("{field}.block_size"), "must be at least 1"));
     }
+    let max = llmgw_core::hash::MAX_LOOKAHEAD;
+    if usize::try_from(h.lookahead_tokens).map_or(true, |l| l > max) {
+        return Err(err(format!("{field}.lookahead_tokens"), format!("must be at most {max}")));
+    }
     Ok(())
 }
 

@@ -32,6 +32,14 @@ pub fn debug_json(st: &HubState) -> Value {
                 "block_keys": blocks,
                 "last_seq": e.last_seq,
                 "last_event_age_secs": e.last_event.map(|t| now.saturating_duration_since(t).as_secs_f64()),
+                "hash": {
+                    "algo": e.spec.hash.algo.name(),
+                    "seed": e.spec.hash.seed,
+                    "block_size": e.spec.hash.block_size,
+                    "lookahead_tokens": e.spec.hash.lookahead_tokens,
+                },
+                // Lookahead hashing as the engine's own events show it (EAGLE-family engines).
+                "lookahead_tokens_seen": s.lookahead_tokens,
                 "parity": {
                     "matched": p.matched,
                     "mismatched": p.mismatched,
@@ -47,6 +55,7 @@ pub fn debug_json(st: &HubState) -> Value {
                 "resets": e.counters.resets,
                 "disconnects": e.counters.disconnects,
                 "clears": s.clears,
+                "ignored": {"medium": s.ignored_medium, "locality": s.ignored_locality, "group": s.ignored_group},
                 "load": e.load.as_ref().map(|l| json!({"running": l.running, "waiting": l.waiting, "kv_cache_usage": l.kv_cache_usage})),
             })
         })
@@ -95,6 +104,21 @@ pub fn metrics_text(st: &HubState) -> String {
         }
     }
     counter("events_skipped_total", "Event batches not applied, by reason.", "counter", skipped);
+    let mut ignored = Vec::new();
+    for e in st.live() {
+        let m = e.mirror.stats();
+        for (reason, n) in [("medium", m.ignored_medium), ("locality", m.ignored_locality), ("group", m.ignored_group)]
+        {
+            ignored.push((format!("{},reason=\"{reason}\"", lbl(e)), n as f64));
+        }
+    }
+    counter(
+        "events_ignored_total",
+        "Events not mirrored: offloaded tiers (medium CPU/STORAGE or a connector's), remote locality, \
+         KV-cache group index past the bound.",
+        "counter",
+        ignored,
+    );
     counter("gaps_total", "Sequence gaps detected.", "counter", per(&|e| e.counters.gaps));
     let mut replays = Vec::new();
     for e in st.live() {
@@ -206,5 +230,16 @@ mod tests {
         assert!(text.contains("llmgw_agent_blocks{replica=\"r1\",dp_rank=\"0\"} 2"), "{text}");
         assert!(text.contains("llmgw_agent_events_skipped_total{replica=\"r0\",dp_rank=\"0\",reason=\"malformed\"} 1"));
         assert!(text.contains("llmgw_agent_subscribers 0"));
+        // An offloaded tier's store is counted, not mirrored.
+        let cpu = llmgw_core::wire::WireEvent::BlockStored(llmgw_core::wire::WireBlockStored {
+            block_hashes: vec![5],
+            block_size: 16,
+            medium: Some("CPU".into()),
+            ..Default::default()
+        });
+        h.state().apply(0, 1, &batch(vec![cpu]));
+        let text = metrics_text(&h.state());
+        assert!(text.contains("llmgw_agent_events_ignored_total{replica=\"r0\",dp_rank=\"0\",reason=\"medium\"} 1"));
+        assert_eq!(h.state().engines[0].mirror.len(), 0);
     }
 }

@@ -6,7 +6,9 @@
 use super::subscribers::{FeedCounters, Subscriber};
 use crate::config::EngineSpec;
 use llmgw_core::event::EventBatch;
-use llmgw_core::feed::{Body, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable};
+use llmgw_core::feed::{
+    Body, HashSettings, KvCacheGroup, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable,
+};
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,6 +56,8 @@ pub struct EngineState {
     pub load: Option<ReplicaLoad>,
     pub counters: EngineCounters,
     pub parity_warned: bool,
+    /// The lookahead its events show, when it differs from the configured one (warned once).
+    pub lookahead_warned: Option<usize>,
     /// Removed by discovery: no longer in the table; its id is never reused.
     pub gone: bool,
     /// Tells the engine's thread to stop (discovery removed it).
@@ -91,6 +95,7 @@ impl EngineState {
             load: None,
             counters: EngineCounters::default(),
             parity_warned: false,
+            lookahead_warned: None,
             rebuild: Arc::new(AtomicBool::new(false)),
             gone: false,
             stop: Arc::new(AtomicBool::new(false)),
@@ -159,6 +164,9 @@ impl HubState {
                     models: e.spec.models.clone(),
                     up: e.up,
                     dp_rank: e.spec.dp_rank,
+                    hash: Some(HashSettings::from_spec(&e.spec.hash.spec())),
+                    dp_size: e.spec.dp_size,
+                    kv_groups: KvCacheGroup::from_mirror(e.mirror.groups()),
                 })
                 .collect(),
         }
@@ -195,11 +203,19 @@ impl HubState {
             self.changes = changes;
             return;
         }
+        let groups_before = e.mirror.groups_version();
         e.mirror.apply(batch, &mut changes);
         e.counters.applied = e.counters.applied.saturating_add(1);
         let over = e.mirror.len() > max_blocks;
+        // Only several groups change how the filters score (hybrid models).
+        let groups_changed = e.mirror.groups_version() != groups_before && e.mirror.groups().len() > 1;
         let id = e.spec.id;
         self.changes = changes;
+        // A new KV-cache group (hybrid model) is in the table before its blocks arrive.
+        if groups_changed {
+            let table = self.table();
+            self.publish(Body::Replicas(table));
+        }
         self.publish_changes(id);
         if over {
             if let Some(e) = self.engine(engine) {
@@ -289,6 +305,24 @@ impl HubState {
         if !loads.is_empty() {
             self.publish(Body::Load(LoadReport { loads }));
         }
+    }
+
+    /// Engines whose events show lookahead hashing (EAGLE-family speculative decoding) other
+    /// than configured, once per distinct value: (label, seen, configured). The filters hash
+    /// as configured, so such an engine is not credited until `lookahead_tokens` is set.
+    pub fn lookahead_alarms(&mut self) -> Vec<(String, usize, u32)> {
+        let mut out = Vec::new();
+        for e in self.engines.iter_mut().filter(|e| !e.gone) {
+            let seen = e.mirror.stats().lookahead_tokens.unwrap_or(0);
+            let configured = e.spec.hash.lookahead_tokens;
+            if usize::try_from(configured).ok() == Some(seen) {
+                e.lookahead_warned = None;
+            } else if e.lookahead_warned != Some(seen) {
+                e.lookahead_warned = Some(seen);
+                out.push((e.spec.label(), seen, configured));
+            }
+        }
+        out
     }
 
     /// Parity judgement per engine: returns (label, ratio, matched, mismatched) for engines that
@@ -381,6 +415,122 @@ mod tests {
         let spec = h.state().engines[0].spec.clone();
         assert_eq!(h.state().add_engine(spec), 2);
         assert!(!crate::http::exposition::metrics_text(&h.state()).contains("pool-10.0.0.7"));
+    }
+
+    #[test]
+    fn the_table_carries_each_engines_hash_settings_and_data_parallel_size() {
+        let cfg = Config::parse(
+            "[hash]\nseed = \"0\"\nblock_size = 32\n[[replicas]]\nname = \"dp\"\naddress = \"127.0.0.1:1\"\n\
+             endpoint = \"tcp://127.0.0.1:2\"\ndp_ranks = 2\n[[replicas]]\nname = \"one\"\naddress = \"127.0.0.1:3\"\n\
+             endpoint = \"tcp://127.0.0.1:4\"\nhash = { algo = \"sha256\" }\n",
+        )
+        .unwrap();
+        let h = Hub::new(cfg.engines(), 64, 10);
+        let table = h.state().table();
+        let got: Vec<_> = table
+            .replicas
+            .iter()
+            .map(|r| {
+                (r.name.as_str(), r.dp_rank, r.dp_size, r.data_parallel(), r.hash.as_ref().unwrap().spec().unwrap())
+            })
+            .collect();
+        let spec = |algo, seed: Option<&str>, block_size| llmgw_core::hash::HashSpec {
+            algo,
+            seed: seed.map(str::to_owned),
+            block_size,
+            lookahead: 0,
+        };
+        use llmgw_core::hash::HashAlgo::{Sha256, Sha256Cbor};
+        assert_eq!(
+            got,
+            vec![
+                ("dp", 0, 2, true, spec(Sha256Cbor, Some("0"), 32)),
+                ("dp", 1, 2, true, spec(Sha256Cbor, Some("0"), 32)),
+                ("one", 0, 1, false, spec(Sha256, None, 16)),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_engine_publishing_lookahead_hashes_not_configured_is_named_once() {
+        let h = hub(1, 64);
+        let stored = llmgw_core::wire::WireEvent::BlockStored(llmgw_core::wire::WireBlockStored {
+            block_hashes: vec![9],
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            lookahead_token_ids: Some(vec![vec![16]]),
+            ..Default::default()
+        });
+        assert!(h.state().lookahead_alarms().is_empty());
+        h.state().apply(0, 0, &batch(vec![stored.clone()]));
+        assert_eq!(h.state().engines[0].mirror.stats().lookahead_tokens, Some(1));
+        assert_eq!(h.state().lookahead_alarms(), vec![("r0#0".to_owned(), 1, 0)]);
+        h.state().apply(0, 1, &batch(vec![stored]));
+        assert!(h.state().lookahead_alarms().is_empty(), "once");
+        // Configured as it publishes: nothing to say.
+        h.state().engines[0].spec.hash.lookahead_tokens = 1;
+        assert!(h.state().lookahead_alarms().is_empty());
+    }
+
+    #[test]
+    fn every_kv_cache_group_is_mirrored_apart_and_named_in_the_table() {
+        use llmgw_core::hash::group_key;
+        use llmgw_core::wire::{WireBlockRemoved, WireBlockStored, WireEvent};
+        let h = hub(1, 64);
+        let sub = h.subscribe("t".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        // vLLM 0.33 with a hybrid spec: the same hashes in group 0 (full attention) and, for
+        // the blocks still inside the window, group 1 (sliding window).
+        let store = |group: i64, kind: &str, window: Option<i64>, hashes: Vec<u64>| {
+            WireEvent::BlockStored(WireBlockStored {
+                block_hashes: hashes,
+                token_ids: (0..48).collect(),
+                block_size: 16,
+                group_idx: Some(group),
+                kv_cache_spec_kind: Some(kind.into()),
+                kv_cache_spec_sliding_window: window,
+                ..Default::default()
+            })
+        };
+        h.state().apply(
+            0,
+            0,
+            &batch(vec![
+                store(0, "full_attention", None, vec![1, 2, 3]),
+                store(1, "sliding_window", Some(32), vec![3]),
+            ]),
+        );
+        let mirror_keys = h.state().engines[0].mirror.keys();
+        let mut want = vec![
+            llmgw_core::BlockKey(1),
+            llmgw_core::BlockKey(2),
+            llmgw_core::BlockKey(3),
+            group_key(llmgw_core::BlockKey(3), 1),
+        ];
+        want.sort_unstable();
+        assert_eq!(mirror_keys, want);
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        let groups = &fs.replicas[0].kv_groups;
+        assert_eq!(groups.len(), 2, "{groups:?}");
+        assert_eq!((groups[1].group_idx, groups[1].kind.as_str(), groups[1].sliding_window), (1, "sliding_window", 32));
+        assert!(fs.index.holds(llmgw_core::ReplicaId(0), group_key(llmgw_core::BlockKey(3), 1)));
+        // A removal names its group: group 1's copy goes, group 0's stays.
+        let rm = WireEvent::BlockRemoved(WireBlockRemoved {
+            block_hashes: vec![3],
+            group_idx: Some(1),
+            ..Default::default()
+        });
+        h.state().apply(0, 1, &batch(vec![rm]));
+        assert!(h.state().engines[0].mirror.contains(llmgw_core::BlockKey(3)));
+        assert!(!h.state().engines[0].mirror.contains(group_key(llmgw_core::BlockKey(3), 1)));
+        // Group indexes past the bound are counted, not mirrored.
+        h.state().apply(0, 2, &batch(vec![store(99, "full_attention", None, vec![7])]));
+        assert_eq!(h.state().engines[0].mirror.stats().ignored_group, 1);
     }
 
     #[test]

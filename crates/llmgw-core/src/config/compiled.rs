@@ -8,7 +8,7 @@
 //! lowercase header name.
 
 use super::{ConfigError, FilterConfig, TokenizerEndpoint, Weights};
-use crate::hash::BlockHasher;
+use crate::hash::{BlockHasher, HashAlgo, HashSpec};
 use std::collections::BTreeMap;
 
 /// The digest memo each profile's hasher keeps ([`BlockHasher::with_cache`]).
@@ -27,9 +27,19 @@ pub struct CompiledProfile {
     catch_all: bool,
     /// Exact routing from KV events.
     pub kv_events: bool,
-    /// At least 1.
+    /// The block size `hasher` is used with (`spec.block_size`, at least 1).
     pub block_size: usize,
+    /// Hashes as `spec` says (replaced when the feed's settings change it: [`Self::use_spec`]).
     pub hasher: BlockHasher,
+    pub spec: HashSpec,
+    /// What the profile sets itself (the rest comes from the feed).
+    pub pins: HashPins,
+    /// The hashing where neither the profile nor the feed says anything.
+    pub default_spec: HashSpec,
+    memo: Option<MemoSettings>,
+    /// Hashers of other specs used recently (a catch-all profile over models whose replicas
+    /// hash differently switches between them without losing their digest memos).
+    others: Vec<(HashSpec, BlockHasher)>,
     pub tokenizer: TokenizerEndpoint,
     pub tokenizer_timeout_ms: u32,
     pub weights: Weights,
@@ -38,7 +48,65 @@ pub struct CompiledProfile {
     pub approx_prefix_bytes: usize,
 }
 
+/// Hashers a profile keeps besides its current one.
+const OTHER_HASHERS: usize = 3;
+
+/// The hash settings a profile sets itself; `None`: the feed's (else the default).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HashPins {
+    pub algo: Option<HashAlgo>,
+    /// `Some(None)`: pinned to "no seed".
+    pub seed: Option<Option<String>>,
+    pub block_size: Option<usize>,
+    pub lookahead: Option<usize>,
+}
+
 impl CompiledProfile {
+    /// The hashing to use when the replicas' feed says `feed`: the profile's own settings
+    /// first, then the feed's, then the defaults.
+    pub fn effective_spec(&self, feed: Option<&HashSpec>) -> HashSpec {
+        let base = feed.unwrap_or(&self.default_spec);
+        HashSpec {
+            algo: self.pins.algo.unwrap_or(base.algo),
+            seed: match &self.pins.seed {
+                Some(s) => s.clone(),
+                None => base.seed.clone(),
+            },
+            block_size: self.pins.block_size.unwrap_or(base.block_size),
+            lookahead: self.pins.lookahead.unwrap_or(base.lookahead),
+        }
+    }
+
+    /// Hashes by `spec` from now on (a new hasher only when it changed). False when the hasher
+    /// cannot serve it (then nothing changes).
+    pub fn use_spec(&mut self, spec: &HashSpec) -> bool {
+        if *spec == self.spec {
+            return true;
+        }
+        if spec.block_size == 0 {
+            return false;
+        }
+        let (spec, hasher) = match self.others.iter().position(|(s, _)| s == spec) {
+            Some(i) => self.others.swap_remove(i),
+            None => {
+                let Ok(hasher) = spec.hasher() else { return false };
+                let hasher = match self.memo {
+                    Some(m) => hasher.with_cache(m.slots, m.key),
+                    None => hasher,
+                };
+                (spec.clone(), hasher)
+            }
+        };
+        let old_hasher = std::mem::replace(&mut self.hasher, hasher);
+        let old_spec = std::mem::replace(&mut self.spec, spec);
+        self.block_size = self.spec.block_size;
+        if self.others.len() >= OTHER_HASHERS {
+            self.others.remove(0);
+        }
+        self.others.push((old_spec, old_hasher));
+        true
+    }
+
     /// The LoRA adapter `model` names under this profile, as vLLM mixes it into block hashes.
     pub fn lora(&self, model: Option<&str>) -> Option<(String, String)> {
         let m = model?;
@@ -73,15 +141,26 @@ impl Compiled {
         let mut profiles = Vec::with_capacity(cfg.profiles.len());
         for (i, p) in cfg.profiles.into_iter().enumerate() {
             let field = |name: &str| format!("profiles[{i}].{name}");
-            let hasher = BlockHasher::new(p.hash_algo, p.seed.as_deref())
-                .map_err(|e| ConfigError { field: field("seed"), message: e.to_string() })?;
+            let spec = p.default_spec();
+            let hasher = spec.hasher().map_err(|e| ConfigError { field: field("seed"), message: e.to_string() })?;
             let hasher = match memo {
                 Some(m) => hasher.with_cache(m.slots, m.key),
                 None => hasher,
             };
             // At least 1: validated.
-            let block_size = usize::try_from(p.block_size).unwrap_or(usize::MAX);
+            let block_size = spec.block_size;
+            let pins = HashPins {
+                algo: p.hash_algo,
+                seed: p.seed.clone(),
+                block_size: p.block_size.map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+                lookahead: p.lookahead_tokens.map(|l| usize::try_from(l).unwrap_or(usize::MAX)),
+            };
             profiles.push(CompiledProfile {
+                default_spec: spec.clone(),
+                spec,
+                pins,
+                memo,
+                others: Vec::new(),
                 catch_all: p.models.iter().any(|m| m == "*"),
                 name: p.name,
                 models: p.models,

@@ -2,9 +2,9 @@
 //! errors that name the offending field, then compiled ([`compiled`]) into what a request needs.
 
 mod compiled;
-pub use compiled::{Compiled, CompiledProfile, MemoSettings};
+pub use compiled::{Compiled, CompiledProfile, HashPins, MemoSettings};
 
-use crate::hash::{defaults, BlockHasher, HashAlgo};
+use crate::hash::{defaults, HashAlgo, HashSpec, MAX_LOOKAHEAD};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -40,11 +40,9 @@ fn default_agent_cluster() -> String {
 fn default_body_limit() -> u64 {
     32 * 1024 * 1024
 }
-fn default_block_size() -> u32 {
-    defaults::BLOCK_SIZE
-}
-fn default_algo() -> HashAlgo {
-    defaults::ALGO
+/// A field that is present (its value may be `null`), as opposed to absent (`None`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
 }
 fn default_timeout() -> u32 {
     500
@@ -90,13 +88,23 @@ pub struct Profile {
     /// Exact routing from KV events (opt-in): needs the replicas to publish events.
     #[serde(default)]
     pub kv_events: bool,
-    #[serde(default = "default_block_size")]
-    pub block_size: u32,
-    #[serde(default = "default_algo")]
-    pub hash_algo: HashAlgo,
-    /// The replicas' `PYTHONHASHSEED`; absent when they run without one.
+    /// Tokens per block. Absent: what the feed says each replica uses (else 16). Set: a
+    /// replica the feed shows with another value is a hash-settings mismatch.
     #[serde(default)]
-    pub seed: Option<String>,
+    pub block_size: Option<u32>,
+    /// vLLM's `--prefix-caching-hash-algo`; absent: from the feed (else `sha256_cbor`).
+    #[serde(default)]
+    pub hash_algo: Option<HashAlgo>,
+    /// The replicas' `PYTHONHASHSEED` (`null`: they run without one); absent: from the feed
+    /// (else unset).
+    #[serde(default, deserialize_with = "present")]
+    pub seed: Option<Option<String>>,
+    /// vLLM's lookahead hashing: tokens after each block its hash covers (1 for EAGLE and
+    /// EAGLE3 with prefix caching, `num_speculative_tokens` for multi-module MTP, 0 when the
+    /// engines run without it or with `disable_lookahead_block_hashes`). Absent: from the feed
+    /// (else 0).
+    #[serde(default)]
+    pub lookahead_tokens: Option<u32>,
     #[serde(default = "default_tokenizer")]
     pub tokenizer: TokenizerEndpoint,
     #[serde(default = "default_timeout")]
@@ -110,6 +118,19 @@ pub struct Profile {
     /// How many leading bytes of the prompt text the approximate fallback hashes.
     #[serde(default = "default_approx_prefix_bytes")]
     pub approx_prefix_bytes: u32,
+}
+
+impl Profile {
+    /// The hashing this profile assumes where the feed says nothing: its own settings, else
+    /// the defaults.
+    pub fn default_spec(&self) -> HashSpec {
+        HashSpec {
+            algo: self.hash_algo.unwrap_or(defaults::ALGO),
+            seed: self.seed.clone().flatten(),
+            block_size: usize::try_from(self.block_size.unwrap_or(defaults::BLOCK_SIZE)).unwrap_or(usize::MAX),
+            lookahead: usize::try_from(self.lookahead_tokens.unwrap_or(0)).unwrap_or(usize::MAX),
+        }
+    }
 }
 
 fn default_tokenizer() -> TokenizerEndpoint {
@@ -310,10 +331,13 @@ impl FilterConfig {
             if p.models.is_empty() || p.models.iter().any(String::is_empty) {
                 return bad(f("models"), "must list at least one non-empty model name");
             }
-            if p.block_size == 0 {
+            if p.block_size == Some(0) {
                 return bad(f("block_size"), "must be at least 1");
             }
-            if let Err(e) = BlockHasher::new(p.hash_algo, p.seed.as_deref()) {
+            if p.lookahead_tokens.is_some_and(|l| usize::try_from(l).map_or(true, |l| l > MAX_LOOKAHEAD)) {
+                return bad(f("lookahead_tokens"), &format!("must be at most {MAX_LOOKAHEAD}"));
+            }
+            if let Err(e) = p.default_spec().hasher() {
                 return bad(f("seed"), &e.to_string());
             }
             if p.tokenizer_timeout_ms == 0 {
@@ -372,7 +396,13 @@ mod tests {
         assert_eq!(c.profile_for("anything").map(|p| p.name.as_str()), Some("default"));
         let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"],"kv_events":true,"seed":"0"}]}"#)
             .unwrap();
-        assert!(c.profile_for("m1").is_some_and(|p| p.kv_events && p.block_size == 16));
+        assert!(c.profile_for("m1").is_some_and(|p| p.kv_events && p.default_spec().block_size == 16));
+        assert_eq!(c.profile_for("m1").map(|p| p.seed.clone()), Some(Some(Some("0".to_owned()))));
+        // Absent and null are different: null pins "no seed", absent takes the feed's.
+        let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"],"seed":null}]}"#).unwrap();
+        assert_eq!(c.profiles[0].seed, Some(None));
+        let c = FilterConfig::from_json(br#"{"profiles":[{"name":"a","models":["m1"]}]}"#).unwrap();
+        assert_eq!((c.profiles[0].seed.clone(), c.profiles[0].block_size, c.profiles[0].hash_algo), (None, None, None));
         assert!(c.profile_for("m2").is_none());
     }
 

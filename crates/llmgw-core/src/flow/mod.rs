@@ -14,18 +14,20 @@
 //! Every step carries a [`Report`] of what to count. A step never fails the request: only a
 //! model with no healthy replica is answered locally (503).
 
+mod hybrid;
 mod prefix;
 mod reasons;
 
+pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
-pub use reasons::{tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
+pub use reasons::{tokenizer_answer, tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
-use crate::hash::{BlockHash, RequestExtras};
+use crate::hash::{BlockHash, HashSpec, MmFeature, RequestExtras};
 use crate::index::ReplicaId;
 use crate::policy::{self, Candidate, Decision, Outcome};
-use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerCall};
+use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAnswer, TokenizerCall};
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 
 /// Requests in flight per replica address, as this gateway counts them.
@@ -61,6 +63,12 @@ pub struct Report {
     /// A tokenization-cache lookup, when one was made.
     pub tokenizer_cache: Option<CacheLookup>,
     pub tokenizer_failure: Option<TokenizerFailure>,
+    /// Some replica serving the model hashes otherwise than the request was hashed (see
+    /// [`Router::take_hash_note`] for which and how): its blocks were not credited.
+    pub hash_mismatch: bool,
+    /// Some replica serving the model has KV-cache groups the hybrid scoring does not model
+    /// (Mamba layers, mixed block sizes): it was scored by its first group alone.
+    pub hybrid_unsupported: bool,
 }
 
 /// How the tokenization cache answered.
@@ -84,6 +92,9 @@ impl CacheLookup {
 pub struct Routed {
     /// `ip:port`, the destination header's value.
     pub address: String,
+    /// The chosen engine's data-parallel rank, when the replica behind `address` runs several
+    /// (the value of `X-data-parallel-rank`).
+    pub dp_rank: Option<u32>,
     pub decision: Decision,
     pub report: Report,
 }
@@ -135,6 +146,8 @@ pub struct Pending {
     /// The configuration generation the call was made under: a reply to a call made before a
     /// reconfigure is routed but not cached.
     generation: u64,
+    /// The hashing the cache tag was taken under (a reply hashed otherwise is not cached).
+    spec: u64,
 }
 
 /// What to do next.
@@ -168,6 +181,32 @@ pub struct Router {
     scratch: Scratch,
     /// Bumped by every reconfigure.
     generation: u64,
+    /// The current request's hash check: replicas whose hashing differs (not credited).
+    mismatched: Vec<ReplicaId>,
+    hash_mismatch: bool,
+    hybrid_unsupported: bool,
+    /// The last hash-settings mismatch described, and the last one handed out for the log.
+    hash_note: Option<String>,
+    hash_logged: Option<String>,
+}
+
+/// What [`Router::hash_check`] found.
+enum HashCheck {
+    /// Hash with the profile's hasher; `changed`: it was just rebuilt for new settings (hashes
+    /// computed earlier no longer apply).
+    Use { changed: bool },
+    /// No replica serving the model hashes as the profile does.
+    Mismatch,
+    /// The settings cannot be hashed here (an algorithm this build lacks, xxhash unseeded).
+    Unusable,
+}
+
+/// Whether replica `r` serves `model` (every replica, when the model is unknown).
+fn serves(r: &crate::feed::Replica, model: Option<&str>) -> bool {
+    match model {
+        Some(m) => r.models.is_empty() || r.models.iter().any(|x| x == m),
+        None => true,
+    }
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -221,10 +260,7 @@ fn fallback_reason(
 fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFlight) -> Vec<Candidate<'a>> {
     feed.replicas
         .iter()
-        .filter(|r| match model {
-            Some(m) => r.models.is_empty() || r.models.iter().any(|x| x == m),
-            None => true,
-        })
+        .filter(|r| serves(r, model))
         .filter_map(|r| {
             let id = ReplicaId::try_from(r.id).ok()?;
             let load = feed.loads.iter().find(|l| l.replica == r.id);
@@ -236,6 +272,7 @@ fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFl
                 running: load.map_or(0, |l| l.running),
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
+                dp_rank: r.data_parallel().then_some(r.dp_rank),
             })
         })
         .collect()
@@ -253,6 +290,85 @@ impl Router {
             tokcache_key,
             scratch: Scratch::default(),
             generation: 0,
+            mismatched: Vec::new(),
+            hash_mismatch: false,
+            hybrid_unsupported: false,
+            hash_note: None,
+            hash_logged: None,
+        }
+    }
+
+    /// The fingerprint of the hashing profile `pi` currently uses (0 without such a profile).
+    fn spec_fingerprint(&self, pi: usize) -> u64 {
+        self.config.profile(pi).map_or(0, |p| p.spec.fingerprint())
+    }
+
+    /// A description of the last hash-settings mismatch, naming both values, once per
+    /// distinct mismatch (for the log): `None` when there is nothing new to say.
+    pub fn take_hash_note(&mut self) -> Option<String> {
+        let note = self.hash_note.take()?;
+        if self.hash_logged.as_deref() == Some(note.as_str()) {
+            return None;
+        }
+        self.hash_logged = Some(note.clone());
+        Some(note)
+    }
+
+    /// Checks the hashing of profile `pi` against what the feed says the replicas serving
+    /// `model` use: the profile's own settings first, then those of the first such replica
+    /// that carries any, then the defaults. The profile switches hashers when that changes (it keeps
+    /// a few);
+    /// replicas that hash otherwise go into `mismatched` (never credited) and are described.
+    fn hash_check(&mut self, pi: usize, model: Option<&str>) -> HashCheck {
+        let Router { config, feed, mismatched, .. } = self;
+        mismatched.clear();
+        let Some(p) = config.profiles.get_mut(pi) else { return HashCheck::Unusable };
+        let serving = feed.serving();
+        let published: Vec<(&crate::feed::Replica, Result<HashSpec, String>)> = serving
+            .replicas
+            .iter()
+            .filter(|r| r.up && serves(r, model))
+            .filter_map(|r| r.hash.as_ref().map(|h| (r, h.spec())))
+            .collect();
+        let reference = published.iter().find_map(|(_, s)| s.as_ref().ok());
+        let spec = p.effective_spec(reference);
+        let before = p.spec.clone();
+        if !p.use_spec(&spec) {
+            return HashCheck::Unusable;
+        }
+        let changed = before != spec;
+        let mut notes = Vec::new();
+        for (r, theirs) in &published {
+            let diff = match theirs {
+                Ok(t) if *t == spec => continue,
+                Ok(t) => spec
+                    .differences(t)
+                    .into_iter()
+                    .map(|(field, ours, theirs)| format!("{field} {theirs} (profile `{}` uses {ours})", p.name))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                Err(e) => format!("unusable settings ({e})"),
+            };
+            if let Ok(id) = ReplicaId::try_from(r.id) {
+                mismatched.push(id);
+            }
+            notes.push(format!("replica `{}` rank {} ({}) hashes with {diff}", r.name, r.dp_rank, r.address));
+        }
+        let all = !published.is_empty() && mismatched.len() == published.len();
+        if notes.is_empty() {
+            return HashCheck::Use { changed };
+        }
+        self.hash_mismatch = true;
+        let what = if all { "routing by the fallback" } else { "its blocks are not credited" };
+        self.hash_note = Some(format!(
+            "llmgw: hash settings mismatch for model `{}`: {}; {what}",
+            model.unwrap_or("(none)"),
+            notes.join("; ")
+        ));
+        if all {
+            HashCheck::Mismatch
+        } else {
+            HashCheck::Use { changed }
         }
     }
 
@@ -280,6 +396,8 @@ impl Router {
 
     /// Decides for a complete body (or the head of one too large to read).
     pub fn on_body(&mut self, body: &Body<'_>, in_flight: &dyn InFlight, now_ns: u64) -> Step {
+        self.hash_mismatch = false;
+        self.hybrid_unsupported = false;
         let kind = ApiKind::from_path(body.path);
         let bytes = body.bytes;
         // A byte-identical body seen recently resolves to its cached tokenization unparsed
@@ -331,9 +449,8 @@ impl Router {
         // The approximate key, computed only if the decision needs it.
         let approx = || approx_key(Some(&parsed), bytes, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let exact = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[]);
-            let why = (!exact).then_some(Fallback::Hash);
-            return self.finish(model, Some(pi), exact, &approx, why, in_flight, Report::default());
+            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[], Vec::new()).err();
+            return self.finish(model, Some(pi), why.is_none(), &approx, why, in_flight, Report::default());
         }
         let Some(p) = self.config.profile(pi) else {
             return self.finish(model, Some(pi), false, &approx, None, in_flight, Report::default());
@@ -342,10 +459,14 @@ impl Router {
         let timeout_ms = p.tokenizer_timeout_ms;
         let why = call.is_none().then_some(Fallback::NoPrompt);
         let mut report = Report::default();
-        // The same prompt seen recently: its tokens (and leading hashes) are known.
-        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, &parsed, c));
+        // The same prompt seen recently under the same hashing: its tokens (and leading hashes)
+        // are known.
+        let _ = self.hash_check(pi, model);
+        let spec = self.spec_fingerprint(pi);
+        let cache_tag = call.as_ref().and_then(|c| self.cache_tag(pi, spec, &parsed, c));
         if let Some(tag) = cache_tag {
-            let alias = Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone() };
+            let alias =
+                Alias { tag, profile: pi, model: parsed.model.clone(), cache_salt: parsed.cache_salt.clone(), spec };
             if let Some(step) = self.route_cached(&alias, &approx, in_flight, now_ns, CacheLookup::Hit) {
                 if let Some(raw) = raw_tag {
                     self.tokcache.add_alias(raw, alias);
@@ -365,7 +486,8 @@ impl Router {
             return self.finish(model, Some(pi), false, &approx, why, in_flight, report);
         };
         let generation = self.generation;
-        let pending = Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation });
+        let pending =
+            Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation, spec });
         Step::Tokenize(Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report })
     }
 
@@ -377,14 +499,24 @@ impl Router {
         in_flight: &dyn InFlight,
         now_ns: u64,
     ) -> Step {
+        self.hash_mismatch = false;
+        self.hybrid_unsupported = false;
         let mut report = Report::default();
         let p = &pending.parsed;
-        let (exact, why) = match tokenizer_tokens(reply) {
+        let (exact, why) = match tokenizer_answer(reply) {
             // The index may have lost its sync while the call was out.
             Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
-            Ok(tokens) => {
-                if self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[]) {
-                    if let Some(tag) = pending.cache_tag.filter(|_| pending.generation == self.generation) {
+            Ok(TokenizerAnswer { tokens, mm }) => {
+                // A multimodal prompt's hashes need its media items: never cached.
+                let cacheable = mm.is_empty();
+                let scored = self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[], mm);
+                if let Err(why) = scored {
+                    (false, Some(why))
+                } else {
+                    let same =
+                        pending.generation == self.generation && pending.spec == self.spec_fingerprint(pending.profile);
+                    let tag = pending.cache_tag.filter(|_| same && cacheable);
+                    if let Some(tag) = tag {
                         let hashes = self.scratch.hashes.clone();
                         self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
                         if let Some(raw) = pending.raw_tag {
@@ -393,13 +525,12 @@ impl Router {
                                 profile: pending.profile,
                                 model: p.model.clone(),
                                 cache_salt: p.cache_salt.clone(),
+                                spec: pending.spec,
                             };
                             self.tokcache.add_alias(raw, alias);
                         }
                     }
                     (true, None)
-                } else {
-                    (false, Some(Fallback::Hash))
                 }
             }
             Err(f) => {
@@ -411,8 +542,9 @@ impl Router {
         self.finish(p.model.as_deref(), Some(pending.profile), exact, &approx, why, in_flight, report)
     }
 
-    /// Hashes and scores `tokens` for a profile into the scratch space; false when that was not
-    /// possible (no such profile, or the hasher refused).
+    /// Hashes and scores `tokens` for a profile into the scratch space (replicas that hash
+    /// otherwise score 0), or the fallback that applies: the replicas' hashing does not match
+    /// ([`Fallback::HashMismatch`]) or cannot be done (no such profile, the hasher refused).
     fn exact(
         &mut self,
         profile: usize,
@@ -420,21 +552,54 @@ impl Router {
         model: Option<&str>,
         tokens: &[u32],
         known: &[BlockHash],
-    ) -> bool {
-        let Router { config, feed, scratch, .. } = self;
-        let Some(p) = config.profiles.get_mut(profile) else { return false };
-        let extras = RequestExtras { cache_salt: cache_salt.map(str::to_owned), lora: p.lora(model), mm: Vec::new() };
-        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch).is_ok()
+        mm: Vec<MmFeature>,
+    ) -> Result<(), Fallback> {
+        let known = match self.hash_check(profile, model) {
+            HashCheck::Use { changed: false } => known,
+            HashCheck::Use { changed: true } => &[],
+            HashCheck::Mismatch => return Err(Fallback::HashMismatch),
+            HashCheck::Unusable => return Err(Fallback::Hash),
+        };
+        let Router { config, feed, scratch, mismatched, hybrid_unsupported, .. } = self;
+        let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
+        let extras = RequestExtras {
+            cache_salt: cache_salt.map(str::to_owned),
+            lora: p.lora(model),
+            mm,
+            lookahead: p.spec.lookahead,
+        };
+        prefix_scores(&feed.serving().index, &mut p.hasher, p.block_size, &extras, tokens, known, scratch)
+            .map_err(|_| Fallback::Hash)?;
+        for id in mismatched.iter() {
+            if let Some(l) = scratch.scores.leading.get_mut(usize::from(*id)) {
+                *l = 0;
+            }
+        }
+        // Hybrid engines hit only as far as every KV-cache group allows.
+        let serving = feed.serving();
+        for r in serving.replicas.iter().filter(|r| r.kv_groups.len() > 1) {
+            let Ok(id) = ReplicaId::try_from(r.id) else { continue };
+            let Some(l) = scratch.scores.leading.get_mut(usize::from(id)) else { continue };
+            let run = usize::try_from(*l).unwrap_or(usize::MAX);
+            match hybrid_hit(&serving.index, r, id, &scratch.hashes, run, tokens.len(), p.block_size) {
+                HybridHit::Hit(n) => *l = u32::try_from(n).unwrap_or(u32::MAX),
+                HybridHit::Unsupported => *hybrid_unsupported = true,
+                HybridHit::NotHybrid => {}
+            }
+        }
+        Ok(())
     }
 
     /// The cache tag of a request: profile, tokenizer call, and what else enters its hashes.
-    fn cache_tag(&self, profile: usize, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<CacheTag> {
-        if !self.tokcache.enabled() {
+    fn cache_tag(&self, profile: usize, spec: u64, parsed: &ParsedRequest, call: &TokenizerCall) -> Option<CacheTag> {
+        // A multimodal chat's hashes depend on its media items, which are not cached.
+        if !self.tokcache.enabled() || parsed.multimodal() {
             return None;
         }
         let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
         Some(self.tokcache.tag(&[
             &profile,
+            &spec.to_le_bytes(),
             call.path.as_bytes(),
             &call.body,
             parsed.cache_salt.as_deref().unwrap_or_default().as_bytes(),
@@ -451,15 +616,27 @@ impl Router {
         now_ns: u64,
         lookup: CacheLookup,
     ) -> Option<Step> {
+        // Only a tokenization hashed as the replicas now hash is used.
+        let _ = self.hash_check(alias.profile, alias.model.as_deref());
+        if self.spec_fingerprint(alias.profile) != alias.spec {
+            return None;
+        }
         let mut t = self.tokcache.take(alias.tag, now_ns)?;
         let report = Report { tokenizer_cache: Some(lookup), ..Report::default() };
-        let exact =
-            self.exact(alias.profile, alias.cache_salt.as_deref(), alias.model.as_deref(), &t.tokens, &t.hashes);
+        let scored = self.exact(
+            alias.profile,
+            alias.cache_salt.as_deref(),
+            alias.model.as_deref(),
+            &t.tokens,
+            &t.hashes,
+            Vec::new(),
+        );
+        let exact = scored.is_ok();
         if exact && self.scratch.hashes.len() > t.hashes.len() {
             t.hashes.clone_from(&self.scratch.hashes);
         }
         self.tokcache.put_back(alias.tag, t);
-        let why = (!exact).then_some(Fallback::Hash);
+        let why = scored.err();
         Some(self.finish(alias.model.as_deref(), Some(alias.profile), exact, approx, why, in_flight, report))
     }
 
@@ -480,12 +657,14 @@ impl Router {
         let scores = exact.then_some(&self.scratch.scores);
         let d: Decision = policy::decide_lazy(&cands, scores, approx, w);
         report.outcome = Some(d.outcome);
+        report.hash_mismatch = self.hash_mismatch;
+        report.hybrid_unsupported = self.hybrid_unsupported;
         report.fallback = why.or((exact && d.outcome == Outcome::Approx).then_some(Fallback::NoMatch));
         if exact {
             report.matched_blocks = Some(d.matched);
         }
         match d.winner.and_then(|i| cands.get(i)) {
-            Some(c) => Step::Route(Routed { address: c.address.to_owned(), decision: d, report }),
+            Some(c) => Step::Route(Routed { address: c.address.to_owned(), dp_rank: c.dp_rank, decision: d, report }),
             None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
         }
     }

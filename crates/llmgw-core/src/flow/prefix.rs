@@ -36,7 +36,7 @@ pub fn prefix_scores(
     known: &[BlockHash],
     scratch: &mut Scratch,
 ) -> Result<(), HashError> {
-    let full = tokens.len().checked_div(block_size).ok_or(HashError::ZeroBlockSize)?;
+    let full = extras.hashed_blocks(tokens.len(), block_size).ok_or(HashError::ZeroBlockSize)?;
     let Scratch { hashes, scores, keys, batch: part } = scratch;
     hashes.clear();
     hashes.extend_from_slice(known.get(..full.min(known.len())).unwrap_or_default());

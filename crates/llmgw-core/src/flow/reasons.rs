@@ -1,7 +1,7 @@
 //! Why a request was not routed from exact data, and how a tokenizer call failed: the labels
 //! of `llmgw_fallbacks_total{reason}` and `llmgw_tokenizer_failures_total{reason}`.
 
-use crate::request::parse_tokenizer_response;
+use crate::request::{parse_tokenizer_answer, TokenizerAnswer};
 
 /// Why exact routing was not possible.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,10 +24,13 @@ pub enum Fallback {
     Hash,
     /// The index knows none of the request's blocks.
     NoMatch,
+    /// No replica serving the model hashes as the profile says (algorithm, seed or block
+    /// size): their blocks cannot be matched.
+    HashMismatch,
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 9] = [
+    pub const ALL: [Fallback; 10] = [
         Fallback::NoProfile,
         Fallback::NoKvEvents,
         Fallback::Unparseable,
@@ -37,6 +40,7 @@ impl Fallback {
         Fallback::Tokenizer,
         Fallback::Hash,
         Fallback::NoMatch,
+        Fallback::HashMismatch,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +54,7 @@ impl Fallback {
             Fallback::Tokenizer => "tokenizer",
             Fallback::Hash => "hash",
             Fallback::NoMatch => "no_match",
+            Fallback::HashMismatch => "hash_mismatch",
         }
     }
 }
@@ -106,11 +111,16 @@ pub enum TokenizerReply<'a> {
 
 /// The token ids of a tokenizer reply, or why there are none.
 pub fn tokenizer_tokens(reply: &TokenizerReply<'_>) -> Result<Vec<u32>, TokenizerFailure> {
+    tokenizer_answer(reply).map(|a| a.tokens)
+}
+
+/// The token ids and media items of a tokenizer reply, or why there are none.
+pub fn tokenizer_answer(reply: &TokenizerReply<'_>) -> Result<TokenizerAnswer, TokenizerFailure> {
     match reply {
         TokenizerReply::Refused => Err(TokenizerFailure::Dispatch),
         TokenizerReply::Reset => Err(TokenizerFailure::Reset),
         TokenizerReply::Answered { status: Some(b"200"), body } => {
-            parse_tokenizer_response(&body()).map_err(|_| TokenizerFailure::BadResponse)
+            parse_tokenizer_answer(&body()).map_err(|_| TokenizerFailure::BadResponse)
         }
         TokenizerReply::Answered { status: Some(b"504"), .. } => Err(TokenizerFailure::Timeout),
         TokenizerReply::Answered { status: Some(b"503"), .. } => Err(TokenizerFailure::Unavailable),

@@ -60,9 +60,17 @@ impl BlockHasher {
         if block_size == 0 {
             return Err(HashError::ZeroBlockSize);
         }
-        let blocks = tokens.chunks_exact(block_size).enumerate().skip(first).take(n);
+        // With lookahead, a block is hashed only once the tokens after it exist.
+        let la = extras.lookahead;
+        let hashable = tokens.get(..tokens.len().saturating_sub(la)).unwrap_or_default();
+        let blocks = hashable.chunks_exact(block_size).enumerate().skip(first).take(n);
         let mut added = 0usize;
-        if self.cache.is_some() && extras.cache_salt.is_none() && extras.lora.is_none() && extras.mm.is_empty() {
+        if self.cache.is_some()
+            && extras.cache_salt.is_none()
+            && extras.lora.is_none()
+            && extras.mm.is_empty()
+            && la == 0
+        {
             // No extra keys: the memo's tag is taken over the parent digest and the raw token ids
             // (what the preimage encodes), so a memo hit needs no preimage encoding.
             let Self { algo, buf, pickler, cache, .. } = self;
@@ -98,11 +106,27 @@ impl BlockHasher {
             if let Some((name, path)) = &extras.lora {
                 extra.push(ExtraKey::Lora { name: name.clone(), path: path.clone() });
             }
-            mm_idx = mm_extra_keys(&extras.mm, start, end, mm_idx, &mut extra);
+            // With lookahead the keys cover the block and the tokens after it; the item index
+            // rewinds to the first item still reaching past the block.
+            let window_end = end.saturating_add(la as u64);
+            mm_idx = mm_extra_keys(&extras.mm, start, window_end, mm_idx, &mut extra);
+            if la > 0 {
+                while let Some(prev) = mm_idx.checked_sub(1).and_then(|p| extras.mm.get(p)) {
+                    if prev.offset.saturating_add(prev.length) <= end {
+                        break;
+                    }
+                    mm_idx = mm_idx.saturating_sub(1);
+                }
+            }
             if i == 0 {
                 if let Some(salt) = &extras.cache_salt {
                     extra.push(ExtraKey::CacheSalt(salt.clone()));
                 }
+            }
+            if la > 0 {
+                let from = usize::try_from(end).unwrap_or(usize::MAX);
+                let next = tokens.get(from..from.saturating_add(la)).unwrap_or_default();
+                extra.push(ExtraKey::Lookahead(next.to_vec()));
             }
             let digest = self.hash_block(&parent, block, &extra);
             out.push(BlockHash { digest, key: digest.key() });
@@ -119,7 +143,7 @@ impl BlockHasher {
 /// index of the first item a later block must look at.
 fn mm_extra_keys(items: &[MmFeature], start: u64, end: u64, mut idx: usize, out: &mut Vec<ExtraKey>) -> usize {
     let Some(last) = items.last() else { return idx };
-    if last.offset.saturating_add(last.length) < start {
+    if last.offset.saturating_add(last.length) <= start {
         return idx;
     }
     while let Some(item) = items.get(idx) {
@@ -127,7 +151,7 @@ fn mm_extra_keys(items: &[MmFeature], start: u64, end: u64, mut idx: usize, out:
         if end <= item.offset {
             break;
         }
-        if start > item_end {
+        if start >= item_end {
             idx = idx.saturating_add(1);
             continue;
         }
@@ -153,11 +177,17 @@ mod tests {
     fn hashing_a_few_blocks_at_a_time_gives_the_same_chain() {
         let toks: Vec<u32> = (0..200).map(|i| i * 31 % 50_000).collect();
         let mm = vec![MmFeature { identifier: "img".into(), offset: 20, length: 30 }];
+        // An item ending exactly where a later call starts (block 3 starts at token 48).
+        let edge = vec![
+            MmFeature { identifier: "img".into(), offset: 20, length: 28 },
+            MmFeature { identifier: "two".into(), offset: 60, length: 10 },
+        ];
         for memo in [0, 64] {
             for ex in [
                 RequestExtras::default(),
                 RequestExtras { cache_salt: Some("s".into()), ..Default::default() },
                 RequestExtras { lora: Some(("a".into(), "/p".into())), mm: mm.clone(), ..Default::default() },
+                RequestExtras { mm: edge.clone(), ..Default::default() },
             ] {
                 let Ok(h) = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")) else { panic!("hasher") };
                 let mut h = h.with_cache(memo, 9);

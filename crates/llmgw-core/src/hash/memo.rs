@@ -162,6 +162,7 @@ mod tests {
                     let mut toks = base.clone();
                     toks[40] = round;
                     let ex = RequestExtras {
+                        lookahead: 0,
                         cache_salt: salt.map(str::to_owned),
                         lora: lora.map(|(a, b): (&str, &str)| (a.to_owned(), b.to_owned())),
                         mm: Vec::new(),

@@ -20,6 +20,10 @@ use memo::DigestCache;
 use sha2::{Digest as _, Sha256};
 use std::fmt;
 
+/// Most lookahead tokens a hash setting may name (vLLM uses 1 for EAGLE and
+/// `num_speculative_tokens` for multi-module MTP; this bounds what the feed can ask for).
+pub const MAX_LOOKAHEAD: usize = 64;
+
 /// The seed vLLM hashes for the root parent when `PYTHONHASHSEED` is unset (vLLM ≥ 0.29).
 pub const UNSET_SEED: &str = "vllm-none-hash";
 
@@ -70,6 +74,67 @@ impl HashAlgo {
 
     fn is_xxhash(self) -> bool {
         matches!(self, Self::XxhashCbor | Self::Xxhash)
+    }
+}
+
+/// What must agree between the router and an engine for their block keys to match: the
+/// algorithm, the seed (`PYTHONHASHSEED`, `None` when unset) and the tokens per block.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HashSpec {
+    pub algo: HashAlgo,
+    pub seed: Option<String>,
+    /// At least 1 where a spec is built from configuration or the feed.
+    pub block_size: usize,
+    /// Lookahead tokens per block hash (EAGLE-family speculative decoding; 0: none).
+    pub lookahead: usize,
+}
+
+impl HashSpec {
+    /// The hasher for this spec (without a digest memo).
+    pub fn hasher(&self) -> Result<BlockHasher, HashError> {
+        BlockHasher::new(self.algo, self.seed.as_deref())
+    }
+
+    /// A stable 64-bit name of this spec (tags cached tokenizations with the hashing their
+    /// block hashes were computed by).
+    pub fn fingerprint(&self) -> u64 {
+        let mut bytes = Vec::with_capacity(64);
+        bytes.extend_from_slice(self.algo.name().as_bytes());
+        bytes.push(0);
+        match &self.seed {
+            Some(s) => {
+                bytes.push(1);
+                bytes.extend_from_slice(s.as_bytes());
+            }
+            None => bytes.push(0),
+        }
+        bytes.push(0);
+        bytes.extend_from_slice(&u64::try_from(self.block_size).unwrap_or(u64::MAX).to_le_bytes());
+        bytes.extend_from_slice(&u64::try_from(self.lookahead).unwrap_or(u64::MAX).to_le_bytes());
+        crate::idhash::stable_hash(&bytes)
+    }
+
+    /// The seed as a log line shows it: quoted, or `unset`.
+    pub fn seed_text(&self) -> String {
+        self.seed.as_ref().map_or_else(|| "unset".to_owned(), |s| format!("{s:?}"))
+    }
+
+    /// The fields where `self` and `other` differ: (field, self's value, other's value).
+    pub fn differences(&self, other: &HashSpec) -> Vec<(&'static str, String, String)> {
+        let mut out = Vec::new();
+        if self.algo != other.algo {
+            out.push(("hash_algo", self.algo.name().to_owned(), other.algo.name().to_owned()));
+        }
+        if self.seed != other.seed {
+            out.push(("seed", self.seed_text(), other.seed_text()));
+        }
+        if self.block_size != other.block_size {
+            out.push(("block_size", self.block_size.to_string(), other.block_size.to_string()));
+        }
+        if self.lookahead != other.lookahead {
+            out.push(("lookahead_tokens", self.lookahead.to_string(), other.lookahead.to_string()));
+        }
+        out
     }
 }
 
@@ -178,6 +243,22 @@ impl fmt::Display for BlockKey {
     }
 }
 
+/// KV-cache groups an engine may have mirrored (hybrid models have a few; past it a group's
+/// events are counted as ignored).
+pub const MAX_KV_GROUPS: u32 = 16;
+
+/// The key block `key` of KV-cache group `group` is indexed under: the key itself for group 0,
+/// a stable mix of key and group for the others. vLLM publishes the same hash in every group
+/// that caches the block, and a hybrid model hits only as far as every group allows, so the
+/// mirror, the feed and the index keep each group's blocks apart in one key space.
+pub fn group_key(key: BlockKey, group: u32) -> BlockKey {
+    if group == 0 {
+        return key;
+    }
+    let salt = crate::idhash::mix64(0x6b76_5f67_726f_7570 ^ u64::from(group));
+    BlockKey(crate::idhash::mix64(key.0 ^ salt))
+}
+
 /// The published u64 form of a hash given as bytes (`int.from_bytes(b, "big") & (2**64-1)`):
 /// its last 8 bytes, big-endian. `None` when shorter than 8 bytes.
 pub fn key_of_bytes(b: &[u8]) -> Option<BlockKey> {
@@ -207,6 +288,10 @@ pub enum ExtraKey {
     CacheSalt(String),
     /// `("prompt_embeds", sha256 of the block's embedding tensor bytes)`.
     PromptEmbeds(Vec<u8>),
+    /// Lookahead hashing (EAGLE-family speculative decoding, vLLM 0.33): the `L` tokens after
+    /// the block. Always the last key; the block's extra keys are then `(E, *tokens)`, where `E`
+    /// is the tuple of the keys before it (or `None` when there are none).
+    Lookahead(Vec<u32>),
 }
 
 /// A multimodal item's placeholder range in the prompt.
@@ -225,6 +310,18 @@ pub struct RequestExtras {
     pub lora: Option<(String, String)>,
     /// Sorted by offset, as vLLM keeps them.
     pub mm: Vec<MmFeature>,
+    /// vLLM's `num_hash_lookahead_tokens` (EAGLE-family speculative decoding with prefix
+    /// caching): each block's hash also covers the next this many tokens, so a block is hashed
+    /// only once they exist. 0: plain hashing.
+    pub lookahead: usize,
+}
+
+impl RequestExtras {
+    /// Full blocks of `n_tokens` the engine hashes (those followed by `lookahead` more tokens);
+    /// `None` for a zero block size.
+    pub fn hashed_blocks(&self, n_tokens: usize, block_size: usize) -> Option<usize> {
+        n_tokens.saturating_sub(self.lookahead).checked_div(block_size)
+    }
 }
 
 /// One hashed full block.

@@ -64,6 +64,20 @@ fn cbor_block<W: minicbor::encode::Write>(
     for &t in tokens {
         e.u32(t)?;
     }
+    // Lookahead hashing: `(E, *tokens)` with E the keys before it (or None).
+    if let Some((ExtraKey::Lookahead(next), keys)) = extra.split_last() {
+        e.array(len(next.len()).saturating_add(1))?;
+        cbor_keys(e, keys)?;
+        for &t in next {
+            e.u32(t)?;
+        }
+        return Ok(());
+    }
+    cbor_keys(e, extra)
+}
+
+/// The tuple of tagged keys, or null when there are none.
+fn cbor_keys<W: minicbor::encode::Write>(e: &mut Encoder<W>, extra: &[ExtraKey]) -> Result<(), Error<W::Error>> {
     if extra.is_empty() {
         e.null()?;
         return Ok(());
@@ -75,6 +89,14 @@ fn cbor_block<W: minicbor::encode::Write>(
             ExtraKey::Mm { identifier, offset } => e.array(3)?.str("mm")?.str(identifier)?.i64(*offset)?,
             ExtraKey::CacheSalt(s) => e.array(2)?.str("cache_salt")?.str(s)?,
             ExtraKey::PromptEmbeds(d) => e.array(2)?.str("prompt_embeds")?.bytes(d)?,
+            // Only meaningful last (handled above); anywhere else it is written as its tokens.
+            ExtraKey::Lookahead(next) => {
+                let e = e.array(len(next.len()))?;
+                for &t in next {
+                    e.u32(t)?;
+                }
+                e
+            }
         };
     }
     Ok(())
@@ -83,9 +105,24 @@ fn cbor_block<W: minicbor::encode::Write>(
 /// The block tuple as Python values: tags are interned strings (literals in vLLM's source), the
 /// other strings are not, and that changes the pickle's memo references.
 fn pickle_block<'a>(parent: &'a Digest, tokens: &'a [u32], extra: &'a [ExtraKey]) -> PyValue<'a> {
+    let extra_v = match extra.split_last() {
+        // Lookahead hashing: `(E, *tokens)`.
+        Some((ExtraKey::Lookahead(next), keys)) => {
+            let mut items = Vec::with_capacity(next.len().saturating_add(1));
+            items.push(pickle_keys(keys));
+            items.extend(next.iter().map(|&t| PyValue::Int(i64::from(t))));
+            PyValue::Tuple(items)
+        }
+        _ => pickle_keys(extra),
+    };
+    PyValue::Tuple(vec![PyValue::Bytes(parent.as_bytes()), PyValue::UIntTuple(tokens), extra_v])
+}
+
+/// The tuple of tagged keys as Python values, or None when there are none.
+fn pickle_keys(extra: &[ExtraKey]) -> PyValue<'_> {
     let tag = |s| PyValue::Str { s, interned: true };
     let plain = |s| PyValue::Str { s, interned: false };
-    let extra_v = if extra.is_empty() {
+    if extra.is_empty() {
         PyValue::None
     } else {
         PyValue::Tuple(
@@ -98,11 +135,11 @@ fn pickle_block<'a>(parent: &'a Digest, tokens: &'a [u32], extra: &'a [ExtraKey]
                     }
                     ExtraKey::CacheSalt(s) => PyValue::Tuple(vec![tag("cache_salt"), plain(s)]),
                     ExtraKey::PromptEmbeds(d) => PyValue::Tuple(vec![tag("prompt_embeds"), PyValue::Bytes(d)]),
+                    ExtraKey::Lookahead(next) => PyValue::UIntTuple(next),
                 })
                 .collect(),
         )
-    };
-    PyValue::Tuple(vec![PyValue::Bytes(parent.as_bytes()), PyValue::UIntTuple(tokens), extra_v])
+    }
 }
 
 #[cfg(test)]

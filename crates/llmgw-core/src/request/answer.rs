@@ -1,9 +1,18 @@
 //! The tokenizer's answer: token ids from a `/tokenize` answer (`tokens`) or a render answer
-//! (`token_ids`). A fast path reads the common `/tokenize` form without a full parse; it
-//! agrees with the full parse on every body it accepts and defers to it on anything unusual.
+//! (`token_ids`), and a render answer's multimodal features (`features.mm_hashes` and
+//! `features.mm_placeholders`, per modality). A fast path reads the common `/tokenize` form
+//! without a full parse; it agrees with the full parse on every body it accepts and defers to
+//! it on anything unusual.
 
 use super::RequestError;
+use crate::hash::MmFeature;
 use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// Media items one answer may name (a request with more is not routed exactly).
+pub const MAX_MM_ITEMS: usize = 1024;
+/// Longest media item identifier accepted (vLLM's are 64 hex digits, or a client's uuid).
+pub const MAX_MM_IDENTIFIER: usize = 512;
 
 #[derive(Deserialize)]
 struct TokenizeResponse {
@@ -11,13 +20,44 @@ struct TokenizeResponse {
     tokens: Option<Vec<u32>>,
     #[serde(default)]
     token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    features: Option<Features>,
+}
+
+#[derive(Deserialize)]
+struct Features {
+    #[serde(default)]
+    mm_hashes: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    mm_placeholders: BTreeMap<String, Vec<Placeholder>>,
+}
+
+#[derive(Deserialize)]
+struct Placeholder {
+    offset: u64,
+    length: u64,
+}
+
+/// What a tokenizer answered: the prompt's token ids and, from a render answer, its media
+/// items (sorted by offset, as vLLM hashes them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenizerAnswer {
+    pub tokens: Vec<u32>,
+    pub mm: Vec<MmFeature>,
 }
 
 /// Token ids from a `/tokenize` answer (`tokens`) or a render answer (`token_ids`, possibly one
 /// object per prompt in an array: the first is used, as for routing).
 pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
+    parse_tokenizer_answer(body).map(|a| a.tokens)
+}
+
+/// Token ids and media items of a tokenizer answer. A render answer's features must pair
+/// every item hash with a placeholder range (per modality, in order), and name at most
+/// [`MAX_MM_ITEMS`] items with identifiers of at most [`MAX_MM_IDENTIFIER`] bytes.
+pub fn parse_tokenizer_answer(body: &[u8]) -> Result<TokenizerAnswer, RequestError> {
     if let Some(tokens) = fast_tokens(body) {
-        return Ok(tokens);
+        return Ok(TokenizerAnswer { tokens, mm: Vec::new() });
     }
     let bad = |m: String| RequestError::BadTokenizerResponse(m);
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
@@ -31,7 +71,40 @@ pub fn parse_tokenizer_response(body: &[u8]) -> Result<Vec<u32>, RequestError> {
         // Straight into the struct: no intermediate `Value` for thousands of token ids.
         serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?
     };
-    r.tokens.or(r.token_ids).ok_or_else(|| bad("no `tokens` or `token_ids`".into()))
+    let mm = match r.features {
+        Some(f) => media_items(f).map_err(bad)?,
+        None => Vec::new(),
+    };
+    let tokens = r.tokens.or(r.token_ids).ok_or_else(|| bad("no `tokens` or `token_ids`".into()))?;
+    if let Some(last) = mm.last() {
+        let end = last.offset.saturating_add(last.length);
+        if usize::try_from(end).map_or(true, |e| e > tokens.len()) {
+            return Err(bad(format!("a media placeholder ends at token {end}, past the {} tokens", tokens.len())));
+        }
+    }
+    Ok(TokenizerAnswer { tokens, mm })
+}
+
+/// The media items of render features, sorted by offset.
+fn media_items(f: Features) -> Result<Vec<MmFeature>, String> {
+    let mut out = Vec::new();
+    for (modality, hashes) in f.mm_hashes {
+        let ranges = f.mm_placeholders.get(&modality).map(Vec::as_slice).unwrap_or_default();
+        if ranges.len() != hashes.len() {
+            return Err(format!("{modality}: {} hashes but {} placeholders", hashes.len(), ranges.len()));
+        }
+        if out.len().saturating_add(hashes.len()) > MAX_MM_ITEMS {
+            return Err(format!("more than {MAX_MM_ITEMS} media items"));
+        }
+        for (identifier, p) in hashes.into_iter().zip(ranges) {
+            if identifier.len() > MAX_MM_IDENTIFIER || identifier.is_empty() || p.length == 0 {
+                return Err(format!("{modality}: an item with an unusable identifier or an empty placeholder"));
+            }
+            out.push(MmFeature { identifier, offset: p.offset, length: p.length });
+        }
+    }
+    out.sort_by_key(|m| m.offset);
+    Ok(out)
 }
 
 /// Fast path for `/tokenize` answers (`{"count":..,"max_model_len":..,"tokens":[..],..}`): the

@@ -18,15 +18,42 @@ pub struct TokenizerCall {
     pub body: Vec<u8>,
 }
 
+/// Chat content part types that carry media (vLLM hashes their blocks with multimodal extra
+/// keys only the render endpoint reports).
+const MEDIA_PARTS: [&str; 8] = [
+    "\"image_url\"",
+    "\"input_audio\"",
+    "\"audio_url\"",
+    "\"video_url\"",
+    "\"image_embeds\"",
+    "\"audio_embeds\"",
+    "\"image_pil\"",
+    "\"input_image\"",
+];
+
 impl ParsedRequest {
+    /// Whether the chat carries image, audio or video parts. Read from the raw messages: a
+    /// media part's type name appearing anywhere (inside a text too) counts, which at worst
+    /// sends a text-only chat to the render endpoint (exact tokens, no features).
+    pub fn multimodal(&self) -> bool {
+        match &self.prompt {
+            Prompt::Chat(m) => {
+                let raw = m.get();
+                MEDIA_PARTS.iter().any(|p| raw.contains(p))
+            }
+            _ => false,
+        }
+    }
+
     /// The call that yields the engine's tokens for this request, or `None` when no call is
     /// needed (token ids given) or possible (no prompt). `raw_body` is the request body, sent
-    /// unchanged to the render endpoints.
+    /// unchanged to the render endpoints. A multimodal chat always goes to the render endpoint:
+    /// only its answer names the media items and where their placeholder tokens are.
     pub fn tokenizer_call(&self, endpoint: TokenizerEndpoint, raw_body: &[u8]) -> Option<TokenizerCall> {
         if matches!(self.prompt, Prompt::Tokens(_) | Prompt::None) {
             return None;
         }
-        if endpoint == TokenizerEndpoint::Render {
+        if endpoint == TokenizerEndpoint::Render || self.multimodal() {
             let path = match self.kind {
                 ApiKind::Completions => "/v1/completions/render",
                 ApiKind::Chat => "/v1/chat/completions/render",

@@ -22,7 +22,7 @@ mod body;
 mod call;
 mod leading;
 
-pub use answer::parse_tokenizer_response;
+pub use answer::{parse_tokenizer_answer, parse_tokenizer_response, TokenizerAnswer, MAX_MM_IDENTIFIER, MAX_MM_ITEMS};
 pub use body::parse_request;
 pub use call::TokenizerCall;
 
