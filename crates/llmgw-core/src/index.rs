@@ -540,7 +540,7 @@ mod tests {
         let replicas = 16 * 19 + 5; // 20 pages, the last partial
         let query: Vec<BlockKey> = (0..40u64).map(|k| BlockKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)).collect();
         let mut want = vec![0u32; replicas];
-        for r in 0..replicas {
+        for (r, w) in want.iter_mut().enumerate() {
             // Pages 4..8 hold nothing of the query; elsewhere runs of 0..=40 and some gaps.
             if (4..8).contains(&(r / 16)) {
                 ix.insert(ReplicaId(r as u16), BlockKey(u64::MAX - r as u64));
@@ -552,7 +552,7 @@ mod tests {
                     ix.insert(ReplicaId(r as u16), k);
                 }
             }
-            want[r] = run as u32;
+            *w = run as u32;
         }
         assert_eq!(ix.score(&query).leading, want);
         assert_eq!(ix.score(&query[..1]).leading, want.iter().map(|&w| w.min(1)).collect::<Vec<_>>());
