@@ -9,7 +9,9 @@
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
-#          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways
+#          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
+#          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
+#          publishers, feed fan-out
 #   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
 #   conformance  the suite against real vLLM 0.33.0 (installs it into .venv-vllm, about 3 GB); arguments go to pytest
 #   clean  cargo clean, dist/ removed
@@ -164,6 +166,7 @@ bench() {
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
   # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
+  # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
   setup
   if [ "${1:-}" = gateways ]; then
     shift
@@ -173,6 +176,11 @@ bench() {
     setup_envoy
     target_dir >/dev/null
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/gateways.py "$@"
+    return
+  fi
+  if [ "${1:-}" = scale ]; then
+    shift
+    bench_scale "$@"
     return
   fi
   if [ "${1:-}" = filter ]; then
@@ -197,6 +205,20 @@ bench() {
   setup_peers
   target_dir >/dev/null
   "$VENV/bin/python" bench/bench.py "$@"
+}
+
+# The scale benchmark: builds its examples, writes results/scale/ (scale.md, scale.json, PNGs);
+# progress goes to the terminal and to results/scale/run.log.
+bench_scale() {
+  log "building (release): agent, publishers and subscribers, index benchmark"
+  cargo build -q --release -p llmgw-agent --bin llmgw-agent --example kv_publishers --example feed_subscribers
+  cargo build -q --release -p llmgw-core --example scale_index
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  setup_charts
+  target_dir >/dev/null
+  mkdir -p results/scale
+  log "scale benchmark (about 8 minutes; log: results/scale/run.log)"
+  "$VENV/bin/python" bench/scale.py "$@" 2>&1 | tee results/scale/run.log
 }
 
 fuzz() {

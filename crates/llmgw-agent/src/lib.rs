@@ -67,8 +67,17 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     let stop = Arc::new(AtomicBool::new(false));
     let ctx = zmq::Context::new();
     let mut threads = Vec::new();
-    for spec in &engines {
-        let t = zmqsub::Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), ctx.clone(), stop.clone())
+    // A libzmq context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS, which the zmq crate cannot
+    // raise without unsafe code) and an engine uses up to four (SUB, its monitor pair, a replay
+    // DEALER): past about 250 engines a context refuses sockets ("Too many open files"). Each
+    // group of engines gets a context of its own.
+    const ENGINES_PER_CONTEXT: usize = 200;
+    let mut group_ctx = ctx.clone();
+    for (i, spec) in engines.iter().enumerate() {
+        if i > 0 && i % ENGINES_PER_CONTEXT == 0 {
+            group_ctx = zmq::Context::new();
+        }
+        let t = zmqsub::Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), group_ctx.clone(), stop.clone())
             .map_err(|e| format!("cannot start engine thread: {e}"))?;
         threads.push(t);
     }
