@@ -95,6 +95,7 @@ fn build(replicas: usize, blocks: u64, prompts: &[Vec<Vec<u32>>], prompt_keys: &
             models: vec![],
             up: true,
             dp_rank: 0,
+            ..Default::default()
         })
         .collect();
     r.feed.begin_subscription();
