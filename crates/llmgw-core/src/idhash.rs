@@ -4,12 +4,14 @@
 //! * [`mix64`]: SplitMix64's finaliser, a bijection on u64 that spreads every input bit.
 //! * [`stable_hash`]: 64-bit FNV-1a of bytes, finished by [`mix64`] (re-exported as
 //!   `policy::stable_hash`, where routing keys are made).
-//! * [`KeyHasher`] and the maps built on it: for keys that are already uniform hashes (block
-//!   keys, 128-bit tags), one multiply (Fibonacci hashing) spreads them; no SipHash, and
-//!   iteration order is a function of the inputs only.
+//! * [`KeyHasher`] and the maps built on it: for keys that are already hashes (block keys,
+//!   128-bit tags), [`mix64`] of the key XOR a per-process secret ([`placement_secret`]); no
+//!   SipHash. Whoever publishes block keys chooses them, so their placement must not be
+//!   predictable: an unkeyed multiply lets a publisher send keys that all land in one bucket.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::OnceLock;
 
 /// The odd constant ⌊2⁶⁴/φ⌋ behind Fibonacci hashing and SplitMix64's increment.
 pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -32,6 +34,20 @@ pub fn stable_hash(data: &[u8]) -> u64 {
     mix64(h)
 }
 
+/// A secret drawn once per process (per wasm VM) from the host's random source (std's
+/// `RandomState`, which reads the OS or WASI random source): the placement of block keys in the
+/// index and the maps depends on it, so nobody outside can choose keys that collide.
+pub fn placement_secret() -> u64 {
+    static SECRET: OnceLock<u64> = OnceLock::new();
+    *SECRET.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0x706c_6163_655f_6b65_u64))
+}
+
+/// Where a block key (or tag) is placed: a keyed bijection of it.
+#[inline]
+pub fn place(k: u64) -> u64 {
+    mix64(k ^ placement_secret())
+}
+
 #[derive(Default, Clone, Copy)]
 pub struct KeyHasher(u64);
 
@@ -46,7 +62,7 @@ impl Hasher for KeyHasher {
         }
     }
     fn write_u64(&mut self, k: u64) {
-        self.0 = k.wrapping_mul(GOLDEN_GAMMA);
+        self.0 = place(k);
     }
     fn write_u128(&mut self, k: u128) {
         // 128-bit tags are uniform too: their low half is enough (the cast truncates).
@@ -69,5 +85,32 @@ mod tests {
         assert_eq!(mix64(1), 0x5692_161d_100b_05e5);
         assert_eq!(stable_hash(b"abc"), 0x0dd4_9049_0804_b508);
         assert_ne!(stable_hash(b"abc"), stable_hash(b"abd"));
+    }
+
+    #[test]
+    fn keys_chosen_to_share_a_bucket_under_a_multiply_spread_when_placed() {
+        // Keys whose product with the golden gamma agrees in its low 20 bits: under the old
+        // placement (one multiply, buckets by low bits) all 4,096 share one bucket of 2^20.
+        let inv = {
+            // The inverse of GOLDEN_GAMMA modulo 2^64 (Newton's iteration).
+            let mut x = GOLDEN_GAMMA;
+            for _ in 0..6 {
+                x = x.wrapping_mul(2u64.wrapping_sub(GOLDEN_GAMMA.wrapping_mul(x)));
+            }
+            x
+        };
+        assert_eq!(GOLDEN_GAMMA.wrapping_mul(inv), 1);
+        let keys: Vec<u64> = (1..=4096u64).map(|i| (i << 20).wrapping_mul(inv)).collect();
+        let mask = (1u64 << 20) - 1;
+        let old: std::collections::HashSet<u64> = keys.iter().map(|k| k.wrapping_mul(GOLDEN_GAMMA) & mask).collect();
+        assert_eq!(old.len(), 1);
+        let mut counts = HashMap::new();
+        for &k in &keys {
+            let mut h = KeyHasher::default();
+            h.write_u64(k);
+            *counts.entry(h.finish() & 0xfff).or_insert(0u32) += 1;
+        }
+        // 4,096 keys over 4,096 buckets: the fullest holds a handful, as random keys would.
+        assert!(counts.values().copied().max().unwrap() <= 10, "{:?}", counts.values().max());
     }
 }

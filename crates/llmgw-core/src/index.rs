@@ -2,9 +2,11 @@
 //!
 //! Layout: replicas are grouped in pages of 16; each page is an open-addressing table of 8-byte
 //! slots, `fingerprint (48 bits) | replica bitmask (16 bits)`, with linear probing and
-//! backward-shift deletion (no tombstones). The keys are already hashes, so placement is one
-//! multiply (Fibonacci hashing, a bijection on u64), no second hash: the fingerprint is the top
-//! 48 bits of `key × φ`, and the slot a key belongs to is the top bits of its fingerprint.
+//! backward-shift deletion (no tombstones). Placement is keyed: the fingerprint is the top 48
+//! bits of `mix64(key ^ secret)` (a bijection on u64; the secret is drawn once per process,
+//! `idhash::placement_secret`), and the slot a key belongs to is the top bits of its
+//! fingerprint. Publishers choose block keys: with an unkeyed placement they could send keys
+//! that all probe one slot, stalling every lookup.
 //! Two block keys share a slot only when their products agree in 48 bits (probability about
 //! n²/2⁴⁹ for an index of n blocks: one merged pair in a thousand indexes of 800,000 blocks),
 //! which at worst credits a replica with one block it does not hold.
@@ -12,7 +14,8 @@
 //! A fleet of up to 16 replicas costs 8 bytes per distinct block, shared by every replica
 //! holding it; small slots keep large indexes within the CPU's TLB reach.
 //!
-//! Everything is deterministic: no clocks, no random state.
+//! No clocks; the only random state is the placement secret, which changes where keys sit, never
+//! what the index answers.
 
 use crate::hash::BlockKey;
 use crate::mirror::NetChange;
@@ -61,12 +64,11 @@ const FP_BITS: u32 = 48;
 const MIN_CAPACITY: usize = 16;
 /// Table size cap; `1 << 40` does not fit a 32-bit usize (wasm32).
 const MAX_CAPACITY: usize = if usize::BITS > 32 { 1 << (usize::BITS - 24) } else { 1 << 30 };
-const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The 48-bit fingerprint of a key (never all of a slot: the mask of an occupied slot is set).
 #[inline]
 fn fingerprint(key: BlockKey) -> u64 {
-    key.0.wrapping_mul(FIB) >> MASK_BITS
+    crate::idhash::place(key.0) >> MASK_BITS
 }
 
 #[inline]
@@ -508,6 +510,44 @@ fn record(leading: &mut [u32], base: usize, mut bits: u64, run: u32) {
 #[cfg(test)]
 #[allow(clippy::arithmetic_side_effects)]
 mod tests {
+
+    /// Mean distance of occupied slots from their home slot over every page (probe cost).
+    fn mean_displacement(ix: &ReplicaIndex) -> f64 {
+        let (mut sum, mut n) = (0usize, 0usize);
+        for t in &ix.pages {
+            let m = t.cap_mask();
+            for (i, &s) in t.slots.iter().enumerate() {
+                if s != 0 {
+                    sum += i.wrapping_sub(t.home(slot_fp(s))) & m;
+                    n += 1;
+                }
+            }
+        }
+        sum as f64 / n.max(1) as f64
+    }
+
+    #[test]
+    fn keys_chosen_to_share_a_home_slot_probe_like_random_keys() {
+        const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut inv = FIB;
+        for _ in 0..6 {
+            inv = inv.wrapping_mul(2u64.wrapping_sub(FIB.wrapping_mul(inv)));
+        }
+        // Under the old placement (fingerprint = top 48 bits of key × φ) these keys have
+        // distinct fingerprints that all start at slot 0: every lookup walks one long run.
+        let n = 20_000u64;
+        let hostile: Vec<BlockKey> = (1..=n).map(|i| BlockKey((i << 16).wrapping_mul(inv))).collect();
+        assert!(hostile.iter().all(|k| k.0.wrapping_mul(FIB) >> 40 == 0));
+        let random: Vec<BlockKey> = (1..=n).map(|i| BlockKey(crate::idhash::mix64(i ^ 0x5eed))).collect();
+        let (mut a, mut b) = (ReplicaIndex::new(), ReplicaIndex::new());
+        for (&h, &r) in hostile.iter().zip(&random) {
+            a.insert(ReplicaId(0), h);
+            b.insert(ReplicaId(0), r);
+        }
+        let (da, db) = (mean_displacement(&a), mean_displacement(&b));
+        assert!(da <= 10.0 * db.max(1.0), "hostile keys: mean probe distance {da:.1}, random keys {db:.1}");
+        assert!(hostile.iter().all(|&k| a.holds(ReplicaId(0), k)));
+    }
     use super::*;
 
     #[test]
