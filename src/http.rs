@@ -239,6 +239,14 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // The replica's answer, or Envoy's when it could not reach it (503).
+        if let Some(addr) = &self.counted {
+            let status = self.host.header(Headers::Response, ":status");
+            if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
+            {
+                crate::health::observe(self.host.as_ref(), addr, code);
+            }
+        }
         if let Some(e) = self.explain.take() {
             self.host.set_header(Headers::Response, EXPLAIN_HEADER, Some(&e));
         }

@@ -120,23 +120,33 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) {
     }
 }
 
-/// Every replica's in-flight count over the live VMs, read once.
+/// Every replica's in-flight count over the live VMs, and which replicas are avoided
+/// (`crate::health`), read once.
 pub struct Snapshot {
     records: Vec<u8>,
     live: Vec<u32>,
+    health: crate::health::Health,
 }
 
 impl Snapshot {
     pub fn read(host: &dyn Host) -> Snapshot {
         let now = host.now_ns();
         let live = host.shared_data(LIVE_KEY).and_then(|(v, _)| v).unwrap_or_default();
-        Snapshot { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), live: live_vms(&live, now) }
+        Snapshot {
+            records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(),
+            live: live_vms(&live, now),
+            health: crate::health::Health::read(host),
+        }
     }
 }
 
 impl InFlight for Snapshot {
     fn in_flight(&self, address: &str) -> u32 {
         count(&self.records, &self.live, address_id(address))
+    }
+
+    fn avoided(&self, address: &str) -> bool {
+        self.health.avoided(address)
     }
 }
 

@@ -13,6 +13,7 @@
 //! panic.
 
 mod feed;
+mod health;
 mod host;
 mod http;
 mod inflight;

@@ -450,3 +450,33 @@ fn a_data_parallel_engine_is_named_in_x_data_parallel_rank() {
     assert_eq!(e.dest().as_deref(), Some(B));
     assert_eq!(e.host.request_header("x-data-parallel-rank"), None);
 }
+
+#[test]
+fn a_replica_answering_5xx_is_avoided_from_the_next_request_then_tried_again() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    e.host.now_ns.set(1_000_000_000);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.set_header(Headers::Response, ":status", Some("503"));
+    ctx.on_http_response_headers(1, false);
+    ctx.on_log();
+    // The holder is avoided: the next request goes to the other replica.
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(A));
+    // Every replica failing: none is avoided (requests still go out).
+    e.host.set_header(Headers::Response, ":status", Some("502"));
+    ctx.on_http_response_headers(1, false);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    ctx.on_http_response_headers(1, false);
+    // A second later it is tried again (and an answer below 500 clears it).
+    e.host.now_ns.set(2_000_000_001);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    ctx.on_http_response_headers(1, false);
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+}

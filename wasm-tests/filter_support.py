@@ -52,6 +52,8 @@ class Replica:
         self.address = f"127.0.0.1:{port}"
         self.tokenize_status = tokenize_status
         self.tokenize_delay = 0.0
+        # What the generation endpoints answer (e.g. 503: an engine that died behind its server).
+        self.generate_status = 200
         self.tokenize_calls: list[dict] = []
         self.requests: list[dict] = []
         replica = self
@@ -92,6 +94,8 @@ class Replica:
                         toks = completion_tokens(req.get("prompt", ""))
                     return self.reply(200, json.dumps({"request_id": "r", "token_ids": toks}).encode())
                 replica.requests.append({"path": self.path, "headers": dict(self.headers.items()), "size": len(raw)})
+                if replica.generate_status != 200:
+                    return self.reply(replica.generate_status, b'{"error":"engine dead"}')
                 stream = False
                 try:
                     stream = bool(json.loads(raw).get("stream"))

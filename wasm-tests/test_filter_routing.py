@@ -410,3 +410,34 @@ def test_filter_counts_logs_and_falls_back_when_its_seed_disagrees_with_the_feed
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+def test_filter_avoids_a_replica_answering_5xx_then_tries_it_again(procs, envoy_bin, wasm_path, tmp_path, feed_pb,
+                                                                     fleet):
+    """Passive health: the replica holding the prompt starts answering 503 (its engine died
+    behind its API server; a refused connect gives Envoy's own 503 the same way). That request
+    fails, as it would through any proxy; from the next request on, every worker avoids the
+    replica; once its avoidance (1 s) ends it is tried again, and used when it answers."""
+    tokens = completion_tokens(PROMPT)
+    feed = start_feed(feed_pb, fleet, {1: block_keys(tokens, BLOCK)})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 2}
+        port, _ = gw.served_by("/v1/completions", body)
+        assert port == fleet[1].port
+        fleet[1].generate_status = 503
+        status, _, _ = gw.post("/v1/completions", body)
+        assert status == 503
+        sick = len(fleet[1].requests)
+        # Every following request, on either worker (a fresh connection each), goes elsewhere.
+        for _ in range(10):
+            port, hdrs = gw.served_by("/v1/completions", body)
+            assert port != fleet[1].port, hdrs
+        assert len(fleet[1].requests) == sick
+        # Healthy again: tried once its avoidance ends, and used (it holds the prefix).
+        fleet[1].generate_status = 200
+        wait_until(lambda: gw.served_by("/v1/completions", body)[0] == fleet[1].port, timeout=10,
+                   what="the replica tried again", interval=0.2)
+        gw.assert_no_panic()
+    finally:
+        feed.stop()

@@ -33,6 +33,11 @@ use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 /// Requests in flight per replica address, as this gateway counts them.
 pub trait InFlight {
     fn in_flight(&self, address: &str) -> u32;
+    /// Whether the gateway avoids this replica for now (its connects failed or it answered
+    /// 5xx): it is treated as down.
+    fn avoided(&self, _address: &str) -> bool {
+        false
+    }
 }
 
 /// No requests in flight anywhere.
@@ -257,7 +262,22 @@ fn fallback_reason(
 }
 
 /// Replicas that serve `model` (all replicas when the model is unknown), with their loads.
+/// Replicas the gateway avoids count as down, unless it avoids every one that is up (then none
+/// is avoided: a fleet-wide failure is not made worse by refusing every request).
 fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFlight) -> Vec<Candidate<'a>> {
+    let mut cands = candidates_avoiding(feed, model, in_flight, true);
+    if !cands.iter().any(|c| c.up) {
+        cands = candidates_avoiding(feed, model, in_flight, false);
+    }
+    cands
+}
+
+fn candidates_avoiding<'a>(
+    feed: &'a FeedState,
+    model: Option<&str>,
+    in_flight: &dyn InFlight,
+    avoid: bool,
+) -> Vec<Candidate<'a>> {
     feed.replicas
         .iter()
         .filter(|r| serves(r, model))
@@ -267,7 +287,7 @@ fn candidates<'a>(feed: &'a FeedState, model: Option<&str>, in_flight: &dyn InFl
             Some(Candidate {
                 id,
                 address: r.address.as_str(),
-                up: r.up && !r.address.is_empty(),
+                up: r.up && !r.address.is_empty() && !(avoid && in_flight.avoided(&r.address)),
                 in_flight: in_flight.in_flight(&r.address),
                 running: load.map_or(0, |l| l.running),
                 waiting: load.map_or(0, |l| l.waiting),

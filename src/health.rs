@@ -1,0 +1,131 @@
+//! Passive health: a replica whose connects fail or that answers 5xx is avoided from the next
+//! request on, by every worker of this Envoy (proxy-wasm shared data, like the in-flight
+//! counts), then tried again. Each failure in a row doubles the time it is avoided (1 s up to
+//! 30 s); the first answer below 500 clears it. The agent's health view (a replica down when its
+//! `/metrics` or its publisher is gone) takes seconds; this takes one request.
+//!
+//! The shared value holds 20-byte records: the address's stable hash (u64), the end of its
+//! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
+
+use crate::host::{Host, SharedWrite};
+use crate::inflight::address_id;
+
+const KEY: &str = "llmgw.health";
+const RECORD: usize = 20;
+const CAS_RETRIES: u32 = 16;
+/// How long a first failure keeps a replica avoided; each failure in a row doubles it.
+pub const FIRST_NS: u64 = 1_000_000_000;
+/// The longest a replica is avoided at a time.
+pub const MAX_NS: u64 = 30_000_000_000;
+/// At most this many replicas are remembered (the oldest avoidance goes first).
+const MAX_RECORDS: usize = 4096;
+
+fn records(v: &[u8]) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
+    v.chunks_exact(RECORD).filter_map(|r| {
+        let id = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
+        let until = u64::from_le_bytes(r.get(8..16)?.try_into().ok()?);
+        let strikes = u32::from_le_bytes(r.get(16..20)?.try_into().ok()?);
+        Some((id, until, strikes))
+    })
+}
+
+/// The shared health records, read once per decision.
+#[derive(Default)]
+pub struct Health {
+    records: Vec<u8>,
+    now: u64,
+}
+
+impl Health {
+    pub fn read(host: &dyn Host) -> Health {
+        Health { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), now: host.now_ns() }
+    }
+
+    /// Whether `address` is avoided right now.
+    pub fn avoided(&self, address: &str) -> bool {
+        let id = address_id(address);
+        records(&self.records).any(|(x, until, _)| x == id && self.now < until)
+    }
+}
+
+/// The records with `id`'s changed by `f` (its failures in a row; `None` removes it).
+fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
+    let mut out: Vec<(u64, u64, u32)> = records(v).filter(|&(x, _, _)| x != id).collect();
+    if failed {
+        let strikes = records(v).find(|&(x, _, _)| x == id).map_or(0, |(_, _, s)| s).saturating_add(1);
+        let span = FIRST_NS.saturating_mul(1u64 << strikes.saturating_sub(1).min(5)).min(MAX_NS);
+        out.push((id, now.saturating_add(span), strikes));
+        if out.len() > MAX_RECORDS {
+            out.sort_by_key(|&(_, until, _)| until);
+            let extra = out.len().saturating_sub(MAX_RECORDS);
+            out.drain(..extra);
+        }
+    }
+    let mut bytes = Vec::with_capacity(out.len().saturating_mul(RECORD));
+    for (x, until, s) in out {
+        bytes.extend_from_slice(&x.to_le_bytes());
+        bytes.extend_from_slice(&until.to_le_bytes());
+        bytes.extend_from_slice(&s.to_le_bytes());
+    }
+    bytes
+}
+
+fn update(host: &dyn Host, address: &str, failed: bool) {
+    let id = address_id(address);
+    let now = host.now_ns();
+    for _ in 0..CAS_RETRIES {
+        let Some((v, cas)) = host.shared_data(KEY) else { return };
+        let v = v.unwrap_or_default();
+        if !failed && !records(&v).any(|(x, _, _)| x == id) {
+            return;
+        }
+        match host.set_shared_data(KEY, &with(&v, id, now, failed), cas) {
+            Err(SharedWrite::CasMismatch) => continue,
+            _ => return,
+        }
+    }
+}
+
+/// The replica's answer (or Envoy's, when it could not connect): 5xx avoids it for a while,
+/// anything else clears it.
+pub fn observe(host: &dyn Host, address: &str, status: u32) {
+    update(host, address, status >= 500);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeHost;
+
+    #[test]
+    fn a_failing_replica_is_avoided_longer_each_time_and_cleared_by_an_answer() {
+        let host = FakeHost::default();
+        const A: &str = "10.0.0.1:8000";
+        const B: &str = "10.0.0.2:8000";
+        host.now_ns.set(100);
+        assert!(!Health::read(&host).avoided(A));
+        observe(&host, A, 503);
+        assert!(Health::read(&host).avoided(A) && !Health::read(&host).avoided(B));
+        // Tried again after a second; failing again doubles the wait.
+        host.now_ns.set(100 + FIRST_NS);
+        assert!(!Health::read(&host).avoided(A));
+        observe(&host, A, 502);
+        host.now_ns.set(100 + FIRST_NS + FIRST_NS);
+        assert!(Health::read(&host).avoided(A));
+        host.now_ns.set(100 + FIRST_NS + 2 * FIRST_NS);
+        assert!(!Health::read(&host).avoided(A));
+        // An answer below 500 clears it.
+        observe(&host, A, 200);
+        observe(&host, A, 500);
+        host.now_ns.set(100 + 4 * FIRST_NS + 1);
+        assert!(!Health::read(&host).avoided(A), "a first failure again waits one second");
+        observe(&host, A, 200);
+        assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());
+        // The wait is capped.
+        for _ in 0..20 {
+            observe(&host, B, 503);
+        }
+        let (_, until, _) = records(&host.shared_value(KEY).unwrap()).next().unwrap();
+        assert_eq!(until - host.now_ns.get(), MAX_NS);
+    }
+}
