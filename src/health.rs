@@ -7,12 +7,11 @@
 //! The shared value holds 20-byte records: the address's stable hash (u64), the end of its
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
-use crate::host::{Host, SharedWrite};
+use crate::host::{update_shared, Host};
 use crate::inflight::address_id;
 
 const KEY: &str = "llmgw.health";
 const RECORD: usize = 20;
-const CAS_RETRIES: u32 = 16;
 /// How long a first failure keeps a replica avoided; each failure in a row doubles it.
 pub const FIRST_NS: u64 = 1_000_000_000;
 /// The longest a replica is avoided at a time.
@@ -48,7 +47,7 @@ impl Health {
     }
 }
 
-/// The records with `id`'s changed by `f` (its failures in a row; `None` removes it).
+/// The records with `id`'s updated: one more failure in a row, or removed when it answered.
 fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
     let mut out: Vec<(u64, u64, u32)> = records(v).filter(|&(x, _, _)| x != id).collect();
     if failed {
@@ -73,17 +72,10 @@ fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
 fn update(host: &dyn Host, address: &str, failed: bool) {
     let id = address_id(address);
     let now = host.now_ns();
-    for _ in 0..CAS_RETRIES {
-        let Some((v, cas)) = host.shared_data(KEY) else { return };
-        let v = v.unwrap_or_default();
-        if !failed && !records(&v).any(|(x, _, _)| x == id) {
-            return;
-        }
-        match host.set_shared_data(KEY, &with(&v, id, now, failed), cas) {
-            Err(SharedWrite::CasMismatch) => continue,
-            _ => return,
-        }
-    }
+    update_shared(host, KEY, |v| {
+        // Nothing to clear: no write (the common case, every healthy answer).
+        (failed || records(v).any(|(x, _, _)| x == id)).then(|| with(v, id, now, failed))
+    });
 }
 
 /// The replica's answer (or Envoy's, when it could not connect): 5xx avoids it for a while,

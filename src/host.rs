@@ -35,6 +35,26 @@ pub enum SharedWrite {
     Refused,
 }
 
+/// Compare-and-swap attempts before a shared-data update gives up (other VMs racing).
+const CAS_RETRIES: u32 = 16;
+
+/// Updates shared value `key` with compare-and-swap: `next` gets the current value (empty when
+/// absent) and returns the new one, or `None` when nothing needs writing. False when the value
+/// could not be read or written (a refused read leaves it alone: a blind write would drop what
+/// other VMs put there) or every attempt lost its race.
+pub fn update_shared(host: &dyn Host, key: &str, mut next: impl FnMut(&[u8]) -> Option<Vec<u8>>) -> bool {
+    for _ in 0..CAS_RETRIES {
+        let Some((v, cas)) = host.shared_data(key) else { return false };
+        let Some(value) = next(v.as_deref().unwrap_or_default()) else { return true };
+        match host.set_shared_data(key, &value, cas) {
+            Err(SharedWrite::CasMismatch) => continue,
+            Err(SharedWrite::Refused) => return false,
+            Ok(()) => return true,
+        }
+    }
+    false
+}
+
 pub trait Host {
     /// Nanoseconds since the epoch (0 if the host has no clock).
     fn now_ns(&self) -> u64;

@@ -10,7 +10,7 @@
 //! crashed and was replaced, or its configuration went away) no longer counts, and its records
 //! are dropped by the next write: counts return to zero instead of drifting.
 
-use crate::host::{Host, SharedWrite};
+use crate::host::{update_shared, Host};
 use llmgw_core::flow::InFlight;
 use llmgw_core::policy::stable_hash;
 
@@ -18,7 +18,6 @@ const KEY: &str = "llmgw.inflight";
 const LIVE_KEY: &str = "llmgw.inflight.vms";
 const RECORD: usize = 16;
 const LIVE_RECORD: usize = 12;
-const CAS_RETRIES: u32 = 16;
 /// A VM silent this long is gone: its requests no longer count.
 pub const STALE_NS: u64 = 10_000_000_000;
 /// How often a VM renews its heartbeat.
@@ -61,8 +60,9 @@ pub fn count(v: &[u8], live: &[u32], id: u64) -> u32 {
 }
 
 /// Adds ±1 to `vm`'s count of `id`; records falling to 0 and records of VMs not in `live` are
-/// removed, so the value holds only live VMs' requests in flight.
-pub fn bump(v: &[u8], live: &[u32], vm: u32, id: u64, up: bool) -> Vec<u8> {
+/// removed, so the value holds only live VMs' requests in flight (`None`: the heartbeats could
+/// not be read, every VM's records are kept).
+pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, up: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(v.len().saturating_add(RECORD));
     let mut found = false;
     for (x_vm, x, n) in records(v) {
@@ -76,7 +76,7 @@ pub fn bump(v: &[u8], live: &[u32], vm: u32, id: u64, up: bool) -> Vec<u8> {
         } else {
             n
         };
-        if n > 0 && (x_vm == vm || live.contains(&x_vm)) {
+        if n > 0 && (x_vm == vm || live.is_none_or(|l| l.contains(&x_vm))) {
             out.extend_from_slice(&x_vm.to_le_bytes());
             out.extend_from_slice(&x.to_le_bytes());
             out.extend_from_slice(&n.to_le_bytes());
@@ -104,20 +104,17 @@ fn beat(v: &[u8], vm: u32, now: u64) -> Vec<u8> {
     out
 }
 
-/// Renews `vm`'s heartbeat when it is older than `HEARTBEAT_NS` (or absent).
-pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) {
-    for _ in 0..CAS_RETRIES {
-        let Some((v, cas)) = host.shared_data(LIVE_KEY) else { return };
-        let v = v.unwrap_or_default();
-        let fresh = heartbeats(&v).any(|(x, at)| x == vm.0 && now.saturating_sub(at) < HEARTBEAT_NS);
-        if fresh {
-            return;
-        }
-        match host.set_shared_data(LIVE_KEY, &beat(&v, vm.0, now), cas) {
-            Err(SharedWrite::CasMismatch) => continue,
-            _ => return,
-        }
-    }
+/// Renews `vm`'s heartbeat when it is older than `HEARTBEAT_NS` (or absent); returns the live
+/// VMs as the heartbeats stand afterwards (`None` when they could not be read or written).
+pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
+    let mut live = Vec::new();
+    let ok = update_shared(host, LIVE_KEY, |v| {
+        let fresh = heartbeats(v).any(|(x, at)| x == vm.0 && now.saturating_sub(at) < HEARTBEAT_NS);
+        let next = (!fresh).then(|| beat(v, vm.0, now));
+        live = live_vms(next.as_deref().unwrap_or(v), now);
+        next
+    });
+    ok.then_some(live)
 }
 
 /// Every replica's in-flight count over the live VMs, and which replicas are avoided
@@ -151,22 +148,13 @@ impl InFlight for Snapshot {
 }
 
 fn update(host: &dyn Host, vm: VmId, address: &str, up: bool) {
-    let now = host.now_ns();
-    if up {
-        heartbeat(host, vm, now);
-    }
-    let live = live_vms(&host.shared_data(LIVE_KEY).and_then(|(v, _)| v).unwrap_or_default(), now);
+    // One read of the heartbeats: renewed on the way when this VM's is due (its first request
+    // may come before its first tick).
+    let live = heartbeat(host, vm, host.now_ns());
     let id = address_id(address);
-    for _ in 0..CAS_RETRIES {
-        // A refused read leaves the record alone (a blind write would drop other replicas' counts).
-        let Some((v, cas)) = host.shared_data(KEY) else { return };
-        let next = bump(v.as_deref().unwrap_or_default(), &live, vm.0, id, up);
-        match host.set_shared_data(KEY, &next, cas) {
-            Err(SharedWrite::CasMismatch) => continue,
-            _ => return,
-        }
+    if !update_shared(host, KEY, |v| Some(bump(v, live.as_deref(), vm.0, id, up))) {
+        log::debug!("llmgw: in-flight count of {address} not updated (shared data refused or contended)");
     }
-    log::debug!("llmgw: in-flight count of {address} not updated: {CAS_RETRIES} compare-and-swap conflicts");
 }
 
 pub fn increment(host: &dyn Host, vm: VmId, address: &str) {
@@ -189,26 +177,26 @@ mod tests {
         let live = [1, 2];
         let mut v = Vec::new();
         for _ in 0..3 {
-            v = bump(&v, &live, 1, a, true);
+            v = bump(&v, Some(&live), 1, a, true);
         }
-        v = bump(&v, &live, 2, a, true);
-        v = bump(&v, &live, 1, b, true);
+        v = bump(&v, Some(&live), 2, a, true);
+        v = bump(&v, Some(&live), 1, b, true);
         assert_eq!((count(&v, &live, a), count(&v, &live, b)), (4, 1));
         assert_eq!(v.len(), 3 * RECORD);
-        v = bump(&v, &live, 1, b, false);
+        v = bump(&v, Some(&live), 1, b, false);
         assert_eq!((count(&v, &live, a), count(&v, &live, b)), (4, 0));
         assert_eq!(v.len(), 2 * RECORD);
         // A decrement of an absent address (its start was counted by an older VM) stays at 0.
-        v = bump(&v, &live, 1, b, false);
+        v = bump(&v, Some(&live), 1, b, false);
         assert_eq!(count(&v, &live, b), 0);
         // A value of another shape (trailing bytes) is read as far as it goes.
         let mut odd = v.clone();
         odd.push(7);
         assert_eq!(count(&odd, &live, a), 4);
-        assert_eq!(bump(&odd, &live, 1, a, false), bump(&v, &live, 1, a, false));
+        assert_eq!(bump(&odd, Some(&live), 1, a, false), bump(&v, Some(&live), 1, a, false));
         // Records of a VM no longer live neither count nor survive the next write.
         assert_eq!(count(&v, &[1], a), 3);
-        v = bump(&v, &[1], 1, a, false);
+        v = bump(&v, Some(&[1]), 1, a, false);
         assert_eq!(v.len(), RECORD);
         assert_eq!(count(&v, &[1, 2], a), 2);
     }

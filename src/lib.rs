@@ -157,7 +157,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(Ok(s)) = self.shared.as_ref().map(|s| s.try_borrow()) {
             self.feed.on_tick(&s);
-            inflight::heartbeat(self.host.as_ref(), s.vm, self.host.now_ns());
+            let _ = inflight::heartbeat(self.host.as_ref(), s.vm, self.host.now_ns());
         }
     }
 

@@ -214,13 +214,7 @@ pub fn decide_lazy(
         let within = |i: usize| !bounded || cands.get(i).is_some_and(|c| c.pressure().saturating_add(1) <= cap);
         let holders_within = idx.iter().any(|&i| leading(s, i) > 0 && within(i));
         spilled = any_match && !holders_within;
-        let idx: Vec<usize> = if spilled {
-            Vec::new()
-        } else {
-            idx.iter().copied().filter(|&i| within(i) || leading(s, i) == 0).collect()
-        };
-        let any_match = any_match && !spilled;
-        if any_match && s.total > 0 {
+        if holders_within && s.total > 0 {
             let score = |i: usize| -> f64 {
                 let Some(c) = cands.get(i) else { return f64::NEG_INFINITY };
                 let share = f64::from(leading(s, i)) / f64::from(s.total);
@@ -236,7 +230,9 @@ pub fn decide_lazy(
                     sa.total_cmp(&sb)
                 }
             };
-            let best = idx.iter().copied().max_by(|&a, &b| {
+            // Holders past the bound are out of this contest; replicas holding nothing stay in.
+            let contest = idx.iter().copied().filter(|&i| within(i) || leading(s, i) == 0);
+            let best = contest.max_by(|&a, &b| {
                 by_score(a, b)
                     .then(leading(s, a).cmp(&leading(s, b)))
                     // Lazily: the key is only computed for a tie.

@@ -133,61 +133,52 @@ impl<'de> Deserialize<'de> for Token {
     }
 }
 
-/// A completion's `prompt` array: text or token ids from its first element (a batch of
-/// prompts: each is its own engine request; route by the first), or the ids it is made of.
-struct PromptArray(Prompt);
+/// A completion's `prompt` array of prompts (a batch: each is its own engine request; route by
+/// the first): text or token ids from its first element, the rest skipped.
+struct FirstPrompt(Prompt);
 
-impl<'de> Deserialize<'de> for PromptArray {
+impl<'de> Deserialize<'de> for FirstPrompt {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = PromptArray;
+            type Value = FirstPrompt;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a prompt array")
+                f.write_str("a batch of prompts")
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptArray, A::Error> {
-                let Some(first) = seq.next_element::<&RawValue>()? else { return Ok(PromptArray(Prompt::None)) };
-                let prompt = match first_byte(first.get().as_bytes()) {
-                    Some(b'"') => serde_json::from_str::<String>(first.get()).map_or(Prompt::None, Prompt::Text),
-                    Some(b'[') => serde_json::from_str::<TokenIds>(first.get())
-                        .ok()
-                        .and_then(|t| t.0)
-                        .map_or(Prompt::None, Prompt::Tokens),
-                    _ => {
-                        // The array itself is the token ids.
-                        let Some(id) = serde_json::from_str::<Token>(first.get()).ok().and_then(|t| t.0) else {
-                            while seq.next_element::<IgnoredAny>()?.is_some() {}
-                            return Ok(PromptArray(Prompt::None));
-                        };
-                        let mut ids = vec![id];
-                        while let Some(t) = seq.next_element::<Token>()? {
-                            match t.0 {
-                                Some(id) => ids.push(id),
-                                None => {
-                                    while seq.next_element::<IgnoredAny>()?.is_some() {}
-                                    return Ok(PromptArray(Prompt::None));
-                                }
-                            }
-                        }
-                        return Ok(PromptArray(Prompt::Tokens(ids)));
-                    }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<FirstPrompt, A::Error> {
+                let first = seq.next_element::<&RawValue>()?;
+                let prompt = match first.map(|f| (f, first_byte(f.get().as_bytes()))) {
+                    Some((f, Some(b'"'))) => serde_json::from_str::<String>(f.get()).map_or(Prompt::None, Prompt::Text),
+                    Some((f, Some(b'['))) => token_prompt(f.get()),
+                    _ => Prompt::None,
                 };
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(PromptArray(prompt))
+                Ok(FirstPrompt(prompt))
             }
         }
         d.deserialize_seq(V)
     }
 }
 
+/// Token ids from a JSON array, `None` unless every element is a u32.
+fn token_prompt(text: &str) -> Prompt {
+    serde_json::from_str::<TokenIds>(text).ok().and_then(|t| t.0).map_or(Prompt::None, Prompt::Tokens)
+}
+
 fn completion_prompt(v: Option<&RawValue>) -> Prompt {
     let Some(v) = v else { return Prompt::None };
-    match first_byte(v.get().as_bytes()) {
+    let text = v.get().as_bytes();
+    match first_byte(text) {
         Some(b'"') => match serde_json::from_str::<String>(v.get()) {
             Ok(s) if !s.is_empty() => Prompt::Text(s),
             _ => Prompt::None,
         },
-        Some(b'[') => serde_json::from_str::<PromptArray>(v.get()).map_or(Prompt::None, |p| p.0),
+        // An array of prompts (its first element is one), or the token ids themselves.
+        Some(b'[') => match first_byte(text.get(1..).unwrap_or_default()) {
+            Some(b'"' | b'[') => serde_json::from_str::<FirstPrompt>(v.get()).map_or(Prompt::None, |p| p.0),
+            Some(b']') | None => Prompt::None,
+            _ => token_prompt(v.get()),
+        },
         _ => Prompt::None,
     }
 }
@@ -266,6 +257,8 @@ mod tests {
         let r = parse_request(ApiKind::Completions, &body(json!({"prompt":["a","b"]}))).unwrap();
         assert_eq!(r.prompt, Prompt::Text("a".into()));
         let r = parse_request(ApiKind::Completions, &body(json!({"prompt":[1,-2]}))).unwrap();
+        assert_eq!(r.prompt, Prompt::None);
+        let r = parse_request(ApiKind::Completions, &body(json!({"prompt":[]}))).unwrap();
         assert_eq!(r.prompt, Prompt::None);
         let r = parse_request(ApiKind::Completions, &body(json!({"prompt":"x","add_special_tokens":false}))).unwrap();
         let sent: Value =
