@@ -45,7 +45,8 @@ impl FeedClient {
     pub fn on_tick(&mut self, s: &Shared) {
         let feed = s.router.feed.serving();
         let bytes = u64::try_from(feed.index.memory_bytes()).unwrap_or(u64::MAX);
-        s.metrics.feed_state(self.connected, feed.index.entries(), bytes);
+        let refused = u64::try_from(feed.refused().len()).unwrap_or(u64::MAX);
+        s.metrics.feed_state(self.connected, feed.index.entries(), bytes, refused);
         let now = s.host.now_ns();
         let cfg = s.router.config();
         let idle_ns = u64::from(cfg.feed_idle_timeout_ms).saturating_mul(MS);
@@ -106,7 +107,12 @@ impl FeedClient {
             s.metrics.feed_connect();
             log::info!("llmgw: feed connected");
         }
-        match s.router.feed.apply(&msg) {
+        let table = matches!(msg.body, Some(llmgw_core::feed::Body::Replicas(_)));
+        let applied = s.router.feed.apply(&msg);
+        if table {
+            log_refused(s);
+        }
+        match applied {
             Ok(Applied::Applied) => s.metrics.feed_message(false),
             Ok(Applied::Swapped) => {
                 s.metrics.feed_message(false);
@@ -136,4 +142,27 @@ impl FeedClient {
         log::info!("llmgw: feed stream closed (grpc status {status}); reconnecting with backoff");
         self.schedule_retry(s.host.now_ns());
     }
+}
+
+/// A table naming destinations outside the allowlist: said once per table (at most a few
+/// addresses, each cut short: the agent chose them).
+fn log_refused(s: &Shared) {
+    let view = &s.router.feed;
+    let state = view.resyncing_state().unwrap_or_else(|| view.serving());
+    let refused = state.refused();
+    if refused.is_empty() {
+        return;
+    }
+    let names: Vec<String> = state
+        .replicas
+        .iter()
+        .filter(|r| refused.contains(&r.id))
+        .take(4)
+        .map(|r| r.address.chars().take(64).collect())
+        .collect();
+    log::warn!(
+        "llmgw: {} replica(s) of the feed's table are outside allowed_destinations and will not be routed to: {}",
+        refused.len(),
+        names.join(", ")
+    );
 }

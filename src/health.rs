@@ -4,6 +4,11 @@
 //! 30 s); the first answer below 500 clears it. The agent's health view (a replica down when its
 //! `/metrics` or its publisher is gone) takes seconds; this takes one request.
 //!
+//! Tokenizer calls have a breaker of their own, kept the same way under another key: a call
+//! that timed out, was reset, or answered 5xx or garbage leaves that address alone for
+//! tokenizer calls (1 s doubling to 30 s, cleared by a good answer) while requests may still be
+//! routed there; when every tokenizer is left alone, requests fall back without a call.
+//!
 //! The shared value holds 20-byte records: the address's stable hash (u64), the end of its
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
@@ -11,6 +16,7 @@ use crate::host::{update_shared, Host};
 use crate::inflight::address_id;
 
 const KEY: &str = "llmgw.health";
+const TOKENIZER_KEY: &str = "llmgw.tokenizer_health";
 const RECORD: usize = 20;
 /// How long a first failure keeps a replica avoided; each failure in a row doubles it.
 pub const FIRST_NS: u64 = 1_000_000_000;
@@ -36,8 +42,18 @@ pub struct Health {
 }
 
 impl Health {
+    /// The replicas' health, as requests are routed.
     pub fn read(host: &dyn Host) -> Health {
-        Health { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), now: host.now_ns() }
+        Health::read_key(host, KEY)
+    }
+
+    /// The tokenizer calls' breaker.
+    pub fn read_tokenizers(host: &dyn Host) -> Health {
+        Health::read_key(host, TOKENIZER_KEY)
+    }
+
+    fn read_key(host: &dyn Host, key: &str) -> Health {
+        Health { records: host.shared_data(key).and_then(|(v, _)| v).unwrap_or_default(), now: host.now_ns() }
     }
 
     /// Whether `address` is avoided right now.
@@ -69,10 +85,10 @@ fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
     bytes
 }
 
-fn update(host: &dyn Host, address: &str, failed: bool) {
+fn update(host: &dyn Host, key: &str, address: &str, failed: bool) {
     let id = address_id(address);
     let now = host.now_ns();
-    update_shared(host, KEY, |v| {
+    update_shared(host, key, |v| {
         // Nothing to clear: no write (the common case, every healthy answer).
         (failed || records(v).any(|(x, _, _)| x == id)).then(|| with(v, id, now, failed))
     });
@@ -81,7 +97,13 @@ fn update(host: &dyn Host, address: &str, failed: bool) {
 /// The replica's answer (or Envoy's, when it could not connect): 5xx avoids it for a while,
 /// anything else clears it.
 pub fn observe(host: &dyn Host, address: &str, status: u32) {
-    update(host, address, status >= 500);
+    update(host, KEY, address, status >= 500);
+}
+
+/// A tokenizer call to `address` came back: `failed` when it says the tokenizer is unwell
+/// ([`llmgw_core::flow::TokenizerFailure::strikes`]).
+pub fn observe_tokenizer(host: &dyn Host, address: &str, failed: bool) {
+    update(host, TOKENIZER_KEY, address, failed);
 }
 
 #[cfg(test)]

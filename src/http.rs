@@ -25,7 +25,7 @@ enum Phase {
     /// Buffering the body.
     Body,
     /// The tokenizer call `token` is out.
-    Tokenizing { token: u32, started_ns: u64, pending: Box<Pending> },
+    Tokenizing { token: u32, started_ns: u64, pending: Box<Pending>, target: String },
     /// Decided, answered or passed through: nothing more to do before the response.
     Done,
 }
@@ -123,7 +123,8 @@ impl Request {
                 let timeout = Duration::from_millis(u64::from(t.timeout_ms));
                 match self.host.dispatch_http_call(cluster, &headers, &t.body, timeout) {
                     Ok(token) => {
-                        self.phase = Phase::Tokenizing { token, started_ns: self.host.now_ns(), pending: t.pending };
+                        let started_ns = self.host.now_ns();
+                        self.phase = Phase::Tokenizing { token, started_ns, pending: t.pending, target: t.target };
                         return Action::Pause;
                     }
                     Err(e) => {
@@ -151,8 +152,10 @@ impl Request {
 
 impl Context for Request {
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _trailers: usize) {
-        let (started_ns, pending) = match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Tokenizing { token, started_ns, pending } if token == token_id => (started_ns, pending),
+        let (started_ns, pending, target) = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Tokenizing { token, started_ns, pending, target } if token == token_id => {
+                (started_ns, pending, target)
+            }
             other => {
                 self.phase = other;
                 return;
@@ -179,6 +182,12 @@ impl Context for Request {
         };
         let in_flight = inflight::Snapshot::read(self.host.as_ref());
         let step = s.router.on_tokenizer_reply(*pending, &reply, &in_flight, t0);
+        // The tokenizer's circuit breaker: a timeout, reset, 5xx or garbage leaves it alone for
+        // a while; a good answer clears it.
+        let failure = step.report().tokenizer_failure;
+        if failure.is_none_or(|f| f.strikes()) {
+            crate::health::observe_tokenizer(self.host.as_ref(), &target, failure.is_some());
+        }
         self.act(&mut s, step, t0, true);
     }
 }

@@ -123,6 +123,7 @@ pub struct Snapshot {
     records: Vec<u8>,
     live: Vec<u32>,
     health: crate::health::Health,
+    tokenizers: crate::health::Health,
 }
 
 impl Snapshot {
@@ -133,6 +134,7 @@ impl Snapshot {
             records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(),
             live: live_vms(&live, now),
             health: crate::health::Health::read(host),
+            tokenizers: crate::health::Health::read_tokenizers(host),
         }
     }
 }
@@ -144,6 +146,10 @@ impl InFlight for Snapshot {
 
     fn avoided(&self, address: &str) -> bool {
         self.health.avoided(address)
+    }
+
+    fn tokenizer_avoided(&self, address: &str) -> bool {
+        self.tokenizers.avoided(address)
     }
 }
 

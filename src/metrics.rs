@@ -33,6 +33,7 @@ pub struct Metrics {
     feed_connected: Cell<Option<Option<u32>>>,
     index_blocks: Cell<Option<Option<u32>>>,
     index_bytes: Cell<Option<Option<u32>>>,
+    destinations_refused: Cell<Option<Option<u32>>>,
     vm_tag: String,
     enabled: bool,
 }
@@ -70,6 +71,7 @@ impl Metrics {
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
+            destinations_refused: Cell::new(None),
             vm_tag: vm_tag.to_owned(),
             enabled,
             host,
@@ -151,9 +153,11 @@ impl Metrics {
         id
     }
 
-    /// `index_blocks`: (block, replica) entries of the serving index; `index_bytes`: its tables.
-    pub fn feed_state(&self, connected: bool, index_blocks: u64, index_bytes: u64) {
+    /// `index_blocks`: (block, replica) entries of the serving index; `index_bytes`: its tables;
+    /// `refused`: replicas of the table whose address the allowlist refuses.
+    pub fn feed_state(&self, connected: bool, index_blocks: u64, index_bytes: u64, refused: u64) {
         if self.enabled {
+            self.record(self.gauge(&self.destinations_refused, "llmgw_destinations_refused"), refused);
             self.record(self.gauge(&self.feed_connected, "llmgw_feed_connected"), u64::from(connected));
             self.record(self.gauge(&self.index_blocks, "llmgw_index_blocks"), index_blocks);
             self.record(self.gauge(&self.index_bytes, "llmgw_index_bytes"), index_bytes);

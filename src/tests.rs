@@ -480,3 +480,42 @@ fn a_replica_answering_5xx_is_avoided_from_the_next_request_then_tried_again() {
     let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
     assert_eq!(e.dest().as_deref(), Some(B));
 }
+
+#[test]
+fn a_tokenizer_that_times_out_is_left_alone_by_every_worker_then_tried_again() {
+    let hello = br#"{"model":"m","prompt":"hello"}"#;
+    let tokens: Vec<u32> = (0..8).collect();
+    let e = synced("", vec![], vec![], true);
+    e.host.now_ns.set(1_000_000_000);
+    let target = |e: &Env| e.host.last_call().unwrap().header(":authority").map(str::to_owned);
+    // Each request ends (its in-flight count goes) so that equal loads choose A first.
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("504"), b"");
+    ctx.on_log();
+    // The next call (any worker: the record is shared) goes to B; B times out too.
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    assert_eq!(target(&e).as_deref(), Some(B));
+    e.answer(&mut ctx, None, b"");
+    ctx.on_log();
+    // Both failing: no call at all, routed at once.
+    let calls = e.host.calls.borrow().len();
+    let (mut ctx, action) = e.request(COMPLETIONS, hello);
+    assert_eq!((action, e.host.calls.borrow().len()), (Action::Continue, calls));
+    assert_eq!(e.counter("llmgw_tokenizer_failures_total.reason.circuit_open"), 1);
+    assert!(e.dest().is_some());
+    ctx.on_log();
+    // A second later A is tried again, and a good answer clears it.
+    e.host.now_ns.set(2_000_000_001);
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&tokens));
+    ctx.on_log();
+    // A 4xx says nothing about the tokenizer: A stays in use.
+    let (mut ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"other"}"#);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("400"), b"");
+    ctx.on_log();
+    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"third"}"#);
+    assert_eq!(target(&e).as_deref(), Some(A), "a 400 does not open the circuit");
+}

@@ -3,6 +3,7 @@
 //! that applies them to a subscriber's state. Field numbers must match the `.proto`; the
 //! agent's tests check this against code generated from it.
 
+use crate::allow::Allowlist;
 use crate::hash::{BlockKey, HashAlgo, HashSpec, MAX_LOOKAHEAD};
 use crate::index::{ReplicaId, ReplicaIndex};
 use crate::mirror::NetChange;
@@ -227,6 +228,11 @@ pub struct FeedState {
     pub last_seq: Option<u64>,
     /// Messages that could not be applied (replica id out of range).
     pub rejected: u64,
+    /// Where requests may go (`None`: anywhere, for users other than the filter); replicas
+    /// elsewhere are listed in `refused`.
+    allow: Option<Allowlist>,
+    /// Ids of the replicas whose address the allowlist refuses: never routed to.
+    refused: Vec<u32>,
 }
 
 /// Why a message was not applied.
@@ -252,6 +258,34 @@ fn rid(r: u32) -> Result<ReplicaId, FeedError> {
 }
 
 impl FeedState {
+    /// An empty state whose replicas are checked against `allow`.
+    pub fn with_allowlist(allow: Option<Allowlist>) -> FeedState {
+        FeedState { allow, ..FeedState::default() }
+    }
+
+    /// Checks the table against `allow` from now on.
+    pub fn set_allowlist(&mut self, allow: &Allowlist) {
+        if self.allow.as_ref() != Some(allow) {
+            self.allow = Some(allow.clone());
+            self.check_destinations();
+        }
+    }
+
+    fn check_destinations(&mut self) {
+        let Some(allow) = &self.allow else { return };
+        self.refused = self.replicas.iter().filter(|r| !allow.allows(&r.address)).map(|r| r.id).collect();
+    }
+
+    /// Whether requests may go to replica `id` (its address is inside the allowlist).
+    pub fn allowed(&self, id: u32) -> bool {
+        !self.refused.contains(&id)
+    }
+
+    /// Replicas in the table whose address the allowlist refuses.
+    pub fn refused(&self) -> &[u32] {
+        &self.refused
+    }
+
     /// Forgets everything (a new subscription starts).
     pub fn restart(&mut self) {
         self.synced = false;
@@ -295,6 +329,7 @@ impl FeedState {
                 }
                 self.replicas = t.replicas.clone();
                 self.loads.retain(|l| t.replicas.iter().any(|r| r.id == l.replica));
+                self.check_destinations();
             }
             Body::Snapshot(s) => {
                 let r = rid(s.replica)?;
@@ -362,6 +397,11 @@ impl FeedView {
         self.serving.synced
     }
 
+    /// The state being rebuilt by a resync, if one is under way.
+    pub fn resyncing_state(&self) -> Option<&FeedState> {
+        self.resync.as_ref()
+    }
+
     /// A resync is under way.
     pub fn resyncing(&self) -> bool {
         self.resync.is_some()
@@ -371,11 +411,20 @@ impl FeedView {
     /// snapshot. A complete serving state keeps serving until the new one is complete; an
     /// incomplete one is simply rebuilt.
     pub fn begin_subscription(&mut self) {
+        let fresh = FeedState::with_allowlist(self.serving.allow.clone());
         if self.serving.synced {
-            self.resync = Some(FeedState::default());
+            self.resync = Some(fresh);
         } else {
             self.resync = None;
-            self.serving = FeedState::default();
+            self.serving = fresh;
+        }
+    }
+
+    /// The destinations allowed from now on (the configuration changed).
+    pub fn set_allowlist(&mut self, allow: &Allowlist) {
+        self.serving.set_allowlist(allow);
+        if let Some(r) = self.resync.as_mut() {
+            r.set_allowlist(allow);
         }
     }
 

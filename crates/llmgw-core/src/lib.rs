@@ -10,6 +10,7 @@
 //! * [`mirror`]: one engine's held blocks as a reference-counted multiset, yielding net changes
 //!   and checking hash parity.
 //! * [`index`]: block key → replicas holding it, with leading-prefix scoring.
+//! * [`allow`]: the networks and ports the filter may route to.
 //! * [`config`]: the filter's configuration, validated with errors naming the field, and
 //!   compiled once into what requests need.
 //! * [`flow`]: the request path from a body to a routing step (route, 503, tokenizer call),
@@ -21,6 +22,7 @@
 //! Nothing here does I/O, reads a clock or draws random numbers: every input is an argument,
 //! so the same code runs natively (agent, tests, benchmarks) and inside Envoy as wasm.
 
+pub mod allow;
 pub mod config;
 pub mod event;
 pub mod feed;

@@ -42,6 +42,8 @@ pub struct CompiledProfile {
     others: Vec<(HashSpec, BlockHasher)>,
     pub tokenizer: TokenizerEndpoint,
     pub tokenizer_timeout_ms: u32,
+    /// A dedicated tokenizer, tried before the replicas.
+    pub tokenizer_address: Option<String>,
     pub weights: Weights,
     pub lora_adapters: BTreeMap<String, String>,
     /// Leading prompt bytes the approximate key reads.
@@ -127,6 +129,8 @@ pub struct Compiled {
     /// Byte budget of the tokenization cache (0: off).
     pub tokenizer_cache_bytes: usize,
     pub tokenizer_cache_ttl_ns: u64,
+    /// Where requests and tokenizer calls may go.
+    pub allow: crate::allow::Allowlist,
     pub profiles: Vec<CompiledProfile>,
 }
 
@@ -138,6 +142,9 @@ impl Compiled {
 
     /// Compiles a validated configuration.
     pub fn compile(cfg: FilterConfig, memo: Option<MemoSettings>) -> Result<Compiled, ConfigError> {
+        let allow = cfg
+            .allowlist()
+            .map_err(|(i, message)| ConfigError { field: format!("allowed_destinations[{i}]"), message })?;
         let mut profiles = Vec::with_capacity(cfg.profiles.len());
         for (i, p) in cfg.profiles.into_iter().enumerate() {
             let field = |name: &str| format!("profiles[{i}].{name}");
@@ -169,6 +176,7 @@ impl Compiled {
                 hasher,
                 tokenizer: p.tokenizer,
                 tokenizer_timeout_ms: p.tokenizer_timeout_ms,
+                tokenizer_address: p.tokenizer_address,
                 weights: p.weights,
                 lora_adapters: p.lora_adapters,
                 approx_prefix_bytes: usize::try_from(p.approx_prefix_bytes).unwrap_or(usize::MAX),
@@ -185,6 +193,7 @@ impl Compiled {
             metrics: cfg.metrics,
             tokenizer_cache_bytes: usize::try_from(cfg.tokenizer_cache_bytes).unwrap_or(usize::MAX),
             tokenizer_cache_ttl_ns: u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000),
+            allow,
             profiles,
         })
     }

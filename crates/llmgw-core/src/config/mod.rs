@@ -109,6 +109,11 @@ pub struct Profile {
     pub tokenizer: TokenizerEndpoint,
     #[serde(default = "default_timeout")]
     pub tokenizer_timeout_ms: u32,
+    /// A dedicated tokenizer (`IP:PORT`), e.g. `vllm launch render MODEL_DIR` beside the
+    /// gateway: it never queues behind generation. Tokenizer calls go there first, and to the
+    /// least-loaded replica while it is failing. Absent: the least-loaded replica.
+    #[serde(default)]
+    pub tokenizer_address: Option<String>,
     #[serde(default)]
     pub weights: Weights,
     /// LoRA adapters served under this profile: adapter name (as requests name it in `model`)
@@ -280,6 +285,12 @@ pub struct FilterConfig {
     /// replicas takes effect within this time).
     #[serde(default = "default_tokenizer_cache_ttl_ms")]
     pub tokenizer_cache_ttl_ms: u32,
+    /// Networks (CIDR, optionally `:PORT` or `:LO-HI`) the filter may send requests and
+    /// tokenizer calls to; a replica the feed names elsewhere is never routed to (counted in
+    /// `llmgw_destinations_refused`). Absent: loopback and private networks
+    /// ([`crate::allow::DEFAULT`]).
+    #[serde(default)]
+    pub allowed_destinations: Option<Vec<String>>,
     pub profiles: Vec<Profile>,
 }
 
@@ -320,6 +331,9 @@ impl FilterConfig {
         if self.tokenizer_cache_ttl_ms == 0 {
             return bad("tokenizer_cache_ttl_ms".into(), "must be positive");
         }
+        if let Err((i, m)) = self.allowlist() {
+            return bad(format!("allowed_destinations[{i}]"), &m);
+        }
         if self.profiles.is_empty() {
             return bad("profiles".into(), "at least one profile is required");
         }
@@ -342,6 +356,9 @@ impl FilterConfig {
             }
             if p.tokenizer_timeout_ms == 0 {
                 return bad(f("tokenizer_timeout_ms"), "must be positive");
+            }
+            if p.tokenizer_address.as_ref().is_some_and(|a| a.parse::<std::net::SocketAddr>().is_err()) {
+                return bad(f("tokenizer_address"), "must be IP:PORT (IPv6 in brackets)");
             }
             let w = &p.weights;
             for (name, v) in [
@@ -368,6 +385,14 @@ impl FilterConfig {
             }
         }
         Ok(())
+    }
+
+    /// The compiled destination allowlist (the default networks when none is configured).
+    pub fn allowlist(&self) -> Result<crate::allow::Allowlist, (usize, String)> {
+        match &self.allowed_destinations {
+            Some(list) => crate::allow::Allowlist::parse(list),
+            None => Ok(crate::allow::Allowlist::default_networks()),
+        }
     }
 
     /// The profile serving `model` (exact name first, then a `"*"` profile).
@@ -434,6 +459,10 @@ mod tests {
             .contains("`tokenizer_cache_ttl_ms`"));
         assert!(err(r#"{"tokenizer_cache_bytes":-1,"profiles":[{"name":"a","models":["m"]}]}"#)
             .contains("tokenizer_cache_bytes"));
+        assert!(err(
+            r#"{"allowed_destinations":["10.0.0.0/8","10.0.0.0/40"],"profiles":[{"name":"a","models":["m"]}]}"#
+        )
+        .contains("`allowed_destinations[1]`"));
         let c = FilterConfig::from_json(
             br#"{"profiles":[{"name":"a","models":["m","ad"],"lora_adapters":{"ad":"/l/ad"},"weights":{"load":1}}]}"#,
         )

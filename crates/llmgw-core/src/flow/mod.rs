@@ -38,6 +38,11 @@ pub trait InFlight {
     fn avoided(&self, _address: &str) -> bool {
         false
     }
+    /// Whether tokenizer calls leave this address alone for now (its recent calls timed out,
+    /// were reset or answered 5xx): the tokenizer's circuit breaker.
+    fn tokenizer_avoided(&self, _address: &str) -> bool {
+        false
+    }
 }
 
 /// No requests in flight anywhere.
@@ -136,6 +141,15 @@ pub struct Tokenize {
     pub timeout_ms: u32,
     pub pending: Box<Pending>,
     pub report: Report,
+}
+
+/// Where a tokenizer call goes.
+enum TokenizerTarget {
+    At(String),
+    /// Every tokenizer the request could use is failing: no call.
+    CircuitOpen,
+    /// No replica to call (nor to route to).
+    Nobody,
 }
 
 /// What a tokenizer call in flight was for.
@@ -280,7 +294,7 @@ fn candidates_avoiding<'a>(
 ) -> Vec<Candidate<'a>> {
     feed.replicas
         .iter()
-        .filter(|r| serves(r, model))
+        .filter(|r| serves(r, model) && feed.allowed(r.id))
         .filter_map(|r| {
             let id = ReplicaId::try_from(r.id).ok()?;
             let load = feed.loads.iter().find(|l| l.replica == r.id);
@@ -302,11 +316,13 @@ impl Router {
     /// `tokcache_key`: the secret of the tokenization cache's tags (clients choose the bodies
     /// they are taken over): random per VM.
     pub fn new(config: Compiled, tokcache_key: u64) -> Router {
+        let mut feed = FeedView::default();
+        feed.set_allowlist(&config.allow);
         Router {
             tokcache: token_cache(&config, tokcache_key),
             config,
             default_weights: Weights::default(),
-            feed: FeedView::default(),
+            feed,
             tokcache_key,
             scratch: Scratch::default(),
             generation: 0,
@@ -400,6 +416,7 @@ impl Router {
     /// (profiles may have changed what a tokenization means).
     pub fn reconfigure(&mut self, config: Compiled) {
         self.tokcache = token_cache(&config, self.tokcache_key);
+        self.feed.set_allowlist(&config.allow);
         self.config = config;
         self.generation = self.generation.wrapping_add(1);
     }
@@ -495,20 +512,46 @@ impl Router {
             }
             report.tokenizer_cache = Some(CacheLookup::Miss);
         }
-        // Tokenize on the least-loaded healthy replica of the model.
-        let target = call.as_ref().and_then(|_| {
-            let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
-            let cands = candidates(self.feed.serving(), model, in_flight);
-            policy::least_loaded(&cands, w).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
-        });
+        // Tokenize on the dedicated tokenizer, else the least-loaded healthy replica of the
+        // model, leaving alone those whose recent calls failed.
+        let target = call.as_ref().map(|_| self.tokenizer_target(pi, model, in_flight));
         let (Some(call), Some(target)) = (call, target) else {
             // No call possible; without a replica `finish` answers 503.
             return self.finish(model, Some(pi), false, &approx, why, in_flight, report);
+        };
+        let target = match target {
+            TokenizerTarget::At(t) => t,
+            TokenizerTarget::CircuitOpen => {
+                report.tokenizer_failure = Some(TokenizerFailure::CircuitOpen);
+                return self.finish(model, Some(pi), false, &approx, Some(Fallback::Tokenizer), in_flight, report);
+            }
+            TokenizerTarget::Nobody => return self.finish(model, Some(pi), false, &approx, why, in_flight, report),
         };
         let generation = self.generation;
         let pending =
             Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation, spec });
         Step::Tokenize(Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report })
+    }
+
+    /// Where profile `pi`'s tokenizer call goes: its dedicated tokenizer unless that is failing,
+    /// else the least-loaded healthy replica serving `model` whose tokenizer is not failing.
+    fn tokenizer_target(&self, pi: usize, model: Option<&str>, in_flight: &dyn InFlight) -> TokenizerTarget {
+        let p = self.config.profile(pi);
+        if let Some(a) = p.and_then(|p| p.tokenizer_address.as_deref()) {
+            if !in_flight.tokenizer_avoided(a) {
+                return TokenizerTarget::At(a.to_owned());
+            }
+        }
+        let w = p.map_or(&self.default_weights, |p| &p.weights);
+        let mut cands = candidates(self.feed.serving(), model, in_flight);
+        if !cands.iter().any(|c| c.up) {
+            return TokenizerTarget::Nobody;
+        }
+        cands.retain(|c| c.up && !in_flight.tokenizer_avoided(c.address));
+        match policy::least_loaded(&cands, w).and_then(|i| cands.get(i)) {
+            Some(c) => TokenizerTarget::At(c.address.to_owned()),
+            None => TokenizerTarget::CircuitOpen,
+        }
     }
 
     /// Decides once the tokenizer call for `pending` came back (or could not be made).

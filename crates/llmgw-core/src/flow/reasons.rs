@@ -74,16 +74,32 @@ pub enum TokenizerFailure {
     BadResponse,
     /// The host refused to dispatch the call (unknown cluster, bad headers).
     Dispatch,
+    /// No call was made: every tokenizer the request could use failed recently (timed out,
+    /// reset, answered 5xx or garbage) and is left alone for a while (the circuit breaker).
+    CircuitOpen,
 }
 
 impl TokenizerFailure {
-    pub const ALL: [TokenizerFailure; 6] = [
+    /// Whether the failure says the tokenizer replica is unwell (it counts towards its circuit
+    /// breaker); a refused dispatch or a 4xx says nothing about it.
+    pub fn strikes(self) -> bool {
+        matches!(
+            self,
+            TokenizerFailure::Timeout
+                | TokenizerFailure::Unavailable
+                | TokenizerFailure::Reset
+                | TokenizerFailure::BadResponse
+        )
+    }
+
+    pub const ALL: [TokenizerFailure; 7] = [
         TokenizerFailure::Timeout,
         TokenizerFailure::Unavailable,
         TokenizerFailure::Status,
         TokenizerFailure::Reset,
         TokenizerFailure::BadResponse,
         TokenizerFailure::Dispatch,
+        TokenizerFailure::CircuitOpen,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -94,6 +110,7 @@ impl TokenizerFailure {
             TokenizerFailure::Reset => "reset",
             TokenizerFailure::BadResponse => "bad_response",
             TokenizerFailure::Dispatch => "dispatch",
+            TokenizerFailure::CircuitOpen => "circuit_open",
         }
     }
 }

@@ -585,3 +585,56 @@ fn a_catch_all_profile_over_replicas_hashing_differently_keeps_each_models_token
         assert!(got.report.tokenizer_cache.is_some_and(CacheLookup::is_hit), "round {round}");
     }
 }
+
+#[test]
+fn a_replica_outside_the_allowlist_is_never_routed_to_nor_asked_to_tokenize() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let ids = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#);
+    // B holds the prompt, but only A's port is allowed.
+    let mut r = router(r#""allowed_destinations":["127.0.0.1:8001"],"#, keys(&tokens), true);
+    assert_eq!(r.feed.serving().refused(), &[1]);
+    assert_eq!(routed(r.on_body(&body(COMPLETIONS, ids.as_bytes()), &(), 0)).address, A);
+    let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &(), 0));
+    assert_eq!(call.target, A);
+    // Nothing allowed: nobody is routed to (answered locally), whatever the feed says.
+    r.reconfigure(config(r#""allowed_destinations":["10.0.0.0/8"],"#));
+    assert_eq!(r.feed.serving().refused(), &[0, 1]);
+    assert!(matches!(r.on_body(&body(COMPLETIONS, ids.as_bytes()), &(), 0), Step::Reject(_)));
+    // The default networks include loopback: both are routable again, B holds the prompt.
+    r.reconfigure(config(""));
+    assert!(r.feed.serving().refused().is_empty());
+    assert_eq!(routed(r.on_body(&body(COMPLETIONS, ids.as_bytes()), &(), 0)).address, B);
+}
+
+#[test]
+fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one() {
+    struct Failing(&'static [&'static str]);
+    impl InFlight for Failing {
+        fn in_flight(&self, _address: &str) -> u32 {
+            0
+        }
+        fn tokenizer_avoided(&self, address: &str) -> bool {
+            self.0.contains(&address)
+        }
+    }
+    let text = br#"{"model":"m","prompt":"hello"}"#;
+    let mut r = router("", vec![], true);
+    // Equal loads: A first; A failing: B.
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[]), 0)).target, A);
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[A]), 0)).target, B);
+    // Every tokenizer failing: no call, an immediate fallback that names the open circuit,
+    // still routed.
+    let got = routed(r.on_body(&body(COMPLETIONS, text), &Failing(&[A, B]), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::Tokenizer));
+    assert_eq!(got.report.tokenizer_failure, Some(TokenizerFailure::CircuitOpen));
+    // A dedicated tokenizer is called first, and skipped while it fails.
+    const T: &str = "127.0.0.1:9100";
+    let profile = format!(
+        r#"{{"profiles":[{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0","tokenizer_address":"{T}"}}]}}"#
+    );
+    r.reconfigure(Compiled::from_json(profile.as_bytes(), None).unwrap());
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[]), 0)).target, T);
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[T]), 0)).target, A);
+    let bad = br#"{"profiles":[{"name":"p","models":["m"],"tokenizer_address":"render:8000"}]}"#;
+    assert!(Compiled::from_json(bad, None).err().unwrap().to_string().contains("profiles[0].tokenizer_address"));
+}
