@@ -101,12 +101,16 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let down_after = Duration::from_millis(cfg.down_after_ms);
     let mut last_ok = Instant::now();
+    // Until its first answer nothing says the replica is up (the agent may have just
+    // restarted in front of a dead one): its first failed scrape marks it down at once.
+    let mut ever_ok = false;
     let mut failing = false;
     loop {
         t.tick().await;
         match http_get(&url, Duration::from_millis(cfg.timeout_ms)).await {
             Ok(body) => {
                 last_ok = Instant::now();
+                ever_ok = true;
                 if failing {
                     info!(replica = %spec.label(), %url, "replica reachable again");
                     failing = false;
@@ -131,7 +135,8 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
                     warn!(replica = %spec.label(), %url, error = %e, "load scrape failed");
                     failing = true;
                 }
-                if last_ok.elapsed() >= down_after && hub.state().set_health(idx, Health::Http, false, "unreachable") {
+                let down = !ever_ok || last_ok.elapsed() >= down_after;
+                if down && hub.state().set_health(idx, Health::Http, false, "unreachable") {
                     warn!(replica = %spec.label(), %url, "replica unreachable; marked down, its blocks leave the index");
                 }
             }
@@ -178,6 +183,30 @@ vllm:num_requests_running_other 99
         let unlabelled = "vllm:num_requests_running 4\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.1\n";
         assert_eq!(parse_load(unlabelled, 0), Load { running: 4.0, waiting: 1.0, kv_cache_usage: 0.1 });
         assert_eq!(parse_load("garbage{\n{}\nvllm:num_requests_running{x=\"1\"} NaN\n", 0), Load::default());
+    }
+
+    /// After an agent (re)start a replica that never answers is down at its first failed
+    /// scrape, not after `down_after_ms` of being shown up.
+    #[tokio::test]
+    async fn a_replica_never_seen_up_is_down_at_its_first_failed_scrape() {
+        // A loopback port nobody listens on (bound, then closed).
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let cfg = crate::config::Config::parse(&format!(
+            "[[replicas]]\nname = \"dead\"\naddress = \"127.0.0.1:{port}\"\nendpoint = \"tcp://127.0.0.1:1\"\n"
+        ))
+        .unwrap();
+        let hub = Hub::new(cfg.engines(), 64, 10);
+        assert!(hub.state().engines[0].up, "shown up until something says otherwise");
+        let spec = hub.state().engines[0].spec.clone();
+        let load = LoadConfig { enabled: true, interval_ms: 50, down_after_ms: 3_600_000, timeout_ms: 500 };
+        let task = tokio::spawn(scrape_engine(hub.clone(), spec, load));
+        // Readiness: the table change. Bounded: one scrape's timeout and then some.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while hub.state().engines[0].up {
+            assert!(Instant::now() < deadline, "still up: the hour of down_after_ms was waited for");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        task.abort();
     }
 
     #[test]
