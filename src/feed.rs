@@ -25,6 +25,11 @@ pub struct FeedClient {
     next_attempt_ns: u64,
     /// When the current stream last showed life (opened or delivered a message).
     last_activity_ns: u64,
+    /// When the agent last said anything (any stream), and last reported loads.
+    last_message_ns: Option<u64>,
+    last_load_ns: Option<u64>,
+    /// Staleness as last logged.
+    stale_logged: (bool, bool),
 }
 
 impl FeedClient {
@@ -42,12 +47,31 @@ impl FeedClient {
         self.next_attempt_ns = now_ns.saturating_add(self.backoff_ms.saturating_mul(MS));
     }
 
-    pub fn on_tick(&mut self, s: &Shared) {
+    /// Marks the serving index and loads stale when the agent has been silent too long.
+    fn check_staleness(&mut self, s: &mut Shared, now: u64) {
+        let cfg = s.router.config();
+        let older = |at: Option<u64>, limit: u64| at.is_some_and(|t| now.saturating_sub(t) > limit);
+        let index = older(self.last_message_ns, cfg.index_stale_ns);
+        let loads = older(self.last_load_ns, cfg.loads_stale_ns);
+        if (index, loads) != self.stale_logged {
+            if index && !self.stale_logged.0 {
+                log::warn!("llmgw: no word from the agent for index_stale_ms: the index is no longer credited");
+            }
+            if loads && !self.stale_logged.1 {
+                log::warn!("llmgw: no load report for loads_stale_ms: replicas weighed by in-flight counts only");
+            }
+            self.stale_logged = (index, loads);
+        }
+        s.router.feed.set_staleness(index, loads);
+    }
+
+    pub fn on_tick(&mut self, s: &mut Shared) {
+        let now = s.host.now_ns();
+        self.check_staleness(s, now);
         let feed = s.router.feed.serving();
         let bytes = u64::try_from(feed.index.memory_bytes()).unwrap_or(u64::MAX);
         let refused = u64::try_from(feed.refused().len()).unwrap_or(u64::MAX);
         s.metrics.feed_state(self.connected, feed.index.entries(), bytes, refused);
-        let now = s.host.now_ns();
         let cfg = s.router.config();
         let idle_ns = u64::from(cfg.feed_idle_timeout_ms).saturating_mul(MS);
         if self.stream.is_some() && now.saturating_sub(self.last_activity_ns) > idle_ns {
@@ -89,7 +113,8 @@ impl FeedClient {
         if self.stream != Some(token) {
             return;
         }
-        self.last_activity_ns = s.host.now_ns();
+        let now = s.host.now_ns();
+        self.last_activity_ns = now;
         let body = s.host.buffer(Buffer::GrpcReceive, size);
         let msg = match FeedMessage::decode(body.as_slice()) {
             Ok(m) => m,
@@ -106,6 +131,10 @@ impl FeedClient {
             s.router.feed.begin_subscription();
             s.metrics.feed_connect();
             log::info!("llmgw: feed connected");
+        }
+        self.last_message_ns = Some(now);
+        if matches!(msg.body, Some(llmgw_core::feed::Body::Load(_))) {
+            self.last_load_ns = Some(now);
         }
         let table = matches!(msg.body, Some(llmgw_core::feed::Body::Replicas(_)));
         let applied = s.router.feed.apply(&msg);

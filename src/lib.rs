@@ -155,8 +155,8 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let Some(Ok(s)) = self.shared.as_ref().map(|s| s.try_borrow()) {
-            self.feed.on_tick(&s);
+        if let Some(Ok(mut s)) = self.shared.as_ref().map(|s| s.try_borrow_mut()) {
+            self.feed.on_tick(&mut s);
             let _ = inflight::heartbeat(self.host.as_ref(), s.vm, self.host.now_ns());
         }
     }

@@ -519,3 +519,45 @@ fn a_tokenizer_that_times_out_is_left_alone_by_every_worker_then_tried_again() {
     let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"third"}"#);
     assert_eq!(target(&e).as_deref(), Some(A), "a 400 does not open the circuit");
 }
+
+#[test]
+fn while_the_agent_is_away_loads_then_the_index_go_stale_and_come_back_with_it() {
+    use llmgw_core::feed::{LoadReport, ReplicaLoad};
+    let tokens: Vec<u32> = (0..32).collect();
+    // B holds the prompt but reports a long queue; A is idle.
+    let mut e = synced("", vec![], keys(&tokens), true);
+    let load = |replica, waiting| ReplicaLoad { replica, running: 0, waiting, kv_cache_usage: 0.0 };
+    e.feed(vec![Msg::Load(LoadReport { loads: vec![load(0, 0), load(1, 40)] })]);
+    let t0 = e.host.now_ns.get();
+    let at = |e: &mut Env, ms: u64| {
+        e.host.now_ns.set(t0 + ms * 1_000_000);
+        e.root.on_tick();
+    };
+    let go = |e: &Env| {
+        let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+        ctx.on_log();
+        e.dest()
+    };
+    at(&mut e, 100);
+    assert_eq!(go(&e).as_deref(), Some(A), "B's reported queue outweighs its hit");
+    // The agent falls silent. After loads_stale_ms (5 s) B's old queue no longer counts.
+    at(&mut e, 5_100);
+    assert_eq!(go(&e).as_deref(), Some(B));
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 1);
+    // After index_stale_ms (60 s) the index is not credited: the fallback routes, named.
+    at(&mut e, 60_100);
+    let _ = go(&e);
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.stale"), 1);
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 1);
+    // The agent is back: a new stream, its table and snapshot.
+    e.subscribe();
+    e.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: keys(&tokens) }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    e.root.on_tick();
+    assert_eq!(go(&e).as_deref(), Some(B));
+    assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 2);
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.stale"), 1);
+}

@@ -233,6 +233,12 @@ pub struct FeedState {
     allow: Option<Allowlist>,
     /// Ids of the replicas whose address the allowlist refuses: never routed to.
     refused: Vec<u32>,
+    /// The engine-reported loads are too old to use (the agent has been away): candidates
+    /// are weighed by the gateway's own in-flight counts only.
+    pub loads_stale: bool,
+    /// The index is too old to credit (the agent has been away): requests are routed by the
+    /// fallbacks until a new snapshot.
+    pub index_stale: bool,
 }
 
 /// Why a message was not applied.
@@ -392,9 +398,22 @@ impl FeedView {
         &self.serving
     }
 
-    /// Whether the serving index is complete (a snapshot was fully received).
+    /// Whether the serving index is complete (a snapshot was fully received) and fresh.
     pub fn usable(&self) -> bool {
-        self.serving.synced
+        self.serving.synced && !self.serving.index_stale
+    }
+
+    /// Whether the serving index is complete but too old to credit.
+    pub fn stale(&self) -> bool {
+        self.serving.synced && self.serving.index_stale
+    }
+
+    /// How old the serving state is, as the subscriber judges it (the feed has no clock):
+    /// `index` when nothing has come from the agent for too long, `loads` when no load report
+    /// has. A swap to a rebuilt state starts fresh.
+    pub fn set_staleness(&mut self, index: bool, loads: bool) {
+        self.serving.index_stale = index;
+        self.serving.loads_stale = loads;
     }
 
     /// The state being rebuilt by a resync, if one is under way.

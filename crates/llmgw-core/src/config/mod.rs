@@ -56,6 +56,12 @@ fn default_tokenizer_cluster() -> String {
 fn default_feed_idle_timeout() -> u32 {
     15_000
 }
+fn default_loads_stale() -> u32 {
+    5_000
+}
+fn default_index_stale() -> u32 {
+    60_000
+}
 /// Leading prompt bytes the approximate fallback hashes when no profile says otherwise.
 pub const DEFAULT_APPROX_PREFIX_BYTES: u32 = 1024;
 fn default_approx_prefix_bytes() -> u32 {
@@ -267,6 +273,16 @@ pub struct FilterConfig {
     /// reopened.
     #[serde(default = "default_feed_idle_timeout")]
     pub feed_idle_timeout_ms: u32,
+    /// Engine-reported loads older than this (no load report from the agent) are ignored:
+    /// replicas are weighed by this Envoy's in-flight counts only.
+    #[serde(default = "default_loads_stale")]
+    pub loads_stale_ms: u32,
+    /// An index the agent has said nothing about for this long (no message, not even a
+    /// heartbeat: the agent is away) is no longer credited; requests go by the fallbacks
+    /// (`reason="stale"`) until a new snapshot. The replica table keeps serving: it is the only
+    /// list of destinations, and passive health covers replicas that died meanwhile.
+    #[serde(default = "default_index_stale")]
+    pub index_stale_ms: u32,
     #[serde(default = "default_header")]
     pub destination_header: String,
     #[serde(default = "default_body_limit")]
@@ -313,6 +329,12 @@ impl FilterConfig {
         }
         if self.feed_idle_timeout_ms == 0 {
             return bad("feed_idle_timeout_ms".into(), "must be positive");
+        }
+        if self.loads_stale_ms == 0 {
+            return bad("loads_stale_ms".into(), "must be positive");
+        }
+        if self.index_stale_ms == 0 {
+            return bad("index_stale_ms".into(), "must be positive");
         }
         if self.tokenizer_cluster.is_empty() {
             return bad("tokenizer_cluster".into(), "must not be empty");

@@ -261,7 +261,7 @@ fn fallback_reason(
     body: &Body<'_>,
     parsed: Option<&ParsedRequest>,
     profile: Option<&CompiledProfile>,
-    synced: bool,
+    unusable: Option<Fallback>,
 ) -> Option<Fallback> {
     match (parsed, profile) {
         _ if body.too_large => Some(Fallback::BodyTooLarge),
@@ -270,8 +270,7 @@ fn fallback_reason(
         (Some(p), _) if matches!(p.prompt, Prompt::None) => Some(Fallback::NoPrompt),
         (Some(_), None) => Some(Fallback::NoProfile),
         (Some(_), Some(p)) if !p.kv_events => Some(Fallback::NoKvEvents),
-        _ if !synced => Some(Fallback::NotSynced),
-        _ => None,
+        _ => unusable,
     }
 }
 
@@ -297,7 +296,7 @@ fn candidates_avoiding<'a>(
         .filter(|r| serves(r, model) && feed.allowed(r.id))
         .filter_map(|r| {
             let id = ReplicaId::try_from(r.id).ok()?;
-            let load = feed.loads.iter().find(|l| l.replica == r.id);
+            let load = if feed.loads_stale { None } else { feed.loads.iter().find(|l| l.replica == r.id) };
             Some(Candidate {
                 id,
                 address: r.address.as_str(),
@@ -331,6 +330,17 @@ impl Router {
             hybrid_unsupported: false,
             hash_note: None,
             hash_logged: None,
+        }
+    }
+
+    /// Why the serving index cannot be credited, if it cannot.
+    fn unusable(&self) -> Option<Fallback> {
+        if self.feed.usable() {
+            None
+        } else if self.feed.stale() {
+            Some(Fallback::Stale)
+        } else {
+            Some(Fallback::NotSynced)
         }
     }
 
@@ -453,12 +463,8 @@ impl Router {
         }
         let parsed_opt = if body.too_large { None } else { parse_request(kind, bytes).ok() };
         let profile = self.config.profile_for(parsed_opt.as_ref().and_then(|p| p.model.as_deref()).unwrap_or_default());
-        let why = fallback_reason(
-            body,
-            parsed_opt.as_ref(),
-            profile.and_then(|i| self.config.profile(i)),
-            self.feed.usable(),
-        );
+        let why =
+            fallback_reason(body, parsed_opt.as_ref(), profile.and_then(|i| self.config.profile(i)), self.unusable());
         match (parsed_opt, profile, why) {
             (Some(parsed), Some(pi), None) => self.route_parsed(parsed, pi, raw_tag, bytes, in_flight, now_ns),
             (parsed, profile, why) => {
@@ -568,7 +574,7 @@ impl Router {
         let p = &pending.parsed;
         let (exact, why) = match tokenizer_answer(reply) {
             // The index may have lost its sync while the call was out.
-            Ok(_) if !self.feed.usable() => (false, Some(Fallback::NotSynced)),
+            Ok(_) if !self.feed.usable() => (false, self.unusable()),
             Ok(TokenizerAnswer { tokens, mm }) => {
                 // A multimodal prompt's hashes need its media items: never cached.
                 let cacheable = mm.is_empty();

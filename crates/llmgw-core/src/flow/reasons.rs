@@ -18,6 +18,8 @@ pub enum Fallback {
     BodyTooLarge,
     /// The index has not received a full snapshot.
     NotSynced,
+    /// The index is complete but the agent has been silent too long (`index_stale_ms`).
+    Stale,
     /// The tokenizer call failed (see the tokenizer failure counters).
     Tokenizer,
     /// Hashing failed (a profile the hasher cannot serve; compiled profiles rule it out).
@@ -30,13 +32,14 @@ pub enum Fallback {
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 10] = [
+    pub const ALL: [Fallback; 11] = [
         Fallback::NoProfile,
         Fallback::NoKvEvents,
         Fallback::Unparseable,
         Fallback::NoPrompt,
         Fallback::BodyTooLarge,
         Fallback::NotSynced,
+        Fallback::Stale,
         Fallback::Tokenizer,
         Fallback::Hash,
         Fallback::NoMatch,
@@ -51,6 +54,7 @@ impl Fallback {
             Fallback::NoPrompt => "no_prompt",
             Fallback::BodyTooLarge => "body_too_large",
             Fallback::NotSynced => "not_synced",
+            Fallback::Stale => "stale",
             Fallback::Tokenizer => "tokenizer",
             Fallback::Hash => "hash",
             Fallback::NoMatch => "no_match",
