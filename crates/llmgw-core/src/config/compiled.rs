@@ -126,6 +126,7 @@ pub struct Compiled {
     pub index_stale_ns: u64,
     pub destination_header: String,
     pub max_body_bytes: usize,
+    pub max_cache_salt_bytes: usize,
     pub explain_header: bool,
     pub metrics: bool,
     /// Byte budget of the tokenization cache (0: off).
@@ -193,6 +194,7 @@ impl Compiled {
             index_stale_ns: u64::from(cfg.index_stale_ms).saturating_mul(1_000_000),
             destination_header: cfg.destination_header,
             max_body_bytes: usize::try_from(cfg.max_body_bytes).unwrap_or(usize::MAX),
+            max_cache_salt_bytes: usize::try_from(cfg.max_cache_salt_bytes).unwrap_or(usize::MAX),
             explain_header: cfg.explain_header,
             metrics: cfg.metrics,
             tokenizer_cache_bytes: usize::try_from(cfg.tokenizer_cache_bytes).unwrap_or(usize::MAX),

@@ -56,6 +56,9 @@ fn default_tokenizer_cluster() -> String {
 fn default_feed_idle_timeout() -> u32 {
     15_000
 }
+fn default_max_salt() -> u32 {
+    1024
+}
 fn default_loads_stale() -> u32 {
     5_000
 }
@@ -287,6 +290,10 @@ pub struct FilterConfig {
     pub destination_header: String,
     #[serde(default = "default_body_limit")]
     pub max_body_bytes: u64,
+    /// A request whose `cache_salt` is longer is routed by the fallbacks
+    /// (`reason="salt_too_long"`): its salt is neither hashed nor cached.
+    #[serde(default = "default_max_salt")]
+    pub max_cache_salt_bytes: u32,
     /// Adds a response header explaining each decision.
     #[serde(default)]
     pub explain_header: bool,

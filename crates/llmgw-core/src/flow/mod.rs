@@ -262,12 +262,14 @@ fn fallback_reason(
     parsed: Option<&ParsedRequest>,
     profile: Option<&CompiledProfile>,
     unusable: Option<Fallback>,
+    max_salt: usize,
 ) -> Option<Fallback> {
     match (parsed, profile) {
         _ if body.too_large => Some(Fallback::BodyTooLarge),
         (None, _) if body.bytes.is_empty() => Some(Fallback::NoPrompt),
         (None, _) => Some(Fallback::Unparseable),
         (Some(p), _) if matches!(p.prompt, Prompt::None) => Some(Fallback::NoPrompt),
+        (Some(p), _) if p.cache_salt.as_ref().is_some_and(|s| s.len() > max_salt) => Some(Fallback::SaltTooLong),
         (Some(_), None) => Some(Fallback::NoProfile),
         (Some(_), Some(p)) if !p.kv_events => Some(Fallback::NoKvEvents),
         _ => unusable,
@@ -463,8 +465,13 @@ impl Router {
         }
         let parsed_opt = if body.too_large { None } else { parse_request(kind, bytes).ok() };
         let profile = self.config.profile_for(parsed_opt.as_ref().and_then(|p| p.model.as_deref()).unwrap_or_default());
-        let why =
-            fallback_reason(body, parsed_opt.as_ref(), profile.and_then(|i| self.config.profile(i)), self.unusable());
+        let why = fallback_reason(
+            body,
+            parsed_opt.as_ref(),
+            profile.and_then(|i| self.config.profile(i)),
+            self.unusable(),
+            self.config.max_cache_salt_bytes,
+        );
         match (parsed_opt, profile, why) {
             (Some(parsed), Some(pi), None) => self.route_parsed(parsed, pi, raw_tag, bytes, in_flight, now_ns),
             (parsed, profile, why) => {

@@ -14,6 +14,9 @@ pub enum Fallback {
     Unparseable,
     /// The body has no prompt to hash.
     NoPrompt,
+    /// The request's `cache_salt` is longer than `max_cache_salt_bytes` (it would be hashed,
+    /// and kept by the tokenization cache, whole).
+    SaltTooLong,
     /// The body exceeds `max_body_bytes`.
     BodyTooLarge,
     /// The index has not received a full snapshot.
@@ -32,11 +35,12 @@ pub enum Fallback {
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 11] = [
+    pub const ALL: [Fallback; 12] = [
         Fallback::NoProfile,
         Fallback::NoKvEvents,
         Fallback::Unparseable,
         Fallback::NoPrompt,
+        Fallback::SaltTooLong,
         Fallback::BodyTooLarge,
         Fallback::NotSynced,
         Fallback::Stale,
@@ -52,6 +56,7 @@ impl Fallback {
             Fallback::NoKvEvents => "no_kv_events",
             Fallback::Unparseable => "unparseable",
             Fallback::NoPrompt => "no_prompt",
+            Fallback::SaltTooLong => "salt_too_long",
             Fallback::BodyTooLarge => "body_too_large",
             Fallback::NotSynced => "not_synced",
             Fallback::Stale => "stale",

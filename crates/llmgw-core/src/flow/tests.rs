@@ -638,3 +638,20 @@ fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one()
     let bad = br#"{"profiles":[{"name":"p","models":["m"],"tokenizer_address":"render:8000"}]}"#;
     assert!(Compiled::from_json(bad, None).err().unwrap().to_string().contains("profiles[0].tokenizer_address"));
 }
+
+#[test]
+fn a_cache_salt_past_the_limit_is_neither_hashed_nor_cached() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let with_salt = |salt: &str| format!(r#"{{"model":"m","prompt":{tokens:?},"cache_salt":"{salt}"}}"#);
+    let mut r = router(r#""max_cache_salt_bytes":16,"#, keys(&tokens), true);
+    let got = routed(r.on_body(&body(COMPLETIONS, with_salt(&"s".repeat(17)).as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::SaltTooLong));
+    // Within the limit: hashed (the salt changes the keys, so nobody holds them).
+    let got = routed(r.on_body(&body(COMPLETIONS, with_salt(&"s".repeat(16)).as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::NoMatch));
+    // A text prompt with a long salt makes no tokenizer call.
+    let long = format!(r#"{{"model":"m","prompt":"hello","cache_salt":"{}"}}"#, "s".repeat(17));
+    let got = routed(r.on_body(&body(COMPLETIONS, long.as_bytes()), &(), 0));
+    assert_eq!(got.report.fallback, Some(Fallback::SaltTooLong));
+    assert_eq!((r.tokenizer_cache().alias_bytes(), r.tokenizer_cache().len()), (0, 0));
+}
