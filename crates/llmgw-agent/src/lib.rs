@@ -48,6 +48,7 @@ pub fn run_with(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), S
 async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), String> {
     let engines = cfg.engines();
     let hub = hub::Hub::new(engines.clone(), cfg.feed.max_queue, cfg.zmq.max_blocks_per_engine);
+    hub.state().max_backlog_bytes = cfg.feed.max_backlog_bytes;
     let feed_listener = tokio::net::TcpListener::bind(cfg.feed.listen)
         .await
         .map_err(|e| format!("feed.listen {}: {e}", cfg.feed.listen))?;

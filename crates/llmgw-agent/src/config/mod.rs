@@ -123,6 +123,11 @@ pub struct FeedConfig {
     /// Messages queued per subscriber before it is considered too far behind and resynced.
     #[serde(default = "default_queue")]
     pub max_queue: usize,
+    /// Bytes queued per subscriber (block keys at 8 bytes each, plus a little per message)
+    /// before it is considered too far behind and resynced: a subscriber that stops reading
+    /// costs at most this much.
+    #[serde(default = "default_backlog_bytes")]
+    pub max_backlog_bytes: usize,
     /// Seconds between heartbeats.
     #[serde(default = "default_heartbeat")]
     pub heartbeat_secs: f64,
@@ -255,6 +260,9 @@ fn default_http_listen() -> SocketAddr {
 fn default_queue() -> usize {
     4096
 }
+fn default_backlog_bytes() -> usize {
+    64 << 20
+}
 fn default_heartbeat() -> f64 {
     5.0
 }
@@ -314,6 +322,7 @@ impl Default for FeedConfig {
             allow_non_loopback: false,
             token: None,
             max_queue: default_queue(),
+            max_backlog_bytes: default_backlog_bytes(),
             heartbeat_secs: default_heartbeat(),
         }
     }

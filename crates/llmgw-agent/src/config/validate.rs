@@ -25,6 +25,9 @@ impl Config {
         if self.feed.max_queue < 16 {
             return Err(err("feed.max_queue", "must be at least 16"));
         }
+        if self.feed.max_backlog_bytes < 1 << 20 {
+            return Err(err("feed.max_backlog_bytes", "must be at least 1 MiB"));
+        }
         if !(self.feed.heartbeat_secs > 0.0 && self.feed.heartbeat_secs <= 3600.0) {
             return Err(err("feed.heartbeat_secs", "must be in (0, 3600]"));
         }

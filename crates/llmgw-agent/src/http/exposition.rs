@@ -192,6 +192,12 @@ pub fn metrics_text(st: &HubState) -> String {
         vec![(String::new(), st.feed.overflows as f64)],
     );
     counter(
+        "feed_backlog_bytes_overflows_total",
+        "Of the overflows, subscribers whose queued bytes passed feed.max_backlog_bytes.",
+        "counter",
+        vec![(String::new(), st.feed.backlog_bytes_overflows as f64)],
+    );
+    counter(
         "feed_rejected_total",
         "Subscriptions rejected for a bad token.",
         "counter",

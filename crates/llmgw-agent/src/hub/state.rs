@@ -72,6 +72,8 @@ pub struct HubState {
     pub engines: Vec<EngineState>,
     pub(super) subscribers: Vec<Weak<Subscriber>>,
     pub max_queue: usize,
+    /// Bytes queued per subscriber before it is resynced (`feed.max_backlog_bytes`).
+    pub max_backlog_bytes: usize,
     pub max_blocks: usize,
     pub feed: FeedCounters,
     /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks).
@@ -109,6 +111,7 @@ impl HubState {
             engines: specs.into_iter().map(EngineState::new).collect(),
             subscribers: Vec::new(),
             max_queue,
+            max_backlog_bytes: 64 << 20,
             max_blocks,
             feed: FeedCounters::default(),
             discovery_refused: 0,
@@ -210,6 +213,11 @@ impl HubState {
         // Only several groups change how the filters score (hybrid models).
         let groups_changed = e.mirror.groups_version() != groups_before && e.mirror.groups().len() > 1;
         let id = e.spec.id;
+        if over {
+            // Past the limit: nothing of this batch reaches a subscriber; the reset below
+            // drops what the engine had.
+            changes.clear();
+        }
         self.changes = changes;
         // A new KV-cache group (hybrid model) is in the table before its blocks arrive.
         if groups_changed {
@@ -541,7 +549,13 @@ mod tests {
         let h = Hub::new(cfg.engines(), 64, 10);
         h.state().apply(0, 0, &batch(vec![stored((1..=10).collect())]));
         assert_eq!(h.state().engines[0].mirror.len(), 10);
-        h.state().apply(0, 1, &batch(vec![stored(vec![11])]));
+        let sub = h.subscribe("t".into());
+        let _ = crate::hub::fixtures::drain(&sub, &h);
+        h.state().apply(0, 1, &batch(vec![stored((11..=1000).collect())]));
+        // Subscribers see the reset, never the flood's blocks.
+        let msgs = crate::hub::fixtures::drain(&sub, &h);
+        assert!(msgs.iter().all(|m| !matches!(m.body, Some(Body::Delta(_)))), "{msgs:?}");
+        assert!(msgs.iter().any(|m| matches!(m.body, Some(Body::Reset(_)))));
         let st = h.state();
         assert_eq!(st.engines[0].mirror.len(), 0);
         assert_eq!(st.engines[0].counters.block_limit_hits, 1);

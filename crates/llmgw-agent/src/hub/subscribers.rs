@@ -14,6 +14,8 @@ pub const CHUNK_BLOCKS: usize = 65_536;
 /// the hub lock before a queue lock, never the reverse.
 struct SubQueue {
     msgs: VecDeque<FeedMessage>,
+    /// What `msgs` holds, as [`approx_bytes`] counts it.
+    bytes: usize,
     /// Number of the next message queued.
     next_seq: u64,
     /// Nothing is queued until the stream task has built a fresh table and snapshot.
@@ -35,6 +37,7 @@ impl Subscriber {
     }
 
     fn push(q: &mut SubQueue, body: Body) {
+        q.bytes = q.bytes.saturating_add(approx_bytes(&body));
         let seq = q.next_seq;
         q.next_seq = q.next_seq.saturating_add(1);
         q.msgs.push_back(FeedMessage { seq, body: Some(body) });
@@ -46,7 +49,7 @@ impl Subscriber {
         {
             let mut q = self.queue();
             if !q.resync {
-                return q.msgs.pop_front();
+                return Self::pop_front(&mut q);
             }
         }
         let st = hub.state();
@@ -59,7 +62,15 @@ impl Subscriber {
             q.resync = false;
             q.resyncs = q.resyncs.saturating_add(1);
         }
-        q.msgs.pop_front()
+        Self::pop_front(&mut q)
+    }
+
+    fn pop_front(q: &mut SubQueue) -> Option<FeedMessage> {
+        let m = q.msgs.pop_front()?;
+        if let Some(b) = &m.body {
+            q.bytes = q.bytes.saturating_sub(approx_bytes(b));
+        }
+        Some(m)
     }
 
     /// How many times this subscriber got a table and snapshot (1 = only the initial one).
@@ -77,6 +88,20 @@ pub struct FeedCounters {
     pub rejected_token: u64,
     /// Subscriber names longer than the limit or holding control characters (cut, replaced).
     pub names_cut: u64,
+    /// Of `overflows`, those past `feed.max_backlog_bytes` (rather than `feed.max_queue`).
+    pub backlog_bytes_overflows: u64,
+}
+
+/// What a queued message costs, roughly: its block keys and loads, plus a little.
+fn approx_bytes(body: &Body) -> usize {
+    let n = match body {
+        Body::Snapshot(s) => s.blocks.len().saturating_mul(8),
+        Body::Delta(d) => d.added.len().saturating_add(d.removed.len()).saturating_mul(8),
+        Body::Load(l) => l.loads.len().saturating_mul(24),
+        Body::Replicas(t) => t.replicas.len().saturating_mul(128),
+        _ => 0,
+    };
+    n.saturating_add(64)
 }
 
 impl Hub {
@@ -84,7 +109,7 @@ impl Hub {
     pub fn subscribe(&self, name: String) -> Arc<Subscriber> {
         let sub = Arc::new(Subscriber {
             name,
-            queue: Mutex::new(SubQueue { msgs: VecDeque::new(), next_seq: 0, resync: true, resyncs: 0 }),
+            queue: Mutex::new(SubQueue { msgs: VecDeque::new(), bytes: 0, next_seq: 0, resync: true, resyncs: 0 }),
             notify: Notify::new(),
         });
         let mut st = self.state();
@@ -117,21 +142,29 @@ impl HubState {
     /// Sends one message body to every subscriber that is in sync.
     pub fn publish(&mut self, body: Body) {
         let max = self.max_queue;
+        let max_bytes = self.max_backlog_bytes;
+        let cost = approx_bytes(&body);
         let mut sent: u64 = 0;
         let mut overflows: u64 = 0;
+        let mut by_bytes: u64 = 0;
         self.subscribers.retain(|w| {
             let Some(sub) = w.upgrade() else { return false };
             let mut q = sub.queue();
             if q.resync {
                 return true;
             }
-            if q.msgs.len() >= max {
+            let too_big = q.bytes.saturating_add(cost) > max_bytes;
+            if q.msgs.len() >= max || too_big {
+                if too_big && q.msgs.len() < max {
+                    by_bytes = by_bytes.saturating_add(1);
+                }
                 // Too far behind: drop the backlog; a fresh table and snapshot replace it,
                 // numbered from the first dropped message so the subscriber sees no gap.
                 if let Some(first) = q.msgs.front() {
                     q.next_seq = first.seq;
                 }
                 q.msgs.clear();
+                q.bytes = 0;
                 q.resync = true;
                 overflows = overflows.saturating_add(1);
             } else {
@@ -144,6 +177,7 @@ impl HubState {
         });
         self.feed.messages = self.feed.messages.saturating_add(sent);
         self.feed.overflows = self.feed.overflows.saturating_add(overflows);
+        self.feed.backlog_bytes_overflows = self.feed.backlog_bytes_overflows.saturating_add(by_bytes);
     }
 
     /// Table, snapshot chunks of every engine (the first one flagged, at most
@@ -309,6 +343,31 @@ mod tests {
         }
         assert!(matches!(&msgs[0].body, Some(Body::Replicas(_))));
         assert_eq!(state_of(&fs, 1)[0], (1..=64).collect::<Vec<u64>>());
+        assert_eq!(sub.snapshots_sent(), 2);
+    }
+
+    #[test]
+    fn a_subscriber_whose_backlog_passes_the_byte_cap_is_resynced_and_nothing_is_lost() {
+        // The message cap (4096) is far away; the byte cap is 1 MiB.
+        let h = hub(1, 4096);
+        h.state().max_backlog_bytes = 1 << 20;
+        let sub = h.subscribe("stuck".into());
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        // 20 batches of 10,000 blocks: 1.6 MB of keys queued for a subscriber that reads none.
+        for i in 0..20u64 {
+            h.state().apply(0, i, &batch(vec![stored((i * 10_000 + 1..=(i + 1) * 10_000).collect())]));
+        }
+        let counters = h.state().feed.clone();
+        assert_eq!((counters.overflows, counters.backlog_bytes_overflows), (1, 1));
+        let msgs = drain(&sub, &h);
+        for m in &msgs {
+            fs.apply(m).unwrap();
+        }
+        assert!(fs.synced);
+        assert_eq!(fs.index.entries(), 200_000, "a fresh snapshot holds every block");
         assert_eq!(sub.snapshots_sent(), 2);
     }
 }
