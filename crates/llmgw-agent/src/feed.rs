@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
@@ -123,15 +124,33 @@ impl service::feed_server::Feed for FeedService {
     }
 }
 
-/// Serves the feed on `listener` until `shutdown` resolves.
+/// The feed's TLS settings from `[feed]` (`None` without `tls_cert`), the PEM files read now so
+/// that a missing or unreadable file is an error at start naming it.
+pub fn tls_config(cfg: &crate::config::FeedConfig) -> Result<Option<ServerTlsConfig>, String> {
+    let (Some(cert), Some(key)) = (&cfg.tls_cert, &cfg.tls_key) else { return Ok(None) };
+    let read =
+        |field: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("feed.{field} {}: {e}", p.display()));
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read("tls_cert", cert)?, read("tls_key", key)?));
+    if let Some(ca) = &cfg.client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read("client_ca", ca)?));
+    }
+    Ok(Some(tls))
+}
+
+/// Serves the feed on `listener` until `shutdown` resolves, over TLS when `tls` is set.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     hub: Arc<Hub>,
     token: Option<String>,
+    tls: Option<ServerTlsConfig>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let svc = service::feed_server::FeedServer::new(FeedService::new(hub, token));
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .add_service(svc)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)

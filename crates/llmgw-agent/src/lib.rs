@@ -49,6 +49,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     let engines = cfg.engines();
     let hub = hub::Hub::new(engines.clone(), cfg.feed.max_queue, cfg.zmq.max_blocks_per_engine);
     hub.state().max_backlog_bytes = cfg.feed.max_backlog_bytes;
+    let feed_tls = feed::tls_config(&cfg.feed)?;
     let feed_listener = tokio::net::TcpListener::bind(cfg.feed.listen)
         .await
         .map_err(|e| format!("feed.listen {}: {e}", cfg.feed.listen))?;
@@ -60,6 +61,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     }
     info!(
         feed = %feed_listener.local_addr().map_err(|e| e.to_string())?,
+        tls = feed_tls.is_some(),
         http = %http_listener.local_addr().map_err(|e| e.to_string())?,
         engines = engines.len(),
         "llmgw-agent listening"
@@ -87,7 +89,8 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
     };
-    let feed_task = tokio::spawn(feed::serve(feed_listener, hub.clone(), cfg.feed.token.clone(), wait(rx.clone())));
+    let feed_task =
+        tokio::spawn(feed::serve(feed_listener, hub.clone(), cfg.feed.token.clone(), feed_tls, wait(rx.clone())));
     let http_task = tokio::spawn(http::serve(http_listener, hub.clone(), wait(rx.clone())));
     let mut background = vec![
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),

@@ -120,7 +120,7 @@ async fn start(hub: Arc<Hub>, token: Option<String>) -> (String, tokio::sync::on
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(llmgw_agent::feed::serve(l, hub, token, async {
+    tokio::spawn(llmgw_agent::feed::serve(l, hub, token, None, async {
         let _ = rx.await;
     }));
     (format!("http://{addr}"), tx)
@@ -189,5 +189,96 @@ async fn subscribe_over_grpc_gets_table_snapshot_then_deltas() {
         assert!(tokio::time::Instant::now() < deadline, "subscriber never released");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let _ = stop.send(());
+}
+
+/// PEM: a CA, a server certificate for `localhost` / 127.0.0.1 and a client certificate, both
+/// issued by it.
+struct Pki {
+    ca: String,
+    server: (String, String),
+    client: (String, String),
+}
+
+fn pki() -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names).unwrap().signed_by(&key, &ca, &ca_key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    Pki {
+        ca: ca.pem(),
+        server: leaf(vec!["localhost".into(), "127.0.0.1".into()]),
+        client: leaf(vec!["llmgw-filter".into()]),
+    }
+}
+
+async fn start_tls(hub: Arc<Hub>, pki: &Pki, mutual: bool) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let dir = std::env::temp_dir().join(format!("llmgw-feed-tls-{}-{mutual}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let mut cfg = Config::parse(
+        "[[replicas]]\nname = \"a\"\naddress = \"127.0.0.1:8000\"\nendpoint = \"tcp://127.0.0.1:5557\"\n",
+    )
+    .unwrap()
+    .feed;
+    cfg.tls_cert = Some(write("cert.pem", &pki.server.0));
+    cfg.tls_key = Some(write("key.pem", &pki.server.1));
+    cfg.client_ca = mutual.then(|| write("ca.pem", &pki.ca));
+    let tls = llmgw_agent::feed::tls_config(&cfg).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(llmgw_agent::feed::serve(l, hub, None, tls, async {
+        let _ = rx.await;
+    }));
+    (format!("https://localhost:{port}"), tx)
+}
+
+async fn tls_subscribe(url: &str, pki: &Pki, client_cert: bool) -> Result<core::FeedMessage, String> {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&pki.ca)).domain_name("localhost");
+    if client_cert {
+        tls = tls.identity(Identity::from_pem(&pki.client.0, &pki.client.1));
+    }
+    let url = url.replace("localhost", "127.0.0.1");
+    let channel = Channel::from_shared(url).unwrap().tls_config(tls).map_err(|e| e.to_string())?;
+    let channel = channel.connect().await.map_err(|e| format!("connect: {e:?}"))?;
+    let mut client = FeedClient::new(channel);
+    let req = core::SubscribeRequest { subscriber: "tls".into(), token: String::new() };
+    let mut stream = client.subscribe(req).await.map_err(|e| format!("subscribe: {e}"))?.into_inner();
+    Ok(next(&mut stream).await)
+}
+
+#[tokio::test]
+async fn the_feed_over_tls_and_mutual_tls() {
+    let pki = pki();
+    // TLS: a client trusting the CA gets the table; a cleartext client gets nothing.
+    let (url, stop) = start_tls(hub(), &pki, false).await;
+    let first = tls_subscribe(&url, &pki, false).await.unwrap();
+    assert!(matches!(first.body, Some(Body::Replicas(_))), "{first:?}");
+    let plain = url.replace("https://localhost", "http://127.0.0.1");
+    let cleartext = async {
+        let mut c = FeedClient::connect(plain).await.map_err(|e| e.to_string())?;
+        let req = core::SubscribeRequest { subscriber: "plain".into(), token: String::new() };
+        c.subscribe(req).await.map(|_| ()).map_err(|e| e.to_string())
+    };
+    assert!(tokio::time::timeout(Duration::from_secs(10), cleartext).await.unwrap().is_err());
+    let _ = stop.send(());
+    // Mutual TLS: without a client certificate refused, with one issued by the CA served.
+    let (url, stop) = start_tls(hub(), &pki, true).await;
+    assert!(tls_subscribe(&url, &pki, false).await.is_err());
+    let first = tls_subscribe(&url, &pki, true).await.unwrap();
+    assert!(matches!(first.body, Some(Body::Replicas(_))));
     let _ = stop.send(());
 }

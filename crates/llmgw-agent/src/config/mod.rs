@@ -117,9 +117,19 @@ pub struct FeedConfig {
     /// Must be set to listen on a non-loopback address.
     #[serde(default)]
     pub allow_non_loopback: bool,
-    /// Shared token subscribers must present (required on a non-loopback listener).
+    /// Shared token subscribers must present (required on a non-loopback listener, unless
+    /// `client_ca` authenticates them).
     #[serde(default)]
     pub token: Option<String>,
+    /// TLS for the feed (PEM files): the server's certificate chain and private key. Required
+    /// on a non-loopback listener.
+    #[serde(default)]
+    pub tls_cert: Option<std::path::PathBuf>,
+    #[serde(default)]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// Mutual TLS: subscribers must present a certificate issued by this CA (PEM).
+    #[serde(default)]
+    pub client_ca: Option<std::path::PathBuf>,
     /// Messages queued per subscriber before it is considered too far behind and resynced.
     #[serde(default = "default_queue")]
     pub max_queue: usize,
@@ -321,6 +331,9 @@ impl Default for FeedConfig {
             listen: default_feed_listen(),
             allow_non_loopback: false,
             token: None,
+            tls_cert: None,
+            tls_key: None,
+            client_ca: None,
             max_queue: default_queue(),
             max_backlog_bytes: default_backlog_bytes(),
             heartbeat_secs: default_heartbeat(),

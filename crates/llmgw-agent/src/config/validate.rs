@@ -11,15 +11,27 @@ impl Config {
     /// Checks everything serde cannot: addresses, endpoints, uniqueness, listener safety.
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_hash("hash", &self.hash)?;
-        if !self.feed.listen.ip().is_loopback() {
-            if !self.feed.allow_non_loopback {
+        let f = &self.feed;
+        match (&f.tls_cert, &f.tls_key) {
+            (Some(_), None) => return Err(err("feed.tls_key", "tls_cert needs tls_key")),
+            (None, Some(_)) => return Err(err("feed.tls_cert", "tls_key needs tls_cert")),
+            _ => {}
+        }
+        if f.client_ca.is_some() && f.tls_cert.is_none() {
+            return Err(err("feed.client_ca", "mutual TLS needs tls_cert and tls_key"));
+        }
+        if !f.listen.ip().is_loopback() {
+            if !f.allow_non_loopback {
                 return Err(err(
                     "feed.listen",
-                    format!("{} is not a loopback address; set feed.allow_non_loopback = true (or --feed-allow-non-loopback) and a token", self.feed.listen),
+                    format!("{} is not a loopback address; set feed.allow_non_loopback = true (or --feed-allow-non-loopback), TLS (tls_cert, tls_key) and a token or client_ca", f.listen),
                 ));
             }
-            if self.feed.token.as_deref().unwrap_or("").is_empty() {
-                return Err(err("feed.token", "a non-loopback feed listener needs a shared token"));
+            if f.tls_cert.is_none() {
+                return Err(err("feed.tls_cert", "a non-loopback feed listener needs TLS (tls_cert and tls_key)"));
+            }
+            if f.token.as_deref().unwrap_or("").is_empty() && f.client_ca.is_none() {
+                return Err(err("feed.token", "a non-loopback feed listener needs a shared token or client_ca"));
             }
         }
         if self.feed.max_queue < 16 {
@@ -161,6 +173,8 @@ mod tests {
     use super::super::tests::{error_of, OK};
     use super::*;
 
+    const TLS: &str = "tls_cert = \"c.pem\"\ntls_key = \"k.pem\"\n";
+
     #[test]
     fn semantic_errors_name_the_field() {
         let cases = [
@@ -175,14 +189,24 @@ mod tests {
             (OK.replace("tcp://127.0.0.1:6000", "tcp://127.0.0.1:5558"), "replicas[1].endpoint"),
             (OK.replace("tcp://127.0.0.1:5557", "tcp://127.0.0.1:65535"), "replicas[0].endpoint"),
             (format!("[feed]\nlisten = \"0.0.0.0:7070\"\n{OK}"), "feed.listen"),
-            (format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\n{OK}"), "feed.token"),
+            (
+                format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\ntoken = \"s\"\n{OK}"),
+                "feed.tls_cert",
+            ),
+            (format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\n{TLS}{OK}"), "feed.token"),
+            (format!("[feed]\ntls_cert = \"c.pem\"\n{OK}"), "feed.tls_key"),
+            (format!("[feed]\nclient_ca = \"ca.pem\"\n{OK}"), "feed.client_ca"),
         ];
         for (text, field) in cases {
             let e = error_of(&text);
             assert_eq!(e.field, field, "{e}");
             assert!(e.to_string().starts_with(field), "{e}");
         }
-        let ok = format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\ntoken = \"s\"\n{OK}");
+        // Off loopback: TLS, and a token or mutual TLS.
+        let ok = format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\ntoken = \"s\"\n{TLS}{OK}");
+        assert!(Config::parse(&ok).is_ok());
+        let ok =
+            format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\nclient_ca = \"ca.pem\"\n{TLS}{OK}");
         assert!(Config::parse(&ok).is_ok());
     }
 }
