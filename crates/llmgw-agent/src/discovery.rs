@@ -212,7 +212,10 @@ pub async fn run(cfg: Config, idx: usize, hub: Arc<Hub>, ctx: zmq::Context, stop
             }
             let mut f = Found { engines: Vec::new(), scrapers: Vec::new() };
             for spec in specs(&cfg, &d, ip, &sources) {
-                let e = hub.state().add_engine(spec);
+                let Some(e) = hub.state().add_engine(spec) else {
+                    warn!(discovery = %d.name, %ip, "every replica id is in use; engine not added");
+                    continue;
+                };
                 let Some(spec) = hub.state().engines.get(e).map(|x| x.spec.clone()) else { continue };
                 info!(replica = %spec.label(), endpoint = %spec.endpoint, "discovered engine");
                 if let Err(err) = Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), ctx.clone(), stop.clone()) {

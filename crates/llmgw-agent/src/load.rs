@@ -97,6 +97,8 @@ pub async fn http_get(url: &str, timeout: Duration) -> Result<String, String> {
 pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
     let Some(url) = spec.metrics_url.clone() else { return };
     let idx = usize::try_from(spec.id).unwrap_or(usize::MAX);
+    // Held while this scraper runs: the engine's slot is not reused before it is dropped.
+    let Some(stop) = hub.state().engines.get(idx).map(|e| e.stop.clone()) else { return };
     let mut t = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let down_after = Duration::from_millis(cfg.down_after_ms);
@@ -107,7 +109,14 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
     let mut failing = false;
     loop {
         t.tick().await;
-        match http_get(&url, Duration::from_millis(cfg.timeout_ms)).await {
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let got = http_get(&url, Duration::from_millis(cfg.timeout_ms)).await;
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        match got {
             Ok(body) => {
                 last_ok = Instant::now();
                 ever_ok = true;

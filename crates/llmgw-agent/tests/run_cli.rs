@@ -52,7 +52,7 @@ fn run_reports_the_bad_field() {
 }
 
 #[test]
-fn non_loopback_feed_needs_flag_and_token() {
+fn non_loopback_feed_needs_flag_tls_and_token() {
     let p = write("ok.toml", CFG);
     let path = p.to_str().unwrap();
     let (ok, _, err) = agent(&["run", "--config", path, "--feed-listen", "0.0.0.0:0"]);
@@ -60,7 +60,7 @@ fn non_loopback_feed_needs_flag_and_token() {
     assert!(err.contains("feed.listen") && err.contains("allow_non_loopback"), "{err}");
     let (ok, _, err) = agent(&["run", "--config", path, "--feed-listen", "0.0.0.0:0", "--feed-allow-non-loopback"]);
     assert!(!ok);
-    assert!(err.contains("feed.token"), "{err}");
+    assert!(err.contains("feed.tls_cert"), "{err}");
 }
 
 #[test]

@@ -58,17 +58,22 @@ pub struct EngineState {
     pub parity_warned: bool,
     /// The lookahead its events show, when it differs from the configured one (warned once).
     pub lookahead_warned: Option<usize>,
-    /// Removed by discovery: no longer in the table; its id is never reused.
+    /// Removed by discovery: no longer in the table. Its slot (and id) is reused once nothing
+    /// holds `stop` any more (its thread and scraper have exited).
     pub gone: bool,
-    /// Tells the engine's thread to stop (discovery removed it).
+    /// Tells the engine's thread and scraper to stop (discovery removed it); each holds a
+    /// clone while it runs.
     pub stop: Arc<AtomicBool>,
     /// Set when the engine thread must forget its sequence position and rebuild by replay.
     pub rebuild: Arc<AtomicBool>,
 }
 
+/// Replica ids a filter can address (its index keys replicas by u16).
+pub const MAX_ENGINES: usize = 1 << 16;
+
 /// Everything behind the hub lock.
 pub struct HubState {
-    /// Indexed by engine id; removed engines stay (marked `gone`) so ids are never reused.
+    /// Indexed by engine id; removed engines stay (marked `gone`) until their slot is reused.
     pub engines: Vec<EngineState>,
     pub(super) subscribers: Vec<Weak<Subscriber>>,
     pub max_queue: usize,
@@ -76,8 +81,11 @@ pub struct HubState {
     pub max_backlog_bytes: usize,
     pub max_blocks: usize,
     pub feed: FeedCounters,
-    /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks).
+    /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks),
+    /// and engines not added because every id was in use.
     pub discovery_refused: u64,
+    /// Slots of removed engines, reused once their thread and scraper have exited.
+    gone_slots: Vec<usize>,
     /// Empty between calls: one batch's net changes while they are published (kept for its
     /// allocation).
     pub(super) changes: Vec<NetChange>,
@@ -115,6 +123,7 @@ impl HubState {
             max_blocks,
             feed: FeedCounters::default(),
             discovery_refused: 0,
+            gone_slots: Vec::new(),
             changes: Vec::new(),
         }
     }
@@ -128,14 +137,31 @@ impl HubState {
         self.engines.iter().filter(|e| !e.gone)
     }
 
-    /// Adds an engine (discovery); its id is the next free one. Returns its index.
-    pub fn add_engine(&mut self, mut spec: EngineSpec) -> usize {
-        let idx = self.engines.len();
-        spec.id = u32::try_from(idx).unwrap_or(u32::MAX);
-        self.engines.push(EngineState::new(spec));
-        let table = self.table();
-        self.publish(Body::Replicas(table));
-        idx
+    /// Adds an engine (discovery). It takes the lowest slot (and id) of a removed engine whose
+    /// thread and scraper have exited, else a new one; `None` when all [`MAX_ENGINES`] ids are
+    /// taken (counted in `discovery_refused`). Returns its index (= its id).
+    pub fn add_engine(&mut self, mut spec: EngineSpec) -> Option<usize> {
+        let engines = &self.engines;
+        let free =
+            self.gone_slots.iter().position(|&i| engines.get(i).is_some_and(|e| Arc::strong_count(&e.stop) == 1));
+        let idx = match free {
+            Some(at) => self.gone_slots.swap_remove(at),
+            None if self.engines.len() < MAX_ENGINES => self.engines.len(),
+            None => {
+                self.discovery_refused = self.discovery_refused.saturating_add(1);
+                return None;
+            }
+        };
+        spec.id = u32::try_from(idx).ok()?;
+        match self.engines.get_mut(idx) {
+            Some(slot) => *slot = EngineState::new(spec),
+            None => self.engines.push(EngineState::new(spec)),
+        }
+        if self.subscribers.iter().any(|w| w.strong_count() > 0) {
+            let table = self.table();
+            self.publish(Body::Replicas(table));
+        }
+        Some(idx)
     }
 
     /// Removes an engine (discovery): its blocks leave, it leaves the table, its thread stops.
@@ -150,6 +176,7 @@ impl HubState {
             e.up = false;
             e.load = None;
             e.stop.store(true, Ordering::SeqCst);
+            self.gone_slots.push(idx);
         }
         let table = self.table();
         self.publish(Body::Replicas(table));
@@ -401,7 +428,7 @@ mod tests {
         }
         let mut spec = h.state().engines[0].spec.clone();
         spec.replica = "pool-10.0.0.7".into();
-        let idx = h.state().add_engine(spec);
+        let idx = h.state().add_engine(spec).unwrap();
         assert_eq!(idx, 1);
         h.state().apply(idx, 0, &batch(vec![stored(vec![5, 6])]));
         for m in drain(&sub, &h) {
@@ -420,9 +447,39 @@ mod tests {
         // Late events for a removed engine change nothing; a new engine gets a fresh id.
         h.state().apply(idx, 1, &batch(vec![stored(vec![7])]));
         assert_eq!(h.state().engines[idx].mirror.len(), 0);
+        // While something still holds the removed engine's stop flag (its thread), its id is
+        // not reused; once released, the next engine takes it.
+        let held = h.state().engines[idx].stop.clone();
         let spec = h.state().engines[0].spec.clone();
-        assert_eq!(h.state().add_engine(spec), 2);
+        assert_eq!(h.state().add_engine(spec.clone()), Some(2));
         assert!(!crate::http::exposition::metrics_text(&h.state()).contains("pool-10.0.0.7"));
+        drop(held);
+        assert_eq!(h.state().add_engine(spec), Some(1));
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert_eq!(fs.replicas.iter().map(|r| r.id).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(state_of(&fs, 2)[1], Vec::<u64>::new(), "the reused id starts empty");
+    }
+
+    #[test]
+    fn churning_discovery_reuses_ids_instead_of_running_out() {
+        let h = hub(1, 1 << 20);
+        let spec = h.state().engines[0].spec.clone();
+        // 70,000 replicas come and go (more than the 65,536 ids a filter can address).
+        for _ in 0..70_000 {
+            let idx = h.state().add_engine(spec.clone()).unwrap();
+            assert_eq!(idx, 1);
+            h.state().remove_engine(idx);
+        }
+        assert_eq!(h.state().engines.len(), 2);
+        // Ids run out only when that many are live at once: refused and counted.
+        let mut st = h.state();
+        for _ in 1..MAX_ENGINES {
+            assert!(st.add_engine(spec.clone()).is_some());
+        }
+        assert_eq!(st.add_engine(spec), None);
+        assert_eq!(st.discovery_refused, 1);
     }
 
     #[test]
