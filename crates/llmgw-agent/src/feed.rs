@@ -104,6 +104,14 @@ impl service::feed_server::Feed for FeedService {
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
             loop {
+                // Building a snapshot takes the hub lock once per engine: on a blocking
+                // thread, not this runtime's.
+                if sub.needs_resync() {
+                    let (s, h) = (sub.clone(), hub.clone());
+                    if tokio::task::spawn_blocking(move || s.prepare(&h)).await.is_err() {
+                        break;
+                    }
+                }
                 match sub.pop(&hub) {
                     Some(m) => {
                         if tx.send(Ok(m)).await.is_err() {

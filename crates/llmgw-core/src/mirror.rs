@@ -165,9 +165,19 @@ impl EngineMirror {
 
     /// Every held block key, sorted (a snapshot).
     pub fn keys(&self) -> Vec<BlockKey> {
-        let mut v: Vec<BlockKey> = self.held.keys().copied().collect();
+        let mut v = self.keys_unsorted();
         v.sort_unstable();
         v
+    }
+
+    /// Every held block key, in no particular order (the cheapest copy, e.g. under a lock).
+    pub fn keys_unsorted(&self) -> Vec<BlockKey> {
+        self.held.keys().copied().collect()
+    }
+
+    /// At most `n` held block keys, in no particular order.
+    pub fn some_keys(&self, n: usize) -> Vec<BlockKey> {
+        self.held.keys().take(n).copied().collect()
     }
 
     /// Drops everything (engine restarted, sequence gap that cannot be repaired, replica down).

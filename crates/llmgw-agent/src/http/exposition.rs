@@ -6,6 +6,9 @@ use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::time::Instant;
 
+/// Block keys `/debug/replicas` lists per engine (at most; any of them past that).
+const DEBUG_KEYS: usize = 100_000;
+
 /// `/debug/replicas`.
 pub fn debug_json(st: &HubState) -> Value {
     let now = Instant::now();
@@ -14,8 +17,9 @@ pub fn debug_json(st: &HubState) -> Value {
         .map(|e| {
             let s = e.mirror.stats();
             let p = &s.parity;
-            let mut blocks = e.mirror.keys();
-            blocks.truncate(100_000);
+            // A bounded copy under the lock, no sort of every key: `/debug` is for people.
+            let mut blocks = e.mirror.some_keys(DEBUG_KEYS);
+            blocks.sort_unstable();
             json!({
                 "id": e.spec.id,
                 "replica": e.spec.replica,

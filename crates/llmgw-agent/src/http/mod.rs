@@ -20,8 +20,14 @@ pub fn router(hub: Arc<Hub>) -> Router {
         .with_state(hub)
 }
 
+/// Runs `f` with the hub lock on a blocking thread: the lock is a blocking mutex, and the
+/// runtime's threads also serve the feed.
+async fn with_state<T: Send + 'static>(hub: Arc<Hub>, f: fn(&crate::hub::HubState) -> T) -> Option<T> {
+    tokio::task::spawn_blocking(move || f(&hub.state())).await.ok()
+}
+
 async fn metrics(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
-    let text = exposition::metrics_text(&hub.state());
+    let text = with_state(hub, exposition::metrics_text).await.unwrap_or_default();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
 
@@ -30,7 +36,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn replicas(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
-    Json(exposition::debug_json(&hub.state()))
+    Json(with_state(hub, exposition::debug_json).await.unwrap_or_default())
 }
 
 pub async fn serve(

@@ -1,9 +1,18 @@
 //! Feed subscribers: a bounded queue each, numbered messages, and a fresh table and snapshot
 //! for a new subscriber or one that fell behind.
+//!
+//! A snapshot is built engine by engine, taking the hub lock once per engine for the copy of
+//! its keys (sorting and chunking happen outside), so ingestion is never stalled for longer
+//! than one engine's copy. Meanwhile the subscriber collects what is published: a change to an
+//! engine already copied is kept (it happened after its copy), one to an engine not yet copied
+//! is dropped (its copy will include it), anything else is kept; all of it follows the
+//! snapshot, in order. (Replaying everything would be correct too, since a subscriber's index
+//! is a set per replica and the changes are applied in order; dropping what the copies already
+//! include only saves messages.)
 
 use super::{Hub, HubState};
 use llmgw_core::feed::{BlockDelta, Body, FeedMessage, LoadReport, ReplicaLoad, SnapshotChunk, SnapshotComplete};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use tokio::sync::Notify;
 
@@ -22,7 +31,40 @@ struct SubQueue {
     resync: bool,
     /// Tables and snapshots sent so far.
     resyncs: u64,
+    /// The snapshot being built, while `resync`.
+    building: Option<Building>,
+    /// Numbers the builds, so that a builder notices its build was abandoned.
+    build_gen: u64,
 }
+
+/// A snapshot under construction.
+struct Building {
+    generation: u64,
+    /// Engines the snapshot lists (the live ones when it started).
+    listed: BTreeSet<u32>,
+    /// Of those, the ones copied so far.
+    taken: BTreeSet<u32>,
+    /// Published since the build started and not included in it.
+    pending: Vec<Body>,
+    pending_bytes: usize,
+}
+
+impl Building {
+    /// Whether `body`, published now, must follow the snapshot.
+    fn keeps(&self, body: &Body) -> bool {
+        let engine = match body {
+            Body::Snapshot(s) => Some(s.replica),
+            Body::Delta(d) => Some(d.replica),
+            Body::Reset(r) => Some(r.replica),
+            _ => None,
+        };
+        engine.is_none_or(|id| !self.listed.contains(&id) || self.taken.contains(&id))
+    }
+}
+
+/// Builds that may be abandoned (the subscriber's backlog overflowed meanwhile) before one is
+/// made under the hub lock throughout.
+const INCREMENTAL_ATTEMPTS: u32 = 3;
 
 /// One feed subscription.
 pub struct Subscriber {
@@ -43,26 +85,113 @@ impl Subscriber {
         q.msgs.push_back(FeedMessage { seq, body: Some(body) });
     }
 
+    /// Whether the next [`Self::pop`] builds a table and snapshot first (a blocking job: the
+    /// feed's stream task hands it to a blocking thread).
+    pub fn needs_resync(&self) -> bool {
+        self.queue().resync
+    }
+
     /// The next message for this subscription, building a fresh table and snapshot first if
     /// it is new or fell behind. `None` when nothing is queued (wait on `notify`).
     pub fn pop(&self, hub: &Hub) -> Option<FeedMessage> {
-        {
-            let mut q = self.queue();
-            if !q.resync {
-                return Self::pop_front(&mut q);
+        self.prepare(hub);
+        Self::pop_front(&mut self.queue())
+    }
+
+    /// Builds the table and snapshot if a resync is due (what [`Self::pop`] would do first).
+    pub fn prepare(&self, hub: &Hub) {
+        if self.needs_resync() {
+            self.resync(hub);
+        }
+    }
+
+    /// Builds the table and snapshot engine by engine; after [`INCREMENTAL_ATTEMPTS`]
+    /// abandoned builds, under the hub lock throughout.
+    fn resync(&self, hub: &Hub) {
+        for _ in 0..INCREMENTAL_ATTEMPTS {
+            let Some((generation, mut bodies, ids)) = self.build_begin(hub) else { return };
+            let mut complete = true;
+            for id in ids {
+                match self.build_engine(hub, generation, id) {
+                    Some(chunks) => bodies.extend(chunks),
+                    None => {
+                        complete = false;
+                        break;
+                    }
+                }
+            }
+            if complete && self.build_finish(hub, generation, bodies) {
+                return;
             }
         }
         let st = hub.state();
         let mut q = self.queue();
         if q.resync {
             q.msgs.clear();
+            q.bytes = 0;
+            q.building = None;
             for body in st.snapshot_bodies() {
                 Self::push(&mut q, body);
             }
             q.resync = false;
             q.resyncs = q.resyncs.saturating_add(1);
         }
-        Self::pop_front(&mut q)
+    }
+
+    /// Starts a build: the table, and the engines it will copy. `None` if no resync is due.
+    fn build_begin(&self, hub: &Hub) -> Option<(u64, Vec<Body>, Vec<u32>)> {
+        let st = hub.state();
+        let mut q = self.queue();
+        if !q.resync {
+            return None;
+        }
+        let ids: Vec<u32> = st.live().map(|e| e.spec.id).collect();
+        q.build_gen = q.build_gen.saturating_add(1);
+        let generation = q.build_gen;
+        q.building = Some(Building {
+            generation,
+            listed: ids.iter().copied().collect(),
+            taken: BTreeSet::new(),
+            pending: Vec::new(),
+            pending_bytes: 0,
+        });
+        Some((generation, vec![Body::Replicas(st.table())], ids))
+    }
+
+    /// Copies engine `id`'s keys (one short hold of the hub lock) and chunks them outside it.
+    /// `None` if the build was abandoned.
+    fn build_engine(&self, hub: &Hub, generation: u64, id: u32) -> Option<Vec<Body>> {
+        let mut keys = {
+            let st = hub.state();
+            let mut q = self.queue();
+            let b = q.building.as_mut().filter(|b| b.generation == generation)?;
+            b.taken.insert(id);
+            let e = st.engines.get(usize::try_from(id).ok()?).filter(|e| !e.gone);
+            e.map(|e| if e.up { e.mirror.keys_unsorted() } else { Vec::new() }).unwrap_or_default()
+        };
+        keys.sort_unstable();
+        Some(snapshot_chunks(id, &keys))
+    }
+
+    /// Queues the snapshot, then what was published meanwhile. False if the build was
+    /// abandoned.
+    fn build_finish(&self, hub: &Hub, generation: u64, mut bodies: Vec<Body>) -> bool {
+        let st = hub.state();
+        let mut q = self.queue();
+        let Some(b) = q.building.take_if(|b| b.generation == generation) else { return false };
+        bodies.push(Body::SnapshotComplete(SnapshotComplete {}));
+        let loads: Vec<ReplicaLoad> = st.live().filter_map(|e| e.load.clone()).collect();
+        if !loads.is_empty() {
+            bodies.push(Body::Load(LoadReport { loads }));
+        }
+        q.msgs.clear();
+        q.bytes = 0;
+        for body in bodies.into_iter().chain(b.pending) {
+            Self::push(&mut q, body);
+        }
+        q.resync = false;
+        q.resyncs = q.resyncs.saturating_add(1);
+        true
     }
 
     fn pop_front(q: &mut SubQueue) -> Option<FeedMessage> {
@@ -109,7 +238,15 @@ impl Hub {
     pub fn subscribe(&self, name: String) -> Arc<Subscriber> {
         let sub = Arc::new(Subscriber {
             name,
-            queue: Mutex::new(SubQueue { msgs: VecDeque::new(), bytes: 0, next_seq: 0, resync: true, resyncs: 0 }),
+            queue: Mutex::new(SubQueue {
+                msgs: VecDeque::new(),
+                bytes: 0,
+                next_seq: 0,
+                resync: true,
+                resyncs: 0,
+                building: None,
+                build_gen: 0,
+            }),
             notify: Notify::new(),
         });
         let mut st = self.state();
@@ -120,6 +257,20 @@ impl Hub {
         sub.notify.notify_one();
         sub
     }
+}
+
+/// One engine's snapshot chunks: the first flagged (empty when it holds nothing), at most
+/// [`CHUNK_BLOCKS`] blocks each.
+fn snapshot_chunks(id: u32, keys: &[llmgw_core::BlockKey]) -> Vec<Body> {
+    if keys.is_empty() {
+        return vec![Body::Snapshot(SnapshotChunk { replica: id, first: true, blocks: Vec::new() })];
+    }
+    keys.chunks(CHUNK_BLOCKS)
+        .enumerate()
+        .map(|(i, chunk)| {
+            Body::Snapshot(SnapshotChunk { replica: id, first: i == 0, blocks: chunk.iter().map(|k| k.0).collect() })
+        })
+        .collect()
 }
 
 impl HubState {
@@ -151,6 +302,19 @@ impl HubState {
             let Some(sub) = w.upgrade() else { return false };
             let mut q = sub.queue();
             if q.resync {
+                // A snapshot under construction collects what it will not include; past the
+                // caps the build is abandoned and starts over.
+                if let Some(b) = q.building.as_mut() {
+                    if b.keeps(&body) {
+                        if b.pending.len() >= max || b.pending_bytes.saturating_add(cost) > max_bytes {
+                            q.building = None;
+                            overflows = overflows.saturating_add(1);
+                        } else {
+                            b.pending.push(body.clone());
+                            b.pending_bytes = b.pending_bytes.saturating_add(cost);
+                        }
+                    }
+                }
                 return true;
             }
             let too_big = q.bytes.saturating_add(cost) > max_bytes;
@@ -181,21 +345,13 @@ impl HubState {
     }
 
     /// Table, snapshot chunks of every engine (the first one flagged, at most
-    /// [`CHUNK_BLOCKS`] blocks each), SnapshotComplete, and the latest loads.
+    /// [`CHUNK_BLOCKS`] blocks each), SnapshotComplete, and the latest loads, all at once
+    /// under the lock (the fallback when incremental builds keep being abandoned).
     pub fn snapshot_bodies(&self) -> Vec<Body> {
         let mut out = vec![Body::Replicas(self.table())];
         for e in self.live() {
             let keys = if e.up { e.mirror.keys() } else { Vec::new() };
-            if keys.is_empty() {
-                out.push(Body::Snapshot(SnapshotChunk { replica: e.spec.id, first: true, blocks: Vec::new() }));
-            }
-            for (i, chunk) in keys.chunks(CHUNK_BLOCKS).enumerate() {
-                out.push(Body::Snapshot(SnapshotChunk {
-                    replica: e.spec.id,
-                    first: i == 0,
-                    blocks: chunk.iter().map(|k| k.0).collect(),
-                }));
-            }
+            out.extend(snapshot_chunks(e.spec.id, &keys));
         }
         out.push(Body::SnapshotComplete(SnapshotComplete {}));
         let loads: Vec<ReplicaLoad> = self.live().filter_map(|e| e.load.clone()).collect();
@@ -369,5 +525,73 @@ mod tests {
         assert!(fs.synced);
         assert_eq!(fs.index.entries(), 200_000, "a fresh snapshot holds every block");
         assert_eq!(sub.snapshots_sent(), 2);
+    }
+
+    #[test]
+    fn a_snapshot_built_engine_by_engine_while_events_arrive_equals_the_agents_state() {
+        let engines = 4u32;
+        let h = hub(engines, 1 << 16);
+        let mut rng = Lcg(7);
+        let mut seq = vec![0u64; engines as usize];
+        let mut step = |h: &Hub, rng: &mut Lcg| {
+            let e = (rng.next() % u64::from(engines)) as usize;
+            let k = 1 + rng.next() % 64;
+            let ev = if rng.next().is_multiple_of(3) { removed(vec![k]) } else { stored(vec![k]) };
+            let mut st = h.state();
+            if rng.next().is_multiple_of(50) {
+                st.reset(e, "test");
+            } else {
+                st.apply(e, seq[e], &batch(vec![ev]));
+                seq[e] += 1;
+            }
+        };
+        for _ in 0..200 {
+            step(&h, &mut rng);
+        }
+        let sub = h.subscribe("late".into());
+        // The build's steps, with events between every one (as ingestion threads would do).
+        let (generation, mut bodies, ids) = sub.build_begin(&h).unwrap();
+        for _ in 0..20 {
+            step(&h, &mut rng);
+        }
+        for id in ids {
+            bodies.extend(sub.build_engine(&h, generation, id).unwrap());
+            for _ in 0..20 {
+                step(&h, &mut rng);
+            }
+        }
+        assert!(sub.build_finish(&h, generation, bodies));
+        for _ in 0..20 {
+            step(&h, &mut rng);
+        }
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        let truth: Vec<Vec<u64>> =
+            h.state().engines.iter().map(|e| e.mirror.keys().iter().map(|k| k.0).collect()).collect();
+        assert!(fs.synced);
+        assert_eq!(state_of(&fs, engines), truth);
+        assert_eq!(sub.snapshots_sent(), 1);
+    }
+
+    #[test]
+    fn a_build_whose_backlog_overflows_is_abandoned_and_started_over() {
+        let h = hub(2, 16);
+        let sub = h.subscribe("slow".into());
+        let (generation, bodies, _) = sub.build_begin(&h).unwrap();
+        for i in 0..20u64 {
+            h.state().apply(0, i, &batch(vec![stored(vec![i + 1])]));
+            h.state().publish(Body::Heartbeat(llmgw_core::feed::Heartbeat {}));
+        }
+        assert!(sub.build_engine(&h, generation, 0).is_none(), "abandoned");
+        assert!(!sub.build_finish(&h, generation, bodies));
+        // The next pop builds afresh: nothing lost.
+        let mut fs = FeedState::default();
+        for m in drain(&sub, &h) {
+            fs.apply(&m).unwrap();
+        }
+        assert!(fs.synced);
+        assert_eq!(state_of(&fs, 2)[0], (1..=20).collect::<Vec<u64>>());
     }
 }
