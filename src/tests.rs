@@ -480,3 +480,22 @@ fn a_replica_answering_5xx_is_avoided_from_the_next_request_then_tried_again() {
     let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
     assert_eq!(e.dest().as_deref(), Some(B));
 }
+
+#[test]
+fn a_vm_resubscribes_within_the_backoff_cap_however_long_the_agent_was_away() {
+    let mut e = synced("", vec![], vec![], true);
+    // The agent is gone: every attempt's stream closes at once, for a long outage.
+    for _ in 0..20 {
+        let token = e.stream();
+        e.root.on_grpc_stream_close(token, 14);
+        e.subscribe();
+    }
+    // It is back: the next attempt comes within half a second of the last failure (so the
+    // fault suite's target, every VM's index equal to the agent's within 1 s, holds).
+    let token = e.stream();
+    e.root.on_grpc_stream_close(token, 14);
+    let before = e.host.streams.borrow().len();
+    e.host.now_ns.set(e.host.now_ns.get() + 500_000_001);
+    e.root.on_tick();
+    assert_eq!(e.host.streams.borrow().len(), before + 1, "no attempt within 500 ms of the last failure");
+}
