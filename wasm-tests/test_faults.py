@@ -63,12 +63,15 @@ SYSTEMS = [" ".join(f"family{f} rule{j}" for j in range(24)) for f in range(8)]
 class Load:
     """Chat requests to 127.0.0.1:port until stop(). Prompts share system prompts in 8 families;
     with `unique` every request's question is new (so every one is tokenized), else a request
-    repeats one of 64 questions and one in `churn` is new (the replicas keep storing blocks, so
-    events flow, without changing the index faster than a test can compare it)."""
+    repeats one of 64 questions and one in `churn` (or one per `churn_every_s`) is new: the
+    replicas keep storing blocks, so events flow, and with churn_every_s the index changes slowly
+    enough to be compared with the agent's (each VM's gauge is sampled every 200 ms)."""
 
-    def __init__(self, port: int, concurrency: int = CONCURRENCY, unique: bool = False, churn: int = 8,
-                 max_tokens: int = 2):
+    def __init__(self, port: int, concurrency: int = CONCURRENCY, unique: bool = False, churn: int = 4,
+                 churn_every_s: float | None = None, max_tokens: int = 2):
         self.port, self.unique, self.churn, self.max_tokens = port, unique, churn, max_tokens
+        # With churn_every_s, a new question once per that many seconds instead of one in `churn`.
+        self.churn_every_s, self.last_new = churn_every_s, 0.0
         self.recs: list[Rec] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -77,9 +80,22 @@ class Load:
         for t in self.threads:
             t.start()
 
+    def _new(self, k: int) -> bool:
+        if self.unique:
+            return True
+        if self.churn_every_s is None:
+            return k % self.churn == 0
+        with self.lock:
+            now = time.monotonic()
+            if now - self.last_new >= self.churn_every_s:
+                self.last_new = now
+                return True
+            return False
+
     def _body(self, k: int) -> bytes:
-        if self.unique or k % self.churn == 0:
-            question = f"new question {k} {time.monotonic_ns()}"
+        if self._new(k):
+            # Long enough to fill blocks of its own: the replica stores (and publishes) them.
+            question = f"new question {k} {time.monotonic_ns()} " + " ".join(f"detail{k}x{j}" for j in range(24))
         else:
             question = f"question {k % 64}"
         msgs = [{"role": "system", "content": SYSTEMS[k % len(SYSTEMS)]}, {"role": "user", "content": question}]
@@ -187,6 +203,15 @@ class Fleet:
         b = self.agent_total()
         return a == b and a > 0 and bool(vals) and all(v == a for v in vals)
 
+    def busiest(self) -> dict:
+        """The replica whose publisher sent the agent the most batches so far."""
+        received = {r["replica"]: r["received"] for r in self.agent.replicas()}
+        return max(self.sims, key=lambda s: received.get(s["name"], 0))
+
+    def resets(self, sim: dict) -> int:
+        """The agent's resets of `sim`'s mirror, whatever the reason."""
+        return sum(self.agent.replica(sim["name"])["resets"].values())
+
     def sim_keys(self, sim: dict) -> set[int]:
         return set(kit.http_json(f"http://127.0.0.1:{sim['port']}/sim/blocks")[2]["keys"])
 
@@ -223,7 +248,7 @@ AGENT_OUTAGE_S = 3.0
 
 def test_agent_sigkill_and_restart(fleet):
     fl = fleet
-    load = Load(fl.listen)
+    load = Load(fl.listen, churn_every_s=0.5)
     try:
         warm(load)
         wait_until(fl.indexes_equal_agent, 10, "every VM's index equal to the agent's before the fault")
@@ -251,3 +276,131 @@ def test_agent_sigkill_and_restart(fleet):
            f"agent's {t_equal - t_back:.2f} s after the agent's return")
     assert not failed(recs), failed(recs)[:5]
     assert t_equal - t_back <= 1.0, f"indexes equal {t_equal - t_back:.2f} s after the agent's return"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. replica SIGKILL
+
+
+def test_replica_sigkill(fleet):
+    fl = fleet
+    victim = fl.sims[0]
+    addr = fl.addr(victim)
+    load = Load(fl.listen)
+    try:
+        warm(load)
+        wait_until(lambda: any(r.replica == addr for r in load.since(0.0)), 10, "requests routed to the victim")
+        fl.procs.stop(fl.sim_procs[victim["name"]], signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_until(lambda: not fl.agent.replica(victim["name"])["up"], 10, "the agent marking the victim down")
+        t_down = time.monotonic()
+        # Steady load well past the one-second mark.
+        load.wait_answered(300, after=t_kill + 1.0, what="after the kill")
+    finally:
+        recs = load.stop()
+    to_victim = [r for r in recs if r.replica == addr]
+    after = [r for r in recs if r.t0 >= t_kill]
+    late = [r for r in to_victim if r.t0 >= t_kill + 1.0]
+    bad = failed(recs)
+    last = max((r.t0 for r in to_victim if r.t0 >= t_kill), default=t_kill)
+    report("replica SIGKILL", recs,
+           f"last request sent to it {last - t_kill:.3f} s after the kill; agent marked it down after "
+           f"{t_down - t_kill:.2f} s; {len([r for r in bad if r.t0 < t_kill])} failed were in flight at the kill")
+    assert not late, f"{len(late)} requests sent to the killed replica >= 1 s after the kill"
+    # The only failures: requests to the killed replica, in flight at the kill or routed to it
+    # before the first failed connect marked it avoided (at most one per client each).
+    assert all(r.replica == addr for r in bad), [r for r in bad if r.replica != addr][:5]
+    assert len(bad) <= 2 * CONCURRENCY, len(bad)
+    assert len(after) >= 300
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. engine restart (the publisher's sequence back to 0)
+
+
+def quiet_and_equal(fl: Fleet, sims: list[dict], timeout: float = 20.0) -> None:
+    """After the load stopped: the agent's mirror of each of `sims` holds exactly the blocks
+    the engine caches, and every VM's index equals the agent's."""
+    for s in sims:
+        try:
+            wait_until(lambda s=s: fl.agent.keys(s["name"]) == fl.sim_keys(s), timeout,
+                       f"the agent's mirror of {s['name']} equal to its cache")
+        except TimeoutError as e:
+            a, b = fl.agent.keys(s["name"]), fl.sim_keys(s)
+            raise AssertionError(f"{e}: the agent holds {len(a)}, {len(a - b)} of them not in the cache; the "
+                                 f"cache {len(b)}, {len(b - a)} of them unknown to the agent; agent's view: "
+                                 f"{ {k: v for k, v in fl.agent.replica(s['name']).items() if k != 'block_keys'} }")
+    wait_until(fl.indexes_equal_agent, timeout, "every VM's index equal to the agent's")
+
+
+def test_engine_restart(fleet):
+    fl = fleet
+    load = Load(fl.listen)
+    try:
+        warm(load)
+        sim = fl.busiest()
+        assert fl.agent.replica(sim["name"])["blocks"] > 0
+        resets = fl.resets(sim)
+        kit.post_json(f"http://127.0.0.1:{sim['port']}/sim/restart")
+        t_restart = time.monotonic()
+        wait_until(lambda: fl.resets(sim) > resets, 10,
+                   "the agent resetting the restarted engine's mirror")
+        t_reset = time.monotonic()
+        load.wait_answered(300, what="after the restart")
+    finally:
+        recs = load.stop()
+    # The restarted engine's first batches can be lost to its publisher's reconnect (a ZMQ PUB
+    # drops what it sends before the connection is up, as vLLM's does); the agent repairs them by
+    # replay at the engine's next batch. One more request served by it makes sure there is one
+    # (under steady load it comes by itself unless the engine gets no traffic).
+    direct = [{"role": "user", "content": "after the restart " + " ".join(f"a{j}" for j in range(40))}]
+    kit.post_json(f"http://127.0.0.1:{sim['port']}/v1/chat/completions",
+                  {"model": MODEL, "messages": direct, "max_tokens": 1})
+    quiet_and_equal(fl, fl.sims)
+    report("engine restart (seq back to 0)", recs,
+           f"engine's mirror reset {t_reset - t_restart:.3f} s after the restart; after the load (and one batch "
+           f"of the engine's) the agent's mirrors equal the engines' caches and every VM's index the agent's")
+    assert not failed(recs), failed(recs)[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. publisher gap, with and without replay
+
+
+@pytest.mark.parametrize("replayable", [True, False], ids=["replay", "no-replay"])
+def test_publisher_gap(fleet, replayable):
+    fl = fleet
+    load = Load(fl.listen)
+    try:
+        warm(load)
+        sim = fl.busiest()
+        before = fl.agent.replica(sim["name"])
+        resets = fl.resets(sim)
+        fl.fault(sim, drop_batches=5, replayable=replayable)
+        t_gap = time.monotonic()
+        wait_until(lambda: fl.agent.replica(sim["name"])["gaps"] > before["gaps"], 10,
+                   f"the agent seeing the gap (received before: {before['received']}, now: "
+                   f"{fl.agent.replica(sim['name'])['received']})")
+        t_seen = time.monotonic()
+        load.wait_answered(300, what="after the gap")
+    finally:
+        recs = load.stop()
+    after = fl.agent.replica(sim["name"])
+    name = f"publisher gap, {'replayable' if replayable else 'not replayable'}"
+    if replayable:
+        quiet_and_equal(fl, fl.sims)
+        assert after["replays"]["complete"] > before["replays"]["complete"], after["replays"]
+        assert fl.resets(sim) == resets, "a replayable gap must not reset the mirror"
+        outcome = "filled by replay; mirrors equal the engines' caches"
+    else:
+        assert after["replays"]["incomplete"] > before["replays"]["incomplete"], after["replays"]
+        assert fl.resets(sim) > resets, "an unfillable gap must reset the engine's mirror"
+        # What the agent knows of the engine after the reset is what the engine holds: never a
+        # block it does not (the batches lost may have removed some).
+        wait_until(lambda: fl.agent.keys(sim["name"]) <= fl.sim_keys(sim), 20, "no phantom block in the mirror")
+        quiet_and_equal(fl, [s for s in fl.sims if s is not sim])
+        wait_until(fl.indexes_equal_agent, 20, "every VM's index equal to the agent's")
+        outcome = (f"mirror reset; holds {len(fl.agent.keys(sim['name']))} of the engine's "
+                   f"{len(fl.sim_keys(sim))} blocks, none it does not")
+    report(name, recs, f"seen {t_seen - t_gap:.3f} s after the first dropped batch; {outcome}")
+    assert not failed(recs), failed(recs)[:5]

@@ -401,7 +401,11 @@ async fn reset_prefix_cache(State(e): State<Arc<Engine>>) -> Response {
 
 /// Simulates an engine restart: the cache is empty and the publisher's sequence restarts at 0.
 async fn restart(State(e): State<Arc<Engine>>) -> Response {
-    e.with_pool(|p| p.restart());
+    // One step under the pool's lock (taken before the publisher's, as in `with_pool`): another
+    // request's events must not be published between the cache's reset and the publisher's,
+    // under the old engine's sequence (the agent then dropped them with the old engine's blocks).
+    let mut pool = e.pool.lock().unwrap_or_else(|p| p.into_inner());
+    pool.restart();
     let tx = e.publisher.lock().unwrap_or_else(|p| p.into_inner());
     let _ = tx.send(PubCmd::Restart);
     StatusCode::OK.into_response()
