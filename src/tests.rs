@@ -168,11 +168,14 @@ fn each_fallback_reason_is_counted() {
         assert!(e.dest().is_some_and(|d| d == A || d == B), "{reason}: routed");
     }
     // Too large: routed from the body's head without parsing it.
-    let e = synced(r#""max_body_bytes":16,"#, vec![], vec![], true);
-    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"a prompt past the limit"}"#);
-    assert_eq!(action, Action::Continue);
-    assert_eq!(e.counter("llmgw_fallbacks_total.reason.body_too_large"), 1);
-    // Not synced: the feed's snapshot has not completed.
+    {
+        let e = synced(r#""max_body_bytes":16,"#, vec![], vec![], true);
+        let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"a prompt past the limit"}"#);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(e.counter("llmgw_fallbacks_total.reason.body_too_large"), 1);
+    }
+    // Not synced: the feed's snapshot has not completed (a fresh VM: no other root context of
+    // this thread's "VM" may be alive, or the new one starts from its view).
     let mut e = env(&config(""));
     e.subscribe();
     e.feed(vec![Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true)] })]);
@@ -498,4 +501,22 @@ fn a_vm_resubscribes_within_the_backoff_cap_however_long_the_agent_was_away() {
     e.host.now_ns.set(e.host.now_ns.get() + 500_000_001);
     e.root.on_tick();
     assert_eq!(e.host.streams.borrow().len(), before + 1, "no attempt within 500 ms of the last failure");
+}
+
+#[test]
+fn a_new_root_context_routes_from_its_first_request_with_the_view_of_another_in_its_vm() {
+    // A VM already subscribed (root context 1); a listener change brings root context 2 with
+    // another filter configuration, whose own feed has not delivered anything yet.
+    let held: Vec<u32> = (0..16).collect();
+    let first = synced("", vec![], keys(&held), true);
+    let host = first.host.clone();
+    host.set_buffer(Buffer::PluginConfiguration, config(r#""tokenizer_cache_ttl_ms":1234,"#).as_bytes());
+    let mut second = Root::new(host.clone());
+    assert!(second.on_configure(0));
+    let e = Env { host, root: second, seq: 0 };
+    let (_ctx, action) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(action, Action::Continue);
+    assert!(e.host.replies.borrow().is_empty(), "answered instead of routed");
+    assert_eq!(e.dest().as_deref(), Some(B), "routed to the replica holding the prefix");
+    drop(first);
 }
