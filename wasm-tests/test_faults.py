@@ -404,3 +404,120 @@ def test_publisher_gap(fleet, replayable):
                    f"{len(fl.sim_keys(sim))} blocks, none it does not")
     report(name, recs, f"seen {t_seen - t_gap:.3f} s after the first dropped batch; {outcome}")
     assert not failed(recs), failed(recs)[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. tokenizer slower than its timeout
+
+# How long a slow /tokenize takes: well past the filter's timeout.
+SLOW_TOKENIZER_MS = 1000
+# What p99 may add to the timeout beyond the baseline p99 (a request without the fault): the
+# callout's timer fires on the worker's event loop and the fallback decision runs after it, on
+# two CPUs shared by Envoy, three replicas, the agent and the clients (and other builds).
+P99_MARGIN_MS = 100
+
+
+def test_tokenizer_slower_than_its_timeout(fleet):
+    fl = fleet
+    # Every question new: every request needs the tokenizer (no tokenization cache hit).
+    load = Load(fl.listen, unique=True)
+    try:
+        load.wait_answered(300, after=0.0, what="before the fault")
+        t_fault = time.monotonic()
+        base = [r for r in load.since(0.0) if r.t0 < t_fault]
+        timeouts = fl.envoy.metric("llmgw_tokenizer_failures_total", 'reason="timeout"')
+        for s in fl.sims:
+            fl.fault(s, tokenize_delay_ms=SLOW_TOKENIZER_MS)
+        t_slow = time.monotonic()
+        load.wait_answered(200, after=t_slow, what="with the tokenizer slow")
+    finally:
+        recs = load.stop()
+        for s in fl.sims:
+            fl.fault(s, tokenize_delay_ms=0)
+    slow = [r for r in recs if r.t0 >= t_slow]
+    lat = lambda rs: [(r.t1 - r.t0) * 1000 for r in rs]  # noqa: E731
+    p99_base, p99_slow = pct(lat(base), 99), pct(lat(slow), 99)
+    timed_out = fl.envoy.metric("llmgw_tokenizer_failures_total", 'reason="timeout"') - timeouts
+    bound = TOKENIZER_TIMEOUT_MS + p99_base + P99_MARGIN_MS
+    report("tokenizer slower than its timeout", recs,
+           f"none needed: p99 {p99_base:.0f} ms before, {p99_slow:.0f} ms with /tokenize taking "
+           f"{SLOW_TOKENIZER_MS} ms (timeout {TOKENIZER_TIMEOUT_MS} ms, bound {bound:.0f} ms, max "
+           f"{max(lat(slow)):.0f} ms); {timed_out:.0f} callouts timed out and fell back")
+    assert not failed(recs), failed(recs)[:5]
+    assert timed_out > 0, "the tokenizer was never slow enough to time out"
+    assert p99_slow <= bound, (p99_slow, bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Envoy listener reload under load (file-based LDS, changed on disk by atomic rename)
+
+
+def lds_bootstrap(shipped: str, lds_dir: Path) -> tuple[str, dict]:
+    """The shipped bootstrap with its listener moved into a file-based LDS source in lds_dir;
+    returns (bootstrap YAML, the listener)."""
+    doc = yaml.safe_load(shipped)
+    (listener,) = doc["static_resources"].pop("listeners")
+    doc["node"] = {"id": "llmgw-faults", "cluster": "llmgw-faults"}  # required with xDS
+    doc["dynamic_resources"] = {"lds_config": {"resource_api_version": "V3", "path_config_source": {
+        "path": str(lds_dir / "lds.yaml"), "watched_directory": {"path": str(lds_dir)}}}}
+    return yaml.safe_dump(doc, sort_keys=False), listener
+
+
+def write_lds(lds_dir: Path, listener: dict, version: int, filter_change: bool = False) -> None:
+    """The listener at `version` (it adds x-fault-listener-version to every response; with
+    `filter_change` the filter's configuration differs too), written next to lds.yaml and
+    renamed over it: Envoy sees one complete file or the other."""
+    listener = json.loads(json.dumps(listener))
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["response_headers_to_add"] = [
+        {"header": {"key": "x-fault-listener-version", "value": str(version)}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    if filter_change:
+        # The filter's own configuration changes too (a new plugin: new root contexts in the VMs).
+        for f in hcm["http_filters"]:
+            if f["name"] == "envoy.filters.http.wasm":
+                value = f["typed_config"]["config"]["configuration"]
+                cfg = json.loads(value["value"])
+                cfg["tokenizer_cache_ttl_ms"] = 60_000 + version
+                value["value"] = json.dumps(cfg)
+    doc = {"version_info": str(version),
+           "resources": [{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener", **listener}]}
+    tmp = lds_dir / f".lds.{version}.yaml"
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.rename(tmp, lds_dir / "lds.yaml")
+
+
+# Reloads of the listener: odd versions change its routes, even ones the filter's configuration too.
+RELOADS = 6
+
+
+def test_listener_reload_under_load(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
+    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path)
+    lds_dir = tmp_path / "lds"
+    lds_dir.mkdir()
+    bootstrap, listener = lds_bootstrap(
+        kit.shipped_config(wasm_path, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), lds_dir)
+    write_lds(lds_dir, listener, 0)
+    fl.start_envoy(wasm_path, config=bootstrap)
+    load = Load(fl.listen)
+    recoveries = []
+    try:
+        warm(load)
+        # The shipped build has no trap: the test-only header is an ordinary one.
+        assert load.send(load._body(1), {"x-llmgw-fault": "trap"}).status == 200
+        for v in range(1, RELOADS + 1):
+            ok = fl.envoy.stats("listener_manager.lds.update_success").get("listener_manager.lds.update_success", 0)
+            write_lds(lds_dir, listener, v, filter_change=v % 2 == 0)
+            t = time.monotonic()
+            wait_until(lambda: fl.envoy.stats("listener_manager.lds.update_success")
+                       .get("listener_manager.lds.update_success", 0) > ok, 10, f"Envoy taking listener version {v}")
+            first = wait_until(lambda: next((r for r in load.since(t) if r.version == str(v)), None), 10,
+                               f"a response from listener version {v}")
+            recoveries.append(first.t1 - t)
+            load.wait_answered(200, what=f"on listener version {v}")
+    finally:
+        recs = load.stop()
+    bad = failed(recs)
+    share = 1 - len(bad) / len(recs)
+    report(f"listener reload x{RELOADS} (LDS file, atomic rename)", recs,
+           f"first response from the new listener {max(recoveries) * 1000:.0f} ms after the rename at most")
+    assert share >= 0.9999, (share, bad[:5])
