@@ -109,7 +109,11 @@ impl FeedClient {
             s.metrics.feed_connect();
             log::info!("llmgw: feed connected");
         }
-        match s.router.feed.apply(&msg) {
+        let applied = s.router.feed.apply(&msg);
+        if let (Ok(_), Some(llmgw_core::feed::Body::Replicas(table))) = (&applied, &msg.body) {
+            crate::seed::remember_table(s.host.as_ref(), table);
+        }
+        match applied {
             Ok(Applied::Applied) => s.metrics.feed_message(false),
             Ok(Applied::Swapped) => {
                 s.metrics.feed_message(false);

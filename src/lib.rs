@@ -18,6 +18,7 @@ mod host;
 mod http;
 mod inflight;
 mod metrics;
+mod seed;
 
 #[cfg(test)]
 mod fake;
@@ -31,7 +32,7 @@ use metrics::Metrics;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 use std::cell::RefCell;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::time::Duration;
 
 proxy_wasm::main! {{
@@ -54,35 +55,6 @@ pub(crate) struct Shared {
     pub vm_tag: String,
     /// This VM's id in the shared in-flight records.
     pub vm: inflight::VmId,
-}
-
-thread_local! {
-    /// The state of every root context of this VM. A listener or filter-configuration change
-    /// adds root contexts to running VMs; a new one starts from another's feed view (replica
-    /// table and index) instead of an empty one, so its first requests are routed instead of
-    /// answered 503 until its own subscription has resynced (then its view swaps as usual).
-    static ROOTS: RefCell<Vec<Weak<RefCell<Shared>>>> = const { RefCell::new(Vec::new()) };
-}
-
-/// A synced feed view held by another root context of this VM, if any.
-fn view_of_another_root() -> Option<llmgw_core::feed::FeedView> {
-    ROOTS.with(|roots| {
-        let mut roots = roots.try_borrow_mut().ok()?;
-        roots.retain(|w| w.strong_count() > 0);
-        roots.iter().filter_map(Weak::upgrade).find_map(|s| {
-            let s = s.try_borrow().ok()?;
-            s.router.feed.usable().then(|| s.router.feed.clone())
-        })
-    })
-}
-
-fn register_root(shared: &Rc<RefCell<Shared>>) {
-    ROOTS.with(|roots| {
-        if let Ok(mut roots) = roots.try_borrow_mut() {
-            roots.retain(|w| w.strong_count() > 0);
-            roots.push(Rc::downgrade(shared));
-        }
-    });
 }
 
 /// A random value per VM (`RandomState` draws from the host's WASI random source).
@@ -168,7 +140,7 @@ impl RootContext for Root {
             None => {
                 let metrics = Metrics::define(self.host.clone(), compiled.metrics, &self.vm_tag);
                 let mut router = Router::new(compiled, self.tokcache_key);
-                if let Some(view) = view_of_another_root() {
+                if let Some(view) = seed::initial_view(self.host.as_ref()) {
                     router.feed = view;
                 }
                 let shared = Rc::new(RefCell::new(Shared {
@@ -178,7 +150,7 @@ impl RootContext for Root {
                     vm_tag: self.vm_tag.clone(),
                     vm: inflight::VmId(u32::from_str_radix(&self.vm_tag, 16).unwrap_or_default()),
                 }));
-                register_root(&shared);
+                seed::register_root(&shared);
                 self.shared = Some(shared);
             }
         }

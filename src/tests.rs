@@ -520,3 +520,20 @@ fn a_new_root_context_routes_from_its_first_request_with_the_view_of_another_in_
     assert_eq!(e.dest().as_deref(), Some(B), "routed to the replica holding the prefix");
     drop(first);
 }
+
+#[test]
+fn a_vm_reloaded_after_a_crash_routes_by_load_from_the_replica_table_kept_in_shared_data() {
+    // A VM that received the feed's table crashes (all its root contexts are gone); Envoy
+    // starts a new VM on the same host, whose feed has delivered nothing yet.
+    let first = synced("", vec![], vec![], true);
+    let host = first.host.clone();
+    drop(first);
+    let mut root = Root::new(host.clone());
+    assert!(root.on_configure(0));
+    let e = Env { host, root, seq: 0 };
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!(action, Action::Continue);
+    assert!(e.host.replies.borrow().is_empty(), "answered instead of routed");
+    assert!(e.dest().is_some_and(|d| d == A || d == B), "routed to a replica of the kept table");
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.not_synced"), 1);
+}
