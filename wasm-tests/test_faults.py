@@ -11,7 +11,9 @@ the filter sent it to (its x-llmgw-decision header). Each test prints one line
   (never a block the engine does not hold)
 - tokenizer slower than its timeout: every request answered, p99 within the timeout + a margin
 - Envoy listener reload (file-based LDS, atomic rename) under load: >= 99.99 % success
-- a wasm VM crash (the test-only fault-injection build): see test_vm_crash_is_reloaded
+- a wasm VM crash (the test-only fault-injection build): no failure beyond the requests in
+  flight on the crashed worker (Envoy fails those; see test_vm_crash_is_reloaded for why the
+  99.99 % target is stated per crash rather than asserted over the test's own run)
 
 The figures of a run are in README.md ("Fault suite")."""
 
@@ -97,7 +99,7 @@ class Load:
                 return True
             return False
 
-    def _body(self, k: int) -> bytes:
+    def body(self, k: int) -> bytes:
         if self._new(k):
             # Long enough to fill blocks of its own: the replica stores (and publishes) them.
             question = f"new question {k} {time.monotonic_ns()} " + " ".join(f"detail{k}x{j}" for j in range(24))
@@ -111,7 +113,7 @@ class Load:
             with self.lock:
                 k = self.n
                 self.n += 1
-            body = self._body(k)
+            body = self.body(k)
             self.current[i] = time.monotonic()
             self.recs_append(self.send(body))
             self.current[i] = None
@@ -176,7 +178,7 @@ def report(name: str, recs: list[Rec], recovery: str) -> str:
 
 
 class Fleet:
-    def __init__(self, procs, tmp_path: Path, agent_bin, sim_bin, envoy_bin, wasm_path, filter_extra=None):
+    def __init__(self, procs, tmp_path: Path, agent_bin, sim_bin, envoy_bin):
         self.procs, self.tmp, self.agent_bin, self.sim_bin, self.envoy_bin = procs, tmp_path, agent_bin, sim_bin, envoy_bin
         self.sims = new_sims(N_SIMS)
         # Loads scraped every 100 ms; a replica whose /metrics fails for 300 ms is down (its
@@ -193,8 +195,7 @@ class Fleet:
         wait_sims(self.sims)
         wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), 20, "every replica's publisher connected")
         self.listen, self.admin = kit.free_port(), kit.free_port()
-        self.filter_cfg = kit.filter_config({"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS}, explain_header=True,
-                                            **(filter_extra or {}))
+        self.filter_cfg = kit.filter_config({"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS}, explain_header=True)
 
     def start_envoy(self, wasm_path, name: str = "envoy", config: str | None = None):
         config = config or kit.shipped_config(wasm_path, self.listen, self.admin, self.agent.feed, self.filter_cfg)
@@ -234,7 +235,7 @@ class Fleet:
 
 @pytest.fixture
 def fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
-    return Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path).start_envoy(wasm_path)
+    return Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin).start_envoy(wasm_path)
 
 
 def warm(load: Load, n: int = 150) -> None:
@@ -504,7 +505,7 @@ RELOADS = 6
 
 
 def test_listener_reload_under_load(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
-    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path)
+    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
     lds_dir = tmp_path / "lds"
     lds_dir.mkdir()
     bootstrap, listener = lds_bootstrap(
@@ -516,7 +517,7 @@ def test_listener_reload_under_load(procs, tmp_path, agent_bin, sim_bin, envoy_b
     try:
         warm(load)
         # The shipped build has no trap: the test-only header is an ordinary one.
-        assert load.send(load._body(1), {"x-llmgw-fault": "trap"}).status == 200
+        assert load.send(load.body(1), {"x-llmgw-fault": "trap"}).status == 200
         for v in range(1, RELOADS + 1):
             ok = fl.envoy.stats("listener_manager.lds.update_success").get("listener_manager.lds.update_success", 0)
             write_lds(lds_dir, listener, v, filter_change=v % 2 == 0)
@@ -583,7 +584,7 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
     worker); this test's own run (about 3,500 requests) does not reach it, so it asserts the
     cost instead: no failure beyond the requests in flight at the crash."""
     wasm = fault_wasm()
-    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm)
+    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
     fl.start_envoy(wasm, config=with_reload_backoff(
         kit.shipped_config(wasm, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), backoff))
     load = Load(fl.listen, timeout=CRASH_CLIENT_TIMEOUT_S)
@@ -591,7 +592,7 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
         warm(load)
         before = reload_stats(fl.envoy)
         t_trap = time.monotonic()
-        trap = load.send(load._body(1), {"x-llmgw-fault": "trap"})
+        trap = load.send(load.body(1), {"x-llmgw-fault": "trap"})
         wait_until(lambda: reload_stats(fl.envoy)["wasm.llmgw.vm_reload_success"] > before["wasm.llmgw.vm_reload_success"],
                    20, "Envoy reloading the crashed VM")
         t_reload = time.monotonic()
