@@ -111,7 +111,7 @@ impl FeedClient {
         }
         let applied = s.router.feed.apply(&msg);
         if let (Ok(_), Some(llmgw_core::feed::Body::Replicas(table))) = (&applied, &msg.body) {
-            crate::seed::remember_table(s.host.as_ref(), table);
+            crate::seed::remember_table(s.host.as_ref(), &s.router.config().agent_cluster, table);
         }
         match applied {
             Ok(Applied::Applied) => s.metrics.feed_message(false),

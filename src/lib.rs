@@ -139,8 +139,9 @@ impl RootContext for Root {
             }
             None => {
                 let metrics = Metrics::define(self.host.clone(), compiled.metrics, &self.vm_tag);
+                let view = seed::initial_view(self.host.as_ref(), &compiled.agent_cluster);
                 let mut router = Router::new(compiled, self.tokcache_key);
-                if let Some(view) = seed::initial_view(self.host.as_ref()) {
+                if let Some(view) = view {
                     router.feed = view;
                 }
                 let shared = Rc::new(RefCell::new(Shared {

@@ -537,3 +537,24 @@ fn a_vm_reloaded_after_a_crash_routes_by_load_from_the_replica_table_kept_in_sha
     assert!(e.dest().is_some_and(|d| d == A || d == B), "routed to a replica of the kept table");
     assert_eq!(e.counter("llmgw_fallbacks_total.reason.not_synced"), 1);
 }
+
+#[test]
+fn a_new_root_context_fed_by_another_agent_starts_from_nothing_of_this_ones() {
+    let held: Vec<u32> = (0..16).collect();
+    let first = synced("", vec![], keys(&held), true);
+    let host = first.host.clone();
+    host.set_buffer(Buffer::PluginConfiguration, config(r#""agent_cluster":"other_fleet","#).as_bytes());
+    // Neither the view of a live root context of another fleet…
+    let mut second = Root::new(host.clone());
+    assert!(second.on_configure(0));
+    let e = Env { host: host.clone(), root: second, seq: 0 };
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(e.host.replies.borrow().last().map(|r| r.status), Some(503), "routed from another fleet's view");
+    drop(first);
+    // …nor its table kept in shared data.
+    let mut third = Root::new(host.clone());
+    assert!(third.on_configure(0));
+    let e = Env { host, root: third, seq: 0 };
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(e.host.replies.borrow().len(), 2, "routed from another fleet's table");
+}
