@@ -577,7 +577,7 @@ CRASH_CLIENT_TIMEOUT_S = 5.0
 def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, backoff):
     """One VM (one worker's) traps. Measured with Envoy 1.40 and FAIL_RELOAD:
     - requests in flight on that worker fail (0-5 of them per crash with 6 clients over 2
-      workers, more than were paused in the filter): 503 or a reset; one paused in the filter
+      workers): 503 or a reset; one paused in the filter
       (waiting for its tokenizer callout or its body) is never answered at all (Envoy does not
       resume a stream of a dead VM: it ends at the client's, the route's or the idle timeout);
     - with Envoy's default reload backoff (1 s base interval) that worker also answers 503 to
