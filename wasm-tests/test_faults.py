@@ -577,9 +577,9 @@ CRASH_CLIENT_TIMEOUT_S = 5.0
 def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, backoff):
     """One VM (one worker's) traps. Measured with Envoy 1.40 and FAIL_RELOAD:
     - requests in flight on that worker fail (0-5 of them per crash with 6 clients over 2
-      workers): 503 or a reset; one paused in the filter
-      (waiting for its tokenizer callout or its body) is never answered at all (Envoy does not
-      resume a stream of a dead VM: it ends at the client's, the route's or the idle timeout);
+      workers): 503 or a reset, and in about 1 crash of 4 one is never answered at all (it
+      ends at the client's timeout here, else at the route's or the stream idle timeout; most
+      likely a stream paused in the filter, which Envoy does not resume once its VM is dead);
     - with Envoy's default reload backoff (1 s base interval) that worker also answers 503 to
       every new request until the VM is reloaded (counted in `vm_reload_backoff`, 0.3-0.4 s of
       its traffic here); with a 10 ms base interval the reload comes with the next request;
