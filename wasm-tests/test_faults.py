@@ -592,8 +592,8 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
     (what the shipped configurations set):
     a crash then costs exactly the requests in flight on the crashed worker. The >= 99.99 %
     target holds only if crashes are rarer than one per 10,000 x (requests in flight per
-    worker); this test's own run (a few thousand requests at most) does not reach it, so it asserts the
-    cost instead: no failure beyond the requests in flight at the crash."""
+    worker); this test's own run (a few thousand requests at most) does not reach it, so it
+    asserts the cost instead: no failure beyond the requests in flight at the crash."""
     wasm = fault_wasm()
     fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
     fl.start_envoy(wasm, config=with_reload_backoff(
