@@ -179,7 +179,8 @@ def report(name: str, recs: list[Rec], recovery: str) -> str:
 
 class Fleet:
     def __init__(self, procs, tmp_path: Path, agent_bin, sim_bin, envoy_bin):
-        self.procs, self.tmp, self.agent_bin, self.sim_bin, self.envoy_bin = procs, tmp_path, agent_bin, sim_bin, envoy_bin
+        self.procs, self.tmp, self.agent_bin = procs, tmp_path, agent_bin
+        self.sim_bin, self.envoy_bin = sim_bin, envoy_bin
         self.sims = new_sims(N_SIMS)
         # Loads scraped every 100 ms; a replica whose /metrics fails for 300 ms is down (its
         # requests must stop within a second of its death, and passive health avoids it for
@@ -193,7 +194,8 @@ class Fleet:
                 sim_command(sim_bin, s, MODEL, blocks=65536, seed="0", decode_ms=1, buffer_steps=2_000_000),
                 s["name"])
         wait_sims(self.sims)
-        wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), 20, "every replica's publisher connected")
+        wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), 20,
+                   "every replica's publisher connected")
         self.listen, self.admin = kit.free_port(), kit.free_port()
         self.filter_cfg = kit.filter_config({"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS}, explain_header=True)
 
@@ -490,7 +492,8 @@ def write_lds(lds_dir: Path, listener: dict, version: int, filter_change: bool =
     listener = json.loads(json.dumps(listener))
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["route_config"]["response_headers_to_add"] = [
-        {"header": {"key": "x-fault-listener-version", "value": str(version)}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+        {"header": {"key": "x-fault-listener-version", "value": str(version)},
+         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     if filter_change:
         # The filter's own configuration changes too (a new plugin: new root contexts in the VMs).
         for f in hcm["http_filters"]:
@@ -604,8 +607,9 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
         before = reload_stats(fl.envoy)
         t_trap = time.monotonic()
         trap = load.send(load.body(1), {"x-llmgw-fault": "trap"})
-        wait_until(lambda: reload_stats(fl.envoy)["wasm.llmgw.vm_reload_success"] > before["wasm.llmgw.vm_reload_success"],
-                   20, "Envoy reloading the crashed VM")
+        reloads = before["wasm.llmgw.vm_reload_success"]
+        wait_until(lambda: reload_stats(fl.envoy)["wasm.llmgw.vm_reload_success"] > reloads, 20,
+                   "Envoy reloading the crashed VM")
         t_reload = time.monotonic()
         load.wait_answered(600, what="after the crash")
         # Every request in flight at the crash is answered or given up on.
