@@ -118,6 +118,10 @@ run_tests() {
 run_e2e() {
   log "building (release): agent, simulator"
   cargo build -q --release -p llmgw-agent -p llmgw-sim
+  # TEST ONLY: the filter that traps on request (wasm-tests/test_faults.py), in its own profile
+  # directory of the target dir; dist/llmgw.wasm is never this build.
+  log "building the test-only fault-injection filter (target/$WASM_TARGET/fault-injection/llmgw.wasm)"
+  cargo build -q --profile fault-injection --target "$WASM_TARGET" -p llmgw --features fault-injection
   target_dir >/dev/null
   log "end-to-end tests (real Envoy, agent, publishers on loopback)${*:+: pytest $*}"
   (cd wasm-tests && PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")

@@ -12,7 +12,10 @@ use crate::host::Buffer;
 
 pub const TICK_MS: u64 = 200;
 const BACKOFF_MIN_MS: u64 = 250;
-const BACKOFF_MAX_MS: u64 = 5_000;
+/// The longest wait between attempts: a restarted agent is subscribed to within about half a
+/// second, whatever its outage lasted (at 5 s, a 3 s outage left the VMs without the agent's
+/// index for a second after its return). An attempt costs one loopback or pod-local connect.
+const BACKOFF_MAX_MS: u64 = 500;
 const MS: u64 = 1_000_000;
 
 #[derive(Debug, Default)]
@@ -136,10 +139,12 @@ impl FeedClient {
         if matches!(msg.body, Some(llmgw_core::feed::Body::Load(_))) {
             self.last_load_ns = Some(now);
         }
-        let table = matches!(msg.body, Some(llmgw_core::feed::Body::Replicas(_)));
         let applied = s.router.feed.apply(&msg);
-        if table {
+        if let Some(llmgw_core::feed::Body::Replicas(table)) = &msg.body {
             log_refused(s);
+            if applied.is_ok() {
+                crate::seed::remember_table(s.host.as_ref(), &s.router.config().agent_cluster, table);
+            }
         }
         match applied {
             Ok(Applied::Applied) => s.metrics.feed_message(false),

@@ -194,6 +194,11 @@ impl Context for Request {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        // TEST ONLY (feature `fault-injection`, never in the shipped build): a VM crash on demand.
+        #[cfg(feature = "fault-injection")]
+        if self.host.header(Headers::Request, "x-llmgw-fault").as_deref() == Some(b"trap".as_slice()) {
+            std::process::abort();
+        }
         // Never trust a client-supplied destination: ORIGINAL_DST forwards to any address.
         // Removed before anything else, on every path (no configuration included).
         self.host.set_header(Headers::Request, DEFAULT_DESTINATION_HEADER, None);

@@ -18,6 +18,7 @@ mod host;
 mod http;
 mod inflight;
 mod metrics;
+mod seed;
 
 #[cfg(test)]
 mod fake;
@@ -138,13 +139,23 @@ impl RootContext for Root {
             }
             None => {
                 let metrics = Metrics::define(self.host.clone(), compiled.metrics, &self.vm_tag);
-                self.shared = Some(Rc::new(RefCell::new(Shared {
+                let view = seed::initial_view(self.host.as_ref(), &compiled.agent_cluster);
+                let mut router = Router::new(compiled, self.tokcache_key);
+                if let Some(view) = view {
+                    router.feed = view;
+                    // Checked against this configuration's allowlist, not the one it came with.
+                    let allow = router.config().allow.clone();
+                    router.feed.set_allowlist(&allow);
+                }
+                let shared = Rc::new(RefCell::new(Shared {
                     host: self.host.clone(),
-                    router: Router::new(compiled, self.tokcache_key),
+                    router,
                     metrics,
                     vm_tag: self.vm_tag.clone(),
                     vm: inflight::VmId(u32::from_str_radix(&self.vm_tag, 16).unwrap_or_default()),
-                })));
+                }));
+                seed::register_root(&shared);
+                self.shared = Some(shared);
             }
         }
         self.raw_config = Some(raw);

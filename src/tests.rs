@@ -168,11 +168,14 @@ fn each_fallback_reason_is_counted() {
         assert!(e.dest().is_some_and(|d| d == A || d == B), "{reason}: routed");
     }
     // Too large: routed from the body's head without parsing it.
-    let e = synced(r#""max_body_bytes":16,"#, vec![], vec![], true);
-    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"a prompt past the limit"}"#);
-    assert_eq!(action, Action::Continue);
-    assert_eq!(e.counter("llmgw_fallbacks_total.reason.body_too_large"), 1);
-    // Not synced: the feed's snapshot has not completed.
+    {
+        let e = synced(r#""max_body_bytes":16,"#, vec![], vec![], true);
+        let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"a prompt past the limit"}"#);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(e.counter("llmgw_fallbacks_total.reason.body_too_large"), 1);
+    }
+    // Not synced: the feed's snapshot has not completed (a fresh VM: no other root context of
+    // this thread's "VM" may be alive, or the new one starts from its view).
     let mut e = env(&config(""));
     e.subscribe();
     e.feed(vec![Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true)] })]);
@@ -560,4 +563,104 @@ fn while_the_agent_is_away_loads_then_the_index_go_stale_and_come_back_with_it()
     assert_eq!(go(&e).as_deref(), Some(B));
     assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 2);
     assert_eq!(e.counter("llmgw_fallbacks_total.reason.stale"), 1);
+}
+
+#[test]
+fn a_vm_resubscribes_within_the_backoff_cap_however_long_the_agent_was_away() {
+    let mut e = synced("", vec![], vec![], true);
+    // The agent is gone: every attempt's stream closes at once, for a long outage.
+    for _ in 0..20 {
+        let token = e.stream();
+        e.root.on_grpc_stream_close(token, 14);
+        e.subscribe();
+    }
+    // It is back: the next attempt comes within half a second of the last failure (so the
+    // fault suite's target, every VM's index equal to the agent's within 1 s, holds).
+    let token = e.stream();
+    e.root.on_grpc_stream_close(token, 14);
+    let before = e.host.streams.borrow().len();
+    e.host.now_ns.set(e.host.now_ns.get() + 500_000_001);
+    e.root.on_tick();
+    assert_eq!(e.host.streams.borrow().len(), before + 1, "no attempt within 500 ms of the last failure");
+}
+
+#[test]
+fn a_new_root_context_routes_from_its_first_request_with_the_view_of_another_in_its_vm() {
+    // A VM already subscribed (root context 1); a listener change brings root context 2 with
+    // another filter configuration, whose own feed has not delivered anything yet.
+    let held: Vec<u32> = (0..16).collect();
+    let first = synced("", vec![], keys(&held), true);
+    let host = first.host.clone();
+    host.set_buffer(Buffer::PluginConfiguration, config(r#""tokenizer_cache_ttl_ms":1234,"#).as_bytes());
+    let mut second = Root::new(host.clone());
+    assert!(second.on_configure(0));
+    let e = Env { host, root: second, seq: 0 };
+    let (_ctx, action) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(action, Action::Continue);
+    assert!(e.host.replies.borrow().is_empty(), "answered instead of routed");
+    assert_eq!(e.dest().as_deref(), Some(B), "routed to the replica holding the prefix");
+    drop(first);
+}
+
+#[test]
+fn a_vm_reloaded_after_a_crash_routes_by_load_from_the_replica_table_kept_in_shared_data() {
+    // A VM that received the feed's table crashes (all its root contexts are gone); Envoy
+    // starts a new VM on the same host, whose feed has delivered nothing yet.
+    let first = synced("", vec![], vec![], true);
+    let host = first.host.clone();
+    drop(first);
+    let mut root = Root::new(host.clone());
+    assert!(root.on_configure(0));
+    let e = Env { host, root, seq: 0 };
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!(action, Action::Continue);
+    assert!(e.host.replies.borrow().is_empty(), "answered instead of routed");
+    assert!(e.dest().is_some_and(|d| d == A || d == B), "routed to a replica of the kept table");
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.not_synced"), 1);
+}
+
+#[test]
+fn a_new_root_context_fed_by_another_agent_starts_from_nothing_of_this_ones() {
+    let held: Vec<u32> = (0..16).collect();
+    let first = synced("", vec![], keys(&held), true);
+    let host = first.host.clone();
+    host.set_buffer(Buffer::PluginConfiguration, config(r#""agent_cluster":"other_fleet","#).as_bytes());
+    // Neither the view of a live root context of another fleet…
+    let mut second = Root::new(host.clone());
+    assert!(second.on_configure(0));
+    let e = Env { host: host.clone(), root: second, seq: 0 };
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(e.host.replies.borrow().last().map(|r| r.status), Some(503), "routed from another fleet's view");
+    drop(first);
+    // …nor its table kept in shared data.
+    let mut third = Root::new(host.clone());
+    assert!(third.on_configure(0));
+    let e = Env { host, root: third, seq: 0 };
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(e.host.replies.borrow().len(), 2, "routed from another fleet's table");
+}
+
+#[test]
+fn a_view_a_new_vm_or_root_starts_from_is_held_to_its_own_allowlist() {
+    let held: Vec<u32> = (0..16).collect();
+    // B holds the prompt; the new configuration allows only A's port.
+    let first = synced("", vec![], keys(&held), true);
+    let host = first.host.clone();
+    host.set_buffer(Buffer::PluginConfiguration, config(r#""allowed_destinations":["127.0.0.1:8001"],"#).as_bytes());
+    let mut second = Root::new(host.clone());
+    assert!(second.on_configure(0));
+    let e = Env { host: host.clone(), root: second, seq: 0 };
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &held));
+    assert_eq!(e.dest().as_deref(), Some(A), "the other root's view, with its allowlist");
+    drop(e);
+    drop(first);
+    // From the table kept in shared data (a VM reloaded after a crash).
+    let mut third = Root::new(host.clone());
+    assert!(third.on_configure(0));
+    let e = Env { host, root: third, seq: 0 };
+    for _ in 0..4 {
+        let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &held));
+        assert_eq!(e.dest().as_deref(), Some(A), "the kept table, unchecked");
+        ctx.on_log();
+    }
 }

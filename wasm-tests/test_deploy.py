@@ -115,6 +115,8 @@ def test_filter_sits_before_the_router_behind_the_header_removal(assembled, kind
     (wasm,) = [f for f in deploy.http_filters(b) if f["name"] == deploy.WASM_FILTER]
     cfg = wasm["typed_config"]["config"]
     assert cfg["allow_on_headers_stop_iteration"] is True and cfg["failure_policy"] == "FAIL_RELOAD"
+    # A crashed VM is reloaded with the next request, not after Envoy's default 1 s (test_faults.py).
+    assert cfg["reload_config"] == {"backoff": {"base_interval": "0.01s"}}, cfg.get("reload_config")
     (hm,) = [f for f in deploy.http_filters(b, INFERENCE_LISTENER[kind]) if f["name"] == deploy.HEADER_MUTATION]
     assert hm["typed_config"]["mutations"]["request_mutations"] == [
         {"remove": DEST}, {"remove_on_match": {"key_matcher": {"prefix": "x-envoy-"}}}]

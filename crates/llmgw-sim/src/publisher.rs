@@ -25,6 +25,10 @@ pub enum PubCmd {
     Batch(Vec<WireEvent>),
     /// The engine restarted: a new publisher whose sequence starts again at 0.
     Restart,
+    /// Fault injection: the next `count` batches are numbered but not published (a gap a
+    /// subscriber sees); with `replayable` they stay in the replay buffer, else they are
+    /// missing from it too, so a replay cannot fill the gap.
+    Drop { count: usize, replayable: bool },
 }
 
 /// vLLM's rule: bind only for wildcard or IPv6-literal endpoints (and ipc/inproc).
@@ -89,21 +93,31 @@ fn run(
     let mut pub_sock = pub_sock;
     let mut seq: u64 = 0;
     let mut buffer: VecDeque<(u64, Vec<u8>)> = VecDeque::new();
+    // Fault injection: batches still to drop, and whether they stay replayable.
+    let mut dropping: (usize, bool) = (0, true);
     let topic = cfg.topic.as_bytes().to_vec();
     loop {
         match rx.recv_timeout(Duration::from_millis(10)) {
             Ok(PubCmd::Batch(events)) => {
                 let batch = WireBatch { ts: now(), events, data_parallel_rank: Some(cfg.dp_rank) };
                 let payload = encode_batch(&batch, cfg.encoding, cfg.hash_form);
-                let frames: [&[u8]; 3] = [&topic, &seq.to_be_bytes(), &payload];
-                // A PUB never blocks: with no subscriber the message is dropped, as in vLLM.
-                let _ = pub_sock.send_multipart(frames, zmq::DONTWAIT);
-                buffer.push_back((seq, payload));
+                let (left, replayable) = dropping;
+                if left == 0 {
+                    let frames: [&[u8]; 3] = [&topic, &seq.to_be_bytes(), &payload];
+                    // A PUB never blocks: with no subscriber the message is dropped, as in vLLM.
+                    let _ = pub_sock.send_multipart(frames, zmq::DONTWAIT);
+                } else {
+                    dropping.0 = left.saturating_sub(1);
+                }
+                if left == 0 || replayable {
+                    buffer.push_back((seq, payload));
+                }
                 while buffer.len() > cfg.buffer_steps {
                     buffer.pop_front();
                 }
                 seq = seq.saturating_add(1);
             }
+            Ok(PubCmd::Drop { count, replayable }) => dropping = (count, replayable),
             Ok(PubCmd::Restart) => {
                 // A restarted engine is a new process: its connection drops and a new
                 // publisher starts from sequence 0.

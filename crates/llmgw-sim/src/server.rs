@@ -43,6 +43,8 @@ pub struct Engine {
     waiting: AtomicU32,
     served: AtomicU64,
     next_id: AtomicU64,
+    /// Fault injection (`POST /sim/fault`): how long `/tokenize` waits before answering.
+    tokenize_delay_ms: AtomicU64,
 }
 
 impl Engine {
@@ -58,6 +60,7 @@ impl Engine {
             waiting: AtomicU32::new(0),
             served: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
+            tokenize_delay_ms: AtomicU64::new(0),
         })
     }
 
@@ -88,6 +91,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/sim/restart", post(restart))
         .route("/sim/probe", post(probe))
+        .route("/sim/fault", post(fault))
+        .route("/sim/blocks", get(blocks))
         .with_state(engine)
 }
 
@@ -177,6 +182,10 @@ async fn models(State(e): State<Arc<Engine>>) -> Json<Value> {
 async fn tokenize(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
     if let Err(r) = check_model(&e, &body) {
         return r;
+    }
+    let delay = e.tokenize_delay_ms.load(Ordering::Relaxed);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     // As in vLLM, a body with messages is the chat form.
     let tokens = match body_tokens(&body) {
@@ -392,7 +401,11 @@ async fn reset_prefix_cache(State(e): State<Arc<Engine>>) -> Response {
 
 /// Simulates an engine restart: the cache is empty and the publisher's sequence restarts at 0.
 async fn restart(State(e): State<Arc<Engine>>) -> Response {
-    e.with_pool(|p| p.restart());
+    // One step under the pool's lock (taken before the publisher's, as in `with_pool`): another
+    // request's events must not be published between the cache's reset and the publisher's,
+    // under the old engine's sequence (the agent then dropped them with the old engine's blocks).
+    let mut pool = e.pool.lock().unwrap_or_else(|p| p.into_inner());
+    pool.restart();
     let tx = e.publisher.lock().unwrap_or_else(|p| p.into_inner());
     let _ = tx.send(PubCmd::Restart);
     StatusCode::OK.into_response()
@@ -419,4 +432,33 @@ async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Respons
         "kv_cache_usage": usage,
     }))
     .into_response()
+}
+
+/// Fault injection for the fault suite (every field optional):
+/// `{"tokenize_delay_ms": N}` delays every later `/tokenize` answer by N ms (0: none);
+/// `{"drop_batches": N, "replayable": bool}` numbers the next N event batches but does not
+/// publish them (a sequence gap); with `replayable` false (default true) they are missing from
+/// the replay buffer too, so a replay cannot fill the gap.
+async fn fault(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
+    if let Some(v) = body.get("tokenize_delay_ms") {
+        let Some(ms) = v.as_u64().filter(|ms| *ms <= 600_000) else {
+            return bad_request("tokenize_delay_ms: expected 0..=600000");
+        };
+        e.tokenize_delay_ms.store(ms, Ordering::Relaxed);
+    }
+    if let Some(v) = body.get("drop_batches") {
+        let Some(count) = v.as_u64().and_then(|n| usize::try_from(n).ok()) else {
+            return bad_request("drop_batches: expected a count");
+        };
+        let replayable = body.get("replayable").and_then(Value::as_bool).unwrap_or(true);
+        let tx = e.publisher.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = tx.send(PubCmd::Drop { count, replayable });
+    }
+    StatusCode::OK.into_response()
+}
+
+/// The block keys the pool caches now (the ground truth an agent's mirror is checked against).
+async fn blocks(State(e): State<Arc<Engine>>) -> Json<Value> {
+    let keys = e.with_pool(|p| p.cached_keys());
+    Json(json!({"keys": keys}))
 }

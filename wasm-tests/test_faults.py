@@ -1,0 +1,638 @@
+"""Fault suite: the whole product on loopback (simulated replicas, the agent, Envoy with the
+filter) under steady load through Envoy while one thing breaks. A client loop at modest
+concurrency counts every request: sent, failed (non-2xx or connection error), and which replica
+the filter sent it to (its x-llmgw-decision header). Each test prints one line
+`FAULT <name>: sent N, failed F, recovery …` and asserts the issue's target for its fault:
+
+- agent SIGKILL and restart: 0 failed; every VM's index equal to the agent's within 1 s of its return
+- replica SIGKILL: nothing sent to it 1 s after the kill; the only failures are requests to it
+- engine restart (sequence back to 0): 0 failed; the agent's mirror equals the engine's cache after
+- publisher gap, replayable and not: 0 failed; filled by replay, or the engine's mirror reset
+  (never a block the engine does not hold)
+- tokenizer slower than its timeout: every request answered, p99 within the timeout + a margin
+- Envoy listener reload (file-based LDS, atomic rename) under load: >= 99.99 % success
+- a wasm VM crash (the test-only fault-injection build): no failure beyond the requests in
+  flight on the crashed worker (Envoy fails those; see test_vm_crash_is_reloaded for why the
+  99.99 % target is stated per crash rather than asserted over the test's own run)
+
+The figures of a run are in README.md ("Fault suite")."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+import llmgw_testkit as kit
+from llmgw_testkit import wait_until
+from llmgw_testkit.fleet import fleet_agent, new_sims, pct, sim_command, start_router, wait_sims
+
+MODEL = "demo-model"
+N_SIMS = 3
+CONCURRENCY = 6
+# The filter's tokenizer timeout in these tests (the shipped default is 500 ms; shorter keeps
+# the slow-tokenizer phase short).
+TOKENIZER_TIMEOUT_MS = 150
+DECISION = re.compile(r"replica=([\d.]+:\d+)")
+OUTCOME = re.compile(r"outcome=(\w+)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The load: CONCURRENCY client threads, each request on a fresh connection (as many clients
+# behind a proxy do), every one recorded.
+
+
+@dataclass
+class Rec:
+    t0: float          # sent (time.monotonic())
+    t1: float          # answered or failed
+    status: int        # HTTP status; 0 = connection error
+    replica: str | None  # where the filter routed it (x-llmgw-decision), if it says
+    version: str | None  # x-fault-listener-version (listener reload test)
+    outcome: str | None = None  # the decision's outcome (x-llmgw-decision), if it says
+
+
+SYSTEMS = [" ".join(f"family{f} rule{j}" for j in range(24)) for f in range(8)]
+
+
+class Load:
+    """Chat requests to 127.0.0.1:port until stop(). Prompts share system prompts in 8 families;
+    with `unique` every request's question is new (so every one is tokenized), else a request
+    repeats one of 64 questions and one in `churn` (or one per `churn_every_s`) is new: the
+    replicas keep storing blocks, so events flow, and with churn_every_s the index changes slowly
+    enough to be compared with the agent's (each VM's gauge is sampled every 200 ms)."""
+
+    def __init__(self, port: int, concurrency: int = CONCURRENCY, unique: bool = False, churn: int = 4,
+                 churn_every_s: float | None = None, max_tokens: int = 2, timeout: float = 30.0):
+        self.port, self.unique, self.churn, self.max_tokens = port, unique, churn, max_tokens
+        self.timeout = timeout
+        # With churn_every_s, a new question once per that many seconds instead of one in `churn`.
+        self.churn_every_s, self.last_new = churn_every_s, 0.0
+        self.recs: list[Rec] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.n = 0
+        # When each client's current request was sent (None between requests).
+        self.current: list[float | None] = [None] * concurrency
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(concurrency)]
+        for t in self.threads:
+            t.start()
+
+    def _new(self, k: int) -> bool:
+        if self.unique:
+            return True
+        if self.churn_every_s is None:
+            return k % self.churn == 0
+        with self.lock:
+            now = time.monotonic()
+            if now - self.last_new >= self.churn_every_s:
+                self.last_new = now
+                return True
+            return False
+
+    def body(self, k: int) -> bytes:
+        if self._new(k):
+            # Long enough to fill blocks of its own: the replica stores (and publishes) them.
+            question = f"new question {k} {time.monotonic_ns()} " + " ".join(f"detail{k}x{j}" for j in range(24))
+        else:
+            question = f"question {k % 64}"
+        msgs = [{"role": "system", "content": SYSTEMS[k % len(SYSTEMS)]}, {"role": "user", "content": question}]
+        return json.dumps({"model": MODEL, "messages": msgs, "max_tokens": self.max_tokens}).encode()
+
+    def _run(self, i: int) -> None:
+        while not self.stopping.is_set():
+            with self.lock:
+                k = self.n
+                self.n += 1
+            body = self.body(k)
+            self.current[i] = time.monotonic()
+            self.recs_append(self.send(body))
+            self.current[i] = None
+
+    def send(self, body: bytes, headers: dict | None = None) -> Rec:
+        t0 = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=body,
+                         headers={"content-type": "application/json", "connection": "close", **(headers or {})})
+            resp = conn.getresponse()
+            resp.read()
+            decision = resp.getheader(kit.DECISION_HEADER) or ""
+            m, o = DECISION.search(decision), OUTCOME.search(decision)
+            return Rec(t0, time.monotonic(), resp.status, m.group(1) if m else None,
+                       resp.getheader("x-fault-listener-version"), o.group(1) if o else None)
+        except (OSError, http.client.HTTPException):
+            return Rec(t0, time.monotonic(), 0, None, None)
+        finally:
+            conn.close()
+
+    def recs_append(self, r: Rec) -> None:
+        with self.lock:
+            self.recs.append(r)
+
+    def since(self, t: float) -> list[Rec]:
+        with self.lock:
+            return [r for r in self.recs if r.t0 >= t]
+
+    def wait_answered(self, n: int, after: float | None = None, timeout: float = 30.0, what: str = "") -> None:
+        """Waits until n more requests sent after `after` (default: now) were answered."""
+        start = time.monotonic() if after is None else after
+        wait_until(lambda: len(self.since(start)) >= n, timeout, f"{n} requests answered {what}".strip())
+
+    def settled(self, t: float) -> bool:
+        """Every request sent before t has been answered or given up on."""
+        return all(c is None or c >= t for c in list(self.current))
+
+    def stop(self) -> list[Rec]:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+        with self.lock:
+            return list(self.recs)
+
+
+def failed(recs: list[Rec]) -> list[Rec]:
+    return [r for r in recs if not 200 <= r.status < 300]
+
+
+def report(name: str, recs: list[Rec], recovery: str) -> str:
+    f = failed(recs)
+    line = (f"FAULT {name}: sent {len(recs)}, failed {len(f)} ({100 * (1 - len(f) / max(1, len(recs))):.3f} % ok), "
+            f"recovery {recovery}")
+    print(line)
+    return line
+
+
+# ---------------------------------------------------------------------------------------------
+# The fleet: N_SIMS simulated replicas publishing to one agent (the agent binds, the replicas
+# connect, so a restarted agent gets them back on the same ports), Envoy with two workers.
+
+
+class Fleet:
+    def __init__(self, procs, tmp_path: Path, agent_bin, sim_bin, envoy_bin):
+        self.procs, self.tmp, self.agent_bin = procs, tmp_path, agent_bin
+        self.sim_bin, self.envoy_bin = sim_bin, envoy_bin
+        self.sims = new_sims(N_SIMS)
+        # Loads scraped every 100 ms; a replica whose /metrics fails for 300 ms is down (its
+        # requests must stop within a second of its death, and passive health avoids it for
+        # the first second).
+        self.agent = fleet_agent(procs, agent_bin, tmp_path, self.sims, MODEL,
+                                 load={"interval_ms": 100, "down_after_ms": 300, "timeout_ms": 200})
+        self.sim_procs = {}
+        for s in self.sims:
+            # A replay buffer that covers a whole test: a restarted agent refills from batch 0.
+            self.sim_procs[s["name"]] = procs.start(
+                sim_command(sim_bin, s, MODEL, blocks=65536, seed="0", decode_ms=1, buffer_steps=2_000_000),
+                s["name"])
+        wait_sims(self.sims)
+        wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), 20,
+                   "every replica's publisher connected")
+        self.listen, self.admin = kit.free_port(), kit.free_port()
+        self.filter_cfg = kit.filter_config({"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS}, explain_header=True)
+
+    def start_envoy(self, wasm_path, name: str = "envoy", config: str | None = None):
+        config = config or kit.shipped_config(wasm_path, self.listen, self.admin, self.agent.feed, self.filter_cfg)
+        self.envoy_proc, self.envoy = start_router(self.procs, self.envoy_bin, self.tmp, name, config, self.admin,
+                                                   feed=True, feed_timeout=60)
+        return self
+
+    def addr(self, sim: dict) -> str:
+        return f"127.0.0.1:{sim['port']}"
+
+    def agent_total(self) -> int:
+        return sum(r["blocks"] for r in self.agent.replicas())
+
+    def indexes_equal_agent(self) -> bool:
+        """Every VM's index holds the agent's (block, replica) pairs: the agent's count read
+        before and after the VMs' gauges, unchanged, equal to each gauge."""
+        a = self.agent_total()
+        vals = self.envoy.index_blocks()
+        b = self.agent_total()
+        return a == b and a > 0 and bool(vals) and all(v == a for v in vals)
+
+    def busiest(self) -> dict:
+        """The replica whose publisher sent the agent the most batches so far."""
+        received = {r["replica"]: r["received"] for r in self.agent.replicas()}
+        return max(self.sims, key=lambda s: received.get(s["name"], 0))
+
+    def resets(self, sim: dict) -> int:
+        """The agent's resets of `sim`'s mirror, whatever the reason."""
+        return sum(self.agent.replica(sim["name"])["resets"].values())
+
+    def sim_keys(self, sim: dict) -> set[int]:
+        return set(kit.http_json(f"http://127.0.0.1:{sim['port']}/sim/blocks")[2]["keys"])
+
+    def fault(self, sim: dict, **body) -> None:
+        kit.post_json(f"http://127.0.0.1:{sim['port']}/sim/fault", body)
+
+
+@pytest.fixture
+def fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
+    return Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin).start_envoy(wasm_path)
+
+
+def warm(load: Load, n: int = 150) -> None:
+    """Steady state first: n requests answered through Envoy."""
+    load.wait_answered(n, after=0.0, what="before the fault")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. agent SIGKILL and restart
+
+
+def restart_agent(fl: Fleet) -> None:
+    """The agent again, same configuration and ports (the Envoy cluster points there)."""
+    a = fl.agent
+    a.attempts += 1
+    a.proc = fl.procs.start([fl.agent_bin, "run", "--config", a.config], f"{a.name}-{a.attempts}")
+    a.log_path = a.proc.log_path
+    a.wait_ready()
+
+
+# How long the killed agent stays away: long enough for the VMs' reconnect backoff to grow.
+AGENT_OUTAGE_S = 3.0
+
+
+def test_agent_sigkill_and_restart(fleet):
+    fl = fleet
+    load = Load(fl.listen, churn_every_s=0.5)
+    try:
+        warm(load)
+        wait_until(fl.indexes_equal_agent, 10, "every VM's index equal to the agent's before the fault")
+        connects = fl.envoy.metric("llmgw_feed_connects_total")
+        vms = len(fl.envoy.index_blocks())
+        fl.procs.stop(fl.agent.proc, signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_until(lambda: not any(v for v in fl.envoy.stats("llmgw_feed_connected").values()), 10,
+                   "every VM noticed the agent is gone")
+        # The agent stays away AGENT_OUTAGE_S (as long as a restart by a supervisor takes); the
+        # requests sent meanwhile are routed from the index the VMs hold.
+        wait_until(lambda: load.since(t_kill + AGENT_OUTAGE_S), AGENT_OUTAGE_S + 10, "the outage under load")
+        restart_agent(fl)
+        t_back = time.monotonic()
+        wait_until(lambda: fl.envoy.metric("llmgw_feed_connects_total") >= connects + vms, 10,
+                   "every VM subscribed to the restarted agent")
+        t_sub = time.monotonic()
+        wait_until(fl.indexes_equal_agent, 10, "every VM's index equal to the restarted agent's", interval=0.01)
+        t_equal = time.monotonic()
+        load.wait_answered(150, what="after the agent's return")
+    finally:
+        recs = load.stop()
+    report("agent SIGKILL + restart", recs,
+           f"outage {t_back - t_kill:.2f} s; every VM resubscribed {t_sub - t_back:.2f} s and its index equal to the "
+           f"agent's {t_equal - t_back:.2f} s after the agent's return")
+    assert not failed(recs), failed(recs)[:5]
+    assert t_equal - t_back <= 1.0, f"indexes equal {t_equal - t_back:.2f} s after the agent's return"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. replica SIGKILL
+
+
+def test_replica_sigkill(fleet):
+    fl = fleet
+    victim = fl.sims[0]
+    addr = fl.addr(victim)
+    load = Load(fl.listen)
+    try:
+        warm(load)
+        wait_until(lambda: any(r.replica == addr for r in load.since(0.0)), 10, "requests routed to the victim")
+        fl.procs.stop(fl.sim_procs[victim["name"]], signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_until(lambda: not fl.agent.replica(victim["name"])["up"], 10, "the agent marking the victim down")
+        t_down = time.monotonic()
+        # Steady load well past the one-second mark.
+        load.wait_answered(300, after=t_kill + 1.0, what="after the kill")
+    finally:
+        recs = load.stop()
+    to_victim = [r for r in recs if r.replica == addr]
+    after = [r for r in recs if r.t0 >= t_kill]
+    late = [r for r in to_victim if r.t0 >= t_kill + 1.0]
+    bad = failed(recs)
+    last = max((r.t0 for r in to_victim if r.t0 >= t_kill), default=t_kill)
+    report("replica SIGKILL", recs,
+           f"last request sent to it {last - t_kill:.3f} s after the kill; agent marked it down after "
+           f"{t_down - t_kill:.2f} s; {len([r for r in bad if r.t0 < t_kill])} failed were in flight at the kill")
+    assert not late, f"{len(late)} requests sent to the killed replica >= 1 s after the kill"
+    # The only failures: requests to the killed replica, in flight at the kill or routed to it
+    # before the first failed connect marked it avoided (at most one per client each).
+    assert all(r.replica == addr for r in bad), [r for r in bad if r.replica != addr][:5]
+    assert len(bad) <= 2 * CONCURRENCY, len(bad)
+    assert len(after) >= 300
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. engine restart (the publisher's sequence back to 0)
+
+
+def quiet_and_equal(fl: Fleet, sims: list[dict], timeout: float = 20.0) -> None:
+    """After the load stopped: the agent's mirror of each of `sims` holds exactly the blocks
+    the engine caches, and every VM's index equals the agent's."""
+    for s in sims:
+        try:
+            wait_until(lambda s=s: fl.agent.keys(s["name"]) == fl.sim_keys(s), timeout,
+                       f"the agent's mirror of {s['name']} equal to its cache")
+        except TimeoutError as e:
+            a, b = fl.agent.keys(s["name"]), fl.sim_keys(s)
+            raise AssertionError(f"{e}: the agent holds {len(a)}, {len(a - b)} of them not in the cache; the "
+                                 f"cache {len(b)}, {len(b - a)} of them unknown to the agent; agent's view: "
+                                 f"{ {k: v for k, v in fl.agent.replica(s['name']).items() if k != 'block_keys'} }")
+    wait_until(fl.indexes_equal_agent, timeout, "every VM's index equal to the agent's")
+
+
+def test_engine_restart(fleet):
+    fl = fleet
+    load = Load(fl.listen)
+    try:
+        warm(load)
+        sim = fl.busiest()
+        assert fl.agent.replica(sim["name"])["blocks"] > 0
+        resets = fl.resets(sim)
+        kit.post_json(f"http://127.0.0.1:{sim['port']}/sim/restart")
+        t_restart = time.monotonic()
+        wait_until(lambda: fl.resets(sim) > resets, 10,
+                   "the agent resetting the restarted engine's mirror")
+        t_reset = time.monotonic()
+        load.wait_answered(300, what="after the restart")
+    finally:
+        recs = load.stop()
+    # The restarted engine's first batches can be lost to its publisher's reconnect (a ZMQ PUB
+    # drops what it sends before the connection is up, as vLLM's does); the agent repairs them by
+    # replay at the engine's next batch. If the load gave it none, one more request served by
+    # the engine does.
+    try:
+        wait_until(lambda: fl.agent.keys(sim["name"]) == fl.sim_keys(sim), 3, "the restarted engine's mirror")
+        nudged = "not needed"
+    except TimeoutError:
+        direct = [{"role": "user", "content": "after the restart " + " ".join(f"a{j}" for j in range(40))}]
+        kit.post_json(f"http://127.0.0.1:{sim['port']}/v1/chat/completions",
+                      {"model": MODEL, "messages": direct, "max_tokens": 1})
+        nudged = "needed"
+    quiet_and_equal(fl, fl.sims)
+    report("engine restart (seq back to 0)", recs,
+           f"engine's mirror reset {t_reset - t_restart:.3f} s after the restart; after the load the agent's "
+           f"mirrors equal the engines' caches and every VM's index the agent's (one more batch of the "
+           f"restarted engine's: {nudged})")
+    assert not failed(recs), failed(recs)[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. publisher gap, with and without replay
+
+
+@pytest.mark.parametrize("replayable", [True, False], ids=["replay", "no-replay"])
+def test_publisher_gap(fleet, replayable):
+    fl = fleet
+    load = Load(fl.listen)
+    try:
+        warm(load)
+        sim = fl.busiest()
+        before = fl.agent.replica(sim["name"])
+        resets = fl.resets(sim)
+        fl.fault(sim, drop_batches=5, replayable=replayable)
+        t_gap = time.monotonic()
+        wait_until(lambda: fl.agent.replica(sim["name"])["gaps"] > before["gaps"], 10,
+                   f"the agent seeing the gap (received before: {before['received']}, now: "
+                   f"{fl.agent.replica(sim['name'])['received']})")
+        t_seen = time.monotonic()
+        load.wait_answered(300, what="after the gap")
+    finally:
+        recs = load.stop()
+    after = fl.agent.replica(sim["name"])
+    name = f"publisher gap, {'replayable' if replayable else 'not replayable'}"
+    if replayable:
+        quiet_and_equal(fl, fl.sims)
+        assert after["replays"]["complete"] > before["replays"]["complete"], after["replays"]
+        assert fl.resets(sim) == resets, "a replayable gap must not reset the mirror"
+        outcome = "filled by replay; mirrors equal the engines' caches"
+    else:
+        assert after["replays"]["incomplete"] > before["replays"]["incomplete"], after["replays"]
+        assert fl.resets(sim) > resets, "an unfillable gap must reset the engine's mirror"
+        # What the agent knows of the engine after the reset is what the engine holds: never a
+        # block it does not (the batches lost may have removed some).
+        wait_until(lambda: fl.agent.keys(sim["name"]) <= fl.sim_keys(sim), 20, "no phantom block in the mirror")
+        quiet_and_equal(fl, [s for s in fl.sims if s is not sim])
+        wait_until(fl.indexes_equal_agent, 20, "every VM's index equal to the agent's")
+        outcome = (f"mirror reset; holds {len(fl.agent.keys(sim['name']))} of the engine's "
+                   f"{len(fl.sim_keys(sim))} blocks, none it does not")
+    report(name, recs, f"seen {t_seen - t_gap:.3f} s after the first dropped batch; {outcome}")
+    assert not failed(recs), failed(recs)[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. tokenizer slower than its timeout
+
+# How long a slow /tokenize takes: well past the filter's timeout.
+SLOW_TOKENIZER_MS = 1000
+# What p99 may add to the timeout beyond the baseline p99 (a request without the fault): the
+# callout's timer fires on the worker's event loop and the fallback decision runs after it, on
+# two CPUs shared by Envoy, three replicas, the agent and the clients (and other builds).
+P99_MARGIN_MS = 100
+
+
+def test_tokenizer_slower_than_its_timeout(fleet):
+    fl = fleet
+    # Every question new: every request needs the tokenizer (no tokenization cache hit).
+    load = Load(fl.listen, unique=True)
+    try:
+        load.wait_answered(300, after=0.0, what="before the fault")
+        t_fault = time.monotonic()
+        base = [r for r in load.since(0.0) if r.t0 < t_fault]
+        timeouts = fl.envoy.metric("llmgw_tokenizer_failures_total", 'reason="timeout"')
+        for s in fl.sims:
+            fl.fault(s, tokenize_delay_ms=SLOW_TOKENIZER_MS)
+        t_slow = time.monotonic()
+        load.wait_answered(200, after=t_slow, what="with the tokenizer slow")
+    finally:
+        recs = load.stop()
+        for s in fl.sims:
+            fl.fault(s, tokenize_delay_ms=0)
+    slow = [r for r in recs if r.t0 >= t_slow]
+    lat = lambda rs: [(r.t1 - r.t0) * 1000 for r in rs]  # noqa: E731
+    p99_base, p99_slow = pct(lat(base), 99), pct(lat(slow), 99)
+    timed_out = fl.envoy.metric("llmgw_tokenizer_failures_total", 'reason="timeout"') - timeouts
+    bound = TOKENIZER_TIMEOUT_MS + p99_base + P99_MARGIN_MS
+    report("tokenizer slower than its timeout", recs,
+           f"none needed: p99 {p99_base:.0f} ms before, {p99_slow:.0f} ms with /tokenize taking "
+           f"{SLOW_TOKENIZER_MS} ms (timeout {TOKENIZER_TIMEOUT_MS} ms, bound {bound:.0f} ms, max "
+           f"{max(lat(slow)):.0f} ms); {timed_out:.0f} callouts timed out and fell back")
+    assert not failed(recs), failed(recs)[:5]
+    assert timed_out > 0, "the tokenizer was never slow enough to time out"
+    assert p99_slow <= bound, (p99_slow, bound)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Envoy listener reload under load (file-based LDS, changed on disk by atomic rename)
+
+
+def lds_bootstrap(shipped: str, lds_dir: Path) -> tuple[str, dict]:
+    """The shipped bootstrap with its listener moved into a file-based LDS source in lds_dir;
+    returns (bootstrap YAML, the listener)."""
+    doc = yaml.safe_load(shipped)
+    (listener,) = doc["static_resources"].pop("listeners")
+    doc["node"] = {"id": "llmgw-faults", "cluster": "llmgw-faults"}  # required with xDS
+    doc["dynamic_resources"] = {"lds_config": {"resource_api_version": "V3", "path_config_source": {
+        "path": str(lds_dir / "lds.yaml"), "watched_directory": {"path": str(lds_dir)}}}}
+    return yaml.safe_dump(doc, sort_keys=False), listener
+
+
+def write_lds(lds_dir: Path, listener: dict, version: int, filter_change: bool = False) -> None:
+    """The listener at `version` (it adds x-fault-listener-version to every response; with
+    `filter_change` the filter's configuration differs too), written next to lds.yaml and
+    renamed over it: Envoy sees one complete file or the other."""
+    listener = json.loads(json.dumps(listener))
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["response_headers_to_add"] = [
+        {"header": {"key": "x-fault-listener-version", "value": str(version)},
+         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    if filter_change:
+        # The filter's own configuration changes too (a new plugin: new root contexts in the VMs).
+        for f in hcm["http_filters"]:
+            if f["name"] == "envoy.filters.http.wasm":
+                value = f["typed_config"]["config"]["configuration"]
+                cfg = json.loads(value["value"])
+                cfg["tokenizer_cache_ttl_ms"] = 60_000 + version
+                value["value"] = json.dumps(cfg)
+    doc = {"version_info": str(version),
+           "resources": [{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener", **listener}]}
+    tmp = lds_dir / f".lds.{version}.yaml"
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.rename(tmp, lds_dir / "lds.yaml")
+
+
+# Reloads of the listener: odd versions change its routes, even ones the filter's configuration too.
+RELOADS = 6
+
+
+def test_listener_reload_under_load(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
+    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
+    lds_dir = tmp_path / "lds"
+    lds_dir.mkdir()
+    bootstrap, listener = lds_bootstrap(
+        kit.shipped_config(wasm_path, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), lds_dir)
+    write_lds(lds_dir, listener, 0)
+    fl.start_envoy(wasm_path, config=bootstrap)
+    load = Load(fl.listen)
+    recoveries = []
+    try:
+        warm(load)
+        # The shipped build has no trap: the test-only header is an ordinary one.
+        assert load.send(load.body(1), {"x-llmgw-fault": "trap"}).status == 200
+        for v in range(1, RELOADS + 1):
+            ok = fl.envoy.stats("listener_manager.lds.update_success").get("listener_manager.lds.update_success", 0)
+            write_lds(lds_dir, listener, v, filter_change=v % 2 == 0)
+            t = time.monotonic()
+            wait_until(lambda: fl.envoy.stats("listener_manager.lds.update_success")
+                       .get("listener_manager.lds.update_success", 0) > ok, 10, f"Envoy taking listener version {v}")
+            first = wait_until(lambda: next((r for r in load.since(t) if r.version == str(v)), None), 10,
+                               f"a response from listener version {v}")
+            recoveries.append(first.t1 - t)
+            load.wait_answered(200, what=f"on listener version {v}")
+    finally:
+        recs = load.stop()
+    bad = failed(recs)
+    share = 1 - len(bad) / len(recs)
+    report(f"listener reload x{RELOADS} (LDS file, atomic rename)", recs,
+           f"first response from the new listener {max(recoveries) * 1000:.0f} ms after the rename at most")
+    assert share >= 0.9999, (share, bad[:5])
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. a wasm VM crash (the test-only fault-injection build traps on `x-llmgw-fault: trap`)
+
+
+def fault_wasm() -> Path:
+    """The test-only filter (cargo feature fault-injection, profile fault-injection), never
+    dist/llmgw.wasm: ./build.sh e2e and test build it."""
+    return kit.built("llmgw.wasm", f"{kit.WASM_TARGET}/fault-injection")
+
+
+def with_reload_backoff(config: str, base_interval: str | None) -> str:
+    """The bootstrap with the wasm filter's reload_config backoff at `base_interval` (the shipped
+    configuration sets 0.01s; None: no reload_config, Envoy's default of 1 s)."""
+    doc = yaml.safe_load(config)
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
+    cfg = wasm["typed_config"]["config"]
+    if base_interval is None:
+        cfg.pop("reload_config", None)
+    else:
+        cfg["reload_config"] = {"backoff": {"base_interval": base_interval}}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def reload_stats(envoy) -> dict[str, float]:
+    return {k: v for k, v in envoy.stats("wasm").items() if "reload" in k}
+
+
+# A client gives up on a request after this long in the VM-crash test (a request paused in the
+# crashed VM is never resumed by Envoy: see the test).
+CRASH_CLIENT_TIMEOUT_S = 5.0
+
+
+@pytest.mark.parametrize("backoff", ["0.01s", None], ids=["reload-10ms", "reload-default"])
+def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, backoff):
+    """One VM (one worker's) traps. Measured with Envoy 1.40 and FAIL_RELOAD:
+    - requests in flight on that worker fail (0-5 of them per crash with 6 clients over 2
+      workers): 503 or a reset, and in about 1 crash of 3 one or two are never answered at
+      all (they end at the client's timeout here, else at the route's or the stream idle
+      timeout; most likely streams paused in the filter, which Envoy does not resume once
+      their VM is dead);
+    - with Envoy's default reload backoff (1 s base interval) that worker also answers 503 to
+      every new request until the VM is reloaded (counted in `vm_reload_backoff`, 0.2-0.4 s of
+      its traffic here); with a 10 ms base interval the reload comes with the next request;
+    - the reloaded VM routes from its first request (the replica table kept in shared data).
+    So the best configuration is FAIL_RELOAD with `reload_config.backoff.base_interval` ~10 ms
+    (what the shipped configurations set):
+    a crash then costs exactly the requests in flight on the crashed worker. The >= 99.99 %
+    target holds only if crashes are rarer than one per 10,000 x (requests in flight per
+    worker); this test's own run (a few thousand requests at most) does not reach it, so it
+    asserts the cost instead: no failure beyond the requests in flight at the crash."""
+    wasm = fault_wasm()
+    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
+    fl.start_envoy(wasm, config=with_reload_backoff(
+        kit.shipped_config(wasm, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), backoff))
+    load = Load(fl.listen, timeout=CRASH_CLIENT_TIMEOUT_S)
+    try:
+        warm(load)
+        before = reload_stats(fl.envoy)
+        t_trap = time.monotonic()
+        trap = load.send(load.body(1), {"x-llmgw-fault": "trap"})
+        reloads = before["wasm.llmgw.vm_reload_success"]
+        wait_until(lambda: reload_stats(fl.envoy)["wasm.llmgw.vm_reload_success"] > reloads, 20,
+                   "Envoy reloading the crashed VM")
+        t_reload = time.monotonic()
+        load.wait_answered(600, what="after the crash")
+        # Every request in flight at the crash is answered or given up on.
+        wait_until(lambda: load.settled(trap.t1), CRASH_CLIENT_TIMEOUT_S + 30,
+                   "the requests in flight at the crash to end")
+    finally:
+        recs = load.stop()
+    after = reload_stats(fl.envoy)
+    bad = failed(recs)
+    in_flight = [r for r in bad if r.t0 < trap.t1]
+    later = [r for r in bad if r.t0 >= trap.t1]
+    hung = [r for r in in_flight if r.status == 0 and r.t1 - r.t0 >= CRASH_CLIENT_TIMEOUT_S - 0.1]
+    refused = after["wasm.llmgw.vm_reload_backoff"] - before["wasm.llmgw.vm_reload_backoff"]
+    report(f"wasm VM crash, FAIL_RELOAD, reload backoff {backoff or 'default (1 s)'}", recs,
+           f"VM reloaded {t_reload - t_trap:.2f} s after the trap; {len(in_flight)} failed were in flight in the "
+           f"crashed VM ({len(hung)} of them never answered), {len(later)} sent after the crash failed "
+           f"({refused:.0f} refused while the reload backed off)")
+    assert trap.status != 200, "the test-only build did not trap"
+    assert len(in_flight) <= CONCURRENCY, in_flight
+    # Nothing routed by the filter fails after the crash: no 503 of its own (outcome no_replica).
+    assert not [r for r in later if r.outcome], later[:5]
+    if backoff is None:
+        # Envoy's default: the worker refuses requests (503 without a decision) while it waits.
+        assert refused > 0 and len(later) <= refused, (len(later), refused)
+    else:
+        assert not later, later[:5]
