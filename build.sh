@@ -11,7 +11,8 @@
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
 #          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
-#          publishers, feed fan-out
+#          publishers, feed fan-out; `bench soak`: an hour of churning traffic with agent and replica
+#          restarts, memory sampled every minute
 #   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
 #   conformance  the suite against real vLLM 0.33.0 (installs it into .venv-vllm, about 3 GB); arguments go to pytest
 #   clean  cargo clean, dist/ removed
@@ -171,7 +172,21 @@ bench() {
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
   # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
   # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
+  # ./build.sh bench soak [soak.py args]  an hour of churning traffic with restarts (bench/soak.py --help)
   setup
+  if [ "${1:-}" = soak ]; then
+    shift
+    log "building (release): agent, simulator, llmgw.wasm"
+    cargo build -q --release -p llmgw-agent -p llmgw-sim
+    build_wasm
+    setup_envoy
+    setup_charts
+    target_dir >/dev/null
+    mkdir -p results/soak
+    log "soak (log: results/soak/run.log)"
+    PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/soak.py "$@" 2>&1 | tee results/soak/run.log
+    return
+  fi
   if [ "${1:-}" = gateways ]; then
     shift
     log "building (release): agent, simulator, llmgw.wasm"

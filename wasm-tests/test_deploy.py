@@ -398,7 +398,7 @@ def test_without_the_filter_a_clients_destination_reaches_nobody(assembled, cana
 
 
 def test_a_clients_envoy_headers_are_not_honoured(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
-    """A client asking Envoy for a 20 ms upstream timeout (x-envoy-upstream-rq-timeout-ms) of a
+    """The local bootstrap routes only the inference API (other paths 404), and a client asking Envoy for a 20 ms upstream timeout (x-envoy-upstream-rq-timeout-ms) of a
     request that takes longer still gets its answer: header_mutation drops the client's x-envoy-*
     headers before the router reads them, even from a client Envoy deems internal (without the
     removal: 504)."""
@@ -421,3 +421,7 @@ def test_a_clients_envoy_headers_are_not_honoured(procs, tmp_path, agent_bin, si
     status, served_by, _ = _post(listen, "/v1/completions", {"model": MODEL, "prompt": "slow " * 20, "max_tokens": 3},
                                  {"x-envoy-upstream-rq-timeout-ms": "20", "x-envoy-max-retries": "5"})
     assert status == 200 and served_by == sims[0]["name"], status
+    # The local bootstrap, like the manifests, passes only the inference API to the replicas.
+    for path in ("/metrics", "/kv_event_sources", "/tokenize", "/v1/completions/../../metrics"):
+        status, _, _ = _post(listen, path, {"model": MODEL, "prompt": "hi"})
+        assert status == 404, (path, status)

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Soak (not CI): the whole product on loopback for a long run of churning traffic, with the
+agent and the replicas killed and restarted along the way, memory sampled every minute and
+decisions checked against the simulator's ground truth.
+
+- 4 simulated replicas (small caches, so blocks are evicted all the time), the agent, Envoy
+  with llmgw.wasm (2 workers), the shipped local bootstrap.
+- Load: `--concurrency` clients, each request on a fresh connection; prompts of token ids in 16
+  families of shared prefixes, each with a new suffix, plus chat requests that are tokenized.
+- Faults: every `--fault-every-min` minutes, alternately the agent and one replica are killed
+  (SIGKILL) and started again on the same ports.
+- Every minute: Envoy's and the agent's resident memory (/proc), the VMs' index gauges, requests
+  sent and failed so far.
+- Ground truth: every few seconds a checker reads every replica's cached blocks (/sim/blocks),
+  sends a prompt whose block keys it computes itself, and compares the filter's decision
+  (x-llmgw-decision: replica, matched blocks) with what the replicas held: the matched count
+  against the chosen replica's leading blocks, and the choice against the best holder.
+
+Target: memory growth at most 1 MB/h after warm-up (the first `--warmup-min` minutes), for
+Envoy over the whole run and for the agent over its last lifetime (it is restarted).
+
+`./build.sh bench soak [--minutes 60]` writes results/soak/soak.json, soak.md and
+bench/charts/soak.png. Progress lines go to stdout (one per minute, readable in a log). Every
+process started is stopped at exit, also on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
+import llmgw_testkit as kit  # noqa: E402
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router, stop_on_signals, wait_sims  # noqa: E402
+from llmgw_testkit.vllm_hash import block_keys  # noqa: E402
+
+MODEL = "demo-model"
+BLOCK = 16
+DECISION = re.compile(r"outcome=(\w+); replica=([\d.]+:\d+); matched=(\d+)/(\d+)")
+FAMILIES = 16
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def family_prefix(f: int) -> list[int]:
+    rng = random.Random(f)
+    return [rng.randrange(1000, 30000) for _ in range(BLOCK * 24)]
+
+
+def post(port: int, path: str, body: dict, timeout: float = 30.0) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json",
+                                                                     "connection": "close"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, resp.getheader(kit.DECISION_HEADER) or ""
+    except (OSError, http.client.HTTPException):
+        return 0, ""
+    finally:
+        conn.close()
+
+
+class Load:
+    def __init__(self, port: int, concurrency: int, seed: int):
+        self.port = port
+        self.sent = self.failed = 0
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.rng = random.Random(seed)
+        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(concurrency)]
+        for t in self.threads:
+            t.start()
+
+    def run(self, i: int) -> None:
+        rng = random.Random(i)
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            f = rng.randrange(FAMILIES)
+            if n % 5 == 0:
+                body = {"model": MODEL, "max_tokens": 2, "messages": [
+                    {"role": "system", "content": f"family {f} " + " ".join(f"f{f}w{j}" for j in range(60))},
+                    {"role": "user", "content": f"question {i} {n}"}]}
+                path = "/v1/chat/completions"
+            else:
+                suffix = [rng.randrange(1000, 30000) for _ in range(BLOCK * rng.randrange(1, 4))]
+                body = {"model": MODEL, "max_tokens": 2, "prompt": family_prefix(f) + suffix}
+                path = "/v1/completions"
+            status, _ = post(self.port, path, body)
+            with self.lock:
+                self.sent += 1
+                self.failed += int(not 200 <= status < 300)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+
+
+class Checker:
+    """Every `period` s: the replicas' blocks, then a prompt of a family whose keys it computes,
+    then the decision compared with them."""
+
+    def __init__(self, port: int, sims: list[dict], period: float):
+        self.port, self.sims, self.period = port, sims, period
+        self.checks: list[dict] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def held(self) -> dict[str, set[int]] | None:
+        out = {}
+        for s in self.sims:
+            try:
+                out[f"127.0.0.1:{s['port']}"] = set(kit.http_json(f"http://127.0.0.1:{s['port']}/sim/blocks")[2]["keys"])
+            except Exception:  # noqa: BLE001 - a replica being restarted: skip this check
+                return None
+        return out
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        while not self.stopping.wait(self.period):
+            f = rng.randrange(FAMILIES)
+            tokens = family_prefix(f) + [rng.randrange(1000, 30000) for _ in range(BLOCK)]
+            keys = block_keys(tokens, BLOCK, seed="0")
+            held = self.held()
+            if held is None:
+                continue
+            leading = {}
+            for addr, ks in held.items():
+                n = 0
+                while n < len(keys) and keys[n] in ks:
+                    n += 1
+                leading[addr] = n
+            status, decision = post(self.port, "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": tokens})
+            m = DECISION.search(decision)
+            if status != 200 or not m:
+                self.checks.append({"t": time.time(), "ok": False, "why": f"status {status} {decision!r}"})
+                continue
+            outcome, replica, matched = m.group(1), m.group(2), int(m.group(3))
+            best = max(leading.values())
+            self.checks.append({
+                "t": time.time(), "ok": True, "outcome": outcome, "matched": matched,
+                "held_by_choice": leading.get(replica, 0), "best": best,
+                # The index said what the chosen replica held (a block more or less: one stored
+                # or evicted between the read and the decision).
+                "index_right": abs(matched - leading.get(replica, 0)) <= 1 if outcome == "exact" else True,
+                # The choice was the best holder, or load (spill) sent it elsewhere on purpose.
+                "choice_right": leading.get(replica, 0) >= best - 1 or outcome in ("spill", "load", "overloaded"),
+            })
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+
+
+def slope_mb_per_h(samples: list[tuple[float, int]]) -> float | None:
+    """Least-squares slope of (seconds, KiB) samples, in MB per hour."""
+    if len(samples) < 3:
+        return None
+    n = len(samples)
+    mx = sum(t for t, _ in samples) / n
+    my = sum(v for _, v in samples) / n
+    sxx = sum((t - mx) ** 2 for t, _ in samples)
+    if sxx == 0:
+        return None
+    sxy = sum((t - mx) * (v - my) for t, v in samples)
+    return sxy / sxx * 3600 * 1024 / 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=60)
+    ap.add_argument("--warmup-min", type=float, default=10)
+    ap.add_argument("--fault-every-min", type=float, default=10)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--check-every-s", type=float, default=5)
+    ap.add_argument("--sample-every-s", type=float, default=60)
+    ap.add_argument("--blocks", type=int, default=512, help="KV blocks per simulated replica")
+    ap.add_argument("--out", type=Path, default=kit.ROOT / "results" / "soak")
+    ap.add_argument("--chart", type=Path, default=kit.ROOT / "bench" / "charts" / "soak.png")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = a.out / "run"
+    work.mkdir(exist_ok=True)
+    sim_bin, agent_bin = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release")
+    wasm, envoy_bin = kit.wasm(), kit.envoy_bin()
+    samples: list[dict] = []
+    faults: list[dict] = []
+    with kit.Procs(work) as procs:
+        stop_on_signals(procs)
+        sims = new_sims(4)
+        log(f"starting {len(sims)} simulated replicas ({a.blocks} blocks each), the agent and Envoy")
+        agent = fleet_agent(procs, agent_bin, work, sims, MODEL,
+                            load={"interval_ms": 100, "down_after_ms": 300, "timeout_ms": 200})
+        cmds = {s["name"]: sim_command(sim_bin, s, MODEL, blocks=a.blocks, seed="0", decode_ms=2,
+                                       buffer_steps=100_000) for s in sims}
+        sim_procs = {s["name"]: procs.start(cmds[s["name"]], s["name"]) for s in sims}
+        wait_sims(sims)
+        kit.wait_until(lambda: all(r["connected"] for r in agent.replicas()), 30, "every publisher connected")
+        listen, admin = kit.free_port(), kit.free_port()
+        cfg = kit.filter_config({}, explain_header=True)
+        envoy_proc, envoy = start_router(procs, envoy_bin, work, "envoy",
+                                         kit.shipped_config(wasm, listen, admin, agent.feed, cfg), admin,
+                                         feed=True, feed_timeout=60)
+        load = Load(listen, a.concurrency, 1)
+        checker = Checker(listen, sims, a.check_every_s)
+        t0 = time.monotonic()
+        end = t0 + a.minutes * 60
+        next_sample, next_fault, fault_no = t0, t0 + a.fault_every_min * 60, 0
+        try:
+            while time.monotonic() < end:
+                now = time.monotonic()
+                if now >= next_sample:
+                    next_sample += a.sample_every_s
+                    s = {"min": (now - t0) / 60, "envoy_kib": rss_kib(envoy_proc.pid),
+                         "agent_kib": rss_kib(agent.proc.pid), "agent_pid": agent.proc.pid,
+                         "index_blocks": envoy.index_blocks(), "sent": load.sent, "failed": load.failed,
+                         "checks": len(checker.checks)}
+                    samples.append(s)
+                    log(f"{s['min']:5.1f} min: envoy {s['envoy_kib'] / 1024:.1f} MiB, agent "
+                        f"{s['agent_kib'] / 1024:.1f} MiB, index {s['index_blocks']}, sent {s['sent']}, "
+                        f"failed {s['failed']}, checks {s['checks']}")
+                if now >= next_fault:
+                    next_fault += a.fault_every_min * 60
+                    fault_no += 1
+                    if fault_no % 2 == 1:
+                        log("fault: agent SIGKILL, restarted")
+                        procs.stop(agent.proc, signal.SIGKILL)
+                        agent.attempts += 1
+                        agent.proc = procs.start([agent_bin, "run", "--config", agent.config],
+                                                 f"{agent.name}-{agent.attempts}")
+                        agent.log_path = agent.proc.log_path
+                        agent.wait_ready()
+                        faults.append({"min": (now - t0) / 60, "what": "agent"})
+                    else:
+                        victim = sims[fault_no // 2 % len(sims)]
+                        log(f"fault: replica {victim['name']} SIGKILL, restarted")
+                        procs.stop(sim_procs[victim["name"]], signal.SIGKILL)
+                        sim_procs[victim["name"]] = procs.start(cmds[victim["name"]], f"{victim['name']}-{fault_no}")
+                        wait_sims([victim])
+                        faults.append({"min": (now - t0) / 60, "what": f"replica {victim['name']}"})
+                time.sleep(1)
+        finally:
+            load.stop()
+            checker.stop()
+    warm = [s for s in samples if s["min"] >= a.warmup_min]
+    envoy_slope = slope_mb_per_h([(s["min"] * 60, s["envoy_kib"]) for s in warm])
+    last_pid = samples[-1]["agent_pid"] if samples else None
+    agent_life = [s for s in warm if s["agent_pid"] == last_pid]
+    agent_slope = slope_mb_per_h([(s["min"] * 60, s["agent_kib"]) for s in agent_life])
+    checks = [c for c in checker.checks if c["ok"]]
+    exact = [c for c in checks if c["outcome"] == "exact"]
+    result = {
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "sent": load.sent, "failed": load.failed, "faults": faults, "samples": samples,
+        "envoy_mb_per_h": envoy_slope, "agent_mb_per_h": agent_slope,
+        "agent_last_lifetime_min": (agent_life[-1]["min"] - agent_life[0]["min"]) if len(agent_life) > 1 else 0,
+        "checks": len(checker.checks), "checks_answered": len(checks),
+        "index_right": sum(c["index_right"] for c in exact) / max(1, len(exact)),
+        "choice_right": sum(c["choice_right"] for c in checks) / max(1, len(checks)),
+        "exact_share": len(exact) / max(1, len(checks)),
+    }
+    (a.out / "soak.json").write_text(json.dumps(result, indent=1))
+    fmt = lambda v: "n/a" if v is None else f"{v:+.2f}"  # noqa: E731
+    md = [
+        "# Soak\n", f"`{' '.join(sys.argv)}`\n",
+        f"{a.minutes:.0f} min, {len(faults)} faults ({', '.join(f['what'] for f in faults)}); "
+        f"{load.sent} requests, {load.failed} failed.\n",
+        "| | after warm-up ({:.0f} min) |".format(a.warmup_min), "|---|---|",
+        f"| Envoy RSS growth | {fmt(envoy_slope)} MB/h |",
+        f"| agent RSS growth (its last lifetime, {result['agent_last_lifetime_min']:.0f} min) | {fmt(agent_slope)} MB/h |",
+        f"| ground-truth checks answered | {len(checks)} of {len(checker.checks)} |",
+        f"| decisions on exact data | {result['exact_share']:.3f} |",
+        f"| of those, matched blocks = the chosen replica's held (±1) | {result['index_right']:.3f} |",
+        f"| choice = the best holder (±1 block) or a load spill | {result['choice_right']:.3f} |",
+    ]
+    (a.out / "soak.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.plot([s["min"] for s in samples], [s["envoy_kib"] / 1024 for s in samples], label="Envoy (2 workers)")
+        ax.plot([s["min"] for s in samples], [s["agent_kib"] / 1024 for s in samples], label="agent")
+        for f in faults:
+            ax.axvline(f["min"], color="grey", lw=0.6, ls=":")
+        ax.axvline(a.warmup_min, color="black", lw=0.8, ls="--", label="end of warm-up")
+        ax.set_xlabel("minutes (dotted: agent or replica killed and restarted)")
+        ax.set_ylabel("resident memory, MiB")
+        ax.set_title(f"llmgw soak: Envoy {fmt(envoy_slope)} MB/h, agent {fmt(agent_slope)} MB/h after warm-up")
+        ax.legend(loc="center right")
+        a.chart.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(a.chart, dpi=110)
+        log(f"chart: {a.chart}")
+    except ImportError:
+        log("matplotlib not installed: no chart (./build.sh setup installs it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
