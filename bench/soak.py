@@ -81,8 +81,8 @@ def post(port: int, path: str, body: dict, timeout: float = 30.0) -> tuple[int, 
 
 
 class Load:
-    def __init__(self, port: int, concurrency: int, seed: int):
-        self.port = port
+    def __init__(self, port: int, concurrency: int, seed: int, pause_s: float):
+        self.port, self.pause_s = port, pause_s
         self.sent = self.failed = 0
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -110,6 +110,7 @@ class Load:
             with self.lock:
                 self.sent += 1
                 self.failed += int(not 200 <= status < 300)
+            self.stopping.wait(self.pause_s)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -194,6 +195,7 @@ def main() -> int:
     ap.add_argument("--warmup-min", type=float, default=10)
     ap.add_argument("--fault-every-min", type=float, default=10)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--pause-ms", type=float, default=50, help="each client's pause between requests")
     ap.add_argument("--check-every-s", type=float, default=5)
     ap.add_argument("--sample-every-s", type=float, default=60)
     ap.add_argument("--blocks", type=int, default=512, help="KV blocks per simulated replica")
@@ -223,7 +225,7 @@ def main() -> int:
         envoy_proc, envoy = start_router(procs, envoy_bin, work, "envoy",
                                          kit.shipped_config(wasm, listen, admin, agent.feed, cfg), admin,
                                          feed=True, feed_timeout=60)
-        load = Load(listen, a.concurrency, 1)
+        load = Load(listen, a.concurrency, 1, a.pause_ms / 1000)
         checker = Checker(listen, sims, a.check_every_s)
         t0 = time.monotonic()
         end = t0 + a.minutes * 60
@@ -287,7 +289,7 @@ def main() -> int:
         "# Soak\n", f"`{' '.join(sys.argv)}`\n",
         f"{a.minutes:.0f} min, {len(faults)} faults ({', '.join(f['what'] for f in faults)}); "
         f"{load.sent} requests, {load.failed} failed.\n",
-        "| | after warm-up ({:.0f} min) |".format(a.warmup_min), "|---|---|",
+        "| | after warm-up ({:g} min) |".format(a.warmup_min), "|---|---|",
         f"| Envoy RSS growth | {fmt(envoy_slope)} MB/h |",
         f"| agent RSS growth (its last lifetime, {result['agent_last_lifetime_min']:.0f} min) | {fmt(agent_slope)} MB/h |",
         f"| ground-truth checks answered | {len(checks)} of {len(checker.checks)} |",
