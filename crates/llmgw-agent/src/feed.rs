@@ -99,7 +99,10 @@ impl service::feed_server::Feed for FeedService {
             st.feed.names_cut = st.feed.names_cut.saturating_add(1);
         }
         info!(subscriber = %name, ?peer, "feed subscriber connected");
-        let sub = self.hub.subscribe(name);
+        let Some(sub) = self.hub.try_subscribe(name) else {
+            warn!(?peer, "feed subscription refused: feed.max_subscribers are connected");
+            return Err(Status::resource_exhausted("too many feed subscribers"));
+        };
         let hub = self.hub.clone();
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {

@@ -48,7 +48,11 @@ pub fn run_with(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), S
 async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), String> {
     let engines = cfg.engines();
     let hub = hub::Hub::new(engines.clone(), cfg.feed.max_queue, cfg.zmq.max_blocks_per_engine);
-    hub.state().max_backlog_bytes = cfg.feed.max_backlog_bytes;
+    {
+        let mut st = hub.state();
+        st.max_backlog_bytes = cfg.feed.max_backlog_bytes;
+        st.max_subscribers = cfg.feed.max_subscribers;
+    }
     let feed_tls = feed::tls_config(&cfg.feed)?;
     let feed_listener = tokio::net::TcpListener::bind(cfg.feed.listen)
         .await

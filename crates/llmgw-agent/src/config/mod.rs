@@ -138,6 +138,10 @@ pub struct FeedConfig {
     /// costs at most this much.
     #[serde(default = "default_backlog_bytes")]
     pub max_backlog_bytes: usize,
+    /// Live subscriptions at most (each filter VM holds one: workers + 2 per Envoy); more are
+    /// refused (RESOURCE_EXHAUSTED) and counted.
+    #[serde(default = "default_max_subscribers")]
+    pub max_subscribers: usize,
     /// Seconds between heartbeats.
     #[serde(default = "default_heartbeat")]
     pub heartbeat_secs: f64,
@@ -270,6 +274,9 @@ fn default_http_listen() -> SocketAddr {
 fn default_queue() -> usize {
     4096
 }
+fn default_max_subscribers() -> usize {
+    1024
+}
 fn default_backlog_bytes() -> usize {
     64 << 20
 }
@@ -336,6 +343,7 @@ impl Default for FeedConfig {
             client_ca: None,
             max_queue: default_queue(),
             max_backlog_bytes: default_backlog_bytes(),
+            max_subscribers: default_max_subscribers(),
             heartbeat_secs: default_heartbeat(),
         }
     }

@@ -37,6 +37,9 @@ impl Config {
         if self.feed.max_queue < 16 {
             return Err(err("feed.max_queue", "must be at least 16"));
         }
+        if self.feed.max_subscribers == 0 {
+            return Err(err("feed.max_subscribers", "must be at least 1"));
+        }
         if self.feed.max_backlog_bytes < 1 << 20 {
             return Err(err("feed.max_backlog_bytes", "must be at least 1 MiB"));
         }

@@ -202,6 +202,12 @@ pub fn metrics_text(st: &HubState) -> String {
         vec![(String::new(), st.feed.backlog_bytes_overflows as f64)],
     );
     counter(
+        "feed_subscribers_refused_total",
+        "Subscriptions refused because feed.max_subscribers were connected.",
+        "counter",
+        vec![(String::new(), st.feed.subscribers_refused as f64)],
+    );
+    counter(
         "feed_rejected_total",
         "Subscriptions rejected for a bad token.",
         "counter",

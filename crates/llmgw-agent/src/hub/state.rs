@@ -79,6 +79,8 @@ pub struct HubState {
     pub max_queue: usize,
     /// Bytes queued per subscriber before it is resynced (`feed.max_backlog_bytes`).
     pub max_backlog_bytes: usize,
+    /// Live subscriptions at most (`feed.max_subscribers`).
+    pub max_subscribers: usize,
     pub max_blocks: usize,
     pub feed: FeedCounters,
     /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks),
@@ -120,6 +122,7 @@ impl HubState {
             subscribers: Vec::new(),
             max_queue,
             max_backlog_bytes: 64 << 20,
+            max_subscribers: 1024,
             max_blocks,
             feed: FeedCounters::default(),
             discovery_refused: 0,

@@ -219,6 +219,8 @@ pub struct FeedCounters {
     pub names_cut: u64,
     /// Of `overflows`, those past `feed.max_backlog_bytes` (rather than `feed.max_queue`).
     pub backlog_bytes_overflows: u64,
+    /// Subscriptions refused because `feed.max_subscribers` were live.
+    pub subscribers_refused: u64,
 }
 
 /// What a queued message costs, roughly: its block keys and loads, plus a little.
@@ -234,6 +236,18 @@ fn approx_bytes(body: &Body) -> usize {
 }
 
 impl Hub {
+    /// Registers a subscriber unless `feed.max_subscribers` are live (then counted, `None`).
+    pub fn try_subscribe(&self, name: String) -> Option<Arc<Subscriber>> {
+        {
+            let mut st = self.state();
+            if st.live_subscribers() >= st.max_subscribers {
+                st.feed.subscribers_refused = st.feed.subscribers_refused.saturating_add(1);
+                return None;
+            }
+        }
+        Some(self.subscribe(name))
+    }
+
     /// Registers a subscriber; its first messages will be the table and a snapshot.
     pub fn subscribe(&self, name: String) -> Arc<Subscriber> {
         let sub = Arc::new(Subscriber {
@@ -593,5 +607,17 @@ mod tests {
         }
         assert!(fs.synced);
         assert_eq!(state_of(&fs, 2)[0], (1..=20).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn subscriptions_past_the_cap_are_refused_and_counted_until_one_leaves() {
+        let h = hub(1, 64);
+        h.state().max_subscribers = 2;
+        let a = h.try_subscribe("a".into()).unwrap();
+        let _b = h.try_subscribe("b".into()).unwrap();
+        assert!(h.try_subscribe("c".into()).is_none());
+        assert_eq!(h.state().feed.subscribers_refused, 1);
+        drop(a);
+        assert!(h.try_subscribe("c".into()).is_some());
     }
 }
