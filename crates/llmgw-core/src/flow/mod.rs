@@ -33,6 +33,10 @@ use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 /// Requests in flight per replica address, as this gateway counts them.
 pub trait InFlight {
     fn in_flight(&self, address: &str) -> u32;
+    /// Prefill tokens of those requests that have not produced a first token yet.
+    fn pending_tokens(&self, _address: &str) -> u64 {
+        0
+    }
     /// Whether the gateway avoids this replica for now (its connects failed or it answered
     /// 5xx): it is treated as down.
     fn avoided(&self, _address: &str) -> bool {
@@ -102,13 +106,33 @@ pub struct Routed {
     pub dp_rank: Option<u32>,
     pub decision: Decision,
     pub report: Report,
+    /// The prompt tokens the chosen replica computes for it (past the leading blocks it
+    /// holds), when the decision had exact data: counted as queued prefill there until the
+    /// request's first token.
+    pub prefill_tokens: u64,
+    /// The runner-up's address, when the decision predicted times to first token.
+    pub runner_up: Option<String>,
 }
 
 impl Routed {
-    /// The explain header's value.
+    /// The explain header's value: with the `ttft` policy, the winner's predicted time to first
+    /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`).
     pub fn explain(&self, vm: &str) -> String {
         let d = &self.decision;
-        format!("outcome={}; replica={}; matched={}/{}; vm={vm}", d.outcome.as_str(), self.address, d.matched, d.total)
+        let mut out = format!(
+            "outcome={}; replica={}; matched={}/{}; vm={vm}",
+            d.outcome.as_str(),
+            self.address,
+            d.matched,
+            d.total
+        );
+        if let Some(us) = d.predicted_us {
+            out.push_str(&format!("; predicted_ms={:.1}; prefill_tokens={}", us as f64 / 1000.0, self.prefill_tokens));
+            if let (Some(addr), Some((_, r))) = (&self.runner_up, d.runner_up) {
+                out.push_str(&format!("; runner_up={addr} {:.1}", r as f64 / 1000.0));
+            }
+        }
+        out
     }
 }
 
@@ -193,6 +217,8 @@ pub struct Router {
     /// The last hash-settings mismatch described, and the last one handed out for the log.
     hash_note: Option<String>,
     hash_logged: Option<String>,
+    /// The current request's prompt tokens, once [`Router::exact`] scored them.
+    prompt_tokens: usize,
 }
 
 /// What [`Router::hash_check`] found.
@@ -289,6 +315,7 @@ fn candidates_avoiding<'a>(
                 address: r.address.as_str(),
                 up: r.up && !r.address.is_empty() && !(avoid && in_flight.avoided(&r.address)),
                 in_flight: in_flight.in_flight(&r.address),
+                pending_tokens: in_flight.pending_tokens(&r.address),
                 running: load.map_or(0, |l| l.running),
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
@@ -315,6 +342,7 @@ impl Router {
             hybrid_unsupported: false,
             hash_note: None,
             hash_logged: None,
+            prompt_tokens: 0,
         }
     }
 
@@ -580,6 +608,7 @@ impl Router {
             HashCheck::Mismatch => return Err(Fallback::HashMismatch),
             HashCheck::Unusable => return Err(Fallback::Hash),
         };
+        self.prompt_tokens = tokens.len();
         let Router { config, feed, scratch, mismatched, hybrid_unsupported, .. } = self;
         let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
         let extras = RequestExtras {
@@ -672,10 +701,17 @@ impl Router {
         in_flight: &dyn InFlight,
         mut report: Report,
     ) -> Step {
-        let w = profile.and_then(|i| self.config.profile(i)).map_or(&self.default_weights, |p| &p.weights);
+        let prof = profile.and_then(|i| self.config.profile(i));
+        let w = prof.map_or(&self.default_weights, |p| &p.weights);
         let cands = candidates(self.feed.serving(), model, in_flight);
         let scores = exact.then_some(&self.scratch.scores);
-        let d: Decision = policy::decide_lazy(&cands, scores, approx, w);
+        let block_size = prof.map_or(0, |p| u64::try_from(p.block_size).unwrap_or(u64::MAX));
+        let tokens = u64::try_from(self.prompt_tokens).unwrap_or(u64::MAX);
+        let work = exact.then_some(policy::Work { tokens, block_size });
+        let d: Decision = policy::decide_lazy(&cands, scores, work, approx, w);
+        let prefill_tokens =
+            if exact { tokens.saturating_sub(u64::from(d.matched).saturating_mul(block_size)) } else { 0 };
+        let runner_up = d.runner_up.and_then(|(i, _)| cands.get(i)).map(|c| c.address.to_owned());
         report.outcome = Some(d.outcome);
         report.hash_mismatch = self.hash_mismatch;
         report.hybrid_unsupported = self.hybrid_unsupported;
@@ -684,7 +720,14 @@ impl Router {
             report.matched_blocks = Some(d.matched);
         }
         match d.winner.and_then(|i| cands.get(i)) {
-            Some(c) => Step::Route(Routed { address: c.address.to_owned(), dp_rank: c.dp_rank, decision: d, report }),
+            Some(c) => Step::Route(Routed {
+                address: c.address.to_owned(),
+                dp_rank: c.dp_rank,
+                decision: d,
+                report,
+                prefill_tokens,
+                runner_up,
+            }),
             None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
         }
     }
