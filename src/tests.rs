@@ -192,8 +192,8 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
     assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 1);
     assert_eq!(e.host.samples("llmgw_matched_blocks"), vec![8]);
     assert_eq!(e.host.samples("llmgw_decision_us").len(), 1);
-    let in_flight = e.host.shared_value("llmgw.inflight").unwrap();
-    assert_eq!(in_flight.len(), 16);
+    let in_flight = e.host.shared_value("llmgw.inflight.v2").unwrap();
+    assert_eq!(in_flight.len(), 20);
     ctx.on_http_response_headers(1, false);
     assert!(e
         .host
@@ -201,7 +201,64 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
         .unwrap()
         .starts_with(&format!("outcome=exact; replica={B}; matched=8/8")));
     ctx.on_log();
-    assert_eq!(e.host.shared_value("llmgw.inflight").unwrap(), Vec::<u8>::new());
+    assert_eq!(e.host.shared_value("llmgw.inflight.v2").unwrap(), Vec::<u8>::new());
+}
+
+/// In-flight requests and prefill tokens as every VM of this Envoy reads them.
+fn inflight_at(e: &Env, address: &str) -> (u32, u64) {
+    use llmgw_core::flow::InFlight;
+    let s = crate::inflight::Snapshot::read(e.host.as_ref());
+    (s.in_flight(address), s.pending_tokens(address))
+}
+
+#[test]
+fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next_request() {
+    // 400 tokens (100 blocks of 4); B holds the first 10 blocks, A nothing.
+    let t1: Vec<u32> = (0..400).collect();
+    let mut t2: Vec<u32> = (0..40).collect();
+    t2.extend(1000..1360);
+    let held = keys(&t1)[..10].to_vec();
+    let e1 = synced("", vec![], held.clone(), true);
+    // A second worker VM of the same Envoy (same shared data), with the same feed.
+    let mut e2 = Env { host: e1.host.clone(), root: Root::new(e1.host.clone()), seq: 0 };
+    assert!(e2.root.on_configure(0));
+    e2.subscribe();
+    e2.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: vec![] }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: held }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    // Worker 1: B computes 360 tokens (72 ms predicted), A would compute 400 (80 ms): B.
+    let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &t1));
+    assert_eq!(e1.dest().as_deref(), Some(B));
+    assert_eq!(inflight_at(&e1, B), (1, 360));
+    // The stream's headers come (vLLM sends them before any token): still prefilling.
+    e1.host.set_header(Headers::Response, "content-type", Some("text/event-stream; charset=utf-8"));
+    c1.on_http_response_headers(2, false);
+    assert_eq!(inflight_at(&e1, B), (1, 360));
+    let explain = e1.host.response_header("x-llmgw-decision").unwrap();
+    assert!(explain.contains("predicted_ms=72.0; prefill_tokens=360; runner_up=127.0.0.1:8001 80.0"), "{explain}");
+    // Worker 2, the same prefix while B still prefills: B now 360 + 360 queued tokens and a
+    // request (184 ms), A 80 ms: A.
+    let (mut c2, _) = e2.request(COMPLETIONS, &tokens_body("m", &t2));
+    assert_eq!(e2.dest().as_deref(), Some(A));
+    assert_eq!(inflight_at(&e2, A), (1, 400));
+    // Its answer, not streamed, ends its prefill with the headers; then it ends.
+    e2.host.set_header(Headers::Response, "content-type", Some("application/json"));
+    c2.on_http_response_headers(2, false);
+    assert_eq!(inflight_at(&e2, A), (1, 0));
+    c2.on_log();
+    // The first request's first chunk: its prefill is done (the body goes on unbuffered).
+    assert_eq!(c1.on_http_response_body(120, false), Action::Continue);
+    assert_eq!(inflight_at(&e1, B), (1, 0));
+    assert_eq!(c1.on_http_response_body(80, false), Action::Continue);
+    // Now B is a request (40 ms) from A's cost and holds more: the next one goes to B.
+    let (mut c3, _) = e2.request(COMPLETIONS, &tokens_body("m", &t2));
+    assert_eq!(e2.dest().as_deref(), Some(B));
+    c3.on_log();
+    c1.on_log();
+    assert_eq!((inflight_at(&e1, A), inflight_at(&e1, B)), ((0, 0), (0, 0)));
 }
 
 #[test]
