@@ -69,7 +69,9 @@ def main() -> int:
     ap.add_argument("--wasm", default=None, help="the filter to load (default dist/llmgw.wasm)")
     ap.add_argument("--runs", default="rr,approx,exact",
                     help="comma-separated arms: rr (Envoy round-robin), approx, exact (default all three)")
+    ap.add_argument("--weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
     args = ap.parse_args()
+    weights = json.loads(args.weights) if args.weights else None
 
     try:
         sim_bin, agent_bin, wasm = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release"), (
@@ -105,7 +107,8 @@ def main() -> int:
             listen, admin = kit.free_port(), kit.free_port()
             config = (kit.lb_config(listen, admin, [s["port"] for s in sims]) if mode == "rr" else
                       kit.shipped_config(wasm, listen, admin, agent.feed,
-                                         kit.filter_config({"name": "demo", "kv_events": mode == "exact"})))
+                                         kit.filter_config({"name": "demo", "kv_events": mode == "exact",
+                                                        **({"weights": weights} if weights else {})})))
             envoy, _ = start_router(procs, args.envoy, logdir, f"envoy-{mode}", config, admin, feed=mode != "rr")
             runs.append(run_traffic(label, listen, sims, convs, args.concurrency))
             procs.stop(envoy)

@@ -103,6 +103,9 @@ impl Request {
                 let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
                 inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
                 self.prefilling = tokens;
+                if let Some(spec) = &r.speculation {
+                    s.metrics.speculative_dropped(crate::speculative::record(self.host.as_ref(), spec));
+                }
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));
                 }

@@ -144,12 +144,13 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
     ok.then_some(live)
 }
 
-/// Every replica's in-flight count over the live VMs, and which replicas are avoided
-/// (`crate::health`), read once.
+/// Every replica's in-flight count over the live VMs, which replicas are avoided
+/// (`crate::health`) and the speculative index entries (`crate::speculative`), read once.
 pub struct Snapshot {
     records: Vec<u8>,
     live: Vec<u32>,
     health: crate::health::Health,
+    speculative: crate::speculative::Entries,
 }
 
 impl Snapshot {
@@ -160,6 +161,7 @@ impl Snapshot {
             records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(),
             live: live_vms(&live, now),
             health: crate::health::Health::read(host),
+            speculative: crate::speculative::Entries::read(host),
         }
     }
 }
@@ -175,6 +177,10 @@ impl InFlight for Snapshot {
 
     fn avoided(&self, address: &str) -> bool {
         self.health.avoided(address)
+    }
+
+    fn speculative(&self, keys: &[u64], out: &mut Vec<(usize, u64)>) {
+        self.speculative.lookup(keys, out);
     }
 }
 

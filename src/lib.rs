@@ -18,6 +18,7 @@ mod host;
 mod http;
 mod inflight;
 mod metrics;
+mod speculative;
 
 #[cfg(test)]
 mod fake;

@@ -204,6 +204,61 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
     assert_eq!(e.host.shared_value("llmgw.inflight.v2").unwrap(), Vec::<u8>::new());
 }
 
+/// A second worker VM of `e`'s Envoy (same host, so the same shared data), fed the same
+/// replicas with `on_a` and `on_b` held.
+fn second_vm(e: &Env, on_a: Vec<u64>, on_b: Vec<u64>) -> Env {
+    let mut e2 = Env { host: e.host.clone(), root: Root::new(e.host.clone()), seq: 0 };
+    assert!(e2.root.on_configure(0));
+    e2.subscribe();
+    e2.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: on_a }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    e2
+}
+
+#[test]
+fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before_any_event() {
+    // 400 tokens (100 blocks of 4) nobody holds; the burst shares the first 160 (40 blocks).
+    let prompt = |tail: u32| -> Vec<u32> { (0..160).chain(tail..tail + 240).collect() };
+    let e1 = synced("", vec![], vec![], true);
+    let e2 = second_vm(&e1, vec![], vec![]);
+    let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &prompt(1000)));
+    let first = e1.dest().unwrap();
+    let other = if first == A { B } else { A };
+    assert_eq!(e1.counter("llmgw_prefix_decisions_total.outcome.approx"), 1);
+    // Its first token, no KV event yet (vLLM publishes once blocks are computed, and the event
+    // still has to cross the agent and the feed).
+    e1.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    c1.on_http_response_headers(2, false);
+    c1.on_http_response_body(64, false);
+    // Another worker: the shared blocks are credited to where the first went (32 leading
+    // blocks, the deepest checkpoint within 40), so it follows, although that replica has a
+    // request in flight and the other none (without the entries: the less loaded of the
+    // prompt's two rendezvous choices, the other).
+    let (mut c2, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(2000)));
+    assert_eq!(e2.dest(), Some(first.clone()));
+    c2.on_http_response_headers(2, false);
+    let explain = e2.host.response_header("x-llmgw-decision").unwrap();
+    assert!(explain.starts_with(&format!("outcome=exact; replica={first}; matched=32/100")), "{explain}");
+    c2.on_http_response_body(64, false);
+    // A third while both are in flight: two requests there outweigh the shared blocks' prefill
+    // (94 ms + 40 ms against 80 ms): load says otherwise.
+    let (mut c3, _) = e1.request(COMPLETIONS, &tokens_body("m", &prompt(3000)));
+    assert_eq!(e1.dest().as_deref(), Some(other));
+    for c in [&mut c1, &mut c2, &mut c3] {
+        c.on_log();
+    }
+    // Unconfirmed by any event, the entries expire: a prompt sharing the prefix is new again.
+    e2.host.now_ns.set(e2.host.now_ns.get() + crate::speculative::TTL_NS);
+    let (mut c4, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(4000)));
+    c4.on_http_response_headers(2, false);
+    let explain = e2.host.response_header("x-llmgw-decision").unwrap();
+    assert!(explain.starts_with("outcome=approx;") && explain.contains("matched=0/100"), "{explain}");
+}
+
 /// In-flight requests and prefill tokens as every VM of this Envoy reads them.
 fn inflight_at(e: &Env, address: &str) -> (u32, u64) {
     use llmgw_core::flow::InFlight;
@@ -220,15 +275,7 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     let held = keys(&t1)[..10].to_vec();
     let e1 = synced("", vec![], held.clone(), true);
     // A second worker VM of the same Envoy (same shared data), with the same feed.
-    let mut e2 = Env { host: e1.host.clone(), root: Root::new(e1.host.clone()), seq: 0 };
-    assert!(e2.root.on_configure(0));
-    e2.subscribe();
-    e2.feed(vec![
-        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
-        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: vec![] }),
-        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: held }),
-        Msg::SnapshotComplete(SnapshotComplete {}),
-    ]);
+    let e2 = second_vm(&e1, vec![], held);
     // Worker 1: B computes 360 tokens (72 ms predicted), A would compute 400 (80 ms): B.
     let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &t1));
     assert_eq!(e1.dest().as_deref(), Some(B));
@@ -254,7 +301,9 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     assert_eq!(inflight_at(&e1, B), (1, 0));
     assert_eq!(c1.on_http_response_body(80, false), Action::Continue);
     // Now B is a request (40 ms) from A's cost and holds more: the next one goes to B.
-    let (mut c3, _) = e2.request(COMPLETIONS, &tokens_body("m", &t2));
+    let mut t3: Vec<u32> = (0..40).collect();
+    t3.extend(2000..2360);
+    let (mut c3, _) = e2.request(COMPLETIONS, &tokens_body("m", &t3));
     assert_eq!(e2.dest().as_deref(), Some(B));
     c3.on_log();
     c1.on_log();

@@ -17,10 +17,12 @@
 mod hybrid;
 mod prefix;
 mod reasons;
+mod speculative;
 
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{tokenizer_answer, tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
+pub use speculative::{checkpoints, replica_key, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
@@ -37,6 +39,10 @@ pub trait InFlight {
     fn pending_tokens(&self, _address: &str) -> u64 {
         0
     }
+    /// Speculative index entries (see [`speculative`]): for each of `keys` (block keys) that
+    /// this Envoy recently sent to an engine and no event has confirmed, `(index in keys,
+    /// replica_key)` pushed onto `out`.
+    fn speculative(&self, _keys: &[u64], _out: &mut Vec<(usize, u64)>) {}
     /// Whether the gateway avoids this replica for now (its connects failed or it answered
     /// 5xx): it is treated as down.
     fn avoided(&self, _address: &str) -> bool {
@@ -112,6 +118,9 @@ pub struct Routed {
     pub prefill_tokens: u64,
     /// The runner-up's address, when the decision predicted times to first token.
     pub runner_up: Option<String>,
+    /// Speculative index entries to record for the chosen engine (its blocks at checkpoints
+    /// past the run the index shows it holds), when the decision had exact data.
+    pub speculation: Option<Speculation>,
 }
 
 impl Routed {
@@ -219,6 +228,11 @@ pub struct Router {
     hash_logged: Option<String>,
     /// The current request's prompt tokens, once [`Router::exact`] scored them.
     prompt_tokens: usize,
+    /// The current request's leading runs as the index alone has them (before speculative
+    /// entries), and the speculative lookup's buffers.
+    index_leading: Vec<u32>,
+    spec_keys: Vec<u64>,
+    spec_hits: Vec<(usize, u64)>,
 }
 
 /// What [`Router::hash_check`] found.
@@ -343,6 +357,9 @@ impl Router {
             hash_note: None,
             hash_logged: None,
             prompt_tokens: 0,
+            index_leading: Vec::new(),
+            spec_keys: Vec::new(),
+            spec_hits: Vec::new(),
         }
     }
 
@@ -497,7 +514,7 @@ impl Router {
         // The approximate key, computed only if the decision needs it.
         let approx = || approx_key(Some(&parsed), bytes, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[], Vec::new()).err();
+            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[], Vec::new(), in_flight).err();
             return self.finish(model, Some(pi), why.is_none(), &approx, why, in_flight, Report::default());
         }
         let Some(p) = self.config.profile(pi) else {
@@ -557,7 +574,15 @@ impl Router {
             Ok(TokenizerAnswer { tokens, mm }) => {
                 // A multimodal prompt's hashes need its media items: never cached.
                 let cacheable = mm.is_empty();
-                let scored = self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[], mm);
+                let scored = self.exact(
+                    pending.profile,
+                    p.cache_salt.as_deref(),
+                    p.model.as_deref(),
+                    &tokens,
+                    &[],
+                    mm,
+                    in_flight,
+                );
                 if let Err(why) = scored {
                     (false, Some(why))
                 } else {
@@ -593,6 +618,9 @@ impl Router {
     /// Hashes and scores `tokens` for a profile into the scratch space (replicas that hash
     /// otherwise score 0), or the fallback that applies: the replicas' hashing does not match
     /// ([`Fallback::HashMismatch`]) or cannot be done (no such profile, the hasher refused).
+    /// Engines `in_flight`'s speculative entries say were just sent the leading blocks are
+    /// credited with them.
+    #[allow(clippy::too_many_arguments)]
     fn exact(
         &mut self,
         profile: usize,
@@ -601,6 +629,7 @@ impl Router {
         tokens: &[u32],
         known: &[BlockHash],
         mm: Vec<MmFeature>,
+        in_flight: &dyn InFlight,
     ) -> Result<(), Fallback> {
         let known = match self.hash_check(profile, model) {
             HashCheck::Use { changed: false } => known,
@@ -609,7 +638,9 @@ impl Router {
             HashCheck::Unusable => return Err(Fallback::Hash),
         };
         self.prompt_tokens = tokens.len();
-        let Router { config, feed, scratch, mismatched, hybrid_unsupported, .. } = self;
+        let Router {
+            config, feed, scratch, mismatched, hybrid_unsupported, index_leading, spec_keys, spec_hits, ..
+        } = self;
         let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
         let extras = RequestExtras {
             cache_salt: cache_salt.map(str::to_owned),
@@ -634,6 +665,43 @@ impl Router {
                 HybridHit::Hit(n) => *l = u32::try_from(n).unwrap_or(u32::MAX),
                 HybridHit::Unsupported => *hybrid_unsupported = true,
                 HybridHit::NotHybrid => {}
+            }
+        }
+        // Speculative entries: engines this Envoy just sent this prompt's leading blocks to. The
+        // blocks are hashed to a bounded depth for them, even past what the index holds.
+        index_leading.clone_from(&scratch.scores.leading);
+        let full = usize::try_from(scratch.scores.total).unwrap_or(usize::MAX);
+        let want = full.min(SPECULATIVE_BLOCKS);
+        if let Some(more) = want.checked_sub(scratch.hashes.len()).filter(|&n| n > 0) {
+            p.hasher
+                .hash_request_more(tokens, p.block_size, &extras, &mut scratch.hashes, more)
+                .map_err(|_| Fallback::Hash)?;
+        }
+        let positions = || checkpoints(scratch.hashes.len().min(want));
+        spec_keys.clear();
+        spec_keys.extend(positions().filter_map(|i| scratch.hashes.get(i).map(|h| h.key.0)));
+        spec_hits.clear();
+        if !spec_keys.is_empty() {
+            in_flight.speculative(spec_keys, spec_hits);
+        }
+        for &(k, engine) in spec_hits.iter() {
+            let Some(run) = positions().nth(k).and_then(|p| u32::try_from(p).ok()).map(|p| p.saturating_add(1)) else {
+                continue;
+            };
+            for r in &serving.replicas {
+                let Ok(id) = ReplicaId::try_from(r.id) else { continue };
+                if mismatched.contains(&id) || replica_key(&r.address, r.data_parallel().then_some(r.dp_rank)) != engine
+                {
+                    continue;
+                }
+                let leading = &mut scratch.scores.leading;
+                let i = usize::from(id);
+                if leading.len() <= i {
+                    leading.resize(i.saturating_add(1), 0);
+                }
+                if let Some(l) = leading.get_mut(i) {
+                    *l = (*l).max(run);
+                }
             }
         }
         Ok(())
@@ -679,6 +747,7 @@ impl Router {
             &t.tokens,
             &t.hashes,
             Vec::new(),
+            in_flight,
         );
         let exact = scored.is_ok();
         if exact && self.scratch.hashes.len() > t.hashes.len() {
@@ -712,6 +781,16 @@ impl Router {
         let prefill_tokens =
             if exact { tokens.saturating_sub(u64::from(d.matched).saturating_mul(block_size)) } else { 0 };
         let runner_up = d.runner_up.and_then(|(i, _)| cands.get(i)).map(|c| c.address.to_owned());
+        let speculation = d.winner.and_then(|i| cands.get(i)).filter(|_| exact).and_then(|c| {
+            let held = self.index_leading.get(usize::from(c.id)).copied().unwrap_or(0);
+            let held = usize::try_from(held).unwrap_or(usize::MAX);
+            let n = self.scratch.hashes.len().min(SPECULATIVE_BLOCKS);
+            let keys: Vec<u64> = checkpoints(n)
+                .filter(|&p| p >= held)
+                .filter_map(|p| self.scratch.hashes.get(p).map(|h| h.key.0))
+                .collect();
+            (!keys.is_empty()).then(|| Speculation { replica: replica_key(c.address, c.dp_rank), keys })
+        });
         report.outcome = Some(d.outcome);
         report.hash_mismatch = self.hash_mismatch;
         report.hybrid_unsupported = self.hybrid_unsupported;
@@ -727,6 +806,7 @@ impl Router {
                 report,
                 prefill_tokens,
                 runner_up,
+                speculation,
             }),
             None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
         }
