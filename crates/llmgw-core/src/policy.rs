@@ -77,7 +77,7 @@ impl Candidate<'_> {
 
     /// Predicted time to first token here (µs) of a request computing `uncached` prompt tokens.
     pub fn predicted_us(&self, w: &Weights, uncached: u64) -> f64 {
-        let tokens = uncached.saturating_add(self.pending_tokens) as f64;
+        let tokens = uncached as f64 + w.queued_prefill * self.pending_tokens as f64;
         w.prefill_us_per_token * tokens + w.request_us * self.queued_requests() as f64
     }
 

@@ -167,6 +167,11 @@ pub struct Weights {
     /// (µs): the engine steps it takes and the batch slot it holds, `ttft` policy.
     #[serde(default = "default_request_us")]
     pub request_us: f64,
+    /// The share of the prefill queued on a replica (its requests without a first token yet)
+    /// a new request waits for, `ttft` policy: 1 when the engine computes prefills in turn
+    /// (vLLM's scheduler, a token budget per step), 0 when it computes them side by side.
+    #[serde(default = "one")]
+    pub queued_prefill: f64,
     /// Predictions within this many µs are equal (`ttft` policy): the prompt's rendezvous
     /// order picks, as with `tie_margin`.
     #[serde(default = "default_tie_us")]
@@ -272,6 +277,7 @@ impl Default for Weights {
             prefill_us_per_token: default_prefill_us_per_token(),
             request_us: default_request_us(),
             tie_us: default_tie_us(),
+            queued_prefill: one(),
             prefix: one(),
             load: half(),
             load_scale: default_load_scale(),
@@ -396,6 +402,7 @@ impl FilterConfig {
                 ("weights.prefill_us_per_token", w.prefill_us_per_token),
                 ("weights.request_us", w.request_us),
                 ("weights.tie_us", w.tie_us),
+                ("weights.queued_prefill", w.queued_prefill),
             ] {
                 if !v.is_finite() || v < 0.0 {
                     return bad(f(name), "must be a finite, non-negative number");
