@@ -179,7 +179,7 @@ impl InFlight for Snapshot {
         self.health.avoided(address)
     }
 
-    fn speculative(&self, keys: &[u64], out: &mut Vec<(usize, u64)>) {
+    fn speculative(&self, keys: &[u64], out: &mut Vec<llmgw_core::flow::SpeculativeHit>) {
         self.speculative.lookup(keys, out);
     }
 }

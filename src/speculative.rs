@@ -2,17 +2,17 @@
 //! every worker of this Envoy sees the blocks any of them just sent: 24-byte records (the
 //! block key, u64; the engine's `replica_key`, u64; the expiry, u64 nanoseconds;
 //! little-endian). A record expires `TTL_NS` after it was first written (routing the same
-//! blocks again does not extend it: only KV events, through the index, keep them credited).
+//! blocks again does not extend it: only KV events, through the index, keep them credited),
+//! unless it predates its engine's reset (then it is written anew).
 //! At most `MAX_RECORDS` are kept: past that the ones expiring first go, counted in
 //! `llmgw_speculative_dropped_total`.
 
 use crate::host::{update_shared, Host};
-use llmgw_core::flow::Speculation;
+pub use llmgw_core::flow::SPECULATIVE_TTL_NS as TTL_NS;
+use llmgw_core::flow::{Speculation, SpeculativeHit};
 
 const KEY: &str = "llmgw.speculative";
 const RECORD: usize = 24;
-/// How long an entry is credited without an event confirming it.
-pub const TTL_NS: u64 = 2_000_000_000;
 /// The most entries kept (48 KiB, read once per decision).
 pub const MAX_RECORDS: usize = 2048;
 
@@ -44,11 +44,11 @@ impl Entries {
         Entries { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), now: host.now_ns() }
     }
 
-    /// For each of `keys` an unexpired record holds, `(index in keys, engine)`.
-    pub fn lookup(&self, keys: &[u64], out: &mut Vec<(usize, u64)>) {
+    /// For each of `keys` an unexpired record holds, a hit.
+    pub fn lookup(&self, keys: &[u64], out: &mut Vec<SpeculativeHit>) {
         for r in records(&self.records).filter(|r| r.expires > self.now) {
-            if let Some(i) = keys.iter().position(|&k| k == r.key) {
-                out.push((i, r.engine));
+            if let Some(key) = keys.iter().position(|&k| k == r.key) {
+                out.push(SpeculativeHit { key, engine: r.engine, written_ns: r.expires.saturating_sub(TTL_NS) });
             }
         }
     }
@@ -60,8 +60,11 @@ fn with(v: &[u8], spec: &Speculation, now: u64) -> (Vec<u8>, usize) {
     let mut out: Vec<Record> = records(v).filter(|r| r.expires > now).collect();
     let expires = now.saturating_add(TTL_NS);
     for &key in &spec.keys {
-        if !out.iter().any(|r| r.key == key && r.engine == spec.replica) {
-            out.push(Record { key, engine: spec.replica, expires });
+        match out.iter_mut().find(|r| r.key == key && r.engine == spec.replica) {
+            // Written before the engine's reset: stale.
+            Some(r) if r.expires.saturating_sub(TTL_NS) < spec.reset_ns => r.expires = expires,
+            Some(_) => {}
+            None => out.push(Record { key, engine: spec.replica, expires }),
         }
     }
     let dropped = out.len().saturating_sub(MAX_RECORDS);
@@ -104,12 +107,13 @@ mod tests {
     fn entries_expire_after_the_ttl_keep_their_first_expiry_and_are_bounded() {
         let host = FakeHost::default();
         host.now_ns.set(1_000);
-        let spec = Speculation { replica: 7, keys: vec![10, 11] };
+        let spec = Speculation { replica: 7, keys: vec![10, 11], reset_ns: 0 };
         assert_eq!(record(&host, &spec), 0);
         let mut hits = Vec::new();
         Entries::read(&host).lookup(&[11, 99, 10], &mut hits);
-        hits.sort_unstable();
-        assert_eq!(hits, vec![(0, 7), (2, 7)]);
+        let mut got: Vec<(usize, u64, u64)> = hits.iter().map(|h| (h.key, h.engine, h.written_ns)).collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![(0, 7, 1_000), (2, 7, 1_000)]);
         // Routed again later: still expires TTL after the first write.
         host.now_ns.set(1_000 + TTL_NS / 2);
         record(&host, &spec);
@@ -118,12 +122,12 @@ mod tests {
         Entries::read(&host).lookup(&[10, 11], &mut hits);
         assert!(hits.is_empty(), "{hits:?}");
         // Past the bound the entries expiring first go, and the drop is reported.
-        let many = Speculation { replica: 8, keys: (0..MAX_RECORDS as u64 + 5).collect() };
+        let many = Speculation { replica: 8, keys: (0..MAX_RECORDS as u64 + 5).collect(), reset_ns: 0 };
         assert_eq!(record(&host, &many), 5);
         let v = host.shared_value(KEY).unwrap();
         assert_eq!(v.len(), MAX_RECORDS * RECORD);
         let mut hits = Vec::new();
         Entries::read(&host).lookup(&[4, 5], &mut hits);
-        assert_eq!(hits, vec![(1, 8)]);
+        assert_eq!(hits.iter().map(|h| (h.key, h.engine)).collect::<Vec<_>>(), vec![(1, 8)]);
     }
 }

@@ -5,7 +5,9 @@ use crate::fake::FakeHost;
 use crate::host::{Buffer, Headers, Host};
 use crate::http::Request;
 use crate::Root;
-use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
+use llmgw_core::feed::{
+    Body as Msg, FeedMessage, Replica, ReplicaReset, ReplicaTable, SnapshotChunk, SnapshotComplete,
+};
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
 use prost::Message;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -224,7 +226,7 @@ fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before
     // 400 tokens (100 blocks of 4) nobody holds; the burst shares the first 160 (40 blocks).
     let prompt = |tail: u32| -> Vec<u32> { (0..160).chain(tail..tail + 240).collect() };
     let e1 = synced("", vec![], vec![], true);
-    let e2 = second_vm(&e1, vec![], vec![]);
+    let mut e2 = second_vm(&e1, vec![], vec![]);
     let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &prompt(1000)));
     let first = e1.dest().unwrap();
     let other = if first == A { B } else { A };
@@ -251,12 +253,29 @@ fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before
     for c in [&mut c1, &mut c2, &mut c3] {
         c.on_log();
     }
+    let new_again = |e: &Env, tail: u32| {
+        let (mut c, _) = e.request(COMPLETIONS, &tokens_body("m", &prompt(tail)));
+        c.on_http_response_headers(2, false);
+        let explain = e.host.response_header("x-llmgw-decision").unwrap();
+        assert!(explain.starts_with("outcome=approx;") && explain.contains("matched=0/100"), "{explain}");
+        c.on_log();
+    };
+    // The feed says both engines restarted (their caches are empty): their entries no longer
+    // count, on the worker that learned it; entries written afterwards do.
+    e2.feed(vec![
+        Msg::Reset(ReplicaReset { replica: 0, reason: "restart".into() }),
+        Msg::Reset(ReplicaReset { replica: 1, reason: "restart".into() }),
+    ]);
+    e2.host.now_ns.set(e2.host.now_ns.get() + 1);
+    new_again(&e2, 4000);
+    e2.host.now_ns.set(e2.host.now_ns.get() + 1);
+    let (mut c5, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(5000)));
+    c5.on_http_response_headers(2, false);
+    assert!(e2.host.response_header("x-llmgw-decision").unwrap().starts_with("outcome=exact;"));
+    c5.on_log();
     // Unconfirmed by any event, the entries expire: a prompt sharing the prefix is new again.
-    e2.host.now_ns.set(e2.host.now_ns.get() + crate::speculative::TTL_NS);
-    let (mut c4, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(4000)));
-    c4.on_http_response_headers(2, false);
-    let explain = e2.host.response_header("x-llmgw-decision").unwrap();
-    assert!(explain.starts_with("outcome=approx;") && explain.contains("matched=0/100"), "{explain}");
+    e1.host.now_ns.set(e1.host.now_ns.get() + crate::speculative::TTL_NS);
+    new_again(&e1, 6000);
 }
 
 /// In-flight requests and prefill tokens as every VM of this Envoy reads them.

@@ -22,7 +22,10 @@ mod speculative;
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{tokenizer_answer, tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
-pub use speculative::{checkpoints, replica_key, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS};
+pub use speculative::{
+    checkpoints, replica_key, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS,
+    TTL_NS as SPECULATIVE_TTL_NS,
+};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
@@ -39,10 +42,9 @@ pub trait InFlight {
     fn pending_tokens(&self, _address: &str) -> u64 {
         0
     }
-    /// Speculative index entries (see [`speculative`]): for each of `keys` (block keys) that
-    /// this Envoy recently sent to an engine and no event has confirmed, `(index in keys,
-    /// replica_key)` pushed onto `out`.
-    fn speculative(&self, _keys: &[u64], _out: &mut Vec<(usize, u64)>) {}
+    /// Speculative index entries (see [`speculative`]): one hit pushed onto `out` for each of
+    /// `keys` (block keys) this Envoy sent to an engine within the TTL.
+    fn speculative(&self, _keys: &[u64], _out: &mut Vec<SpeculativeHit>) {}
     /// Whether the gateway avoids this replica for now (its connects failed or it answered
     /// 5xx): it is treated as down.
     fn avoided(&self, _address: &str) -> bool {
@@ -232,7 +234,12 @@ pub struct Router {
     /// entries), and the speculative lookup's buffers.
     index_leading: Vec<u32>,
     spec_keys: Vec<u64>,
-    spec_hits: Vec<(usize, u64)>,
+    spec_hits: Vec<SpeculativeHit>,
+    /// Engines the feed reset (restarted: their caches are empty), with when this VM learned it:
+    /// speculative entries written before do not count. Kept for the entries' TTL.
+    resets: Vec<(u64, u64)>,
+    /// The current decision's time.
+    now_ns: u64,
 }
 
 /// What [`Router::hash_check`] found.
@@ -360,6 +367,8 @@ impl Router {
             index_leading: Vec::new(),
             spec_keys: Vec::new(),
             spec_hits: Vec::new(),
+            resets: Vec::new(),
+            now_ns: 0,
         }
     }
 
@@ -459,8 +468,19 @@ impl Router {
             .map_or(usize::try_from(DEFAULT_APPROX_PREFIX_BYTES).unwrap_or(usize::MAX), |p| p.approx_prefix_bytes)
     }
 
+    /// Notes the engines the feed reset since the last decision (see `resets`).
+    fn note_resets(&mut self, now_ns: u64) {
+        self.now_ns = now_ns;
+        self.resets.retain(|&(_, at)| now_ns.saturating_sub(at) <= SPECULATIVE_TTL_NS);
+        for engine in self.feed.take_cleared() {
+            self.resets.retain(|&(e, _)| e != engine);
+            self.resets.push((engine, now_ns));
+        }
+    }
+
     /// Decides for a complete body (or the head of one too large to read).
     pub fn on_body(&mut self, body: &Body<'_>, in_flight: &dyn InFlight, now_ns: u64) -> Step {
+        self.note_resets(now_ns);
         self.hash_mismatch = false;
         self.hybrid_unsupported = false;
         let kind = ApiKind::from_path(body.path);
@@ -564,6 +584,7 @@ impl Router {
         in_flight: &dyn InFlight,
         now_ns: u64,
     ) -> Step {
+        self.note_resets(now_ns);
         self.hash_mismatch = false;
         self.hybrid_unsupported = false;
         let mut report = Report::default();
@@ -639,7 +660,16 @@ impl Router {
         };
         self.prompt_tokens = tokens.len();
         let Router {
-            config, feed, scratch, mismatched, hybrid_unsupported, index_leading, spec_keys, spec_hits, ..
+            config,
+            feed,
+            scratch,
+            mismatched,
+            hybrid_unsupported,
+            index_leading,
+            spec_keys,
+            spec_hits,
+            resets,
+            ..
         } = self;
         let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
         let extras = RequestExtras {
@@ -684,8 +714,13 @@ impl Router {
         if !spec_keys.is_empty() {
             in_flight.speculative(spec_keys, spec_hits);
         }
-        for &(k, engine) in spec_hits.iter() {
-            let Some(run) = positions().nth(k).and_then(|p| u32::try_from(p).ok()).map(|p| p.saturating_add(1)) else {
+        for hit in spec_hits.iter() {
+            let engine = hit.engine;
+            if resets.iter().any(|&(e, at)| e == engine && hit.written_ns < at) {
+                continue;
+            }
+            let Some(run) = positions().nth(hit.key).and_then(|p| u32::try_from(p).ok()).map(|p| p.saturating_add(1))
+            else {
                 continue;
             };
             for r in &serving.replicas {
@@ -789,7 +824,9 @@ impl Router {
                 .filter(|&p| p >= held)
                 .filter_map(|p| self.scratch.hashes.get(p).map(|h| h.key.0))
                 .collect();
-            (!keys.is_empty()).then(|| Speculation { replica: replica_key(c.address, c.dp_rank), keys })
+            let replica = replica_key(c.address, c.dp_rank);
+            let reset_ns = self.resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
+            (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
         });
         report.outcome = Some(d.outcome);
         report.hash_mismatch = self.hash_mismatch;

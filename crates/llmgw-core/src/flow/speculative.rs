@@ -18,6 +18,19 @@ use crate::policy::stable_hash;
 /// Blocks hashed for speculative entries: 1,024 tokens at block size 16, seven checkpoints.
 pub const MAX_BLOCKS: usize = 64;
 
+/// How long an entry is credited without an event confirming it (from its first write).
+pub const TTL_NS: u64 = 2_000_000_000;
+
+/// A speculative entry found for a request: the index of its key, the engine it was sent to
+/// (`replica_key`) and when it was written. An entry written before this VM learned of its
+/// engine's reset (a restart: its cache is empty) is not credited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hit {
+    pub key: usize,
+    pub engine: u64,
+    pub written_ns: u64,
+}
+
 /// The checkpoints of a run of `n` hashed blocks: `0, 1, 3, 7, …` below `n`, and `n − 1`.
 pub fn checkpoints(n: usize) -> impl Iterator<Item = usize> {
     let mut next = Some(0usize);
@@ -49,6 +62,9 @@ pub fn replica_key(address: &str, dp_rank: Option<u32>) -> u64 {
 pub struct Speculation {
     pub replica: u64,
     pub keys: Vec<u64>,
+    /// When this VM learned the engine was reset (0: not within the TTL): entries written
+    /// before are stale and are written anew.
+    pub reset_ns: u64,
 }
 
 #[cfg(test)]
