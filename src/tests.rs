@@ -305,8 +305,8 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     assert_eq!(inflight_at(&e1, B), (1, 360));
     let explain = e1.host.response_header("x-llmgw-decision").unwrap();
     assert!(explain.contains("predicted_ms=72.0; prefill_tokens=360; runner_up=127.0.0.1:8001 80.0"), "{explain}");
-    // Worker 2, the same prefix while B still prefills: B now 360 + 360 queued tokens and a
-    // request (184 ms), A 80 ms: A.
+    // Worker 2, the same prefix while B still prefills: B now 360 tokens + half of the 360
+    // queued and a request (148 ms), A 80 ms: A.
     let (mut c2, _) = e2.request(COMPLETIONS, &tokens_body("m", &t2));
     assert_eq!(e2.dest().as_deref(), Some(A));
     assert_eq!(inflight_at(&e2, A), (1, 400));

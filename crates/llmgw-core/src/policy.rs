@@ -3,7 +3,8 @@
 //!
 //! * **Exact**: the index knows the request's blocks. With the `ttft` policy (the default)
 //!   each eligible replica's time to first token is predicted as
-//!   `prefill_us_per_token × (uncached + queued) + request_us × requests`, where `uncached` is
+//!   `prefill_us_per_token × (uncached + queued_prefill × queued) + request_us × requests`,
+//!   where `uncached` is
 //!   the request's prompt tokens past the leading blocks that replica holds, `queued` the prefill
 //!   tokens of requests this Envoy sent there that have not produced a first token yet, and
 //!   `requests = max(in-flight, running + waiting) + waiting` (engine-reported, so other
@@ -586,12 +587,13 @@ mod tests {
         // 320 uncached tokens at 200 µs; the runner-up computes 1,280.
         assert_eq!(d.predicted_us, Some(64_000));
         assert_eq!(d.runner_up, Some((0, 256_000)));
-        // Prefill queued on replica 1 (this gateway's requests without a first token yet): 1,500
-        // more tokens there, and the request itself, make replica 0 the fastest (404 ms against
-        // 256 ms; replica 2, computing everything, 320 ms).
+        // Prefill queued on replica 1 (this gateway's requests without a first token yet): 3,000
+        // more tokens there, half of which count (`queued_prefill`), and the request itself make
+        // replica 0 the fastest (404 ms against 256 ms; replica 2, computing everything, 320 ms).
+        assert_eq!(w.queued_prefill, 0.5);
         let mut c = fleet(3);
         c[1].in_flight = 1;
-        c[1].pending_tokens = 1500;
+        c[1].pending_tokens = 3000;
         let d = ttft(&c, &held, 1600, 7, &w);
         assert_eq!((d.winner, d.predicted_us), (Some(0), Some(256_000)));
         assert_eq!(d.runner_up, Some((2, 320_000)));
