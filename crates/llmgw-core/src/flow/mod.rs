@@ -238,8 +238,6 @@ pub struct Router {
     /// Engines the feed reset (restarted: their caches are empty), with when this VM learned it:
     /// speculative entries written before do not count. Kept for the entries' TTL.
     resets: Vec<(u64, u64)>,
-    /// The current decision's time.
-    now_ns: u64,
 }
 
 /// What [`Router::hash_check`] found.
@@ -368,7 +366,6 @@ impl Router {
             spec_keys: Vec::new(),
             spec_hits: Vec::new(),
             resets: Vec::new(),
-            now_ns: 0,
         }
     }
 
@@ -470,7 +467,6 @@ impl Router {
 
     /// Notes the engines the feed reset since the last decision (see `resets`).
     fn note_resets(&mut self, now_ns: u64) {
-        self.now_ns = now_ns;
         self.resets.retain(|&(_, at)| now_ns.saturating_sub(at) <= SPECULATIVE_TTL_NS);
         for engine in self.feed.take_cleared() {
             self.resets.retain(|&(e, _)| e != engine);
