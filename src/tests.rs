@@ -62,7 +62,12 @@ fn env(config: &str) -> Env {
 
 /// A configured VM whose feed knows A and B, with `on_a` and `on_b` held.
 fn synced(extra: &str, on_a: Vec<u64>, on_b: Vec<u64>, up: bool) -> Env {
-    let mut e = env(&config(extra));
+    synced_with(&config(extra), on_a, on_b, up)
+}
+
+/// As [`synced`], with this configuration.
+fn synced_with(config: &str, on_a: Vec<u64>, on_b: Vec<u64>, up: bool) -> Env {
+    let mut e = env(config);
     e.subscribe();
     e.feed(vec![
         Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, up), replica(1, B, up)] }),
@@ -292,7 +297,9 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     let mut t2: Vec<u32> = (0..40).collect();
     t2.extend(1000..1360);
     let held = keys(&t1)[..10].to_vec();
-    let e1 = synced("", vec![], held.clone(), true);
+    // All of the queued prefill counts (`queued_prefill` 1; the default counts none).
+    let cfg = config("").replace(r#""seed":"0"}"#, r#""seed":"0","weights":{"queued_prefill":1}}"#);
+    let e1 = synced_with(&cfg, vec![], held.clone(), true);
     // A second worker VM of the same Envoy (same shared data), with the same feed.
     let e2 = second_vm(&e1, vec![], held);
     // Worker 1: B computes 360 tokens (72 ms predicted), A would compute 400 (80 ms): B.
@@ -305,8 +312,8 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     assert_eq!(inflight_at(&e1, B), (1, 360));
     let explain = e1.host.response_header("x-llmgw-decision").unwrap();
     assert!(explain.contains("predicted_ms=72.0; prefill_tokens=360; runner_up=127.0.0.1:8001 80.0"), "{explain}");
-    // Worker 2, the same prefix while B still prefills: B now 360 tokens + half of the 360
-    // queued and a request (148 ms), A 80 ms: A.
+    // Worker 2, the same prefix while B still prefills: B now 360 + 360 queued tokens and a
+    // request (184 ms), A 80 ms: A.
     let (mut c2, _) = e2.request(COMPLETIONS, &tokens_body("m", &t2));
     assert_eq!(e2.dest().as_deref(), Some(A));
     assert_eq!(inflight_at(&e2, A), (1, 400));

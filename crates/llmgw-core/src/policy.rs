@@ -588,18 +588,21 @@ mod tests {
         assert_eq!(d.predicted_us, Some(64_000));
         assert_eq!(d.runner_up, Some((0, 256_000)));
         // Prefill queued on replica 1 (this gateway's requests without a first token yet): 3,000
-        // more tokens there, half of which count (`queued_prefill`), and the request itself make
-        // replica 0 the fastest (404 ms against 256 ms; replica 2, computing everything, 320 ms).
-        assert_eq!(w.queued_prefill, 0.5);
+        // more tokens there, half of which count (`queued_prefill` 0.5), and the request itself
+        // make replica 0 the fastest (404 ms against 256 ms; replica 2, computing everything,
+        // 320 ms). By default (0) only the request counts.
+        assert_eq!(w.queued_prefill, 0.0);
+        let half = Weights { queued_prefill: 0.5, ..Weights::default() };
         let mut c = fleet(3);
         c[1].in_flight = 1;
         c[1].pending_tokens = 3000;
-        let d = ttft(&c, &held, 1600, 7, &w);
+        let d = ttft(&c, &held, 1600, 7, &half);
         assert_eq!((d.winner, d.predicted_us), (Some(0), Some(256_000)));
         assert_eq!(d.runner_up, Some((2, 320_000)));
+        assert_eq!(ttft(&c, &held, 1600, 7, &w).predicted_us, Some(104_000));
         // The same request that already produced its first token costs only its slot.
         c[1].pending_tokens = 0;
-        assert_eq!(ttft(&c, &held, 1600, 7, &w).winner, Some(1));
+        assert_eq!(ttft(&c, &held, 1600, 7, &half).winner, Some(1));
         // Engine-reported queues (other gateways' requests) count: 3 waiting = 6 requests ahead.
         let mut c = fleet(3);
         c[1].waiting = 3;
