@@ -141,17 +141,18 @@ fn default_tokenizer() -> TokenizerEndpoint {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyMode {
-    /// The lowest predicted time to first token: the request's uncached tokens there plus the
-    /// prefill queued there, at `prefill_us_per_token`, plus `request_us` per request on the
-    /// engine.
+    /// The lowest predicted time to first token: the request's uncached tokens there plus
+    /// `queued_prefill` × the prefill queued there, at `prefill_us_per_token`, plus
+    /// `request_us` per request on the engine.
     Ttft,
     /// The highest blended score `prefix × share − load × load term`.
     Score,
 }
 
-/// Scoring weights. `policy` `ttft` (the default): predicted time to first token = `prefill_us_per_token`
-/// × (uncached prompt tokens + prefill tokens routed there still awaiting their first token) +
-/// `request_us` × (max(in-flight, running + waiting) + waiting). `score`: score = prefix × share −
+/// Scoring weights. `policy` `ttft` (the default): predicted time to first token =
+/// `prefill_us_per_token` × (uncached prompt tokens + `queued_prefill` × prefill tokens routed
+/// there still awaiting their first token) + `request_us` × (max(in-flight, running +
+/// waiting) + waiting). `score`: score = prefix × share −
 /// load × (pressure / (pressure + load_scale) + kv_usage × kv cache usage), where pressure =
 /// in-flight + running + 2 × waiting. Replicas past any `max_*` limit are overloaded and only
 /// chosen when every replica is.
