@@ -504,6 +504,7 @@ def main() -> int:
     ap.add_argument("--llmgw-weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
     ap.add_argument("--agent-load-interval-ms", type=int, default=None,
                     help="llmgw-agent's /metrics scrape interval (its default when omitted)")
+    ap.add_argument("--wasm", type=Path, default=None, help="the filter to load (default dist/llmgw.wasm)")
     ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")
     ap.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
@@ -515,7 +516,7 @@ def main() -> int:
         args.scale = 0.5 if args.quick else 1.0
     try:
         args.sim_bin, args.agent_bin = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release")
-        args.wasm = kit.wasm()
+        args.wasm = args.wasm or kit.wasm()
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 1

@@ -66,10 +66,16 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=160, help="GPU blocks per simulated replica")
     ap.add_argument("--out", default=str(ROOT / "results" / "demo"))
+    ap.add_argument("--wasm", default=None, help="the filter to load (default dist/llmgw.wasm)")
+    ap.add_argument("--runs", default="rr,approx,exact",
+                    help="comma-separated arms: rr (Envoy round-robin), approx, exact (default all three)")
+    ap.add_argument("--weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
     args = ap.parse_args()
+    weights = json.loads(args.weights) if args.weights else None
 
     try:
-        sim_bin, agent_bin, wasm = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release"), kit.wasm()
+        sim_bin, agent_bin, wasm = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release"), (
+            Path(args.wasm) if args.wasm else kit.wasm())
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
         return 1
@@ -94,12 +100,15 @@ def main() -> int:
               f"({args.conversations} conversations x {args.turns} turns, {args.groups} shared system prompts), "
               f"concurrency {args.concurrency}")
         runs = []
-        for label, mode in [("Envoy round-robin", "rr"), ("llmgw approximate only", "approx"), ("llmgw with KV events", "exact")]:
+        arms = [("Envoy round-robin", "rr"), ("llmgw approximate only", "approx"), ("llmgw with KV events", "exact")]
+        chosen = args.runs.split(",")
+        for label, mode in [a for a in arms if a[1] in chosen]:
             restart_sims(sims)  # identical starting state: empty caches
             listen, admin = kit.free_port(), kit.free_port()
             config = (kit.lb_config(listen, admin, [s["port"] for s in sims]) if mode == "rr" else
                       kit.shipped_config(wasm, listen, admin, agent.feed,
-                                         kit.filter_config({"name": "demo", "kv_events": mode == "exact"})))
+                                         kit.filter_config({"name": "demo", "kv_events": mode == "exact",
+                                                        **({"weights": weights} if weights else {})})))
             envoy, _ = start_router(procs, args.envoy, logdir, f"envoy-{mode}", config, admin, feed=mode != "rr")
             runs.append(run_traffic(label, listen, sims, convs, args.concurrency))
             procs.stop(envoy)

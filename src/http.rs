@@ -37,6 +37,8 @@ pub struct Request {
     path: String,
     /// Address whose in-flight counter this request holds.
     counted: Option<String>,
+    /// Prefill tokens counted for it there until its first token.
+    prefilling: u32,
     explain: Option<String>,
     /// The filter's own time (parse, hash, score), without the tokenizer round trip.
     busy_ns: u64,
@@ -44,7 +46,16 @@ pub struct Request {
 
 impl Request {
     pub fn new(host: Rc<dyn Host>, shared: Option<Rc<RefCell<Shared>>>) -> Request {
-        Request { host, shared, phase: Phase::Headers, path: String::new(), counted: None, explain: None, busy_ns: 0 }
+        Request {
+            host,
+            shared,
+            phase: Phase::Headers,
+            path: String::new(),
+            counted: None,
+            prefilling: 0,
+            explain: None,
+            busy_ns: 0,
+        }
     }
 
     /// The configured body limit (unlimited without a configuration: nothing is parsed then).
@@ -89,7 +100,12 @@ impl Request {
                 // a client's value is removed when the engine is not data-parallel.
                 let rank = r.dp_rank.map(|rank| rank.to_string());
                 self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
-                inflight::increment(self.host.as_ref(), s.vm, &r.address);
+                let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
+                inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
+                self.prefilling = tokens;
+                if let Some(spec) = &r.speculation {
+                    s.metrics.speculative_dropped(crate::speculative::record(self.host.as_ref(), spec));
+                }
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));
                 }
@@ -140,6 +156,19 @@ impl Request {
         };
         self.record_busy(s, t0);
         action
+    }
+
+    /// The replica's first token (or its answer, when not streamed): the request's prefill
+    /// tokens stop counting there.
+    fn first_token(&mut self) {
+        let tokens = std::mem::take(&mut self.prefilling);
+        let Some(addr) = &self.counted else { return };
+        if tokens == 0 {
+            return;
+        }
+        if let Some(vm) = self.shared.as_ref().and_then(|s| s.try_borrow().ok().map(|s| s.vm)) {
+            inflight::first_token(self.host.as_ref(), vm, addr, tokens);
+        }
     }
 
     fn record_busy(&mut self, s: &Shared, since_ns: u64) {
@@ -252,13 +281,21 @@ impl HttpContext for Request {
         self.on_body(&body, false)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // The replica's answer, or Envoy's when it could not reach it (503).
         if let Some(addr) = &self.counted {
             let status = self.host.header(Headers::Response, ":status");
             if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
             {
                 crate::health::observe(self.host.as_ref(), addr, code);
+            }
+            // A stream's headers come before its first token (vLLM sends them at once); any
+            // other answer (a whole completion, an error) comes after the prefill, or without one.
+            let streamed = self.host.header(Headers::Response, "content-type").is_some_and(|v| {
+                v.len() >= 17 && v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+            });
+            if end_of_stream || !streamed {
+                self.first_token();
             }
         }
         if let Some(e) = self.explain.take() {
@@ -267,10 +304,19 @@ impl HttpContext for Request {
         Action::Continue
     }
 
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // The first chunk of a stream carries its first token; nothing is buffered.
+        if body_size > 0 || end_of_stream {
+            self.first_token();
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
+        let tokens = std::mem::take(&mut self.prefilling);
         if let Some(addr) = self.counted.take() {
             if let Some(vm) = self.shared.as_ref().and_then(|s| s.try_borrow().ok().map(|s| s.vm)) {
-                inflight::decrement(self.host.as_ref(), vm, &addr);
+                inflight::decrement(self.host.as_ref(), vm, &addr, tokens);
             }
         }
     }

@@ -2,11 +2,13 @@
 //! shared data (process-wide, namespaced by vm_id, so every worker running this filter sees the
 //! same counts).
 //!
-//! Each VM counts its own requests: one key holds 16-byte records (the VM's id, u32; the
-//! address's stable hash, u64; its count, u32; little-endian), a second key each VM's last
-//! heartbeat (its id, u32; the time, u64 nanoseconds). A decision reads both once whatever the
-//! fleet's size and sums the counts of live VMs; a request updates its VM's record twice (start
-//! and end), each time with compare-and-swap. A VM that stops heartbeating for `STALE_NS` (it
+//! Each VM counts its own requests: one key holds 20-byte records (the VM's id, u32; the
+//! address's stable hash, u64; its count, u32; the prefill tokens of those requests that have
+//! not produced a first token yet, u32; little-endian), a second key each VM's last heartbeat
+//! (its id, u32; the time, u64 nanoseconds). A decision reads both once whatever the fleet's
+//! size and sums the counts of live VMs; a request updates its VM's record at its start, at its
+//! first token (when it had prefill tokens counted) and at its end, each time with
+//! compare-and-swap. A VM that stops heartbeating for `STALE_NS` (it
 //! crashed and was replaced, or its configuration went away) no longer counts, and its records
 //! are dropped by the next write: counts return to zero instead of drifting.
 
@@ -14,9 +16,10 @@ use crate::host::{update_shared, Host};
 use llmgw_core::flow::InFlight;
 use llmgw_core::policy::stable_hash;
 
-const KEY: &str = "llmgw.inflight";
+/// (Versioned: the records grew a token count; a VM of an older build keeps its own key.)
+const KEY: &str = "llmgw.inflight.v2";
 const LIVE_KEY: &str = "llmgw.inflight.vms";
-const RECORD: usize = 16;
+const RECORD: usize = 20;
 const LIVE_RECORD: usize = 12;
 /// A VM silent this long is gone: its requests no longer count.
 pub const STALE_NS: u64 = 10_000_000_000;
@@ -32,13 +35,37 @@ pub fn address_id(address: &str) -> u64 {
     stable_hash(address.as_bytes())
 }
 
-fn records(v: &[u8]) -> impl Iterator<Item = (u32, u64, u32)> + '_ {
+/// One VM's requests to one address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Record {
+    vm: u32,
+    id: u64,
+    requests: u32,
+    tokens: u32,
+}
+
+fn records(v: &[u8]) -> impl Iterator<Item = Record> + '_ {
     v.chunks_exact(RECORD).filter_map(|r| {
         let vm = u32::from_le_bytes(r.get(..4)?.try_into().ok()?);
         let id = u64::from_le_bytes(r.get(4..12)?.try_into().ok()?);
-        let n = u32::from_le_bytes(r.get(12..16)?.try_into().ok()?);
-        Some((vm, id, n))
+        let requests = u32::from_le_bytes(r.get(12..16)?.try_into().ok()?);
+        let tokens = u32::from_le_bytes(r.get(16..20)?.try_into().ok()?);
+        Some(Record { vm, id, requests, tokens })
     })
+}
+
+/// A change to one VM's record of one address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Change {
+    /// +1 at a request's start, −1 at its end, 0 in between.
+    pub requests: i32,
+    /// Prefill tokens added (at the start) or removed (at the first token, or the end).
+    pub tokens: i64,
+}
+
+fn apply(n: u32, d: i64) -> u32 {
+    let v = i64::from(n).saturating_add(d).clamp(0, i64::from(u32::MAX));
+    u32::try_from(v).unwrap_or(0)
 }
 
 fn heartbeats(v: &[u8]) -> impl Iterator<Item = (u32, u64)> + '_ {
@@ -54,38 +81,38 @@ fn live_vms(v: &[u8], now: u64) -> Vec<u32> {
     heartbeats(v).filter(|&(_, at)| now.saturating_sub(at) <= STALE_NS).map(|(vm, _)| vm).collect()
 }
 
-/// The count of `id` over the live VMs (0 when absent).
-pub fn count(v: &[u8], live: &[u32], id: u64) -> u32 {
-    records(v).filter(|&(vm, x, _)| x == id && live.contains(&vm)).fold(0u32, |a, (_, _, n)| a.saturating_add(n))
+/// The requests of `id` and their prefill tokens awaiting a first token, over the live VMs
+/// (0 when absent).
+pub fn count(v: &[u8], live: &[u32], id: u64) -> (u32, u64) {
+    records(v)
+        .filter(|r| r.id == id && live.contains(&r.vm))
+        .fold((0u32, 0u64), |(n, t), r| (n.saturating_add(r.requests), t.saturating_add(u64::from(r.tokens))))
 }
 
-/// Adds ±1 to `vm`'s count of `id`; records falling to 0 and records of VMs not in `live` are
-/// removed, so the value holds only live VMs' requests in flight (`None`: the heartbeats could
-/// not be read, every VM's records are kept).
-pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, up: bool) -> Vec<u8> {
+/// Applies `change` to `vm`'s record of `id`; records falling to 0 requests and records of VMs
+/// not in `live` are removed, so the value holds only live VMs' requests in flight (`None`: the
+/// heartbeats could not be read, every VM's records are kept).
+pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, change: Change) -> Vec<u8> {
     let mut out = Vec::with_capacity(v.len().saturating_add(RECORD));
     let mut found = false;
-    for (x_vm, x, n) in records(v) {
-        let n = if x_vm == vm && x == id {
+    let mut put = |r: Record| {
+        out.extend_from_slice(&r.vm.to_le_bytes());
+        out.extend_from_slice(&r.id.to_le_bytes());
+        out.extend_from_slice(&r.requests.to_le_bytes());
+        out.extend_from_slice(&r.tokens.to_le_bytes());
+    };
+    for mut r in records(v) {
+        if r.vm == vm && r.id == id {
             found = true;
-            if up {
-                n.saturating_add(1)
-            } else {
-                n.saturating_sub(1)
-            }
-        } else {
-            n
-        };
-        if n > 0 && (x_vm == vm || live.is_none_or(|l| l.contains(&x_vm))) {
-            out.extend_from_slice(&x_vm.to_le_bytes());
-            out.extend_from_slice(&x.to_le_bytes());
-            out.extend_from_slice(&n.to_le_bytes());
+            r.requests = apply(r.requests, i64::from(change.requests));
+            r.tokens = apply(r.tokens, change.tokens);
+        }
+        if r.requests > 0 && (r.vm == vm || live.is_none_or(|l| l.contains(&r.vm))) {
+            put(r);
         }
     }
-    if !found && up {
-        out.extend_from_slice(&vm.to_le_bytes());
-        out.extend_from_slice(&id.to_le_bytes());
-        out.extend_from_slice(&1u32.to_le_bytes());
+    if !found && change.requests > 0 {
+        put(Record { vm, id, requests: apply(0, i64::from(change.requests)), tokens: apply(0, change.tokens) });
     }
     out
 }
@@ -117,13 +144,14 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
     ok.then_some(live)
 }
 
-/// Every replica's in-flight count over the live VMs, and which replicas are avoided
-/// (`crate::health`), read once.
+/// Every replica's in-flight count over the live VMs, which replicas are avoided
+/// (`crate::health`) and the speculative index entries (`crate::speculative`), read once.
 pub struct Snapshot {
     records: Vec<u8>,
     live: Vec<u32>,
     health: crate::health::Health,
     tokenizers: crate::health::Health,
+    speculative: crate::speculative::Entries,
 }
 
 impl Snapshot {
@@ -135,13 +163,18 @@ impl Snapshot {
             live: live_vms(&live, now),
             health: crate::health::Health::read(host),
             tokenizers: crate::health::Health::read_tokenizers(host),
+            speculative: crate::speculative::Entries::read(host),
         }
     }
 }
 
 impl InFlight for Snapshot {
     fn in_flight(&self, address: &str) -> u32 {
-        count(&self.records, &self.live, address_id(address))
+        count(&self.records, &self.live, address_id(address)).0
+    }
+
+    fn pending_tokens(&self, address: &str) -> u64 {
+        count(&self.records, &self.live, address_id(address)).1
     }
 
     fn avoided(&self, address: &str) -> bool {
@@ -151,30 +184,51 @@ impl InFlight for Snapshot {
     fn tokenizer_avoided(&self, address: &str) -> bool {
         self.tokenizers.avoided(address)
     }
+
+    fn speculative(&self, keys: &[u64], out: &mut Vec<llmgw_core::flow::SpeculativeHit>) {
+        self.speculative.lookup(keys, out);
+    }
 }
 
-fn update(host: &dyn Host, vm: VmId, address: &str, up: bool) {
+fn update(host: &dyn Host, vm: VmId, address: &str, change: Change) {
     // One read of the heartbeats: renewed on the way when this VM's is due (its first request
     // may come before its first tick).
     let live = heartbeat(host, vm, host.now_ns());
     let id = address_id(address);
-    if !update_shared(host, KEY, |v| Some(bump(v, live.as_deref(), vm.0, id, up))) {
+    if !update_shared(host, KEY, |v| Some(bump(v, live.as_deref(), vm.0, id, change))) {
         log::debug!("llmgw: in-flight count of {address} not updated (shared data refused or contended)");
     }
 }
 
-pub fn increment(host: &dyn Host, vm: VmId, address: &str) {
-    update(host, vm, address, true);
+/// A request routed to `address`, with `tokens` of prefill to compute there.
+pub fn increment(host: &dyn Host, vm: VmId, address: &str, tokens: u32) {
+    update(host, vm, address, Change { requests: 1, tokens: i64::from(tokens) });
 }
 
-pub fn decrement(host: &dyn Host, vm: VmId, address: &str) {
-    update(host, vm, address, false);
+/// A request's first token: its `tokens` of prefill are done.
+pub fn first_token(host: &dyn Host, vm: VmId, address: &str, tokens: u32) {
+    if tokens > 0 {
+        update(host, vm, address, Change { requests: 0, tokens: 0i64.saturating_sub(i64::from(tokens)) });
+    }
+}
+
+/// A request's end, with the prefill tokens still counted for it (it never produced a first
+/// token).
+pub fn decrement(host: &dyn Host, vm: VmId, address: &str, tokens: u32) {
+    update(host, vm, address, Change { requests: -1, tokens: 0i64.saturating_sub(i64::from(tokens)) });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fake::FakeHost;
+
+    const UP: Change = Change { requests: 1, tokens: 0 };
+    const DOWN: Change = Change { requests: -1, tokens: 0 };
+
+    fn n(v: &[u8], live: &[u32], id: u64) -> u32 {
+        count(v, live, id).0
+    }
 
     #[test]
     fn records_count_up_and_down_and_vanish_at_zero() {
@@ -183,28 +237,54 @@ mod tests {
         let live = [1, 2];
         let mut v = Vec::new();
         for _ in 0..3 {
-            v = bump(&v, Some(&live), 1, a, true);
+            v = bump(&v, Some(&live), 1, a, UP);
         }
-        v = bump(&v, Some(&live), 2, a, true);
-        v = bump(&v, Some(&live), 1, b, true);
-        assert_eq!((count(&v, &live, a), count(&v, &live, b)), (4, 1));
+        v = bump(&v, Some(&live), 2, a, UP);
+        v = bump(&v, Some(&live), 1, b, UP);
+        assert_eq!((n(&v, &live, a), n(&v, &live, b)), (4, 1));
         assert_eq!(v.len(), 3 * RECORD);
-        v = bump(&v, Some(&live), 1, b, false);
-        assert_eq!((count(&v, &live, a), count(&v, &live, b)), (4, 0));
+        v = bump(&v, Some(&live), 1, b, DOWN);
+        assert_eq!((n(&v, &live, a), n(&v, &live, b)), (4, 0));
         assert_eq!(v.len(), 2 * RECORD);
         // A decrement of an absent address (its start was counted by an older VM) stays at 0.
-        v = bump(&v, Some(&live), 1, b, false);
-        assert_eq!(count(&v, &live, b), 0);
+        v = bump(&v, Some(&live), 1, b, DOWN);
+        assert_eq!(n(&v, &live, b), 0);
         // A value of another shape (trailing bytes) is read as far as it goes.
         let mut odd = v.clone();
         odd.push(7);
-        assert_eq!(count(&odd, &live, a), 4);
-        assert_eq!(bump(&odd, Some(&live), 1, a, false), bump(&v, Some(&live), 1, a, false));
+        assert_eq!(n(&odd, &live, a), 4);
+        assert_eq!(bump(&odd, Some(&live), 1, a, DOWN), bump(&v, Some(&live), 1, a, DOWN));
         // Records of a VM no longer live neither count nor survive the next write.
-        assert_eq!(count(&v, &[1], a), 3);
-        v = bump(&v, Some(&[1]), 1, a, false);
+        assert_eq!(n(&v, &[1], a), 3);
+        v = bump(&v, Some(&[1]), 1, a, DOWN);
         assert_eq!(v.len(), RECORD);
-        assert_eq!(count(&v, &[1, 2], a), 2);
+        assert_eq!(n(&v, &[1, 2], a), 2);
+    }
+
+    #[test]
+    fn prefill_tokens_count_from_the_start_to_the_first_token_on_every_vm() {
+        let host = FakeHost::default();
+        host.now_ns.set(1_000_000_000);
+        const A: &str = "10.0.0.1:8000";
+        // Two workers route to A: 700 and 300 tokens to compute there.
+        increment(&host, VmId(1), A, 700);
+        increment(&host, VmId(2), A, 300);
+        let s = Snapshot::read(&host);
+        assert_eq!((s.in_flight(A), s.pending_tokens(A)), (2, 1000));
+        // The first one's first token: its prefill is done, the request still in flight.
+        first_token(&host, VmId(1), A, 700);
+        let s = Snapshot::read(&host);
+        assert_eq!((s.in_flight(A), s.pending_tokens(A)), (2, 300));
+        // The second ends without a first token (an error, a reset): its tokens go with it.
+        decrement(&host, VmId(2), A, 300);
+        decrement(&host, VmId(1), A, 0);
+        let s = Snapshot::read(&host);
+        assert_eq!((s.in_flight(A), s.pending_tokens(A)), (0, 0));
+        assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());
+        // Sums saturate instead of wrapping.
+        let v = bump(&[], None, 1, 9, Change { requests: 1, tokens: i64::MAX });
+        let v = bump(&v, None, 1, 9, Change { requests: 1, tokens: i64::MAX });
+        assert_eq!(count(&v, &[1], 9), (2, u64::from(u32::MAX)));
     }
 
     #[test]
@@ -215,20 +295,22 @@ mod tests {
         const A: &str = "10.0.0.1:8000";
         // The old VM routes three requests, then traps (no on_log ever runs for them).
         for _ in 0..3 {
-            increment(&host, old, A);
+            increment(&host, old, A, 10);
         }
         assert_eq!(Snapshot::read(&host).in_flight(A), 3);
         // Its replacement starts, heartbeats and routes one of its own.
         host.now_ns.set(2_000_000_000);
-        increment(&host, new, A);
+        increment(&host, new, A, 5);
         assert_eq!(Snapshot::read(&host).in_flight(A), 4);
+        assert_eq!(Snapshot::read(&host).pending_tokens(A), 35);
         // Past STALE_NS without the old VM's heartbeat: only the new VM's request counts.
         for s in 3..=12u64 {
             host.now_ns.set(s * 1_000_000_000);
             heartbeat(&host, new, host.now_ns.get());
         }
         assert_eq!(Snapshot::read(&host).in_flight(A), 1);
-        decrement(&host, new, A);
+        assert_eq!(Snapshot::read(&host).pending_tokens(A), 5);
+        decrement(&host, new, A, 5);
         assert_eq!(Snapshot::read(&host).in_flight(A), 0);
         // The dead VM's records are gone from the value too.
         assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());

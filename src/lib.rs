@@ -19,6 +19,7 @@ mod http;
 mod inflight;
 mod metrics;
 mod seed;
+mod speculative;
 
 #[cfg(test)]
 mod fake;

@@ -28,6 +28,7 @@ pub struct Metrics {
     tokenizer_cache_misses: Option<u32>,
     hash_mismatches: Option<u32>,
     hybrid_unsupported: Option<u32>,
+    speculative_dropped: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
     feed_connected: Cell<Option<Option<u32>>>,
@@ -68,6 +69,7 @@ impl Metrics {
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
+            speculative_dropped: c("llmgw_speculative_dropped_total"),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
@@ -118,6 +120,15 @@ impl Metrics {
         }
         if let Some(n) = r.matched_blocks {
             self.record(self.matched_blocks, u64::from(n));
+        }
+    }
+
+    /// Unexpired speculative index entries the bound dropped.
+    pub fn speculative_dropped(&self, n: usize) {
+        if let (Some(id), Ok(n)) = (self.speculative_dropped, i64::try_from(n)) {
+            if n > 0 {
+                self.host.increment_metric(id, n);
+            }
         }
     }
 

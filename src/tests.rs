@@ -5,7 +5,9 @@ use crate::fake::FakeHost;
 use crate::host::{Buffer, Headers, Host};
 use crate::http::Request;
 use crate::Root;
-use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
+use llmgw_core::feed::{
+    Body as Msg, FeedMessage, Replica, ReplicaReset, ReplicaTable, SnapshotChunk, SnapshotComplete,
+};
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
 use prost::Message;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -60,7 +62,12 @@ fn env(config: &str) -> Env {
 
 /// A configured VM whose feed knows A and B, with `on_a` and `on_b` held.
 fn synced(extra: &str, on_a: Vec<u64>, on_b: Vec<u64>, up: bool) -> Env {
-    let mut e = env(&config(extra));
+    synced_with(&config(extra), on_a, on_b, up)
+}
+
+/// As [`synced`], with this configuration.
+fn synced_with(config: &str, on_a: Vec<u64>, on_b: Vec<u64>, up: bool) -> Env {
+    let mut e = env(config);
     e.subscribe();
     e.feed(vec![
         Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, up), replica(1, B, up)] }),
@@ -195,8 +202,8 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
     assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 1);
     assert_eq!(e.host.samples("llmgw_matched_blocks"), vec![8]);
     assert_eq!(e.host.samples("llmgw_decision_us").len(), 1);
-    let in_flight = e.host.shared_value("llmgw.inflight").unwrap();
-    assert_eq!(in_flight.len(), 16);
+    let in_flight = e.host.shared_value("llmgw.inflight.v2").unwrap();
+    assert_eq!(in_flight.len(), 20);
     ctx.on_http_response_headers(1, false);
     assert!(e
         .host
@@ -204,7 +211,132 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
         .unwrap()
         .starts_with(&format!("outcome=exact; replica={B}; matched=8/8")));
     ctx.on_log();
-    assert_eq!(e.host.shared_value("llmgw.inflight").unwrap(), Vec::<u8>::new());
+    assert_eq!(e.host.shared_value("llmgw.inflight.v2").unwrap(), Vec::<u8>::new());
+}
+
+/// A second worker VM of `e`'s Envoy (same host, so the same shared data), fed the same
+/// replicas with `on_a` and `on_b` held.
+fn second_vm(e: &Env, on_a: Vec<u64>, on_b: Vec<u64>) -> Env {
+    let mut e2 = Env { host: e.host.clone(), root: Root::new(e.host.clone()), seq: 0 };
+    assert!(e2.root.on_configure(0));
+    e2.subscribe();
+    e2.feed(vec![
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: on_a }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]);
+    e2
+}
+
+#[test]
+fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before_any_event() {
+    // 400 tokens (100 blocks of 4) nobody holds; the burst shares the first 160 (40 blocks).
+    let prompt = |tail: u32| -> Vec<u32> { (0..160).chain(tail..tail + 240).collect() };
+    let e1 = synced("", vec![], vec![], true);
+    let mut e2 = second_vm(&e1, vec![], vec![]);
+    let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &prompt(1000)));
+    let first = e1.dest().unwrap();
+    let other = if first == A { B } else { A };
+    assert_eq!(e1.counter("llmgw_prefix_decisions_total.outcome.approx"), 1);
+    // Its first token, no KV event yet (vLLM publishes once blocks are computed, and the event
+    // still has to cross the agent and the feed).
+    e1.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    c1.on_http_response_headers(2, false);
+    c1.on_http_response_body(64, false);
+    // Another worker: the shared blocks are credited to where the first went (32 leading
+    // blocks, the deepest checkpoint within 40), so it follows, although that replica has a
+    // request in flight and the other none (without the entries: the less loaded of the
+    // prompt's two rendezvous choices, the other).
+    let (mut c2, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(2000)));
+    assert_eq!(e2.dest(), Some(first.clone()));
+    c2.on_http_response_headers(2, false);
+    let explain = e2.host.response_header("x-llmgw-decision").unwrap();
+    assert!(explain.starts_with(&format!("outcome=exact; replica={first}; matched=32/100")), "{explain}");
+    c2.on_http_response_body(64, false);
+    // A third while both are in flight: two requests there outweigh the shared blocks' prefill
+    // (94 ms + 40 ms against 80 ms): load says otherwise.
+    let (mut c3, _) = e1.request(COMPLETIONS, &tokens_body("m", &prompt(3000)));
+    assert_eq!(e1.dest().as_deref(), Some(other));
+    for c in [&mut c1, &mut c2, &mut c3] {
+        c.on_log();
+    }
+    let new_again = |e: &Env, tail: u32| {
+        let (mut c, _) = e.request(COMPLETIONS, &tokens_body("m", &prompt(tail)));
+        c.on_http_response_headers(2, false);
+        let explain = e.host.response_header("x-llmgw-decision").unwrap();
+        assert!(explain.starts_with("outcome=approx;") && explain.contains("matched=0/100"), "{explain}");
+        c.on_log();
+    };
+    // The feed says both engines restarted (their caches are empty): their entries no longer
+    // count, on the worker that learned it; entries written afterwards do.
+    e2.feed(vec![
+        Msg::Reset(ReplicaReset { replica: 0, reason: "restart".into() }),
+        Msg::Reset(ReplicaReset { replica: 1, reason: "restart".into() }),
+    ]);
+    e2.host.now_ns.set(e2.host.now_ns.get() + 1);
+    new_again(&e2, 4000);
+    e2.host.now_ns.set(e2.host.now_ns.get() + 1);
+    let (mut c5, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(5000)));
+    c5.on_http_response_headers(2, false);
+    assert!(e2.host.response_header("x-llmgw-decision").unwrap().starts_with("outcome=exact;"));
+    c5.on_log();
+    // Unconfirmed by any event, the entries expire: a prompt sharing the prefix is new again.
+    e1.host.now_ns.set(e1.host.now_ns.get() + crate::speculative::TTL_NS);
+    new_again(&e1, 6000);
+}
+
+/// In-flight requests and prefill tokens as every VM of this Envoy reads them.
+fn inflight_at(e: &Env, address: &str) -> (u32, u64) {
+    use llmgw_core::flow::InFlight;
+    let s = crate::inflight::Snapshot::read(e.host.as_ref());
+    (s.in_flight(address), s.pending_tokens(address))
+}
+
+#[test]
+fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next_request() {
+    // 400 tokens (100 blocks of 4); B holds the first 10 blocks, A nothing.
+    let t1: Vec<u32> = (0..400).collect();
+    let mut t2: Vec<u32> = (0..40).collect();
+    t2.extend(1000..1360);
+    let held = keys(&t1)[..10].to_vec();
+    // All of the queued prefill counts (`queued_prefill` 1; the default counts none).
+    let cfg = config("").replace(r#""seed":"0"}"#, r#""seed":"0","weights":{"queued_prefill":1}}"#);
+    let e1 = synced_with(&cfg, vec![], held.clone(), true);
+    // A second worker VM of the same Envoy (same shared data), with the same feed.
+    let e2 = second_vm(&e1, vec![], held);
+    // Worker 1: B computes 360 tokens (72 ms predicted), A would compute 400 (80 ms): B.
+    let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &t1));
+    assert_eq!(e1.dest().as_deref(), Some(B));
+    assert_eq!(inflight_at(&e1, B), (1, 360));
+    // The stream's headers come (vLLM sends them before any token): still prefilling.
+    e1.host.set_header(Headers::Response, "content-type", Some("text/event-stream; charset=utf-8"));
+    c1.on_http_response_headers(2, false);
+    assert_eq!(inflight_at(&e1, B), (1, 360));
+    let explain = e1.host.response_header("x-llmgw-decision").unwrap();
+    assert!(explain.contains("predicted_ms=72.0; prefill_tokens=360; runner_up=127.0.0.1:8001 80.0"), "{explain}");
+    // Worker 2, the same prefix while B still prefills: B now 360 + 360 queued tokens and a
+    // request (184 ms), A 80 ms: A.
+    let (mut c2, _) = e2.request(COMPLETIONS, &tokens_body("m", &t2));
+    assert_eq!(e2.dest().as_deref(), Some(A));
+    assert_eq!(inflight_at(&e2, A), (1, 400));
+    // Its answer, not streamed, ends its prefill with the headers; then it ends.
+    e2.host.set_header(Headers::Response, "content-type", Some("application/json"));
+    c2.on_http_response_headers(2, false);
+    assert_eq!(inflight_at(&e2, A), (1, 0));
+    c2.on_log();
+    // The first request's first chunk: its prefill is done (the body goes on unbuffered).
+    assert_eq!(c1.on_http_response_body(120, false), Action::Continue);
+    assert_eq!(inflight_at(&e1, B), (1, 0));
+    assert_eq!(c1.on_http_response_body(80, false), Action::Continue);
+    // Now B is a request (40 ms) from A's cost and holds more: the next one goes to B.
+    let mut t3: Vec<u32> = (0..40).collect();
+    t3.extend(2000..2360);
+    let (mut c3, _) = e2.request(COMPLETIONS, &tokens_body("m", &t3));
+    assert_eq!(e2.dest().as_deref(), Some(B));
+    c3.on_log();
+    c1.on_log();
+    assert_eq!((inflight_at(&e1, A), inflight_at(&e1, B)), ((0, 0), (0, 0)));
 }
 
 #[test]

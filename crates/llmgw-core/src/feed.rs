@@ -381,7 +381,12 @@ impl FeedState {
 pub struct FeedView {
     serving: FeedState,
     resync: Option<FeedState>,
+    /// Engines (`flow::replica_key`) reset since [`FeedView::take_cleared`] was last called.
+    cleared: Vec<u64>,
 }
+
+/// At most this many reset engines are remembered between two decisions.
+const MAX_CLEARED: usize = 4096;
 
 /// What applying a message did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -396,6 +401,12 @@ impl FeedView {
     /// The state requests are served from.
     pub fn serving(&self) -> &FeedState {
         &self.serving
+    }
+
+    /// The engines reset (restarted, their caches emptied) since the last call, by
+    /// `flow::replica_key`.
+    pub fn take_cleared(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.cleared)
     }
 
     /// Whether the serving index is complete (a snapshot was fully received) and fresh.
@@ -453,6 +464,18 @@ impl FeedView {
     pub fn apply(&mut self, msg: &FeedMessage) -> Result<Applied, FeedError> {
         let was_synced = self.serving.synced;
         let target = self.resync.as_mut().unwrap_or(&mut self.serving);
+        if let Some(Body::Reset(r)) = &msg.body {
+            let engine = target
+                .replicas
+                .iter()
+                .find(|x| x.id == r.replica)
+                .map(|x| crate::flow::replica_key(&x.address, x.data_parallel().then_some(x.dp_rank)));
+            if let Some(e) = engine.filter(|e| !self.cleared.contains(e)) {
+                if self.cleared.len() < MAX_CLEARED {
+                    self.cleared.push(e);
+                }
+            }
+        }
         match target.apply(msg) {
             Ok(()) => {
                 if self.resync.as_ref().is_some_and(|r| r.synced) {

@@ -1,9 +1,18 @@
-//! Choosing a replica: leading-block share blended with load, and the fallbacks.
+//! Choosing a replica: the lowest predicted time to first token (or a blended score), and the
+//! fallbacks.
 //!
-//! * **Exact**: the index knows the request's blocks. Each eligible replica scores
-//!   `prefix × share − load × load_term`, where `share` is the fraction of the request's blocks
-//!   its leading run covers and `load_term = pressure / (pressure + load_scale) + kv_usage ×
-//!   kv cache usage` (pressure = in-flight + running + 2 × waiting).
+//! * **Exact**: the index knows the request's blocks. With the `ttft` policy (the default)
+//!   each eligible replica's time to first token is predicted as
+//!   `prefill_us_per_token × (uncached + queued_prefill × queued) + request_us × requests`,
+//!   where `uncached` is
+//!   the request's prompt tokens past the leading blocks that replica holds, `queued` the prefill
+//!   tokens of requests this Envoy sent there that have not produced a first token yet, and
+//!   `requests = max(in-flight, running + waiting) + waiting` (engine-reported, so other
+//!   gateways' requests count too); the lowest wins, predictions within `tie_us` being equal.
+//!   With the `score` policy each scores `prefix × share − load × load_term`, where `share` is
+//!   the fraction of the request's blocks its leading run covers and `load_term = pressure /
+//!   (pressure + load_scale) + kv_usage × kv cache usage` (pressure = in-flight + running + 2 ×
+//!   waiting).
 //! * **Approx**: no exact data (or nobody holds block 0). Rendezvous (highest random weight)
 //!   hashing of a hash of the prompt's leading text over the replicas' addresses gives every
 //!   worker and every gateway the same order for the same prefix, with no coordination; the
@@ -14,7 +23,7 @@
 //! A replica that is down never wins; an overloaded one (past any `max_*` limit) wins only when
 //! every replica is overloaded.
 
-use crate::config::Weights;
+use crate::config::{PolicyMode, Weights};
 use crate::index::{ReplicaId, Scores};
 
 /// One replica as the policy sees it.
@@ -26,6 +35,8 @@ pub struct Candidate<'a> {
     pub up: bool,
     /// Requests this gateway has sent and not yet finished.
     pub in_flight: u32,
+    /// Prefill tokens of those requests that have not produced a first token yet.
+    pub pending_tokens: u64,
     /// Engine-reported running and waiting requests and KV cache usage (0..1).
     pub running: u32,
     pub waiting: u32,
@@ -55,6 +66,20 @@ impl Candidate<'_> {
 
     fn overloaded(&self, w: &Weights) -> bool {
         self.waiting > w.max_waiting || self.in_flight >= w.max_in_flight || f64::from(self.kv_usage) > w.max_kv_usage
+    }
+
+    /// The requests on the engine a new one queues behind: `max(in-flight, running + waiting) +
+    /// waiting` (this gateway's in-flight requests are among the engine's; a waiting one is
+    /// surely ahead).
+    pub fn queued_requests(&self) -> u64 {
+        let engine = u64::from(self.running).saturating_add(u64::from(self.waiting));
+        u64::from(self.in_flight).max(engine).saturating_add(u64::from(self.waiting))
+    }
+
+    /// Predicted time to first token here (µs) of a request computing `uncached` prompt tokens.
+    pub fn predicted_us(&self, w: &Weights, uncached: u64) -> f64 {
+        let tokens = uncached as f64 + w.queued_prefill * self.pending_tokens as f64;
+        w.prefill_us_per_token * tokens + w.request_us * self.queued_requests() as f64
     }
 
     fn load_term(&self, w: &Weights) -> f64 {
@@ -105,6 +130,24 @@ pub struct Decision {
     /// Leading blocks the winner holds, of `total` in the request (0/0 without exact data).
     pub matched: u32,
     pub total: u32,
+    /// `ttft` policy with exact data: the winner's predicted time to first token (µs), and the
+    /// runner-up's (its index and prediction), for the explain header.
+    pub predicted_us: Option<u64>,
+    pub runner_up: Option<(usize, u64)>,
+}
+
+impl Decision {
+    fn new(winner: Option<usize>, outcome: Outcome, matched: u32, total: u32) -> Decision {
+        Decision { winner, outcome, matched, total, predicted_us: None, runner_up: None }
+    }
+}
+
+/// The prompt a decision is about: its token count and the block size the index counts in
+/// (the `ttft` policy's uncached tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Work {
+    pub tokens: u64,
+    pub block_size: u64,
 }
 
 /// Defined with the other stable hashing helpers; routing keys are made with it from here.
@@ -183,22 +226,24 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights, ch
 /// tokens were hashed and the index is synced. `approx_key`: [`stable_hash`] of the prompt's
 /// leading text, when there is any.
 pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Option<u64>, w: &Weights) -> Decision {
-    decide_lazy(cands, exact, || approx_key, w)
+    decide_lazy(cands, exact, None, || approx_key, w)
 }
 
 /// As [`decide`], with the approximate key computed only if the decision needs it (a tie
 /// between equally good replicas, or no exact match): reading a long prompt's leading text is
-/// skipped whenever the index alone decides.
+/// skipped whenever the index alone decides. `work`: the prompt's size (without it, the
+/// `ttft` policy counts the request's full blocks at 16 tokens).
 pub fn decide_lazy(
     cands: &[Candidate<'_>],
     exact: Option<&Scores>,
+    work: Option<Work>,
     approx_key: impl Fn() -> Option<u64>,
     w: &Weights,
 ) -> Decision {
     let key_cell = std::cell::OnceCell::new();
     let approx_key = || *key_cell.get_or_init(&approx_key);
     let idx = eligible(cands, w);
-    let none = Decision { winner: None, outcome: Outcome::NoReplica, matched: 0, total: 0 };
+    let none = Decision::new(None, Outcome::NoReplica, 0, 0);
     if idx.is_empty() {
         return none;
     }
@@ -215,34 +260,61 @@ pub fn decide_lazy(
         let holders_within = idx.iter().any(|&i| leading(s, i) > 0 && within(i));
         spilled = any_match && !holders_within;
         if holders_within && s.total > 0 {
-            let score = |i: usize| -> f64 {
-                let Some(c) = cands.get(i) else { return f64::NEG_INFINITY };
-                let share = f64::from(leading(s, i)) / f64::from(s.total);
-                w.prefix * share - w.load * c.load_term(w)
-            };
             let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
-            // Scores within the tie margin are equal (see `Weights::tie_margin`).
-            let by_score = |a: usize, b: usize| {
-                let (sa, sb) = (score(a), score(b));
-                if (sa - sb).abs() <= w.tie_margin {
-                    std::cmp::Ordering::Equal
-                } else {
-                    sa.total_cmp(&sb)
+            // Holders past the bound are out of this contest; replicas holding nothing stay in.
+            let contest = || idx.iter().copied().filter(|&i| within(i) || leading(s, i) == 0);
+            let best = match w.policy {
+                PolicyMode::Ttft => {
+                    let work = work.unwrap_or(Work { tokens: u64::from(s.total).saturating_mul(16), block_size: 16 });
+                    let predicted = |i: usize| -> f64 {
+                        let Some(c) = cands.get(i) else { return f64::INFINITY };
+                        let cached = u64::from(leading(s, i)).saturating_mul(work.block_size);
+                        c.predicted_us(w, work.tokens.saturating_sub(cached))
+                    };
+                    // Lower is better; predictions within `tie_us` are equal.
+                    let order = |a: usize, b: usize| {
+                        let (pa, pb) = (predicted(a), predicted(b));
+                        let by =
+                            if (pa - pb).abs() <= w.tie_us { std::cmp::Ordering::Equal } else { pb.total_cmp(&pa) };
+                        by.then(leading(s, a).cmp(&leading(s, b)))
+                            .then_with(|| tiebreak(a).cmp(&tiebreak(b)))
+                            .then(b.cmp(&a))
+                    };
+                    let best = contest().max_by(|&a, &b| order(a, b));
+                    best.map(|b| {
+                        let second = contest().filter(|&i| i != b).max_by(|&x, &y| order(x, y));
+                        (b, Some(predicted(b) as u64), second.map(|r| (r, predicted(r) as u64)))
+                    })
+                }
+                PolicyMode::Score => {
+                    let score = |i: usize| -> f64 {
+                        let Some(c) = cands.get(i) else { return f64::NEG_INFINITY };
+                        let share = f64::from(leading(s, i)) / f64::from(s.total);
+                        w.prefix * share - w.load * c.load_term(w)
+                    };
+                    // Scores within the tie margin are equal (see `Weights::tie_margin`).
+                    let by_score = |a: usize, b: usize| {
+                        let (sa, sb) = (score(a), score(b));
+                        if (sa - sb).abs() <= w.tie_margin {
+                            std::cmp::Ordering::Equal
+                        } else {
+                            sa.total_cmp(&sb)
+                        }
+                    };
+                    let best = contest().max_by(|&a, &b| {
+                        by_score(a, b)
+                            .then(leading(s, a).cmp(&leading(s, b)))
+                            // Lazily: the key is only computed for a tie.
+                            .then_with(|| tiebreak(a).cmp(&tiebreak(b)))
+                            .then(b.cmp(&a))
+                    });
+                    best.map(|b| (b, None, None))
                 }
             };
-            // Holders past the bound are out of this contest; replicas holding nothing stay in.
-            let contest = idx.iter().copied().filter(|&i| within(i) || leading(s, i) == 0);
-            let best = contest.max_by(|&a, &b| {
-                by_score(a, b)
-                    .then(leading(s, a).cmp(&leading(s, b)))
-                    // Lazily: the key is only computed for a tie.
-                    .then_with(|| tiebreak(a).cmp(&tiebreak(b)))
-                    .then(b.cmp(&a))
-            });
-            if let Some(b) = best {
+            if let Some((b, predicted_us, runner_up)) = best {
                 let matched = leading(s, b);
                 let outcome = if matched > 0 { Outcome::Exact } else { Outcome::Load };
-                return Decision { winner: Some(b), outcome, matched, total: s.total };
+                return Decision { predicted_us, runner_up, ..Decision::new(Some(b), outcome, matched, s.total) };
             }
         }
     }
@@ -260,8 +332,8 @@ pub fn decide_lazy(
     };
     let (approx, load) = if spilled { (Outcome::Spill, Outcome::Spill) } else { (Outcome::Approx, Outcome::Load) };
     match approx_key() {
-        Some(k) => Decision { winner: approx_pick(cands, &idx, k, w, choices), outcome: approx, matched: 0, total },
-        None => Decision { winner: least_of(cands, &idx), outcome: load, matched: 0, total },
+        Some(k) => Decision::new(approx_pick(cands, &idx, k, w, choices), approx, 0, total),
+        None => Decision::new(least_of(cands, &idx), load, 0, total),
     }
 }
 
@@ -280,11 +352,22 @@ mod tests {
                 dp_rank: None,
                 up: true,
                 in_flight: 0,
+                pending_tokens: 0,
                 running: 0,
                 waiting: 0,
                 kv_usage: 0.0,
             })
             .collect()
+    }
+
+    /// The blended-score policy's weights.
+    fn score() -> Weights {
+        Weights { policy: PolicyMode::Score, ..Weights::default() }
+    }
+
+    /// A decision without its predicted figures.
+    fn bare(d: Decision) -> Decision {
+        Decision { predicted_us: None, runner_up: None, ..d }
     }
 
     fn scores(leading: &[u32], total: u32) -> Scores {
@@ -293,10 +376,10 @@ mod tests {
 
     #[test]
     fn exact_longest_prefix_wins() {
-        let w = Weights::default();
+        let w = score();
         let c = fleet(3);
         let d = decide(&c, Some(&scores(&[2, 8, 0], 10)), Some(1), &w);
-        assert_eq!(d, Decision { winner: Some(1), outcome: Outcome::Exact, matched: 8, total: 10 });
+        assert_eq!(bare(d), Decision::new(Some(1), Outcome::Exact, 8, 10));
         // Mild load does not move a long prefix.
         let mut c = fleet(3);
         c[1].in_flight = 2;
@@ -329,7 +412,7 @@ mod tests {
         let mut c = fleet(3);
         c[1].waiting = w.max_waiting + 1;
         let d = decide(&c, Some(&scores(&[3, 10, 0], 10)), None, &w);
-        assert_eq!(d, Decision { winner: Some(0), outcome: Outcome::Exact, matched: 3, total: 10 });
+        assert_eq!(bare(d), Decision::new(Some(0), Outcome::Exact, 3, 10));
         let mut c = fleet(3);
         c[1].kv_usage = 1.0;
         assert_eq!(decide(&c, Some(&scores(&[3, 10, 0], 10)), None, &w).winner, Some(0));
@@ -420,7 +503,7 @@ mod tests {
 
     #[test]
     fn holders_within_the_tie_margin_are_chosen_by_the_prompt_not_by_load_noise() {
-        let w = Weights::default();
+        let w = score();
         let both = scores(&[10, 10, 0], 10);
         let mut first = [0u32; 2];
         for p in 0..200u32 {
@@ -442,7 +525,7 @@ mod tests {
         // Equal holders share the prompts between them.
         assert!(first.iter().all(|&n| n > 60), "{first:?}");
         // Without the margin, one running request decides.
-        let strict = Weights { tie_margin: 0.0, ..Weights::default() };
+        let strict = Weights { tie_margin: 0.0, ..score() };
         let key = stable_hash(b"prompt 0");
         let idle = decide(&fleet(3), Some(&both), Some(key), &strict).winner.unwrap();
         let mut c = fleet(3);
@@ -452,7 +535,7 @@ mod tests {
 
     #[test]
     fn a_hot_prefix_spills_past_the_holders_bound_and_a_cold_one_stays() {
-        let w = Weights::default();
+        let w = score();
         let key = stable_hash(b"hot prefix");
         let held = scores(&[10, 0, 0, 0], 10);
         // A burst on one gateway: each request is counted in flight where it went.
@@ -485,8 +568,92 @@ mod tests {
         c[0].waiting = 20;
         assert_eq!(decide(&c, Some(&held), Some(key), &w).outcome, Outcome::Spill);
         // Without the bound the holder keeps everything short of overload.
-        let unbounded = Weights { holder_spill_factor: 0.0, ..Weights::default() };
+        let unbounded = Weights { holder_spill_factor: 0.0, ..score() };
         assert_eq!(decide(&c, Some(&held), Some(key), &unbounded).outcome, Outcome::Exact);
+    }
+
+    fn ttft(c: &[Candidate<'_>], s: &Scores, tokens: u64, key: u64, w: &Weights) -> Decision {
+        decide_lazy(c, Some(s), Some(Work { tokens, block_size: 16 }), || Some(key), w)
+    }
+
+    #[test]
+    fn the_lowest_predicted_time_to_first_token_wins() {
+        let w = Weights::default();
+        assert_eq!(w.policy, PolicyMode::Ttft);
+        // 1,600 prompt tokens (100 blocks of 16); replica 1 holds 80 leading blocks, replica 0 20.
+        let held = scores(&[20, 80, 0], 100);
+        let d = ttft(&fleet(3), &held, 1600, 7, &w);
+        assert_eq!((d.winner, d.outcome, d.matched), (Some(1), Outcome::Exact, 80));
+        // 320 uncached tokens at 200 µs; the runner-up computes 1,280.
+        assert_eq!(d.predicted_us, Some(64_000));
+        assert_eq!(d.runner_up, Some((0, 256_000)));
+        // Prefill queued on replica 1 (this gateway's requests without a first token yet): 3,000
+        // more tokens there, half of which count (`queued_prefill` 0.5), and the request itself
+        // make replica 0 the fastest (404 ms against 256 ms; replica 2, computing everything,
+        // 320 ms). By default (0) only the request counts.
+        assert_eq!(w.queued_prefill, 0.0);
+        let half = Weights { queued_prefill: 0.5, ..Weights::default() };
+        let mut c = fleet(3);
+        c[1].in_flight = 1;
+        c[1].pending_tokens = 3000;
+        let d = ttft(&c, &held, 1600, 7, &half);
+        assert_eq!((d.winner, d.predicted_us), (Some(0), Some(256_000)));
+        assert_eq!(d.runner_up, Some((2, 320_000)));
+        assert_eq!(ttft(&c, &held, 1600, 7, &w).predicted_us, Some(104_000));
+        // The same request that already produced its first token costs only its slot.
+        c[1].pending_tokens = 0;
+        assert_eq!(ttft(&c, &held, 1600, 7, &half).winner, Some(1));
+        // Engine-reported queues (other gateways' requests) count: 3 waiting = 6 requests ahead.
+        let mut c = fleet(3);
+        c[1].waiting = 3;
+        let d = ttft(&c, &held, 1600, 7, &w);
+        assert_eq!((d.winner, d.predicted_us), (Some(0), Some(256_000)));
+        // This gateway's in-flight requests are among the engine's running ones: not added twice.
+        let mut c = fleet(3);
+        c[1].in_flight = 2;
+        c[1].running = 3;
+        assert_eq!(ttft(&c, &held, 1600, 7, &w).predicted_us, Some(64_000 + 3 * 40_000));
+        // Without exact data the prediction is not made.
+        assert_eq!(decide(&fleet(3), None, Some(7), &w).predicted_us, None);
+    }
+
+    #[test]
+    fn predictions_within_tie_us_are_decided_by_the_prompt_and_a_hot_prefix_spreads_by_prediction() {
+        let w = Weights::default();
+        let both = scores(&[50, 50, 0, 0], 50);
+        let mut first = [0u32; 2];
+        for p in 0..100u32 {
+            let key = stable_hash(format!("prompt {p}").as_bytes());
+            let idle = ttft(&fleet(4), &both, 800, key, &w).winner.unwrap();
+            // One running request more on either holder (gateways seeing loads at different
+            // instants) is within the tie: the same holder everywhere.
+            for busy in 0..2 {
+                let mut c = fleet(4);
+                c[busy].running = 1;
+                assert_eq!(ttft(&c, &both, 800, key, &w).winner, Some(idle), "prompt {p}");
+            }
+            first[idle] += 1;
+        }
+        assert!(first.iter().all(|&n| n > 25), "{first:?}");
+        // A burst of one hot prefix (800 tokens, held by replica 0 only): it stays while the
+        // holder's queue costs less than the prefill it saves, then spreads by prediction (the
+        // replicas it goes to hold it after their first prefill; here the index keeps showing one).
+        let held = scores(&[50, 0, 0, 0], 50);
+        let key = stable_hash(b"hot prefix");
+        let mut c = fleet(4);
+        for _ in 0..64 {
+            let i = ttft(&c, &held, 800, key, &w).winner.unwrap();
+            c[i].in_flight += 1;
+        }
+        let counts: Vec<u32> = c.iter().map(|x| x.in_flight).collect();
+        assert!(counts[0] <= 24 && counts.iter().all(|&n| n >= 12), "{counts:?}");
+        // A cold prefix (a few requests) stays on its holder.
+        let mut c = fleet(4);
+        for _ in 0..4 {
+            let d = ttft(&c, &held, 800, key, &w);
+            assert_eq!((d.winner, d.outcome), (Some(0), Outcome::Exact));
+            c[0].in_flight += 1;
+        }
     }
 
     #[test]
@@ -496,10 +663,7 @@ mod tests {
         c[0].in_flight = 3;
         c[1].in_flight = 1;
         c[2].in_flight = 2;
-        assert_eq!(
-            decide(&c, None, None, &w),
-            Decision { winner: Some(1), outcome: Outcome::Load, matched: 0, total: 0 }
-        );
+        assert_eq!(decide(&c, None, None, &w), Decision::new(Some(1), Outcome::Load, 0, 0));
         assert_eq!(least_loaded(&c, &w), Some(1));
     }
 }

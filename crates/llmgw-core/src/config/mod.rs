@@ -151,12 +151,49 @@ fn default_tokenizer() -> TokenizerEndpoint {
     TokenizerEndpoint::Tokenize
 }
 
-/// Scoring weights: score = prefix × share − load × (pressure / (pressure + load_scale) +
-/// kv_usage × kv cache usage), where pressure = in-flight + running + 2 × waiting. Replicas past
-/// any `max_*` limit are overloaded and only chosen when every replica is.
+/// How replicas that hold some of a request's blocks are compared (see `crate::policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyMode {
+    /// The lowest predicted time to first token: the request's uncached tokens there plus
+    /// `queued_prefill` × the prefill queued there, at `prefill_us_per_token`, plus
+    /// `request_us` per request on the engine.
+    Ttft,
+    /// The highest blended score `prefix × share − load × load term`.
+    Score,
+}
+
+/// Scoring weights. `policy` `ttft` (the default): predicted time to first token =
+/// `prefill_us_per_token` × (uncached prompt tokens + `queued_prefill` × prefill tokens routed
+/// there still awaiting their first token) + `request_us` × (max(in-flight, running +
+/// waiting) + waiting). `score`: score = prefix × share −
+/// load × (pressure / (pressure + load_scale) + kv_usage × kv cache usage), where pressure =
+/// in-flight + running + 2 × waiting. Replicas past any `max_*` limit are overloaded and only
+/// chosen when every replica is.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Weights {
+    #[serde(default = "default_policy")]
+    pub policy: PolicyMode,
+    /// Prefill cost of one prompt token (µs), `ttft` policy.
+    #[serde(default = "default_prefill_us_per_token")]
+    pub prefill_us_per_token: f64,
+    /// What each request already on a replica adds to a new request's time to first token
+    /// (µs): the engine steps it takes and the batch slot it holds, `ttft` policy.
+    #[serde(default = "default_request_us")]
+    pub request_us: f64,
+    /// The share of the prefill queued on a replica (its requests without a first token yet)
+    /// a new request waits for, `ttft` policy: 1 when every queued token delays it (vLLM
+    /// computes a step's tokens together, the step lasting longer for each), 0 when the engine
+    /// computes prefills side by side. Default 0: on the simulator (prefills side by side,
+    /// the fleet benchmark) any share spread shared prefixes over every replica at concurrency
+    /// 16, evicting the others (see the README's "Routing policy").
+    #[serde(default = "default_queued_prefill")]
+    pub queued_prefill: f64,
+    /// Predictions within this many µs are equal (`ttft` policy): the prompt's rendezvous
+    /// order picks, as with `tie_margin`.
+    #[serde(default = "default_tie_us")]
+    pub tie_us: f64,
     #[serde(default = "one")]
     pub prefix: f64,
     #[serde(default = "half")]
@@ -201,6 +238,21 @@ pub struct Weights {
     pub holder_spill_factor: f64,
 }
 
+fn default_policy() -> PolicyMode {
+    PolicyMode::Ttft
+}
+fn default_prefill_us_per_token() -> f64 {
+    200.0
+}
+fn default_request_us() -> f64 {
+    40_000.0
+}
+fn default_queued_prefill() -> f64 {
+    0.0
+}
+fn default_tie_us() -> f64 {
+    45_000.0
+}
 fn default_load_scale() -> f64 {
     8.0
 }
@@ -242,6 +294,11 @@ fn half() -> f64 {
 impl Default for Weights {
     fn default() -> Self {
         Weights {
+            policy: default_policy(),
+            prefill_us_per_token: default_prefill_us_per_token(),
+            request_us: default_request_us(),
+            tie_us: default_tie_us(),
+            queued_prefill: default_queued_prefill(),
             prefix: one(),
             load: half(),
             load_scale: default_load_scale(),
@@ -395,6 +452,10 @@ impl FilterConfig {
                 ("weights.load", w.load),
                 ("weights.kv_usage", w.kv_usage),
                 ("weights.max_kv_usage", w.max_kv_usage),
+                ("weights.prefill_us_per_token", w.prefill_us_per_token),
+                ("weights.request_us", w.request_us),
+                ("weights.tie_us", w.tie_us),
+                ("weights.queued_prefill", w.queued_prefill),
             ] {
                 if !v.is_finite() || v < 0.0 {
                     return bad(f(name), "must be a finite, non-negative number");

@@ -17,10 +17,15 @@
 mod hybrid;
 mod prefix;
 mod reasons;
+mod speculative;
 
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{tokenizer_answer, tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
+pub use speculative::{
+    checkpoints, replica_key, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS,
+    TTL_NS as SPECULATIVE_TTL_NS,
+};
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
@@ -33,6 +38,13 @@ use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 /// Requests in flight per replica address, as this gateway counts them.
 pub trait InFlight {
     fn in_flight(&self, address: &str) -> u32;
+    /// Prefill tokens of those requests that have not produced a first token yet.
+    fn pending_tokens(&self, _address: &str) -> u64 {
+        0
+    }
+    /// Speculative index entries (see [`speculative`]): one hit pushed onto `out` for each of
+    /// `keys` (block keys) this Envoy sent to an engine within the TTL.
+    fn speculative(&self, _keys: &[u64], _out: &mut Vec<SpeculativeHit>) {}
     /// Whether the gateway avoids this replica for now (its connects failed or it answered
     /// 5xx): it is treated as down.
     fn avoided(&self, _address: &str) -> bool {
@@ -107,13 +119,36 @@ pub struct Routed {
     pub dp_rank: Option<u32>,
     pub decision: Decision,
     pub report: Report,
+    /// The prompt tokens the chosen replica computes for it (past the leading blocks it
+    /// holds), when the decision had exact data: counted as queued prefill there until the
+    /// request's first token.
+    pub prefill_tokens: u64,
+    /// The runner-up's address, when the decision predicted times to first token.
+    pub runner_up: Option<String>,
+    /// Speculative index entries to record for the chosen engine (its blocks at checkpoints
+    /// past the run the index shows it holds), when the decision had exact data.
+    pub speculation: Option<Speculation>,
 }
 
 impl Routed {
-    /// The explain header's value.
+    /// The explain header's value: with the `ttft` policy, the winner's predicted time to first
+    /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`).
     pub fn explain(&self, vm: &str) -> String {
         let d = &self.decision;
-        format!("outcome={}; replica={}; matched={}/{}; vm={vm}", d.outcome.as_str(), self.address, d.matched, d.total)
+        let mut out = format!(
+            "outcome={}; replica={}; matched={}/{}; vm={vm}",
+            d.outcome.as_str(),
+            self.address,
+            d.matched,
+            d.total
+        );
+        if let Some(us) = d.predicted_us {
+            out.push_str(&format!("; predicted_ms={:.1}; prefill_tokens={}", us as f64 / 1000.0, self.prefill_tokens));
+            if let (Some(addr), Some((_, r))) = (&self.runner_up, d.runner_up) {
+                out.push_str(&format!("; runner_up={addr} {:.1}", r as f64 / 1000.0));
+            }
+        }
+        out
     }
 }
 
@@ -207,6 +242,16 @@ pub struct Router {
     /// The last hash-settings mismatch described, and the last one handed out for the log.
     hash_note: Option<String>,
     hash_logged: Option<String>,
+    /// The current request's prompt tokens, once [`Router::exact`] scored them.
+    prompt_tokens: usize,
+    /// The current request's leading runs as the index alone has them (before speculative
+    /// entries), and the speculative lookup's buffers.
+    index_leading: Vec<u32>,
+    spec_keys: Vec<u64>,
+    spec_hits: Vec<SpeculativeHit>,
+    /// Engines the feed reset (restarted: their caches are empty), with when this VM learned it:
+    /// speculative entries written before do not count. Kept for the entries' TTL.
+    resets: Vec<(u64, u64)>,
 }
 
 /// What [`Router::hash_check`] found.
@@ -304,6 +349,7 @@ fn candidates_avoiding<'a>(
                 address: r.address.as_str(),
                 up: r.up && !r.address.is_empty() && !(avoid && in_flight.avoided(&r.address)),
                 in_flight: in_flight.in_flight(&r.address),
+                pending_tokens: in_flight.pending_tokens(&r.address),
                 running: load.map_or(0, |l| l.running),
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
@@ -332,6 +378,11 @@ impl Router {
             hybrid_unsupported: false,
             hash_note: None,
             hash_logged: None,
+            prompt_tokens: 0,
+            index_leading: Vec::new(),
+            spec_keys: Vec::new(),
+            spec_hits: Vec::new(),
+            resets: Vec::new(),
         }
     }
 
@@ -443,8 +494,18 @@ impl Router {
             .map_or(usize::try_from(DEFAULT_APPROX_PREFIX_BYTES).unwrap_or(usize::MAX), |p| p.approx_prefix_bytes)
     }
 
+    /// Notes the engines the feed reset since the last decision (see `resets`).
+    fn note_resets(&mut self, now_ns: u64) {
+        self.resets.retain(|&(_, at)| now_ns.saturating_sub(at) <= SPECULATIVE_TTL_NS);
+        for engine in self.feed.take_cleared() {
+            self.resets.retain(|&(e, _)| e != engine);
+            self.resets.push((engine, now_ns));
+        }
+    }
+
     /// Decides for a complete body (or the head of one too large to read).
     pub fn on_body(&mut self, body: &Body<'_>, in_flight: &dyn InFlight, now_ns: u64) -> Step {
+        self.note_resets(now_ns);
         self.hash_mismatch = false;
         self.hybrid_unsupported = false;
         let kind = ApiKind::from_path(body.path);
@@ -499,7 +560,7 @@ impl Router {
         // The approximate key, computed only if the decision needs it.
         let approx = || approx_key(Some(&parsed), bytes, nbytes);
         if let Prompt::Tokens(tokens) = &parsed.prompt {
-            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[], Vec::new()).err();
+            let why = self.exact(pi, parsed.cache_salt.as_deref(), model, tokens, &[], Vec::new(), in_flight).err();
             return self.finish(model, Some(pi), why.is_none(), &approx, why, in_flight, Report::default());
         }
         let Some(p) = self.config.profile(pi) else {
@@ -575,6 +636,7 @@ impl Router {
         in_flight: &dyn InFlight,
         now_ns: u64,
     ) -> Step {
+        self.note_resets(now_ns);
         self.hash_mismatch = false;
         self.hybrid_unsupported = false;
         let mut report = Report::default();
@@ -585,7 +647,15 @@ impl Router {
             Ok(TokenizerAnswer { tokens, mm }) => {
                 // A multimodal prompt's hashes need its media items: never cached.
                 let cacheable = mm.is_empty();
-                let scored = self.exact(pending.profile, p.cache_salt.as_deref(), p.model.as_deref(), &tokens, &[], mm);
+                let scored = self.exact(
+                    pending.profile,
+                    p.cache_salt.as_deref(),
+                    p.model.as_deref(),
+                    &tokens,
+                    &[],
+                    mm,
+                    in_flight,
+                );
                 if let Err(why) = scored {
                     (false, Some(why))
                 } else {
@@ -621,6 +691,9 @@ impl Router {
     /// Hashes and scores `tokens` for a profile into the scratch space (replicas that hash
     /// otherwise score 0), or the fallback that applies: the replicas' hashing does not match
     /// ([`Fallback::HashMismatch`]) or cannot be done (no such profile, the hasher refused).
+    /// Engines `in_flight`'s speculative entries say were just sent the leading blocks are
+    /// credited with them.
+    #[allow(clippy::too_many_arguments)]
     fn exact(
         &mut self,
         profile: usize,
@@ -629,6 +702,7 @@ impl Router {
         tokens: &[u32],
         known: &[BlockHash],
         mm: Vec<MmFeature>,
+        in_flight: &dyn InFlight,
     ) -> Result<(), Fallback> {
         let known = match self.hash_check(profile, model) {
             HashCheck::Use { changed: false } => known,
@@ -636,7 +710,19 @@ impl Router {
             HashCheck::Mismatch => return Err(Fallback::HashMismatch),
             HashCheck::Unusable => return Err(Fallback::Hash),
         };
-        let Router { config, feed, scratch, mismatched, hybrid_unsupported, .. } = self;
+        self.prompt_tokens = tokens.len();
+        let Router {
+            config,
+            feed,
+            scratch,
+            mismatched,
+            hybrid_unsupported,
+            index_leading,
+            spec_keys,
+            spec_hits,
+            resets,
+            ..
+        } = self;
         let Some(p) = config.profiles.get_mut(profile) else { return Err(Fallback::Hash) };
         let extras = RequestExtras {
             cache_salt: cache_salt.map(str::to_owned),
@@ -661,6 +747,48 @@ impl Router {
                 HybridHit::Hit(n) => *l = u32::try_from(n).unwrap_or(u32::MAX),
                 HybridHit::Unsupported => *hybrid_unsupported = true,
                 HybridHit::NotHybrid => {}
+            }
+        }
+        // Speculative entries: engines this Envoy just sent this prompt's leading blocks to. The
+        // blocks are hashed to a bounded depth for them, even past what the index holds.
+        index_leading.clone_from(&scratch.scores.leading);
+        let full = usize::try_from(scratch.scores.total).unwrap_or(usize::MAX);
+        let want = full.min(SPECULATIVE_BLOCKS);
+        if let Some(more) = want.checked_sub(scratch.hashes.len()).filter(|&n| n > 0) {
+            p.hasher
+                .hash_request_more(tokens, p.block_size, &extras, &mut scratch.hashes, more)
+                .map_err(|_| Fallback::Hash)?;
+        }
+        let positions = || checkpoints(scratch.hashes.len().min(want));
+        spec_keys.clear();
+        spec_keys.extend(positions().filter_map(|i| scratch.hashes.get(i).map(|h| h.key.0)));
+        spec_hits.clear();
+        if !spec_keys.is_empty() {
+            in_flight.speculative(spec_keys, spec_hits);
+        }
+        for hit in spec_hits.iter() {
+            let engine = hit.engine;
+            if resets.iter().any(|&(e, at)| e == engine && hit.written_ns < at) {
+                continue;
+            }
+            let Some(run) = positions().nth(hit.key).and_then(|p| u32::try_from(p).ok()).map(|p| p.saturating_add(1))
+            else {
+                continue;
+            };
+            for r in &serving.replicas {
+                let Ok(id) = ReplicaId::try_from(r.id) else { continue };
+                if mismatched.contains(&id) || replica_key(&r.address, r.data_parallel().then_some(r.dp_rank)) != engine
+                {
+                    continue;
+                }
+                let leading = &mut scratch.scores.leading;
+                let i = usize::from(id);
+                if leading.len() <= i {
+                    leading.resize(i.saturating_add(1), 0);
+                }
+                if let Some(l) = leading.get_mut(i) {
+                    *l = (*l).max(run);
+                }
             }
         }
         Ok(())
@@ -706,6 +834,7 @@ impl Router {
             &t.tokens,
             &t.hashes,
             Vec::new(),
+            in_flight,
         );
         let exact = scored.is_ok();
         if exact && self.scratch.hashes.len() > t.hashes.len() {
@@ -728,10 +857,29 @@ impl Router {
         in_flight: &dyn InFlight,
         mut report: Report,
     ) -> Step {
-        let w = profile.and_then(|i| self.config.profile(i)).map_or(&self.default_weights, |p| &p.weights);
+        let prof = profile.and_then(|i| self.config.profile(i));
+        let w = prof.map_or(&self.default_weights, |p| &p.weights);
         let cands = candidates(self.feed.serving(), model, in_flight);
         let scores = exact.then_some(&self.scratch.scores);
-        let d: Decision = policy::decide_lazy(&cands, scores, approx, w);
+        let block_size = prof.map_or(0, |p| u64::try_from(p.block_size).unwrap_or(u64::MAX));
+        let tokens = u64::try_from(self.prompt_tokens).unwrap_or(u64::MAX);
+        let work = exact.then_some(policy::Work { tokens, block_size });
+        let d: Decision = policy::decide_lazy(&cands, scores, work, approx, w);
+        let prefill_tokens =
+            if exact { tokens.saturating_sub(u64::from(d.matched).saturating_mul(block_size)) } else { 0 };
+        let runner_up = d.runner_up.and_then(|(i, _)| cands.get(i)).map(|c| c.address.to_owned());
+        let speculation = d.winner.and_then(|i| cands.get(i)).filter(|_| exact).and_then(|c| {
+            let held = self.index_leading.get(usize::from(c.id)).copied().unwrap_or(0);
+            let held = usize::try_from(held).unwrap_or(usize::MAX);
+            let n = self.scratch.hashes.len().min(SPECULATIVE_BLOCKS);
+            let keys: Vec<u64> = checkpoints(n)
+                .filter(|&p| p >= held)
+                .filter_map(|p| self.scratch.hashes.get(p).map(|h| h.key.0))
+                .collect();
+            let replica = replica_key(c.address, c.dp_rank);
+            let reset_ns = self.resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
+            (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
+        });
         report.outcome = Some(d.outcome);
         report.hash_mismatch = self.hash_mismatch;
         report.hybrid_unsupported = self.hybrid_unsupported;
@@ -740,7 +888,15 @@ impl Router {
             report.matched_blocks = Some(d.matched);
         }
         match d.winner.and_then(|i| cands.get(i)) {
-            Some(c) => Step::Route(Routed { address: c.address.to_owned(), dp_rank: c.dp_rank, decision: d, report }),
+            Some(c) => Step::Route(Routed {
+                address: c.address.to_owned(),
+                dp_rank: c.dp_rank,
+                decision: d,
+                report,
+                prefill_tokens,
+                runner_up,
+                speculation,
+            }),
             None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
         }
     }

@@ -134,7 +134,14 @@ fn token_ids_held_by_a_replica_route_there_exactly() {
             hybrid_unsupported: false,
         }
     );
-    assert_eq!(got.explain("vm1"), format!("outcome=exact; replica={B}; matched=8/8; vm=vm1"));
+    // The predicted times to first token: nothing to compute on B; A would compute all 32
+    // tokens (6.4 ms at 200 µs a token).
+    assert_eq!(
+        got.explain("vm1"),
+        format!(
+            "outcome=exact; replica={B}; matched=8/8; vm=vm1; predicted_ms=0.0; prefill_tokens=0; runner_up={A} 6.4"
+        )
+    );
 }
 
 #[test]

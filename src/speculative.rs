@@ -1,0 +1,133 @@
+//! Speculative index entries (`llmgw_core::flow::speculative`) in proxy-wasm shared data, so
+//! every worker of this Envoy sees the blocks any of them just sent: 24-byte records (the
+//! block key, u64; the engine's `replica_key`, u64; the expiry, u64 nanoseconds;
+//! little-endian). A record expires `TTL_NS` after it was first written (routing the same
+//! blocks again does not extend it: only KV events, through the index, keep them credited),
+//! unless it predates its engine's reset (then it is written anew).
+//! At most `MAX_RECORDS` are kept: past that the ones expiring first go, counted in
+//! `llmgw_speculative_dropped_total`.
+
+use crate::host::{update_shared, Host};
+pub use llmgw_core::flow::SPECULATIVE_TTL_NS as TTL_NS;
+use llmgw_core::flow::{Speculation, SpeculativeHit};
+
+const KEY: &str = "llmgw.speculative";
+const RECORD: usize = 24;
+/// The most entries kept (48 KiB, read once per decision).
+pub const MAX_RECORDS: usize = 2048;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Record {
+    key: u64,
+    engine: u64,
+    expires: u64,
+}
+
+fn records(v: &[u8]) -> impl Iterator<Item = Record> + '_ {
+    v.chunks_exact(RECORD).filter_map(|r| {
+        let key = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
+        let engine = u64::from_le_bytes(r.get(8..16)?.try_into().ok()?);
+        let expires = u64::from_le_bytes(r.get(16..24)?.try_into().ok()?);
+        Some(Record { key, engine, expires })
+    })
+}
+
+/// The live records, as a decision reads them.
+#[derive(Debug, Default)]
+pub struct Entries {
+    records: Vec<u8>,
+    now: u64,
+}
+
+impl Entries {
+    pub fn read(host: &dyn Host) -> Entries {
+        Entries { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), now: host.now_ns() }
+    }
+
+    /// For each of `keys` an unexpired record holds, a hit.
+    pub fn lookup(&self, keys: &[u64], out: &mut Vec<SpeculativeHit>) {
+        for r in records(&self.records).filter(|r| r.expires > self.now) {
+            if let Some(key) = keys.iter().position(|&k| k == r.key) {
+                out.push(SpeculativeHit { key, engine: r.engine, written_ns: r.expires.saturating_sub(TTL_NS) });
+            }
+        }
+    }
+}
+
+/// The records with `spec`'s added (existing ones keep their expiry) and expired ones gone,
+/// and how many unexpired records the bound dropped.
+fn with(v: &[u8], spec: &Speculation, now: u64) -> (Vec<u8>, usize) {
+    let mut out: Vec<Record> = records(v).filter(|r| r.expires > now).collect();
+    let expires = now.saturating_add(TTL_NS);
+    for &key in &spec.keys {
+        match out.iter_mut().find(|r| r.key == key && r.engine == spec.replica) {
+            // Written before the engine's reset: stale.
+            Some(r) if r.expires.saturating_sub(TTL_NS) < spec.reset_ns => r.expires = expires,
+            Some(_) => {}
+            None => out.push(Record { key, engine: spec.replica, expires }),
+        }
+    }
+    let dropped = out.len().saturating_sub(MAX_RECORDS);
+    if dropped > 0 {
+        // Stable: among equal expiries the older records (earlier in the value) go first.
+        out.sort_by_key(|r| r.expires);
+        out.drain(..dropped);
+    }
+    let mut bytes = Vec::with_capacity(out.len().saturating_mul(RECORD));
+    for r in out {
+        bytes.extend_from_slice(&r.key.to_le_bytes());
+        bytes.extend_from_slice(&r.engine.to_le_bytes());
+        bytes.extend_from_slice(&r.expires.to_le_bytes());
+    }
+    (bytes, dropped)
+}
+
+/// Records `spec` (a routed request's blocks); returns how many unexpired entries the bound
+/// dropped.
+pub fn record(host: &dyn Host, spec: &Speculation) -> usize {
+    let now = host.now_ns();
+    let mut dropped = 0;
+    let ok = update_shared(host, KEY, |v| {
+        let (next, d) = with(v, spec, now);
+        dropped = d;
+        (next.as_slice() != v).then_some(next)
+    });
+    if !ok {
+        log::debug!("llmgw: speculative entries not recorded (shared data refused or contended)");
+    }
+    dropped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeHost;
+
+    #[test]
+    fn entries_expire_after_the_ttl_keep_their_first_expiry_and_are_bounded() {
+        let host = FakeHost::default();
+        host.now_ns.set(1_000);
+        let spec = Speculation { replica: 7, keys: vec![10, 11], reset_ns: 0 };
+        assert_eq!(record(&host, &spec), 0);
+        let mut hits = Vec::new();
+        Entries::read(&host).lookup(&[11, 99, 10], &mut hits);
+        let mut got: Vec<(usize, u64, u64)> = hits.iter().map(|h| (h.key, h.engine, h.written_ns)).collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![(0, 7, 1_000), (2, 7, 1_000)]);
+        // Routed again later: still expires TTL after the first write.
+        host.now_ns.set(1_000 + TTL_NS / 2);
+        record(&host, &spec);
+        host.now_ns.set(1_000 + TTL_NS);
+        let mut hits = Vec::new();
+        Entries::read(&host).lookup(&[10, 11], &mut hits);
+        assert!(hits.is_empty(), "{hits:?}");
+        // Past the bound the entries expiring first go, and the drop is reported.
+        let many = Speculation { replica: 8, keys: (0..MAX_RECORDS as u64 + 5).collect(), reset_ns: 0 };
+        assert_eq!(record(&host, &many), 5);
+        let v = host.shared_value(KEY).unwrap();
+        assert_eq!(v.len(), MAX_RECORDS * RECORD);
+        let mut hits = Vec::new();
+        Entries::read(&host).lookup(&[4, 5], &mut hits);
+        assert_eq!(hits.iter().map(|h| (h.key, h.engine)).collect::<Vec<_>>(), vec![(1, 8)]);
+    }
+}
