@@ -12,8 +12,9 @@
 #          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out
-#   fuzz   every fuzz target (fuzz/), or `fuzz TARGET...` the named ones, FUZZ_SECONDS (60) each; installs
-#          cargo-fuzz if missing; a line per target in results/fuzz/fuzz.log; fails listing any crash file
+#   fuzz   every fuzz target (fuzz/), or `fuzz TARGET...` the named ones, FUZZ_SECONDS (60) each (FUZZ_BUILD=dev:
+#          unoptimized); installs cargo-fuzz if missing; a line per target in results/fuzz/fuzz.log; fails
+#          listing any crash file
 #   conformance  the suite against real vLLM 0.33.0 (installs it into .venv-vllm, about 3 GB); arguments go to pytest
 #   clean  cargo clean, dist/ removed
 # Built files are taken from cargo's target directory: CARGO_TARGET_DIR (a relative one is read
@@ -229,7 +230,14 @@ fuzz() {
     log "installing cargo-fuzz"
     cargo install cargo-fuzz --locked
   fi
-  local secs=${FUZZ_SECONDS:-60} all=() targets=() crashes=() t
+  local secs=${FUZZ_SECONDS:-60} all=() targets=() crashes=() t profile=()
+  # FUZZ_BUILD=dev: unoptimized targets, which build in about two thirds of the CPU time (CI's
+  # short runs); the default, release, is what long runs use.
+  case "${FUZZ_BUILD:-release}" in
+    release) ;;
+    dev) profile=(--dev) ;;
+    *) echo "FUZZ_BUILD is release or dev, not ${FUZZ_BUILD}" >&2; exit 2 ;;
+  esac
   mapfile -t all < <(cd fuzz && cargo fuzz list)
   if [ $# -gt 0 ]; then
     for t in "$@"; do
@@ -243,16 +251,16 @@ fuzz() {
   mkdir -p "$logs"
   log "building fuzz targets: ${targets[*]}"
   if [ $# -gt 0 ]; then
-    for t in "${targets[@]}"; do (cd fuzz && cargo fuzz build "$t"); done
+    for t in "${targets[@]}"; do (cd fuzz && cargo fuzz build "${profile[@]}" "$t"); done
   else
-    (cd fuzz && cargo fuzz build)
+    (cd fuzz && cargo fuzz build "${profile[@]}")
   fi
   # One line per target start and end in $logs/fuzz.log; libFuzzer's own output in $logs/<target>.log.
   for t in "${targets[@]}"; do
     mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t" "fuzz/seeds/$t"
     printf '%s fuzz %s: start, %s s\n' "$(date -u +%FT%TZ)" "$t" "$secs" | tee -a "$logs/fuzz.log" >&2
     local rc=0
-    (cd fuzz && cargo fuzz run "$t" "corpus/$t" "seeds/$t" -- -max_total_time="$secs" -timeout=25 \
+    (cd fuzz && cargo fuzz run "${profile[@]}" "$t" "corpus/$t" "seeds/$t" -- -max_total_time="$secs" -timeout=25 \
       -print_final_stats=1) >"$logs/$t.log" 2>&1 || rc=$?
     local execs cov ft corp crash result
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logs/$t.log" | tail -1)
