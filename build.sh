@@ -13,7 +13,9 @@
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out; `bench soak`: an hour of churning traffic with agent and replica
 #          restarts, memory sampled every minute
-#   fuzz   runs the msgpack decoder fuzz target (needs cargo-fuzz; see README)
+#   fuzz   every fuzz target (fuzz/), or `fuzz TARGET...` the named ones, FUZZ_SECONDS (60) each (FUZZ_BUILD=dev:
+#          unoptimized); installs cargo-fuzz if missing; a line per target in results/fuzz/fuzz.log; fails
+#          listing any crash file
 #   conformance  the suite against real vLLM 0.33.0 (installs it into .venv-vllm, about 3 GB); arguments go to pytest
 #   clean  cargo clean, dist/ removed
 # Built files are taken from cargo's target directory: CARGO_TARGET_DIR (a relative one is read
@@ -241,13 +243,65 @@ bench_scale() {
 }
 
 fuzz() {
+  # cargo-fuzz needs nightly compiler features; RUSTC_BOOTSTRAP enables them on the stable toolchain.
+  export RUSTC_BOOTSTRAP=1
   if ! cargo fuzz --version >/dev/null 2>&1; then
     log "installing cargo-fuzz"
-    cargo install cargo-fuzz
+    cargo install cargo-fuzz --locked
   fi
-  # cargo-fuzz needs nightly features; RUSTC_BOOTSTRAP enables them on a stable toolchain.
-  mkdir -p fuzz/corpus/decode
-  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run decode corpus/decode seeds -- -max_total_time="${FUZZ_SECONDS:-60}")
+  local secs=${FUZZ_SECONDS:-60} all=() targets=() crashes=() t profile=()
+  # FUZZ_BUILD=dev: unoptimized targets, which build in about two thirds of the CPU time (CI's
+  # short runs); the default, release, is what long runs use.
+  case "${FUZZ_BUILD:-release}" in
+    release) ;;
+    dev) profile=(--dev) ;;
+    *) echo "FUZZ_BUILD is release or dev, not ${FUZZ_BUILD}" >&2; exit 2 ;;
+  esac
+  mapfile -t all < <(cd fuzz && cargo fuzz list)
+  if [ $# -gt 0 ]; then
+    for t in "$@"; do
+      printf '%s\n' "${all[@]}" | grep -qx -- "$t" || { echo "no fuzz target $t (targets: ${all[*]})" >&2; exit 2; }
+    done
+    targets=("$@")
+  else
+    targets=("${all[@]}")
+  fi
+  local logs=$ROOT/results/fuzz
+  mkdir -p "$logs"
+  log "building fuzz targets: ${targets[*]}"
+  if [ $# -gt 0 ]; then
+    for t in "${targets[@]}"; do (cd fuzz && cargo fuzz build "${profile[@]}" "$t"); done
+  else
+    (cd fuzz && cargo fuzz build "${profile[@]}")
+  fi
+  # One line per target start and end in $logs/fuzz.log; libFuzzer's own output in $logs/<target>.log.
+  for t in "${targets[@]}"; do
+    mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t" "fuzz/seeds/$t"
+    printf '%s fuzz %s: start, %s s\n' "$(date -u +%FT%TZ)" "$t" "$secs" | tee -a "$logs/fuzz.log" >&2
+    local rc=0
+    (cd fuzz && cargo fuzz run "${profile[@]}" "$t" "corpus/$t" "seeds/$t" -- -max_total_time="$secs" -timeout=25 \
+      -print_final_stats=1) >"$logs/$t.log" 2>&1 || rc=$?
+    local execs cov ft corp crash result
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logs/$t.log" | tail -1)
+    cov=$(grep -o 'cov: [0-9]*' "$logs/$t.log" | tail -1 | cut -d' ' -f2)
+    ft=$(grep -o 'ft: [0-9]*' "$logs/$t.log" | tail -1 | cut -d' ' -f2)
+    corp=$(find "fuzz/corpus/$t" -type f | wc -l)
+    crash=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$logs/$t.log" | tail -1)
+    [ -z "$crash" ] || [ "${crash#/}" != "$crash" ] || crash=fuzz/${crash#./}
+    if [ "$rc" -eq 0 ]; then
+      result=ok
+    else
+      result="FAILED (exit $rc)${crash:+, crash file $crash}"
+      crashes+=("$t: ${crash:-no crash file} (log $logs/$t.log)")
+    fi
+    printf '%s fuzz %s: end, %s execs, cov %s ft %s, corpus %s files: %s\n' "$(date -u +%FT%TZ)" "$t" \
+      "${execs:-?}" "${cov:-?}" "${ft:-?}" "$corp" "$result" | tee -a "$logs/fuzz.log" >&2
+  done
+  if [ ${#crashes[@]} -gt 0 ]; then
+    printf 'fuzz: %s target(s) failed:\n' "${#crashes[@]}" >&2
+    printf '  %s\n' "${crashes[@]}" >&2
+    exit 1
+  fi
 }
 
 conformance() {
@@ -285,7 +339,7 @@ case "$cmd" in
   demo) demo "$@" ;;
   replay) replay ;;
   bench) bench "$@" ;;
-  fuzz) fuzz ;;
+  fuzz) fuzz "$@" ;;
   conformance) conformance "$@" ;;
   clean) cargo clean; rm -rf dist ;;
   -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' ;;

@@ -127,6 +127,7 @@ fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
     if body.get(i) != Some(&b'[') {
         return None;
     }
+    let open = i;
     i = i.wrapping_add(1);
     // About one id per 6 bytes of a typical answer.
     let mut out = Vec::with_capacity(body.len().saturating_sub(i) / 6);
@@ -134,7 +135,7 @@ fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
         i = i.wrapping_add(1);
     }
     if body.get(i) == Some(&b']') {
-        return Some(out);
+        return full_parse_agrees(body, at, open, i.wrapping_add(1)).then_some(out);
     }
     loop {
         // Fast path: an id of 1 to 7 digits directly followed by `,` or `]`, read 8 bytes at a
@@ -143,7 +144,7 @@ fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
             out.push(v);
             i = i.wrapping_add(n).wrapping_add(1);
             if sep == b']' {
-                return Some(out);
+                return full_parse_agrees(body, at, open, i).then_some(out);
             }
             continue;
         }
@@ -169,10 +170,49 @@ fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
         }
         match body.get(i) {
             Some(b',') => i = i.wrapping_add(1),
-            Some(b']') => return Some(out),
+            Some(b']') => return full_parse_agrees(body, at, open, i.wrapping_add(1)).then_some(out),
             _ => return None,
         }
     }
+}
+
+/// Whether the full parse reads the fast path's list (key at `at`, list at `open..end`) as the
+/// answer's tokens: the key belongs to the top-level object (not a nested one), and the body
+/// with the list emptied parses as an answer whose `tokens` is that empty list and that has no
+/// media features, so the rest is valid JSON without a second `tokens` (the full parse refuses
+/// duplicates). Costs a parse of the body without its list, a few dozen bytes for `/tokenize`.
+fn full_parse_agrees(body: &[u8], at: usize, open: usize, end: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0u32, false, false);
+    for &b in body.get(..at).unwrap_or_default() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' => depth = depth.saturating_add(1),
+                b'}' | b']' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+    }
+    let (Some(head), Some(tail)) = (body.get(..open), body.get(end..)) else { return false };
+    if depth != 1 || in_string {
+        return false;
+    }
+    let mut rest = Vec::with_capacity(head.len().saturating_add(tail.len()).saturating_add(2));
+    rest.extend_from_slice(head);
+    rest.extend_from_slice(b"[]");
+    rest.extend_from_slice(tail);
+    matches!(
+        serde_json::from_slice::<TokenizeResponse>(&rest),
+        Ok(TokenizeResponse { tokens: Some(t), features: None, .. }) if t.is_empty()
+    )
 }
 
 /// Reads `digits` followed by `,` or `]` from the start of an 8-byte window, 1 to 7 digits:
@@ -260,5 +300,30 @@ mod tests {
         assert_eq!(fast_tokens(br#"{"tokens":[4294967295,0,7]}"#), Some(vec![u32::MAX, 0, 7]));
         assert_eq!(fast_tokens(br#"{"tokens":[12a,3]}"#), None);
         assert_eq!(fast_tokens(br#"{"tokens":[1,2,3,4,5,6,7,8,9,10"#), None);
+    }
+
+    /// Found by the `answer` fuzz target (differential against serde_json): the fast path took
+    /// the first `"tokens":[..]` anywhere and ignored the rest of the body, so it accepted
+    /// answers the full parse refuses, and read a nested object's list as the answer's.
+    #[test]
+    fn fast_path_only_where_the_full_parse_agrees() {
+        let fuzzed = br#"{e token"s{"count":3,"max_mod:[el_len":9,"tokens":[1,2,3],"token_str4294,7s":nul]l}}"#;
+        assert!(parse_tokenizer_response(fuzzed).is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[1,2,3]}trailing"#).is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[1],"tokens":[2]}"#).is_err());
+        assert!(parse_tokenizer_response(br#"{"a":{"tokens":[5]}}"#).is_err());
+        assert_eq!(parse_tokenizer_response(br#"{"a":{"tokens":[5]},"tokens":[1]}"#).unwrap(), vec![1]);
+        assert_eq!(parse_tokenizer_response(br#"{"a":[{"tokens":[5]}],"token_ids":[2]}"#).unwrap(), vec![2]);
+        assert!(parse_tokenizer_response(br#"[{"tokens":[1]},5]"#).is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[1],"token_ids":[-1]}"#).is_err());
+        // Media features are the full parse's to check.
+        let mm = br#"{"tokens":[1,2],"features":{"mm_hashes":{"image":["h"]},"mm_placeholders":{"image":[{"offset":0,"length":9}]}}}"#;
+        assert!(parse_tokenizer_answer(mm).is_err());
+        // The usual answers still take the fast path.
+        assert_eq!(
+            fast_tokens(br#"{"count":3,"max_model_len":9,"tokens":[1,2,3],"token_strs":null}"#),
+            Some(vec![1, 2, 3])
+        );
+        assert_eq!(fast_tokens(br#" {"tokens":[]} "#), Some(vec![]));
     }
 }
