@@ -242,8 +242,8 @@ def test_filter_routes_non_json_and_large_bodies(procs, envoy_bin, wasm_path, tm
         landed = [r for r in fleet if r.port == port][0]
         assert landed.requests[-1]["size"] > 8 * 1024 * 1024
 
-        # No body at all (GET): routed by load.
-        status, _, raw = request("GET", f"http://127.0.0.1:{gw.listen}/v1/models")
+        # No body at all (a GET on an inference path; other paths are 404 at Envoy): routed by load.
+        status, _, raw = request("GET", f"http://127.0.0.1:{gw.listen}/v1/completions")
         assert status == 200 and json.loads(raw)["port"] in {r.port for r in fleet}
         gw.assert_no_panic()
     finally:
