@@ -151,6 +151,10 @@ fn fast_tokens(body: &[u8]) -> Option<Vec<u32>> {
         while body.get(i).copied().is_some_and(ws) {
             i = i.wrapping_add(1);
         }
+        // JSON numbers have no leading zeros: `02` is the full parse's to refuse.
+        if body.get(i) == Some(&b'0') && body.get(i.wrapping_add(1)).is_some_and(u8::is_ascii_digit) {
+            return None;
+        }
         // One unsigned integer; `v` stays below 2³² × 10 + 10, far from u64's limit.
         let mut v: u64 = 0;
         let start = i;
@@ -226,7 +230,8 @@ fn eight_digits(w: &[u8]) -> Option<(u32, usize, u8)> {
     let flags =
         (x.wrapping_sub(0x3030_3030_3030_3030) | x.wrapping_add(0x4646_4646_4646_4646) | x) & 0x8080_8080_8080_8080;
     let n = flags.trailing_zeros() / 8;
-    if !(1..8).contains(&n) {
+    // A number of several digits must not start with 0 (the byte path refuses it).
+    if !(1..8).contains(&n) || (n > 1 && x & 0xff == u64::from(b'0')) {
         return None;
     }
     let sep = *w.get(usize::try_from(n).ok()?)?;
@@ -325,5 +330,10 @@ mod tests {
             Some(vec![1, 2, 3])
         );
         assert_eq!(fast_tokens(br#" {"tokens":[]} "#), Some(vec![]));
+        // Found by the same target: JSON numbers have no leading zeros (either path).
+        assert!(parse_tokenizer_response(b"{\"tokens\":[\n\n02]}").is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[1,007,2,3,4,5,6]}"#).is_err());
+        assert!(parse_tokenizer_response(br#"{"tokens":[1, 00]}"#).is_err());
+        assert_eq!(parse_tokenizer_response(br#"{"tokens":[0,10,0, 0]}"#).unwrap(), vec![0, 10, 0, 0]);
     }
 }
