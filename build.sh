@@ -137,14 +137,20 @@ e2e() {
   run_e2e "$@"
 }
 
-demo() {
-  setup
+# What the demo and the benchmarks that run a fleet need: release agent and simulator, llmgw.wasm, Envoy, and
+# CARGO_TARGET_DIR exported for the Python harnesses.
+bench_fleet_build() {
   log "building (release): agent, simulator, llmgw.wasm"
   cargo build -q --release -p llmgw-agent -p llmgw-sim
   build_wasm
   setup_envoy
-  setup_charts
   target_dir >/dev/null
+}
+
+demo() {
+  setup
+  bench_fleet_build
+  setup_charts
   "$VENV/bin/python" demo/demo.py --envoy "$VENV/bin/envoy" "$@"
 }
 
@@ -178,12 +184,8 @@ bench() {
   setup
   if [ "${1:-}" = soak ]; then
     shift
-    log "building (release): agent, simulator, llmgw.wasm"
-    cargo build -q --release -p llmgw-agent -p llmgw-sim
-    build_wasm
-    setup_envoy
+    bench_fleet_build
     setup_charts
-    target_dir >/dev/null
     mkdir -p results/soak
     log "soak (log: results/soak/run.log)"
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/soak.py "$@" 2>&1 | tee results/soak/run.log
@@ -191,11 +193,7 @@ bench() {
   fi
   if [ "${1:-}" = gateways ]; then
     shift
-    log "building (release): agent, simulator, llmgw.wasm"
-    cargo build -q --release -p llmgw-agent -p llmgw-sim
-    build_wasm
-    setup_envoy
-    target_dir >/dev/null
+    bench_fleet_build
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/gateways.py "$@"
     return
   fi
@@ -218,13 +216,9 @@ bench() {
     cargo bench -p llmgw-core --bench core --bench flow -- "$@"
     return
   fi
-  log "building (release): agent, simulator, llmgw.wasm"
-  cargo build -q --release -p llmgw-agent -p llmgw-sim
-  build_wasm
-  setup_envoy
+  bench_fleet_build
   setup_charts
   setup_peers
-  target_dir >/dev/null
   "$VENV/bin/python" bench/bench.py "$@"
 }
 
