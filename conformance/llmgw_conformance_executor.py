@@ -7,10 +7,15 @@ With LLMGW_CONFORMANCE_SLIDING_WINDOW=W it reports a hybrid model instead: a ful
 layer and a sliding-window layer of W tokens, so vLLM builds two KV-cache groups (its hybrid
 coordinator, and events with group_idx, kv_cache_spec_kind and the window).
 
+With LLMGW_STEP_US=S and LLMGW_TOKEN_US=T each engine step takes S µs plus T µs per token it
+computes (prefill and decode alike), like a GPU whose step time grows with the tokens in the
+batch: the real-vLLM benchmark (bench/vllm.py) uses it. Both default to 0 (no delay).
+
 Selected with `--distributed-executor-backend llmgw_conformance_executor.NoModelExecutor`
 (this directory on PYTHONPATH)."""
 
 import os
+import time
 from concurrent.futures import Future
 
 import torch
@@ -27,6 +32,8 @@ class NoModelExecutor(Executor):
     def _init_executor(self) -> None:
         self._prompt_len: dict[str, int] = {}
         self._num_output: dict[str, int] = {}
+        self._step_s = float(os.environ.get("LLMGW_STEP_US", "0")) / 1e6
+        self._token_s = float(os.environ.get("LLMGW_TOKEN_US", "0")) / 1e6
         mc = self.model_config
         shape = dict(
             block_size=self.cache_config.block_size or 16,
@@ -99,6 +106,8 @@ class NoModelExecutor(Executor):
             self._num_output[rid] = cached.num_output_tokens[i]
             done[rid] = cached.num_computed_tokens[i]
         req_ids = list(so.num_scheduled_tokens.keys())
+        if req_ids and (self._step_s or self._token_s):
+            time.sleep(self._step_s + self._token_s * sum(so.num_scheduled_tokens.values()))
         sampled = []
         for rid in req_ids:
             computed = done.get(rid, 0) + so.num_scheduled_tokens[rid]

@@ -252,7 +252,11 @@ fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before
     assert_eq!(e2.dest(), Some(first.clone()));
     c2.on_http_response_headers(2, false);
     let explain = e2.host.response_header("x-llmgw-decision").unwrap();
-    assert!(explain.starts_with(&format!("outcome=exact; replica={first}; matched=32/100")), "{explain}");
+    // The header says which of those blocks no KV event has confirmed yet: all 32.
+    assert!(
+        explain.starts_with(&format!("outcome=exact; replica={first}; matched=32/100; speculative=32;")),
+        "{explain}"
+    );
     c2.on_http_response_body(64, false);
     // A third while both are in flight: two requests there outweigh the shared blocks' prefill
     // (94 ms + 40 ms against 80 ms): load says otherwise.

@@ -47,6 +47,10 @@ def test_merged_replaces_keys_within_sections():
 def test_decision_header_parser():
     d = kit.parse_decision("outcome=exact; replica=127.0.0.1:8001; matched=3/4; vm=1")
     assert d == ("exact", "127.0.0.1:8001", 3, 4) and d.matched == 3
+    assert kit.speculative_blocks("outcome=exact; replica=127.0.0.1:8001; matched=3/4; vm=1") == 0
+    d = kit.parse_decision("outcome=exact; replica=[::1]:8001; matched=5/9; speculative=2; vm=1")
+    assert d == ("exact", "[::1]:8001", 5, 9)
+    assert kit.speculative_blocks("outcome=exact; replica=[::1]:8001; matched=5/9; speculative=2; vm=1") == 2
     for bad in (None, "", "outcome=exact; replica=127.0.0.1:1; matched=x/4"):
         with pytest.raises(AssertionError, match="x-llmgw-decision"):
             kit.parse_decision(bad)

@@ -12,7 +12,7 @@ import time
 from typing import NamedTuple
 
 DECISION_HEADER = "x-llmgw-decision"
-_DECISION = re.compile(r"outcome=(\w+); replica=([\w.:\[\]-]+); matched=(\d+)/(\d+)")
+_DECISION = re.compile(r"outcome=(\w+); replica=([\w.:\[\]-]+); matched=(\d+)/(\d+)(?:; speculative=(\d+))?")
 
 _conns = threading.local()
 
@@ -90,3 +90,11 @@ def parse_decision(header: str | None) -> Decision:
     m = _DECISION.match(header or "")
     assert m, f"no {DECISION_HEADER} header in the response: {header!r}"
     return Decision(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)))
+
+
+def speculative_blocks(header: str | None) -> int:
+    """Of the blocks a decision header says were matched ("matched=8/12; speculative=3"), those
+    only speculative entries credit: the filter just sent them there, no KV event confirmed them."""
+    m = _DECISION.match(header or "")
+    assert m, f"no {DECISION_HEADER} header in the response: {header!r}"
+    return int(m.group(5) or 0)

@@ -128,6 +128,9 @@ pub struct Routed {
     /// Speculative index entries to record for the chosen engine (its blocks at checkpoints
     /// past the run the index shows it holds), when the decision had exact data.
     pub speculation: Option<Speculation>,
+    /// Of `decision.matched`, the blocks only speculative entries credit the winner with (the
+    /// index shows it holding the rest): they were just sent there, no KV event confirmed them.
+    pub speculative_blocks: u32,
 }
 
 impl Routed {
@@ -135,13 +138,12 @@ impl Routed {
     /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`).
     pub fn explain(&self, vm: &str) -> String {
         let d = &self.decision;
-        let mut out = format!(
-            "outcome={}; replica={}; matched={}/{}; vm={vm}",
-            d.outcome.as_str(),
-            self.address,
-            d.matched,
-            d.total
-        );
+        let mut out =
+            format!("outcome={}; replica={}; matched={}/{}", d.outcome.as_str(), self.address, d.matched, d.total);
+        if self.speculative_blocks > 0 {
+            out.push_str(&format!("; speculative={}", self.speculative_blocks));
+        }
+        out.push_str(&format!("; vm={vm}"));
         if let Some(us) = d.predicted_us {
             out.push_str(&format!("; predicted_ms={:.1}; prefill_tokens={}", us as f64 / 1000.0, self.prefill_tokens));
             if let (Some(addr), Some((_, r))) = (&self.runner_up, d.runner_up) {
@@ -868,8 +870,14 @@ impl Router {
         let prefill_tokens =
             if exact { tokens.saturating_sub(u64::from(d.matched).saturating_mul(block_size)) } else { 0 };
         let runner_up = d.runner_up.and_then(|(i, _)| cands.get(i)).map(|c| c.address.to_owned());
+        let index_held = |c: &Candidate<'_>| self.index_leading.get(usize::from(c.id)).copied().unwrap_or(0);
+        let speculative_blocks = d
+            .winner
+            .and_then(|i| cands.get(i))
+            .filter(|_| exact)
+            .map_or(0, |c| d.matched.saturating_sub(index_held(c)));
         let speculation = d.winner.and_then(|i| cands.get(i)).filter(|_| exact).and_then(|c| {
-            let held = self.index_leading.get(usize::from(c.id)).copied().unwrap_or(0);
+            let held = index_held(c);
             let held = usize::try_from(held).unwrap_or(usize::MAX);
             let n = self.scratch.hashes.len().min(SPECULATIVE_BLOCKS);
             let keys: Vec<u64> = checkpoints(n)
@@ -896,6 +904,7 @@ impl Router {
                 prefill_tokens,
                 runner_up,
                 speculation,
+                speculative_blocks,
             }),
             None => Step::Reject(Rejected { status: 503, body: no_replica_body(model), report }),
         }
