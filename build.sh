@@ -12,7 +12,8 @@
 #          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out; `bench soak`: an hour of churning traffic with agent and replica
-#          restarts, memory sampled every minute
+#          restarts, memory sampled every minute; `bench vllm`: 3 real vllm serve replicas behind every
+#          router (installs vLLM like `conformance`)
 #   fuzz   every fuzz target (fuzz/), or `fuzz TARGET...` the named ones, FUZZ_SECONDS (60) each (FUZZ_BUILD=dev:
 #          unoptimized); installs cargo-fuzz if missing; a line per target in results/fuzz/fuzz.log; fails
 #          listing any crash file
@@ -164,13 +165,19 @@ replay() {
 }
 
 setup_peers() {
-  # Peer routers from PyPI, in their own virtualenv (never committed): sglang-router, vllm-router.
-  local peers=$ROOT/.venv-peers
+  # Peer routers from PyPI, in virtualenvs of their own (never committed): sglang-router and
+  # vllm-router in .venv-peers, SMG (sglang-router's successor, same module names) in .venv-smg.
+  local peers=$ROOT/.venv-peers smg=$ROOT/.venv-smg
   if [ ! -x "$peers/bin/sglang-router" ] || [ ! -x "$peers/bin/vllm-router" ]; then
     log "installing peer routers (PyPI sglang-router, vllm-router) into .venv-peers"
     python3 -m venv "$peers"
     "$peers/bin/pip" install -q sglang-router vllm-router ||
       log "peer routers could not be installed: the benchmark reports them as not run"
+  fi
+  if [ ! -x "$smg/bin/smg" ]; then
+    log "installing SMG (PyPI smg) into .venv-smg"
+    python3 -m venv "$smg"
+    "$smg/bin/pip" install -q smg || log "SMG could not be installed: the benchmark reports it as not run"
   fi
 }
 
@@ -178,6 +185,7 @@ bench() {
   # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core --bench flow)
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
+  # ./build.sh bench vllm [vllm.py args]  3 real vllm serve replicas behind every router (bench/vllm.py --help)
   # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
   # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
   # ./build.sh bench soak [soak.py args]  an hour of churning traffic with restarts (bench/soak.py --help)
@@ -189,6 +197,16 @@ bench() {
     mkdir -p results/soak
     log "soak (log: results/soak/run.log)"
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/soak.py "$@" 2>&1 | tee results/soak/run.log
+    return
+  fi
+  if [ "${1:-}" = vllm ]; then
+    shift
+    setup_vllm_fleet
+    setup_charts
+    setup_peers
+    mkdir -p results/vllm
+    log "real-vLLM benchmark (about 40 minutes; log: results/vllm/run.log)"
+    PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/vllm.py "$@" 2>&1 | tee results/vllm/run.log
     return
   fi
   if [ "${1:-}" = gateways ]; then
@@ -298,14 +316,17 @@ fuzz() {
   fi
 }
 
-conformance() {
-  # The real vLLM 0.33.0 server (CPU, model forward pass replaced) behind the agent and Envoy.
+VLLM_VERSION=0.33.0
+
+# vLLM in .venv-vllm, the local test model, the release agent and filter, Envoy: what the
+# conformance suite and the real-vLLM benchmark run.
+setup_vllm_fleet() {
   setup
-  local vvenv=$ROOT/.venv-vllm vllm_version=0.33.0
-  if ! "$vvenv/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$vllm_version')" >/dev/null 2>&1; then
-    log "installing vLLM $vllm_version into .venv-vllm (CUDA wheels, about 3 GB)"
+  local vvenv=$ROOT/.venv-vllm
+  if ! "$vvenv/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" >/dev/null 2>&1; then
+    log "installing vLLM $VLLM_VERSION into .venv-vllm (CUDA wheels, about 3 GB)"
     python3 -m venv "$vvenv"
-    "$vvenv/bin/pip" install -q "vllm==$vllm_version"
+    "$vvenv/bin/pip" install -q "vllm==$VLLM_VERSION"
   fi
   log "building the local test model (config + tokenizer) into .cache/llmgw-model"
   "$vvenv/bin/python" conformance/build_model.py .cache/llmgw-model
@@ -313,11 +334,16 @@ conformance() {
   cargo build -q --release -p llmgw-agent
   build_wasm
   setup_envoy
+}
+
+conformance() {
+  # The real vLLM 0.33.0 server (CPU, model forward pass replaced) behind the agent and Envoy.
+  setup_vllm_fleet
   if ! cmp -s conformance/requirements.txt "$VENV/.conformance-requirements.installed"; then
     "$VENV/bin/pip" install -q -r conformance/requirements.txt
     cp conformance/requirements.txt "$VENV/.conformance-requirements.installed"
   fi
-  log "conformance suite against vLLM $vllm_version"
+  log "conformance suite against vLLM $VLLM_VERSION"
   target_dir >/dev/null
   (cd conformance && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }

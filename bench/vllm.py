@@ -1,0 +1,532 @@
+#!/usr/bin/env python3
+"""llmgw against real vLLM: three `vllm serve` 0.33.0 replicas (the conformance suite's
+no-model executor, each engine step given a cost: --step-us plus --token-us per computed token;
+small KV pools so evictions happen), the same seeded traffic through every router, in one run:
+Envoy round-robin, llmgw (Envoy + llmgw.wasm + llmgw-agent on the replicas' KV events), and
+the peer routers from PyPI (sglang-router and SMG cache_aware, vllm-router cache_aware and
+kv_aware).
+
+Workloads: shared-prefix (groups of chats sharing a long system prompt) and multi-turn (each
+turn extends the conversation), at concurrency 4 by default. Before every run the replicas'
+prefix caches are emptied (vLLM's /reset_prefix_cache, dev mode) and the router is started
+fresh. Hit rate is read from the replicas' own counters (vllm:prefix_cache_hits_total /
+queries_total deltas); the oracle bound is the hit rate an infinite cache holding every earlier
+request's blocks would give, computed from the replicas' own tokenization of the workload.
+
+Writes results/vllm/vllm.md, vllm.json and vllm.png. Everything listens on 127.0.0.1; every
+process started is stopped at exit, also on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
+import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
+from llmgw_testkit import http_json, stream_request  # noqa: E402
+from llmgw_testkit.fleet import pct, start_router, stop_on_signals  # noqa: E402
+
+ROOT = kit.ROOT
+CONFORMANCE = ROOT / "conformance"
+MODEL = "tiny"
+BLOCK = 16
+
+ROUTERS = {
+    "rr": "Envoy round-robin",
+    "llmgw": "llmgw (KV events)",
+    "sglang": "sglang-router cache_aware",
+    "smg": "SMG cache_aware",
+    "vllm-ca": "vllm-router cache_aware",
+    "vllm-kv": "vllm-router kv_aware",
+}
+# Each peer's virtualenv (under the project) and the executable it installs.
+PEER_BIN = {"sglang": (".venv-peers", "sglang-router"), "smg": (".venv-smg", "smg"),
+            "vllm-ca": (".venv-peers", "vllm-router"), "vllm-kv": (".venv-peers", "vllm-router")}
+WORKLOADS = {
+    "shared-prefix": "groups of chats sharing a long system prompt",
+    "multi-turn": "conversations, each turn extends the last",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Workloads (seeded: every router gets the same traffic). A session is a list of chat bodies one
+# client sends one after another; `concurrency` sessions run at once.
+
+
+def words(rng: random.Random, tag: str, n: int) -> str:
+    return " ".join(f"{tag}{rng.randrange(1000)}" for _ in range(n))
+
+
+def chat(messages: list[dict], max_tokens: int) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
+
+
+def make_workload(name: str, seed: int, scale: float, max_tokens: int) -> list[list[dict]]:
+    rng = random.Random(f"{name}-{seed}")
+    n = lambda x: max(1, int(round(x * scale)))  # noqa: E731
+    sessions: list[list[dict]] = []
+    if name == "shared-prefix":
+        systems = [words(rng, f"g{g}s", 120) for g in range(8)]
+        picks = [g for g in range(len(systems)) for _ in range(n(24))]
+        for g in picks:
+            msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": words(rng, "q", rng.randrange(8, 24))}]
+            sessions.append([chat(msgs, max_tokens)])
+    elif name == "multi-turn":
+        for c in range(n(48)):
+            msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
+            conv = []
+            for t in range(4):
+                msgs = msgs + [{"role": "user", "content": words(rng, f"c{c}t{t}u", rng.randrange(60, 90) if t == 0 else rng.randrange(10, 30))}]
+                conv.append(chat(list(msgs), max_tokens))
+                msgs = msgs + [{"role": "assistant", "content": words(rng, f"c{c}t{t}a", 8)}]
+            sessions.append(conv)
+    else:
+        raise ValueError(name)
+    rng.shuffle(sessions)
+    return sessions
+
+
+def oracle_hit_rate(replica_url: str, sessions: list[list[dict]]) -> float:
+    """The hit rate of one infinite cache that holds every earlier request's prompt blocks, as
+    vLLM counts hits (whole blocks, never the prompt's last token): the bound no router beats."""
+    seen: set[tuple] = set()
+    hits = queries = 0
+    for session in sessions:
+        for body in session:
+            status, _, reply = http_json(f"{replica_url}/tokenize", {"model": MODEL, "messages": body["messages"]}, timeout=30)
+            if status != 200:
+                raise RuntimeError(f"/tokenize: HTTP {status}: {reply}")
+            toks = reply["tokens"]
+            queries += len(toks)
+            usable = (len(toks) - 1) // BLOCK
+            matched = 0
+            while matched < usable and tuple(toks[: (matched + 1) * BLOCK]) in seen:
+                matched += 1
+            hits += matched * BLOCK
+            for i in range(1, len(toks) // BLOCK + 1):
+                seen.add(tuple(toks[: i * BLOCK]))
+    return hits / queries if queries else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The fleet: real `vllm serve` processes.
+
+
+class Replica:
+    def __init__(self, i: int):
+        self.name = f"v{i}"
+        self.port, self.kv, self.replay = kit.free_port(), kit.free_port(), kit.free_port()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self, a) -> list:
+        # The publisher binds on loopback with vLLM's default topic (""): the agent and
+        # vllm-router both connect to it.
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://[::ffff:127.0.0.1]:{self.kv}",
+                  "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{self.replay}", "topic": ""}
+        return [a.vllm_venv / "bin" / "vllm", "serve", a.model_dir, "--served-model-name", MODEL,
+                "--host", "127.0.0.1", "--port", self.port, "--block-size", BLOCK,
+                "--num-gpu-blocks-override", a.blocks, "--max-model-len", 2048, "--max-num-seqs", a.max_num_seqs,
+                "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning", "--prefix-caching-hash-algo", "sha256_cbor",
+                "--distributed-executor-backend", "llmgw_conformance_executor.NoModelExecutor",
+                "--kv-events-config", json.dumps(events), "--enable-scale-out"]
+
+    def env(self, a) -> dict:
+        env = dict(os.environ)
+        env.update({"PYTHONHASHSEED": "0", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1",
+                    "LLMGW_STEP_US": str(a.step_us), "LLMGW_TOKEN_US": str(a.token_us),
+                    "PYTHONPATH": str(CONFORMANCE) + os.pathsep + env.get("PYTHONPATH", "")})
+        return env
+
+    def agent_entry(self) -> dict:
+        return {"name": self.name, "address": f"127.0.0.1:{self.port}", "models": [MODEL],
+                "endpoint": f"tcp://127.0.0.1:{self.kv}", "mode": "connect",
+                "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": ""}
+
+
+def scrape(r: Replica) -> dict[str, float]:
+    """vllm:* counters of a replica, each summed over its label sets."""
+    out: dict[str, float] = {}
+    for line in kit.get_text(f"{r.url}/metrics").splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def reset_caches(replicas: list[Replica]) -> None:
+    """Empties every replica's prefix cache (retried while requests still hold blocks)."""
+    for r in replicas:
+        def done(r=r) -> bool:
+            status, _, reply = http_json(f"{r.url}/reset_prefix_cache", {}, timeout=10)
+            return status == 200 and bool(reply.get("success"))
+        kit.wait_until(done, 30, f"{r.name} to empty its prefix cache")
+
+
+# ----------------------------------------------------------------------------------------------
+# Routers: started fresh for every run.
+
+
+class Router:
+    def __init__(self, bench: "Bench", name: str):
+        self.b, self.name = bench, name
+        self.port = kit.free_port()
+        self.procs: list = []
+        self.envoy = None
+
+    def start(self) -> None:
+        b, a, reps = self.b, self.b.args, self.b.replicas
+        admin = kit.free_port()
+        if self.name == "rr":
+            text = kit.lb_config(self.port, admin, [r.port for r in reps], "ROUND_ROBIN")
+            proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-rr", text, admin, feed=False)
+            self.procs.append(proc)
+        elif self.name == "llmgw":
+            agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name="agent",
+                              hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}).wait_ready()
+            self.procs.append(agent.proc)
+            kit.wait_until(lambda: all(x["up"] and x["connected"] for x in agent.replicas()), 60,
+                           "the agent to see every replica up and its publisher connected")
+            profile = {"name": "bench", "block_size": BLOCK, "kv_events": True, **json.loads(a.llmgw_profile)}
+            cfg = kit.filter_config(profile, explain_header=True)
+            text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_interval="0.5s")
+            proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
+            self.procs.append(proc)
+        else:
+            venv, exe = PEER_BIN[self.name]
+            urls = [r.url for r in reps]
+            binary = ROOT / venv / "bin" / exe
+            if self.name in ("sglang", "smg"):
+                cmd = [binary, "launch", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *urls,
+                       "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", kit.free_port(),
+                       "--log-level", "warn"]
+            else:
+                cmd = [binary, "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *urls,
+                       "--policy", "cache_aware" if self.name == "vllm-ca" else "kv_aware",
+                       "--prometheus-host", "127.0.0.1", "--prometheus-port", kit.free_port(), "--log-level", "warning"]
+                if self.name == "vllm-kv":
+                    for r in reps:
+                        cmd += ["--kv-event-source", f"{r.url}=tcp://[::ffff:127.0.0.1]:{r.kv}",
+                                "--kv-event-replay-source", f"{r.url}=tcp://[::ffff:127.0.0.1]:{r.replay}"]
+                    cmd += ["--kv-event-block-size", BLOCK, "--kv-event-model", MODEL]
+            self.procs.append(b.procs.start(cmd, self.name))
+
+        def ready() -> bool:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"{ROUTERS[self.name]} exited (log: {b.logdir})")
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            return kit.plain_request(self.port, body)[2] == 200
+        kit.wait_until(ready, 90, f"{ROUTERS[self.name]} to route")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            self.b.procs.stop(p)
+        self.procs = []
+
+    def tokenizer_us(self) -> dict:
+        """llmgw: its tokenizer callouts' latency (µs), p50 and p99, from Envoy's histogram."""
+        if self.name != "llmgw" or self.envoy is None:
+            return {}
+        try:
+            text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter=llmgw_tokenizer_latency_us&histogram_buckets=none")
+        except OSError:
+            return {}
+        m = re.search(r"P50\(([0-9.na]+),([0-9.na]+)\).*?P99\(([0-9.na]+),([0-9.na]+)\)", text)
+        if not m:
+            return {}
+        num = lambda s: float(s) if s not in ("nan",) else float("nan")  # noqa: E731
+        return {"tokenizer_p50_us": num(m.group(2)), "tokenizer_p99_us": num(m.group(4))}
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.logdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-vllm-"))
+        self.procs = kit.Procs(self.logdir)
+        self.replicas = [Replica(i) for i in range(args.replicas)]
+        self.results: list[dict] = []
+        self.skipped: dict[str, str] = {}
+        self.oracle: dict[str, float] = {}
+
+    def start_fleet(self) -> None:
+        a = self.args
+        log(f"starting {len(self.replicas)} vllm serve replicas ({a.blocks} KV blocks of {BLOCK} tokens, "
+            f"step {a.step_us} µs + {a.token_us} µs per computed token); logs in {self.logdir}")
+        for r in self.replicas:
+            r.proc = self.procs.start(r.command(a), f"vllm-{r.name}", env=r.env(a))
+
+        def healthy(r: Replica) -> bool:
+            if r.proc.poll() is not None:
+                raise RuntimeError(f"vllm {r.name} exited with {r.proc.returncode}:\n{kit.tail(r.proc.log_path, 30)}")
+            try:
+                return kit.request("GET", f"{r.url}/health", timeout=2)[0] == 200
+            except OSError:
+                return False
+        t0 = time.monotonic()
+        for r in self.replicas:
+            kit.wait_until(lambda r=r: healthy(r), a.startup_timeout, f"vllm {r.name} to serve")
+            log(f"  {r.name} serving on 127.0.0.1:{r.port} ({time.monotonic() - t0:.0f} s)")
+
+    def run_one(self, router: Router, sessions: list[list[dict]], label: str) -> dict:
+        reps = self.replicas
+        before = [scrape(r) for r in reps]
+        results: list[tuple[float, float, int]] = []
+        lock = threading.Lock()
+        total = sum(len(s) for s in sessions)
+        t0 = time.monotonic()
+
+        def worker(session):
+            for body in session:
+                res = stream_request(router.port, body)
+                with lock:
+                    results.append(res)
+                    n = len(results)
+                if n % 16 == 0 or n == total:
+                    print(f"    {label}: {n}/{total} requests, {time.monotonic() - t0:.0f} s", flush=True)
+        with ThreadPoolExecutor(self.args.concurrency) as ex:
+            list(ex.map(worker, sessions))
+        elapsed = time.monotonic() - t0
+        after = [scrape(r) for r in reps]
+        d = lambda k: [x.get(k, 0.0) - y.get(k, 0.0) for x, y in zip(after, before)]  # noqa: E731
+        q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
+        served = d("vllm:request_success_total")
+        ttfts = [x[0] for x in results if x[2] == 200 and x[0] == x[0]]
+        shares = [s / max(1.0, sum(served)) for s in served]
+        lo = min(served) if served else 0
+        return {
+            "hit_rate": h / q if q else 0.0,
+            "ttft_p50": pct(ttfts, 50) * 1000, "ttft_p99": pct(ttfts, 99) * 1000,
+            "ttft_mean": statistics.fmean(ttfts) * 1000 if ttfts else float("nan"),
+            "shares": shares, "max_min": (max(served) / lo) if lo else float("inf"),
+            "errors": sum(1 for x in results if x[2] != 200 or x[0] != x[0]),
+            "requests": len(results), "elapsed_s": elapsed,
+        }
+
+    def run(self) -> None:
+        a = self.args
+        self.start_fleet()
+        sessions = {w: make_workload(w, a.seed, a.scale, a.max_tokens) for w in a.workloads}
+        for w in a.workloads:
+            self.oracle[w] = oracle_hit_rate(self.replicas[0].url, sessions[w])
+            log(f"  {w}: {sum(len(s) for s in sessions[w])} requests ({WORKLOADS[w]}); infinite-cache oracle hit rate "
+                f"{self.oracle[w] * 100:.1f} %")
+        routers = []
+        for name in a.routers:
+            if name in PEER_BIN and not (ROOT / PEER_BIN[name][0] / "bin" / PEER_BIN[name][1]).exists():
+                self.skipped[name] = f"not installed ({PEER_BIN[name][0]}/bin/{PEER_BIN[name][1]})"
+                continue
+            routers.append(name)
+        for run in range(1, a.runs + 1):
+            for w in a.workloads:
+                for name in routers:
+                    if name in self.skipped:
+                        continue
+                    reset_caches(self.replicas)
+                    router = Router(self, name)
+                    label = f"run {run} {w} {ROUTERS[name]}"
+                    try:
+                        router.start()
+                        r = self.run_one(router, sessions[w], label)
+                        r.update(router.tokenizer_us())
+                    except (TimeoutError, OSError, RuntimeError) as e:
+                        self.skipped[name] = f"{type(e).__name__}: {e} (log: {self.logdir})"
+                        log(f"  {ROUTERS[name]}: could not run: {e}")
+                        continue
+                    finally:
+                        router.stop()
+                    r.update({"run": run, "workload": w, "router": name, "oracle": self.oracle[w],
+                              "of_oracle": r["hit_rate"] / self.oracle[w] if self.oracle[w] else float("nan")})
+                    log(f"  {label}: hit {r['hit_rate'] * 100:.1f} % ({r['of_oracle']:.2f} of oracle), TTFT p50 "
+                        f"{r['ttft_p50']:.0f} ms p99 {r['ttft_p99']:.0f} ms, max/min {r['max_min']:.2f}, errors {r['errors']}")
+                    self.results.append(r)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def table(results: list[dict], run: int) -> list[str]:
+    out = ["| router | " + " | ".join(f"{w}: hit (of oracle) | max/min | TTFT p50 (× rr) | p99 ms | errors" for w in WORKLOADS
+                                       if any(r["workload"] == w for r in results)) + " |"]
+    ws = [w for w in WORKLOADS if any(r["workload"] == w for r in results)]
+    out.append("|---|" + "---|---|---|---|---|" * len(ws))
+    for name in ROUTERS:
+        cells = []
+        for w in ws:
+            r = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == name), None)
+            rr = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == "rr"), None)
+            if r is None:
+                cells.append("— | — | — | — | —")
+                continue
+            x = f" ({r['ttft_p50'] / rr['ttft_p50']:.2f})" if rr and rr["ttft_p50"] else ""
+            cells.append(f"{r['hit_rate']:.3f} ({r['of_oracle']:.2f}) | {r['max_min']:.2f} | {r['ttft_p50']:.0f} ms{x} | "
+                         f"{r['ttft_p99']:.0f} | {r['errors']}")
+        if any(c != "— | — | — | — | —" for c in cells):
+            out.append(f"| {ROUTERS[name]} | " + " | ".join(cells) + " |")
+    return out
+
+
+def targets(results: list[dict]) -> list[str]:
+    """The issue's targets for llmgw, per run: checked, with the miss stated."""
+    lines = []
+    limit = {"shared-prefix": 0.45, "multi-turn": 0.75}
+    for run in sorted({r["run"] for r in results}):
+        for w in WORKLOADS:
+            me = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == "llmgw"), None)
+            if me is None:
+                continue
+            rr = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == "rr"), None)
+            others = [r for r in results if r["run"] == run and r["workload"] == w and r["router"] not in ("llmgw", "rr")]
+            checks = []
+            if rr:
+                x = me["ttft_p50"] / rr["ttft_p50"]
+                checks.append(f"TTFT p50 {x:.2f}× round-robin (≤ {limit[w]}: {'met' if x <= limit[w] else 'missed'})")
+            faster = [o for o in others if o["ttft_p50"] < me["ttft_p50"]]
+            checks.append("lowest TTFT p50: " + ("met" if not faster else "missed (" + ", ".join(
+                f"{ROUTERS[o['router']]} {o['ttft_p50']:.0f} ms" for o in faster) + f" vs {me['ttft_p50']:.0f} ms)"))
+            checks.append(f"hit {me['of_oracle']:.2f} of oracle (≥ 0.95: {'met' if me['of_oracle'] >= 0.95 else 'missed'})")
+            checks.append(f"max/min {me['max_min']:.2f} (≤ 1.25: {'met' if me['max_min'] <= 1.25 else 'missed'})")
+            checks.append(f"errors {me['errors']} ({'met' if me['errors'] == 0 else 'missed'})")
+            lines.append(f"- run {run}, {w}: " + "; ".join(checks))
+    return lines
+
+
+def chart(results: list[dict], out: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no chart)")
+        return None
+    ws = [w for w in WORKLOADS if any(r["workload"] == w for r in results)]
+    names = [n for n in ROUTERS if any(r["router"] == n for r in results)]
+    fig, axes = plt.subplots(len(ws), 3, figsize=(15, 4 * len(ws)), squeeze=False)
+    metrics = [("of_oracle", "hit rate (of the oracle's)"), ("ttft_p50", "TTFT p50 (ms)"), ("max_min", "max/min request share")]
+    for i, w in enumerate(ws):
+        for j, (key, title) in enumerate(metrics):
+            ax = axes[i][j]
+            for k, n in enumerate(names):
+                vals = [r[key] for r in results if r["workload"] == w and r["router"] == n]
+                if not vals:
+                    continue
+                ax.bar(k, statistics.median(vals), color=f"C{k}")
+                ax.scatter([k] * len(vals), vals, color="black", s=10, zorder=3)
+            ax.set_xticks(range(len(names)), [ROUTERS[n].replace(" ", "\n", 1) for n in names], fontsize=7)
+            ax.set_title(f"{w}: {title}", fontsize=9)
+    fig.suptitle("3 real vllm serve 0.33.0 replicas, concurrency 4: bars = median of the runs, dots = each run", fontsize=10)
+    fig.tight_layout()
+    path = out / "vllm.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def report(out: Path, header: list[str], results: list[dict], skipped: dict, oracle: dict) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    md = [*header,
+          "Hit rate = prefix-cache hits / queries (tokens, the replicas' own counters); of oracle = that over an infinite "
+          "cache's hit rate on the same traffic; max/min = the busiest replica's requests over the idlest's; TTFT = time "
+          "to the first SSE data line at the client (× rr: over round-robin's in the same run).",
+          "", "Oracle hit rates: " + ", ".join(f"{w} {v:.3f}" for w, v in oracle.items())]
+    for run in sorted({r["run"] for r in results}):
+        md += ["", f"**Run {run}**", "", *table(results, run)]
+    tgt = targets(results)
+    if tgt:
+        md += ["", "**Targets** (llmgw, every run):", "", *tgt]
+    tok = [r for r in results if r["router"] == "llmgw" and r.get("tokenizer_p50_us") == r.get("tokenizer_p50_us")
+           and "tokenizer_p50_us" in r]
+    if tok:
+        md += ["", "**llmgw's tokenizer callout** (`llmgw_tokenizer_latency_us`, Envoy's histogram): " + "; ".join(
+            f"run {r['run']} {r['workload']}: p50 {r['tokenizer_p50_us'] / 1000:.1f} ms, p99 {r['tokenizer_p99_us'] / 1000:.1f} ms "
+            f"({r['tokenizer_p50_us'] / 1000 / r['ttft_p50'] * 100:.0f} % of TTFT p50)" for r in tok)]
+    if skipped:
+        md += ["", "**Not run:**", "", *[f"- {ROUTERS[n]}: {why}" for n, why in skipped.items()]]
+    text = "\n".join(md) + "\n"
+    (out / "vllm.md").write_text(text)
+    (out / "vllm.json").write_text(json.dumps({"header": header, "results": results, "skipped": skipped, "oracle": oracle}, indent=2))
+    png = chart(results, out)
+    print()
+    print(text)
+    rel = lambda p: p.relative_to(ROOT) if p.is_relative_to(ROOT) else p  # noqa: E731
+    print(f"written: {rel(out / 'vllm.md')}, {rel(out / 'vllm.json')}" + (f", {rel(png)}" if png else ""))
+    return 0 if results else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3, help="runs of every router on every workload (default 3)")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(ROUTERS))
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--scale", type=float, default=1.0, help="request count multiplier")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--blocks", type=int, default=192, help="KV blocks per replica (default 192: evictions happen)")
+    ap.add_argument("--step-us", type=int, default=5000, help="cost of an engine step (µs, default 5000)")
+    ap.add_argument("--token-us", type=int, default=200, help="cost per token computed in a step (µs, default 200)")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
+    ap.add_argument("--llmgw-profile", default="{}", help="JSON fields added to llmgw's profile (e.g. its ttft rates)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--wasm", type=Path, default=None, help="the filter to load (default dist/llmgw.wasm)")
+    ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")
+    ap.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
+    ap.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "llmgw-model")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "vllm")
+    ap.add_argument("--from-json", type=Path, default=None, help="rewrite the report from a saved vllm.json (no runs)")
+    args = ap.parse_args()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        return report(args.out, saved["header"], saved["results"], saved["skipped"], saved["oracle"])
+    try:
+        args.agent_bin = kit.built("llmgw-agent", "release")
+        args.wasm = args.wasm or kit.wasm()
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 1
+    for p in (args.envoy, args.vllm_venv / "bin" / "vllm", args.model_dir / "config.json"):
+        if not p.exists():
+            print(f"missing {p}: run ./build.sh bench vllm (it installs vLLM and builds the model)", file=sys.stderr)
+            return 1
+    command = "./build.sh bench vllm" + ("" if len(sys.argv) <= 1 else " " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+    bench = Bench(args)
+    stop_on_signals(bench.procs)
+    t0 = time.monotonic()
+    try:
+        bench.run()
+    finally:
+        bench.procs.stop_all()
+    a = args
+    header = [f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.monotonic() - t0:.0f} s)", "",
+              f"{a.replicas} `vllm serve` 0.33.0 replicas (no-model executor: each step {a.step_us} µs + {a.token_us} µs per "
+              f"computed token; {a.blocks} KV blocks of {BLOCK} tokens; max {a.max_num_seqs} sequences), concurrency "
+              f"{a.concurrency}, {a.max_tokens} output tokens, seed {a.seed}, {a.runs} runs. Everything shares this machine's "
+              "cores: compare routers within a run."]
+    return report(args.out, header, bench.results, bench.skipped, bench.oracle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
