@@ -501,7 +501,10 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--overhead-samples", type=int, default=20)
-    ap.add_argument("--llmgw-weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
+    # The simulator computes prefills side by side, so queued prefill does not delay a new
+    # request there (vLLM, the filter's default of 1, computes a step's tokens together).
+    ap.add_argument("--llmgw-weights", default='{"queued_prefill": 0}',
+                    help="JSON object passed as the llmgw profile's `weights` (default {\"queued_prefill\": 0}: the simulator's physics)")
     ap.add_argument("--agent-load-interval-ms", type=int, default=None,
                     help="llmgw-agent's /metrics scrape interval (its default when omitted)")
     ap.add_argument("--wasm", type=Path, default=None, help="the filter to load (default dist/llmgw.wasm)")

@@ -45,6 +45,7 @@ BLOCK = 16
 ROUTERS = {
     "rr": "Envoy round-robin",
     "llmgw": "llmgw (KV events)",
+    "llmgw-render": "llmgw, tokenizer: vllm launch render",
     "sglang": "sglang-router cache_aware",
     "smg": "SMG cache_aware",
     "vllm-ca": "vllm-router cache_aware",
@@ -200,13 +201,15 @@ class Router:
             text = kit.lb_config(self.port, admin, [r.port for r in reps], "ROUND_ROBIN")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-rr", text, admin, feed=False)
             self.procs.append(proc)
-        elif self.name == "llmgw":
+        elif self.name in ("llmgw", "llmgw-render"):
             agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name="agent",
                               hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}).wait_ready()
             self.procs.append(agent.proc)
             kit.wait_until(lambda: all(x["up"] and x["connected"] for x in agent.replicas()), 60,
                            "the agent to see every replica up and its publisher connected")
             profile = {"name": "bench", "block_size": BLOCK, "kv_events": True, **json.loads(a.llmgw_profile)}
+            if self.name == "llmgw-render":
+                profile["tokenizer_address"] = f"127.0.0.1:{b.render.port}"
             cfg = kit.filter_config(profile, explain_header=True)
             text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_interval="0.5s")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
@@ -244,7 +247,7 @@ class Router:
 
     def tokenizer_us(self) -> dict:
         """llmgw: its tokenizer callouts' latency (µs), p50 and p99, from Envoy's histogram."""
-        if self.name != "llmgw" or self.envoy is None:
+        if not self.name.startswith("llmgw") or self.envoy is None:
             return {}
         try:
             text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter=llmgw_tokenizer_latency_us&histogram_buckets=none")
@@ -289,6 +292,26 @@ class Bench:
             kit.wait_until(lambda r=r: healthy(r), a.startup_timeout, f"vllm {r.name} to serve")
             log(f"  {r.name} serving on 127.0.0.1:{r.port} ({time.monotonic() - t0:.0f} s)")
 
+    def start_render(self) -> None:
+        """vLLM's engine-less render server (`vllm launch render`): a dedicated tokenizer that
+        never queues behind generation, as the deployment manifests offer it beside Envoy."""
+        a = self.args
+        self.render = Replica(len(self.replicas))
+        self.render.name = "render"
+        cmd = [a.vllm_venv / "bin" / "vllm", "launch", "render", a.model_dir, "--served-model-name", MODEL,
+               "--host", "127.0.0.1", "--port", self.render.port, "--uvicorn-log-level", "warning"]
+        self.render.proc = self.procs.start(cmd, "vllm-render", env=self.render.env(a))
+
+        def serving() -> bool:
+            if self.render.proc.poll() is not None:
+                raise RuntimeError(f"vllm launch render exited:\n{kit.tail(self.render.proc.log_path, 30)}")
+            try:
+                return http_json(f"{self.render.url}/tokenize", {"model": MODEL, "prompt": "hi"}, timeout=5)[0] == 200
+            except OSError:
+                return False
+        kit.wait_until(serving, a.startup_timeout, "vllm launch render to tokenize")
+        log(f"  render (tokenizer) serving on 127.0.0.1:{self.render.port}")
+
     def run_one(self, router: Router, sessions: list[list[dict]], label: str) -> dict:
         reps = self.replicas
         before = [scrape(r) for r in reps]
@@ -327,6 +350,11 @@ class Bench:
     def run(self) -> None:
         a = self.args
         self.start_fleet()
+        if "llmgw-render" in a.routers:
+            try:
+                self.start_render()
+            except (TimeoutError, OSError, RuntimeError) as e:
+                self.skipped["llmgw-render"] = f"{type(e).__name__}: {e}"
         sessions = {w: make_workload(w, a.seed, a.scale, a.max_tokens) for w in a.workloads}
         for w in a.workloads:
             self.oracle[w] = oracle_hit_rate(self.replicas[0].url, sessions[w])
@@ -334,6 +362,8 @@ class Bench:
                 f"{self.oracle[w] * 100:.1f} %")
         routers = []
         for name in a.routers:
+            if name in self.skipped:
+                continue
             if name in PEER_BIN and not (ROOT / PEER_BIN[name][0] / "bin" / PEER_BIN[name][1]).exists():
                 self.skipped[name] = f"not installed ({PEER_BIN[name][0]}/bin/{PEER_BIN[name][1]})"
                 continue
@@ -392,24 +422,24 @@ def targets(results: list[dict]) -> list[str]:
     """The issue's targets for llmgw, per run: checked, with the miss stated."""
     lines = []
     limit = {"shared-prefix": 0.45, "multi-turn": 0.75}
-    for run in sorted({r["run"] for r in results}):
-        for w in WORKLOADS:
-            me = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == "llmgw"), None)
-            if me is None:
-                continue
-            rr = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == "rr"), None)
-            others = [r for r in results if r["run"] == run and r["workload"] == w and r["router"] not in ("llmgw", "rr")]
-            checks = []
-            if rr:
-                x = me["ttft_p50"] / rr["ttft_p50"]
-                checks.append(f"TTFT p50 {x:.2f}× round-robin (≤ {limit[w]}: {'met' if x <= limit[w] else 'missed'})")
-            faster = [o for o in others if o["ttft_p50"] < me["ttft_p50"]]
-            checks.append("lowest TTFT p50: " + ("met" if not faster else "missed (" + ", ".join(
-                f"{ROUTERS[o['router']]} {o['ttft_p50']:.0f} ms" for o in faster) + f" vs {me['ttft_p50']:.0f} ms)"))
-            checks.append(f"hit {me['of_oracle']:.2f} of oracle (≥ 0.95: {'met' if me['of_oracle'] >= 0.95 else 'missed'})")
-            checks.append(f"max/min {me['max_min']:.2f} (≤ 1.25: {'met' if me['max_min'] <= 1.25 else 'missed'})")
-            checks.append(f"errors {me['errors']} ({'met' if me['errors'] == 0 else 'missed'})")
-            lines.append(f"- run {run}, {w}: " + "; ".join(checks))
+    ours = ("llmgw", "llmgw-render")
+    for run, w, mine in ((run, w, mine) for run in sorted({r["run"] for r in results}) for w in WORKLOADS for mine in ours):
+        me = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == mine), None)
+        if me is None:
+            continue
+        rr = next((r for r in results if r["run"] == run and r["workload"] == w and r["router"] == "rr"), None)
+        others = [r for r in results if r["run"] == run and r["workload"] == w and r["router"] not in (*ours, "rr")]
+        checks = []
+        if rr:
+            x = me["ttft_p50"] / rr["ttft_p50"]
+            checks.append(f"TTFT p50 {x:.2f}× round-robin (≤ {limit[w]}: {'met' if x <= limit[w] else 'missed'})")
+        faster = [o for o in others if o["ttft_p50"] < me["ttft_p50"]]
+        checks.append("lowest TTFT p50: " + ("met" if not faster else "missed (" + ", ".join(
+            f"{ROUTERS[o['router']]} {o['ttft_p50']:.0f} ms" for o in faster) + f" vs {me['ttft_p50']:.0f} ms)"))
+        checks.append(f"hit {me['of_oracle']:.2f} of oracle (≥ 0.95: {'met' if me['of_oracle'] >= 0.95 else 'missed'})")
+        checks.append(f"max/min {me['max_min']:.2f} (≤ 1.25: {'met' if me['max_min'] <= 1.25 else 'missed'})")
+        checks.append(f"errors {me['errors']} ({'met' if me['errors'] == 0 else 'missed'})")
+        lines.append(f"- run {run}, {w}, {ROUTERS[mine]}: " + "; ".join(checks))
     return lines
 
 
@@ -456,11 +486,11 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
     tgt = targets(results)
     if tgt:
         md += ["", "**Targets** (llmgw, every run):", "", *tgt]
-    tok = [r for r in results if r["router"] == "llmgw" and r.get("tokenizer_p50_us") == r.get("tokenizer_p50_us")
+    tok = [r for r in results if r["router"].startswith("llmgw") and r.get("tokenizer_p50_us") == r.get("tokenizer_p50_us")
            and "tokenizer_p50_us" in r]
     if tok:
         md += ["", "**llmgw's tokenizer callout** (`llmgw_tokenizer_latency_us`, Envoy's histogram): " + "; ".join(
-            f"run {r['run']} {r['workload']}: p50 {r['tokenizer_p50_us'] / 1000:.1f} ms, p99 {r['tokenizer_p99_us'] / 1000:.1f} ms "
+            f"run {r['run']} {r['workload']} {ROUTERS[r['router']]}: p50 {r['tokenizer_p50_us'] / 1000:.1f} ms, p99 {r['tokenizer_p99_us'] / 1000:.1f} ms "
             f"({r['tokenizer_p50_us'] / 1000 / r['ttft_p50'] * 100:.0f} % of TTFT p50)" for r in tok)]
     if skipped:
         md += ["", "**Not run:**", "", *[f"- {ROUTERS[n]}: {why}" for n, why in skipped.items()]]

@@ -23,6 +23,10 @@ ROOT = kit.ROOT
 MODEL = "demo-model"
 
 
+# llmgw policy weights that match the simulator (see --weights).
+SIM_WEIGHTS = '{"queued_prefill": 0}'
+
+
 # ----------------------------------------------------------------------------------------------
 # Workload
 
@@ -69,7 +73,10 @@ def main() -> int:
     ap.add_argument("--wasm", default=None, help="the filter to load (default dist/llmgw.wasm)")
     ap.add_argument("--runs", default="rr,approx,exact",
                     help="comma-separated arms: rr (Envoy round-robin), approx, exact (default all three)")
-    ap.add_argument("--weights", default=None, help="JSON object passed as the llmgw profile's `weights`")
+    # The simulator computes prefills side by side (vLLM computes a step's tokens together), so
+    # queued prefill does not delay a new request there: the demo tells the policy so.
+    ap.add_argument("--weights", default=SIM_WEIGHTS,
+                    help=f"JSON object passed as the llmgw profile's `weights` (default {SIM_WEIGHTS}: the simulator's physics)")
     args = ap.parse_args()
     weights = json.loads(args.weights) if args.weights else None
 

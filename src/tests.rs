@@ -304,7 +304,8 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     let mut t2: Vec<u32> = (0..40).collect();
     t2.extend(1000..1360);
     let held = keys(&t1)[..10].to_vec();
-    // All of the queued prefill counts (`queued_prefill` 1; the default counts none).
+    // All of the queued prefill counts (`queued_prefill` 1, the default; said here because
+    // the test depends on it).
     let cfg = config("").replace(r#""seed":"0"}"#, r#""seed":"0","weights":{"queued_prefill":1}}"#);
     let e1 = synced_with(&cfg, vec![], held.clone(), true);
     // A second worker VM of the same Envoy (same shared data), with the same feed.

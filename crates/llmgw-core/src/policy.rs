@@ -590,16 +590,20 @@ mod tests {
         // Prefill queued on replica 1 (this gateway's requests without a first token yet): 3,000
         // more tokens there, half of which count (`queued_prefill` 0.5), and the request itself
         // make replica 0 the fastest (404 ms against 256 ms; replica 2, computing everything,
-        // 320 ms). By default (0) only the request counts.
-        assert_eq!(w.queued_prefill, 0.0);
+        // 320 ms). By default (1, as vLLM computes a step's tokens together) all of it counts
+        // (704 ms); at 0 only the request does (104 ms).
+        assert_eq!(w.queued_prefill, 1.0);
         let half = Weights { queued_prefill: 0.5, ..Weights::default() };
+        let none = Weights { queued_prefill: 0.0, ..Weights::default() };
         let mut c = fleet(3);
         c[1].in_flight = 1;
         c[1].pending_tokens = 3000;
         let d = ttft(&c, &held, 1600, 7, &half);
         assert_eq!((d.winner, d.predicted_us), (Some(0), Some(256_000)));
         assert_eq!(d.runner_up, Some((2, 320_000)));
-        assert_eq!(ttft(&c, &held, 1600, 7, &w).predicted_us, Some(104_000));
+        let d = ttft(&c, &held, 1600, 7, &w);
+        assert_eq!((d.winner, d.predicted_us), (Some(0), Some(256_000)));
+        assert_eq!(ttft(&c, &held, 1600, 7, &none).predicted_us, Some(104_000));
         // The same request that already produced its first token costs only its slot.
         c[1].pending_tokens = 0;
         assert_eq!(ttft(&c, &held, 1600, 7, &half).winner, Some(1));
