@@ -37,11 +37,15 @@ from llmgw_testkit.gateways import (bound_sim_command, burst, indexes_equal_agen
 MODEL = "demo-model"
 
 # Filter weights per arm: today's defaults, and the same without the holders' load bound and the
-# tie margin (how llmgw routed before them), as the baseline in the same run.
+# tie margin (how llmgw routed before them), as the baseline in the same run. Every arm counts no
+# queued prefill (`queued_prefill` 0): the simulator computes prefills side by side, so queued
+# prefill delays nobody there (the filter's default, 1, is vLLM's physics), as in the demo.
+SIM = {"queued_prefill": 0}
 ARMS = {
-    "llmgw": ("llmgw (defaults)", {}),
-    "unbounded": ("llmgw without the holders' load bound and tie margin", {"holder_spill_factor": 0, "tie_margin": 0}),
-    "all-choices": ("llmgw, a new prefix to the least loaded of all replicas", {"approx_choices": 1024}),
+    "llmgw": ("llmgw (defaults)", {**SIM}),
+    "unbounded": ("llmgw without the holders' load bound and tie margin",
+                  {**SIM, "holder_spill_factor": 0, "tie_margin": 0}),
+    "all-choices": ("llmgw, a new prefix to the least loaded of all replicas", {**SIM, "approx_choices": 1024}),
 }
 DEFAULT_ARMS = ["llmgw", "unbounded"]
 

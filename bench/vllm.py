@@ -464,9 +464,10 @@ def chart(results: list[dict], out: Path) -> Path | None:
                     continue
                 ax.bar(k, statistics.median(vals), color=f"C{k}")
                 ax.scatter([k] * len(vals), vals, color="black", s=10, zorder=3)
-            ax.set_xticks(range(len(names)), [ROUTERS[n].replace(" ", "\n", 1) for n in names], fontsize=7)
+            ax.set_xticks(range(len(names)), names, fontsize=8, rotation=20)
             ax.set_title(f"{w}: {title}", fontsize=9)
-    fig.suptitle("3 real vllm serve 0.33.0 replicas, concurrency 4: bars = median of the runs, dots = each run", fontsize=10)
+    fig.suptitle("3 real vllm serve 0.33.0 replicas, concurrency 4: bars = median of the runs, dots = each run. "
+                 + ", ".join(f"{n} = {ROUTERS[n]}" for n in names), fontsize=8, wrap=True)
     fig.tight_layout()
     path = out / "vllm.png"
     fig.savefig(path, dpi=90)
