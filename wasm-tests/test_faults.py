@@ -637,6 +637,9 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
     assert not [r for r in later if r.outcome], later[:5]
     if backoff is None:
         # Envoy's default: the worker refuses requests (503 without a decision) while it waits.
-        assert refused > 0 and len(later) <= refused, (len(later), refused)
+        # A request sent between the trap and its answer that was in flight on the crashed VM
+        # gets the same 503 and counts with them, but not in `vm_reload_backoff`: at most one
+        # per client (CI once saw 241 against 240).
+        assert refused > 0 and len(later) <= refused + CONCURRENCY, (len(later), refused)
     else:
         assert not later, later[:5]
