@@ -46,8 +46,6 @@ ARMS = {
     "unbounded": ("llmgw without the holders' load bound and tie margin",
                   {**SIM, "holder_spill_factor": 0, "tie_margin": 0}),
     "all-choices": ("llmgw, a new prefix to the least loaded of all replicas", {**SIM, "approx_choices": 1024}),
-    "rendezvous": ("llmgw, a new prefix's equally loaded choices by rendezvous order only",
-                   {**SIM, "place_by_blocks": False}),
 }
 DEFAULT_ARMS = ["llmgw", "unbounded"]
 

@@ -44,19 +44,6 @@ pub struct Candidate<'a> {
     /// The engine's data-parallel rank when the replica behind `address` runs several (its
     /// ranks share the address; the rank tells them apart).
     pub dp_rank: Option<u32>,
-    /// KV blocks the index shows this engine holding, every prefix counted. The conversations
-    /// a replica holds come back to it, so between a new prefix's rendezvous choices of equal
-    /// load the clearly emptier one takes it (see [`EMPTIER_MIN_BLOCKS`]).
-    pub blocks_held: u64,
-}
-
-/// Of a new prefix's rendezvous choices with equal load, a later one is preferred only when it
-/// holds fewer blocks than the earlier by at least this many, or by an eighth of the earlier's
-/// (so gateways whose indexes differ by the events in flight still choose alike).
-pub const EMPTIER_MIN_BLOCKS: u64 = 64;
-
-fn clearly_emptier(blocks: u64, than: u64) -> bool {
-    blocks.saturating_add(EMPTIER_MIN_BLOCKS.max(than / 8)) <= than
 }
 
 impl Candidate<'_> {
@@ -222,22 +209,13 @@ fn approx_pick(cands: &[Candidate<'_>], idx: &[usize], key: u64, w: &Weights, ch
         idx.iter().filter_map(|&i| cands.get(i).map(|c| (c.rendezvous_weight(key), i))).collect();
     order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let choices = usize::try_from(choices.max(1)).unwrap_or(1);
-    let picks: Vec<(usize, &Candidate<'_>)> = order
+    order
         .iter()
         .filter_map(|&(_, i)| cands.get(i).map(|c| (i, c)))
         .filter(|(_, c)| c.pressure().saturating_add(1) <= cap)
         .take(choices)
-        .collect();
-    // The least loaded; among equals the earliest rendezvous choice, unless a later one is
-    // clearly emptier.
-    let Some(lowest) = picks.iter().map(|(_, c)| c.pressure()).min() else { return least_of(cands, idx) };
-    let mut equal = picks.iter().filter(|(_, c)| c.pressure() == lowest);
-    let first = equal.next().copied();
-    equal
-        .fold(first, |best, &(i, c)| match best {
-            Some((_, b)) if w.place_by_blocks && clearly_emptier(c.blocks_held, b.blocks_held) => Some((i, c)),
-            _ => best,
-        })
+        // `min_by_key` keeps the first of equal minima: the earlier rendezvous choice.
+        .min_by_key(|(_, c)| c.pressure())
         .map(|(i, _)| i)
         .or_else(|| least_of(cands, idx))
 }
@@ -378,7 +356,6 @@ mod tests {
                 running: 0,
                 waiting: 0,
                 kv_usage: 0.0,
-                blocks_held: 0,
             })
             .collect()
     }
@@ -522,43 +499,6 @@ mod tests {
         assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(home));
         c4[spill].in_flight = 1;
         assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(home));
-    }
-
-    #[test]
-    fn a_new_prefix_between_equally_loaded_choices_goes_to_the_clearly_emptier() {
-        let w = Weights::default();
-        let none = scores(&[0, 0, 0], 7);
-        let key = stable_hash(b"new conversation");
-        let home = decide(&fleet(3), Some(&none), Some(key), &w).winner.unwrap();
-        let mut c = fleet(3);
-        c[home].in_flight = 40;
-        let second = decide(&c, Some(&none), Some(key), &w).winner.unwrap();
-        // The first choice holds 1,000 blocks, the second 800: clearly emptier (by more than
-        // an eighth), so the second takes it.
-        let mut c = fleet(3);
-        c[home].blocks_held = 1000;
-        c[second].blocks_held = 800;
-        assert_eq!(decide(&c, Some(&none), Some(key), &w).winner, Some(second));
-        // 900 is within an eighth of 1,000: the first choice keeps it, so gateways whose
-        // indexes differ by a few events agree.
-        c[second].blocks_held = 900;
-        assert_eq!(decide(&c, Some(&none), Some(key), &w).winner, Some(home));
-        // Small fleets of blocks: at least 64 fewer.
-        c[home].blocks_held = 100;
-        c[second].blocks_held = 50;
-        assert_eq!(decide(&c, Some(&none), Some(key), &w).winner, Some(home));
-        c[second].blocks_held = 30;
-        assert_eq!(decide(&c, Some(&none), Some(key), &w).winner, Some(second));
-        // Load comes first: a busier emptier replica does not take it.
-        c[second].in_flight = 1;
-        assert_eq!(decide(&c, Some(&none), Some(key), &w).winner, Some(home));
-        // Without exact data (a fallback: one choice) the first choice stays.
-        c[second].in_flight = 0;
-        assert_eq!(decide(&c, None, Some(key), &w).winner, Some(home));
-        // Turned off: the first choice.
-        let off = Weights { place_by_blocks: false, ..Weights::default() };
-        assert_eq!(decide(&c, Some(&none), Some(key), &w).winner, Some(second));
-        assert_eq!(decide(&c, Some(&none), Some(key), &off).winner, Some(home));
     }
 
     #[test]

@@ -224,11 +224,6 @@ pub struct Weights {
     /// first, load bound permitting. Fallbacks without exact data always take the first.
     #[serde(default = "default_approx_choices")]
     pub approx_choices: u32,
-    /// Between those choices at equal load, a later one that holds clearly fewer blocks (by 64,
-    /// or an eighth of the earlier's) takes the prefix: the conversations a replica holds come
-    /// back to it, so the emptier one has less load coming. Default true; false: the earlier.
-    #[serde(default = "default_true")]
-    pub place_by_blocks: bool,
     /// Replicas holding a request's blocks whose scores differ by at most this much are equally
     /// good: the one the prompt's rendezvous order puts first wins. A difference of one request
     /// (0.5 × 1/9 at the defaults) is within it: engine-reported loads reach every gateway at a
@@ -314,7 +309,6 @@ impl Default for Weights {
             spill_factor: default_spill_factor(),
             spill_slack: default_spill_slack(),
             approx_choices: default_approx_choices(),
-            place_by_blocks: true,
             tie_margin: default_tie_margin(),
             holder_spill_factor: default_holder_spill_factor(),
         }

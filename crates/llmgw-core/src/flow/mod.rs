@@ -356,7 +356,6 @@ fn candidates_avoiding<'a>(
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
                 dp_rank: r.data_parallel().then_some(r.dp_rank),
-                blocks_held: feed.index.replica_blocks(id),
             })
         })
         .collect()
