@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
 from llmgw_testkit import plain_request, stream_request  # noqa: E402
-from llmgw_testkit.fleet import (fleet_agent, new_sims, restart_sims, run_sessions, sim_command,  # noqa: E402
-                                 start_router, stop_on_signals, wait_sims)
+from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, peer_command, restart_sims,  # noqa: E402
+                                 run_sessions, sim_command, start_router, stop_on_signals, wait_sims)
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
@@ -195,19 +195,9 @@ class Router:
         peers = b.args.peers_venv / "bin"
         prom = kit.free_port()
         self.prom = prom
-        if pol == "sglang":
-            cmd = [peers / "sglang-router", "launch", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *fleet.urls(),
-                   "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warn"]
-        else:
-            cmd = [peers / "vllm-router", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *fleet.urls(),
-                   "--policy", "cache_aware" if pol == "vllm-ca" else "kv_aware",
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", prom, "--log-level", "warning"]
-            if pol == "vllm-kv":
-                for s in sims:
-                    url = f"http://127.0.0.1:{s['port']}"
-                    cmd += ["--kv-event-source", f"{url}=tcp://[::ffff:127.0.0.1]:{s['kv']}",
-                            "--kv-event-replay-source", f"{url}=tcp://[::ffff:127.0.0.1]:{s['replay']}"]
-                cmd += ["--kv-event-block-size", BLOCK, "--kv-event-model", MODEL]
+        binary = peers / ("sglang-router" if pol == "sglang" else "vllm-router")
+        sources = [(f"http://127.0.0.1:{s['port']}", s["kv"], s["replay"]) for s in sims]
+        cmd = peer_command(pol, binary, self.port, fleet.urls(), prom, sources, BLOCK, MODEL)
         self.cmd = " ".join(shlex.quote(str(c)) for c in cmd)
         self._start(cmd, pol)
 
@@ -501,10 +491,9 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--overhead-samples", type=int, default=20)
-    # The simulator computes prefills side by side, so queued prefill does not delay a new
-    # request there (vLLM, the filter's default of 1, computes a step's tokens together).
-    ap.add_argument("--llmgw-weights", default='{"queued_prefill": 0}',
-                    help="JSON object passed as the llmgw profile's `weights` (default {\"queued_prefill\": 0}: the simulator's physics)")
+    ap.add_argument("--llmgw-weights", default=json.dumps(SIM_WEIGHTS),
+                    help=f"JSON object passed as the llmgw profile's `weights` (default {json.dumps(SIM_WEIGHTS)}: "
+                         "the simulator's physics, see llmgw_testkit.fleet.SIM_WEIGHTS)")
     ap.add_argument("--agent-load-interval-ms", type=int, default=None,
                     help="llmgw-agent's /metrics scrape interval (its default when omitted)")
     ap.add_argument("--wasm", type=Path, default=None, help="the filter to load (default dist/llmgw.wasm)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import threading
 import time
@@ -30,22 +29,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 import llmgw_testkit as kit  # noqa: E402
-from llmgw_testkit.fleet import new_sims, pct, restart_sims, scrape, stop_on_signals, wait_sims  # noqa: E402
+from llmgw_testkit.fleet import SIM_WEIGHTS, new_sims, pct, restart_sims, scrape, stop_on_signals, wait_sims  # noqa: E402
 from llmgw_testkit.gateways import (bound_sim_command, burst, indexes_equal_agents, shares, start_gateways,  # noqa: E402
                                     stream)
 
 MODEL = "demo-model"
 
 # Filter weights per arm: today's defaults, and the same without the holders' load bound and the
-# tie margin (how llmgw routed before them), as the baseline in the same run. Every arm counts no
-# queued prefill (`queued_prefill` 0): the simulator computes prefills side by side, so queued
-# prefill delays nobody there (the filter's default, 1, is vLLM's physics), as in the demo.
-SIM = {"queued_prefill": 0}
+# tie margin (how llmgw routed before them), as the baseline in the same run. Every arm has the
+# simulator's physics (SIM_WEIGHTS), as in the demo.
 ARMS = {
-    "llmgw": ("llmgw (defaults)", {**SIM}),
+    "llmgw": ("llmgw (defaults)", {**SIM_WEIGHTS}),
     "unbounded": ("llmgw without the holders' load bound and tie margin",
-                  {**SIM, "holder_spill_factor": 0, "tie_margin": 0}),
-    "all-choices": ("llmgw, a new prefix to the least loaded of all replicas", {**SIM, "approx_choices": 1024}),
+                  {**SIM_WEIGHTS, "holder_spill_factor": 0, "tie_margin": 0}),
+    "all-choices": ("llmgw, a new prefix to the least loaded of all replicas", {**SIM_WEIGHTS, "approx_choices": 1024}),
 }
 DEFAULT_ARMS = ["llmgw", "unbounded"]
 

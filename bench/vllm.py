@@ -27,15 +27,13 @@ import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
 from llmgw_testkit import http_json, stream_request  # noqa: E402
-from llmgw_testkit.fleet import pct, start_router, stop_on_signals  # noqa: E402
+from llmgw_testkit.fleet import peer_command, run_sessions, start_router, stop_on_signals  # noqa: E402
 
 ROOT = kit.ROOT
 CONFORMANCE = ROOT / "conformance"
@@ -164,16 +162,6 @@ class Replica:
                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": ""}
 
 
-def scrape(r: Replica) -> dict[str, float]:
-    """vllm:* counters of a replica, each summed over its label sets."""
-    out: dict[str, float] = {}
-    for line in kit.get_text(f"{r.url}/metrics").splitlines():
-        m = re.match(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
-
-
 def reset_caches(replicas: list[Replica]) -> None:
     """Empties every replica's prefix cache (retried while requests still hold blocks)."""
     for r in replicas:
@@ -216,21 +204,8 @@ class Router:
             self.procs.append(proc)
         else:
             venv, exe = PEER_BIN[self.name]
-            urls = [r.url for r in reps]
-            binary = ROOT / venv / "bin" / exe
-            if self.name in ("sglang", "smg"):
-                cmd = [binary, "launch", "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *urls,
-                       "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", kit.free_port(),
-                       "--log-level", "warn"]
-            else:
-                cmd = [binary, "--host", "127.0.0.1", "--port", self.port, "--worker-urls", *urls,
-                       "--policy", "cache_aware" if self.name == "vllm-ca" else "kv_aware",
-                       "--prometheus-host", "127.0.0.1", "--prometheus-port", kit.free_port(), "--log-level", "warning"]
-                if self.name == "vllm-kv":
-                    for r in reps:
-                        cmd += ["--kv-event-source", f"{r.url}=tcp://[::ffff:127.0.0.1]:{r.kv}",
-                                "--kv-event-replay-source", f"{r.url}=tcp://[::ffff:127.0.0.1]:{r.replay}"]
-                    cmd += ["--kv-event-block-size", BLOCK, "--kv-event-model", MODEL]
+            cmd = peer_command(self.name, ROOT / venv / "bin" / exe, self.port, [r.url for r in reps], kit.free_port(),
+                               [(r.url, r.kv, r.replay) for r in reps], BLOCK, MODEL)
             self.procs.append(b.procs.start(cmd, self.name))
 
         def ready() -> bool:
@@ -313,39 +288,16 @@ class Bench:
         log(f"  render (tokenizer) serving on 127.0.0.1:{self.render.port}")
 
     def run_one(self, router: Router, sessions: list[list[dict]], label: str) -> dict:
-        reps = self.replicas
-        before = [scrape(r) for r in reps]
-        results: list[tuple[float, float, int]] = []
-        lock = threading.Lock()
-        total = sum(len(s) for s in sessions)
-        t0 = time.monotonic()
-
-        def worker(session):
-            for body in session:
-                res = stream_request(router.port, body)
-                with lock:
-                    results.append(res)
-                    n = len(results)
-                if n % 16 == 0 or n == total:
-                    print(f"    {label}: {n}/{total} requests, {time.monotonic() - t0:.0f} s", flush=True)
-        with ThreadPoolExecutor(self.args.concurrency) as ex:
-            list(ex.map(worker, sessions))
-        elapsed = time.monotonic() - t0
-        after = [scrape(r) for r in reps]
-        d = lambda k: [x.get(k, 0.0) - y.get(k, 0.0) for x, y in zip(after, before)]  # noqa: E731
-        q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
-        served = d("vllm:request_success_total")
-        ttfts = [x[0] for x in results if x[2] == 200 and x[0] == x[0]]
-        shares = [s / max(1.0, sum(served)) for s in served]
-        lo = min(served) if served else 0
-        return {
-            "hit_rate": h / q if q else 0.0,
-            "ttft_p50": pct(ttfts, 50) * 1000, "ttft_p99": pct(ttfts, 99) * 1000,
-            "ttft_mean": statistics.fmean(ttfts) * 1000 if ttfts else float("nan"),
-            "shares": shares, "max_min": (max(served) / lo) if lo else float("inf"),
-            "errors": sum(1 for x in results if x[2] != 200 or x[0] != x[0]),
-            "requests": len(results), "elapsed_s": elapsed,
-        }
+        """One router's run: the shared session runner's figures, plus the busiest replica's
+        requests over the idlest's."""
+        sims = [{"port": r.port} for r in self.replicas]
+        out = run_sessions(label, lambda body: stream_request(router.port, body), sims, sessions, self.args.concurrency,
+                           width=len(label))
+        if sys.stdout.isatty():
+            print()  # ends the progress line
+        shares = out["shares"]
+        out["max_min"] = max(shares) / min(shares) if shares and min(shares) > 0 else float("inf")
+        return out
 
     def run(self) -> None:
         a = self.args

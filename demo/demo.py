@@ -16,15 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
 import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit.fleet import (fleet_agent, new_sims, restart_sims, run_sessions, sim_command,  # noqa: E402
-                                 start_router, stop_on_signals, wait_sims)
+from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, restart_sims, run_sessions,  # noqa: E402
+                                 sim_command, start_router, stop_on_signals, wait_sims)
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
-
-
-# llmgw policy weights that match the simulator (see --weights).
-SIM_WEIGHTS = '{"queued_prefill": 0}'
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,10 +69,9 @@ def main() -> int:
     ap.add_argument("--wasm", default=None, help="the filter to load (default dist/llmgw.wasm)")
     ap.add_argument("--runs", default="rr,approx,exact",
                     help="comma-separated arms: rr (Envoy round-robin), approx, exact (default all three)")
-    # The simulator computes prefills side by side (vLLM computes a step's tokens together), so
-    # queued prefill does not delay a new request there: the demo tells the policy so.
-    ap.add_argument("--weights", default=SIM_WEIGHTS,
-                    help=f"JSON object passed as the llmgw profile's `weights` (default {SIM_WEIGHTS}: the simulator's physics)")
+    ap.add_argument("--weights", default=json.dumps(SIM_WEIGHTS),
+                    help=f"JSON object passed as the llmgw profile's `weights` (default {json.dumps(SIM_WEIGHTS)}: "
+                         "the simulator's physics, see llmgw_testkit.fleet.SIM_WEIGHTS)")
     args = ap.parse_args()
     weights = json.loads(args.weights) if args.weights else None
 

@@ -19,6 +19,13 @@ from .http import get_text, post_json
 from .procs import free_port, wait_until
 
 
+# llmgw policy weights matching the simulator's physics, for the demo and the simulator
+# benchmarks: it computes prefills side by side, so prefill queued on a replica delays no new
+# request there (`queued_prefill` 0; the filter's default of 1 is vLLM's, whose steps compute
+# every scheduled token together).
+SIM_WEIGHTS = {"queued_prefill": 0}
+
+
 def new_sims(n: int, **extra) -> list[dict]:
     """n replica descriptions {"name": "rI", "port", "kv", "replay", **extra} on free loopback ports."""
     return [{"name": f"r{i}", "port": free_port(), "kv": free_port(), "replay": free_port(), **extra}
@@ -73,12 +80,13 @@ def start_router(procs, envoy_bin, workdir: Path, name: str, config: str, admin:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """A replica's vllm:* series (one per name) from its /metrics."""
-    out = {}
+    """A replica's vllm:* series from its /metrics, each summed over its label sets (vLLM
+    counts `request_success_total` per finish reason)."""
+    out: dict[str, float] = {}
     for line in get_text(f"http://127.0.0.1:{port}/metrics").splitlines():
-        m = re.match(r"^(vllm:[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", line)
+        m = re.match(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
         if m:
-            out[m.group(1)] = float(m.group(2))
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
 
@@ -109,12 +117,16 @@ def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int,
 
     stop_progress = threading.Event()
 
+    # A terminal gets one line rewritten twice a second; a log a line every 5 s.
+    tty = sys.stdout.isatty()
+    start, end = ("\r", "") if tty else ("", "\n")
+
     def progress():
-        while not stop_progress.wait(0.5):
+        while not stop_progress.wait(0.5 if tty else 5.0):
             with lock:
                 n = len(results)
             el = time.monotonic() - t_start
-            sys.stdout.write(f"\r  {label:<{width}} {n:>4}/{total} requests  {el:5.1f}s")
+            sys.stdout.write(f"{start}  {label:<{width}} {n:>4}/{total} requests  {el:5.1f}s{end}")
             sys.stdout.flush()
 
     th = threading.Thread(target=progress, daemon=True)
@@ -144,6 +156,27 @@ def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int,
         "requests": len(results),
         "elapsed_s": elapsed,
     }
+
+
+def peer_command(policy: str, binary, port: int, worker_urls: list[str], prom_port: int,
+                 kv_sources: list[tuple[str, int, int]] = (), block_size: int = 16, model: str = "") -> list:
+    """A peer router from PyPI on 127.0.0.1:port in front of `worker_urls`, its metrics on
+    `prom_port`: "sglang" or "smg" (`launch`, cache_aware), "vllm-ca" or "vllm-kv" (vllm-router
+    cache_aware or kv_aware; kv_aware reads `kv_sources`, one (worker url, event port, replay
+    port) per worker, publishers bound on loopback with vLLM's default topic)."""
+    if policy in ("sglang", "smg"):
+        return [binary, "launch", "--host", "127.0.0.1", "--port", port, "--worker-urls", *worker_urls,
+                "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", prom_port,
+                "--log-level", "warn"]
+    cmd = [binary, "--host", "127.0.0.1", "--port", port, "--worker-urls", *worker_urls,
+           "--policy", "cache_aware" if policy == "vllm-ca" else "kv_aware",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", prom_port, "--log-level", "warning"]
+    if policy == "vllm-kv":
+        for url, kv, replay in kv_sources:
+            cmd += ["--kv-event-source", f"{url}=tcp://[::ffff:127.0.0.1]:{kv}",
+                    "--kv-event-replay-source", f"{url}=tcp://[::ffff:127.0.0.1]:{replay}"]
+        cmd += ["--kv-event-block-size", block_size, "--kv-event-model", model]
+    return cmd
 
 
 def stop_on_signals(procs) -> None:

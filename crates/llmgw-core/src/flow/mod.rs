@@ -870,14 +870,14 @@ impl Router {
         let prefill_tokens =
             if exact { tokens.saturating_sub(u64::from(d.matched).saturating_mul(block_size)) } else { 0 };
         let runner_up = d.runner_up.and_then(|(i, _)| cands.get(i)).map(|c| c.address.to_owned());
-        let index_held = |c: &Candidate<'_>| self.index_leading.get(usize::from(c.id)).copied().unwrap_or(0);
-        let speculative_blocks = d
+        // With exact data: the winner and the leading blocks the index alone shows it holding.
+        let exact_winner = d
             .winner
             .and_then(|i| cands.get(i))
             .filter(|_| exact)
-            .map_or(0, |c| d.matched.saturating_sub(index_held(c)));
-        let speculation = d.winner.and_then(|i| cands.get(i)).filter(|_| exact).and_then(|c| {
-            let held = index_held(c);
+            .map(|c| (c, self.index_leading.get(usize::from(c.id)).copied().unwrap_or(0)));
+        let speculative_blocks = exact_winner.map_or(0, |(_, held)| d.matched.saturating_sub(held));
+        let speculation = exact_winner.and_then(|(c, held)| {
             let held = usize::try_from(held).unwrap_or(usize::MAX);
             let n = self.scratch.hashes.len().min(SPECULATIVE_BLOCKS);
             let keys: Vec<u64> = checkpoints(n)
