@@ -205,7 +205,7 @@ bench() {
     setup_charts
     setup_peers
     mkdir -p results/vllm
-    log "real-vLLM benchmark (about 40 minutes; log: results/vllm/run.log)"
+    log "real-vLLM benchmark (about 8 minutes once vLLM is installed; log: results/vllm/run.log)"
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/vllm.py "$@" 2>&1 | tee results/vllm/run.log
     return
   fi
