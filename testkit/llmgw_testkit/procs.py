@@ -4,6 +4,7 @@ polling with a deadline."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -11,11 +12,40 @@ import time
 from pathlib import Path
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_given: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the caller binds it soon after)."""
+    """A TCP port free on 127.0.0.1 right now (the caller binds it soon after), never the same
+    twice in one process. It is taken below the kernel's ephemeral range: a port from that range
+    can be taken by any outgoing connection (Envoy's, the agent's) between this call and its
+    owner's bind, which once failed a test with "Address already in use"."""
+    low, high = 10000, _EPHEMERAL_LOW - 1
+    for _ in range(200 if high - low >= 1000 else 0):
+        port = _rng.randint(low, high)
+        if port in _given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _given.add(port)
+    return port
 
 
 def wait_until(pred, timeout: float = 20.0, what: str = "condition", interval: float = 0.05,
