@@ -143,6 +143,7 @@ pub fn specs(cfg: &Config, d: &DiscoveryConfig, ip: IpAddr, sources: &[Source]) 
             topic: s.topic.clone(),
             hash: d.hash.clone().unwrap_or_else(|| cfg.hash.clone()),
             metrics_url: d.scrape.then(|| format!("http://{address}/metrics")),
+            subject: None,
         })
         .collect()
 }

@@ -5,6 +5,8 @@
 //! * [`discovery`]: replicas found by DNS, with endpoints from vLLM's `/kv_event_sources`.
 //! * [`seq`]: the per-publisher sequence discipline (gaps, replay, restarts), no I/O.
 //! * [`zmqsub`]: one thread per engine with a libzmq SUB socket and replay DEALER.
+//! * [`jetstream`]: events through NATS JetStream instead (publishing beside a replica,
+//!   consuming in the agent).
 //! * [`hub`]: mirrors, feed subscribers, snapshots and counters.
 //! * [`feed`]: the `llmgw.feed.v1.Feed/Subscribe` gRPC service.
 //! * [`http`]: `/metrics`, `/healthz`, `/debug/replicas`.
@@ -17,6 +19,7 @@ pub mod discovery;
 pub mod feed;
 pub mod http;
 pub mod hub;
+pub mod jetstream;
 pub mod launch;
 pub mod load;
 pub mod seq;
@@ -80,7 +83,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     // group of engines gets a context of its own.
     const ENGINES_PER_CONTEXT: usize = 200;
     let mut group_ctx = ctx.clone();
-    for (i, spec) in engines.iter().enumerate() {
+    for (i, spec) in engines.iter().filter(|e| e.subject.is_none()).enumerate() {
         if i > 0 && i % ENGINES_PER_CONTEXT == 0 {
             group_ctx = zmq::Context::new();
         }
@@ -100,6 +103,9 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
     ];
+    if engines.iter().any(|e| e.subject.is_some()) {
+        background.push(tokio::spawn(jetstream::consume(cfg.clone(), hub.clone(), stop.clone())));
+    }
     for i in 0..cfg.discovery.len() {
         background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), ctx.clone(), stop.clone())));
     }
@@ -138,7 +144,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     Ok(())
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

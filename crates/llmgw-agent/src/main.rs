@@ -36,6 +36,23 @@ enum Command {
     /// Replay a captured KV-event stream (JSON lines with payload_hex) through the engine mirror
     /// and the replica index, checking hash parity and scoring requests.
     Replay(tools::ReplayArgs),
+    /// Beside one vLLM replica: publish its KV events (read from its ZMQ publisher) to the
+    /// configuration's [jetstream] stream, for agents whose replicas have events = "jetstream".
+    Publish(PublishArgs),
+}
+
+#[derive(Args)]
+struct PublishArgs {
+    /// TOML configuration file: [jetstream] and the replica (its endpoint, replay_endpoint,
+    /// topic, dp_ranks and the address the filter routes to, which names its subject).
+    #[arg(long)]
+    config: PathBuf,
+    /// Which configured replica to publish (default: the only one).
+    #[arg(long)]
+    replica: Option<String>,
+    /// Log filter level: error, warn, info, debug.
+    #[arg(long, default_value = "info")]
+    log_level: tracing::Level,
 }
 
 #[derive(Args)]
@@ -105,6 +122,12 @@ fn prepare(a: RunArgs) -> Result<Config, String> {
     Ok(cfg)
 }
 
+fn publish(a: PublishArgs) -> Result<(), String> {
+    tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
+    let cfg = load(&a.config)?;
+    llmgw_agent::jetstream::publish::run(cfg, a.replica.as_deref())
+}
+
 fn launch(a: LaunchArgs) -> Result<(), String> {
     let cfg = prepare(a.run)?;
     let replica = match &a.replica {
@@ -133,19 +156,26 @@ fn main() -> ExitCode {
         Command::CheckConfig(a) => load(&a.config).map(|cfg| {
             for e in cfg.engines() {
                 println!(
-                    "{} id={} {} {:?} {} replay={}",
+                    "{} id={} {} {}",
                     e.label(),
                     e.id,
                     e.address,
-                    e.mode,
-                    e.endpoint,
-                    e.replay_endpoint.as_deref().unwrap_or("-")
+                    match &e.subject {
+                        Some(s) => format!("jetstream {s}"),
+                        None => format!(
+                            "{:?} {} replay={}",
+                            e.mode,
+                            e.endpoint,
+                            e.replay_endpoint.as_deref().unwrap_or("-")
+                        ),
+                    }
                 );
             }
         }),
         Command::Hash(a) => tools::hash(&a),
         Command::Decode(a) => tools::decode(&a),
         Command::Replay(a) => tools::replay(&a),
+        Command::Publish(a) => publish(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

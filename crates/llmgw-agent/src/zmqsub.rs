@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// Sequence frame of the end-of-replay marker.
-const END_SEQ: [u8; 8] = [0xff; 8];
+pub(crate) const END_SEQ: [u8; 8] = [0xff; 8];
 
 /// A monitor message: `Some(true)` for a new connection, `Some(false)` for a lost one.
 fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
@@ -24,7 +24,7 @@ fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
 }
 
 /// A replay reply: `[b"", topic, seq8, payload]` since vLLM 0.29, `[b"", seq8, payload]` before.
-fn replay_item(frames: &[Vec<u8>]) -> Option<(&[u8], &[u8])> {
+pub(crate) fn replay_item(frames: &[Vec<u8>]) -> Option<(&[u8], &[u8])> {
     match frames {
         [e, _topic, s, p] if e.is_empty() => Some((s, p)),
         [e, s, p] if e.is_empty() => Some((s, p)),

@@ -1,7 +1,7 @@
 //! The engines a configuration describes: one per replica and data-parallel rank, with dense
 //! ids, and the `tcp://host:port` endpoint rules (vLLM offsets both ports by the rank).
 
-use super::{Config, HashConfig, Mode};
+use super::{Config, Events, HashConfig, Mode};
 use llmgw_core::hash::BlockHasher;
 use std::net::IpAddr;
 
@@ -22,6 +22,8 @@ pub struct EngineSpec {
     pub topic: String,
     pub hash: HashConfig,
     pub metrics_url: Option<String>,
+    /// The JetStream subject its events come on (`events = "jetstream"`), else `None`.
+    pub subject: Option<String>,
 }
 
 impl EngineSpec {
@@ -64,6 +66,12 @@ impl Config {
                     topic: r.topic.clone(),
                     hash: r.hash.clone().unwrap_or_else(|| self.hash.clone()),
                     metrics_url,
+                    subject: match (r.events, &self.jetstream) {
+                        (Events::Jetstream, Some(js)) => {
+                            Some(crate::jetstream::subject(&js.subject_prefix, &r.address, rank))
+                        }
+                        _ => None,
+                    },
                 });
                 id = id.saturating_add(1);
             }

@@ -57,6 +57,58 @@ pub struct Config {
     pub replicas: Vec<ReplicaConfig>,
     #[serde(default)]
     pub discovery: Vec<DiscoveryConfig>,
+    /// Events through NATS JetStream (replicas with `events = "jetstream"`, and `publish`).
+    #[serde(default)]
+    pub jetstream: Option<JetStreamConfig>,
+}
+
+/// Where a replica's KV events come from.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Events {
+    /// The replica's ZMQ publisher (`endpoint`, `replay_endpoint`).
+    #[default]
+    Zmq,
+    /// The `[jetstream]` stream, on the subject derived from the replica's address and rank
+    /// (`llmgw-agent publish` beside the replica puts them there).
+    Jetstream,
+}
+
+/// The NATS JetStream stream KV events go through (see [`crate::jetstream`]).
+///
+/// ```toml
+/// [jetstream]
+/// url = "nats://nats.llmgw:4222"   # tls://… for TLS
+/// stream = "LLMGW_KV"
+/// subject_prefix = "llmgw.kv"      # an engine's subject: {prefix}.{address}.{rank}
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JetStreamConfig {
+    pub url: String,
+    #[serde(default = "default_js_stream")]
+    pub stream: String,
+    #[serde(default = "default_js_prefix")]
+    pub subject_prefix: String,
+    /// The broker's authorization token.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// CA (PEM) the broker's certificate is checked against; setting it requires TLS.
+    #[serde(default)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Batches the stream keeps per engine: what a restarted agent rebuilds a mirror from
+    /// (vLLM's own replay buffer keeps 10,000 by default).
+    #[serde(default = "default_js_per_subject")]
+    pub max_messages_per_subject: i64,
+    /// Bytes the whole stream keeps at most (-1: no limit but the per-engine count).
+    #[serde(default = "default_js_max_bytes")]
+    pub max_bytes: i64,
+    /// Seconds a batch is kept at most (0: no limit).
+    #[serde(default)]
+    pub max_age_secs: u64,
+    /// Keep the stream in the broker's memory instead of on its disk.
+    #[serde(default)]
+    pub memory_storage: bool,
 }
 
 /// Where a discovered replica's event endpoints come from.
@@ -245,7 +297,12 @@ pub struct ReplicaConfig {
     pub address: String,
     #[serde(default)]
     pub models: Vec<String>,
-    /// ZMQ endpoint of the event publisher (rank 0), `tcp://host:port`.
+    /// Where its events come from: its ZMQ publisher (default) or the `[jetstream]` stream.
+    #[serde(default)]
+    pub events: Events,
+    /// ZMQ endpoint of the event publisher (rank 0), `tcp://host:port` (not with
+    /// `events = "jetstream"`).
+    #[serde(default)]
     pub endpoint: String,
     #[serde(default = "default_mode")]
     pub mode: Mode,
@@ -265,6 +322,18 @@ pub struct ReplicaConfig {
     pub hash: Option<HashConfig>,
 }
 
+fn default_js_stream() -> String {
+    "LLMGW_KV".to_owned()
+}
+fn default_js_prefix() -> String {
+    "llmgw.kv".to_owned()
+}
+fn default_js_per_subject() -> i64 {
+    10_000
+}
+fn default_js_max_bytes() -> i64 {
+    -1
+}
 fn default_feed_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 7070))
 }
@@ -490,8 +559,8 @@ metrics_url = ""
     #[test]
     fn missing_field_is_named() {
         let e = error_of(&OK.replace("endpoint = \"tcp://127.0.0.1:6000\"", ""));
-        assert_eq!(e.field, "replicas[1]", "{e}");
-        assert!(e.message.contains("endpoint"), "{e}");
+        assert_eq!(e.field, "replicas[1].endpoint", "{e}");
+        assert!(e.message.contains("missing"), "{e}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! error names the field it is about.
 
 use super::engine::{is_loopback_host, offset_port, parse_tcp};
-use super::{err, Config, ConfigError, HashConfig, Mode, Sources};
+use super::{err, Config, ConfigError, Events, HashConfig, JetStreamConfig, Mode, Sources};
 use llmgw_core::hash::BlockHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -76,6 +76,24 @@ impl Config {
             if r.dp_ranks == 0 || r.dp_ranks > 1024 {
                 return Err(err(f("dp_ranks"), "must be between 1 and 1024"));
             }
+            if r.events == Events::Jetstream {
+                if self.jetstream.is_none() {
+                    return Err(err(f("events"), "events = \"jetstream\" needs a [jetstream] section"));
+                }
+                if !r.endpoint.is_empty() || r.replay_endpoint.is_some() {
+                    return Err(err(f("endpoint"), "a replica with events = \"jetstream\" has no ZMQ endpoints"));
+                }
+                if let Some(h) = &r.hash {
+                    check_hash(&f("hash"), h)?;
+                }
+                continue;
+            }
+            if r.endpoint.is_empty() {
+                return Err(err(
+                    f("endpoint"),
+                    "missing: the replica's ZMQ publisher (tcp://host:port), or events = \"jetstream\"",
+                ));
+            }
             let (host, port) = parse_tcp(&r.endpoint).map_err(|m| err(f("endpoint"), m))?;
             let last = u32::from(port).saturating_add(r.dp_ranks).saturating_sub(1);
             if port == 0 || last > u32::from(u16::MAX) {
@@ -138,9 +156,24 @@ impl Config {
                 check_hash(&f("hash"), h)?;
             }
         }
-        // Two engines on one endpoint would mix two publishers' sequences (or fail to bind).
+        if let Some(js) = &self.jetstream {
+            check_jetstream(js)?;
+        }
+        // Two engines on one endpoint (or subject) would mix two publishers' sequences.
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
         for (i, r) in self.replicas.iter().enumerate() {
+            if let (Events::Jetstream, Some(js)) = (r.events, &self.jetstream) {
+                for rank in 0..r.dp_ranks {
+                    let s = crate::jetstream::subject(&js.subject_prefix, &r.address, rank);
+                    if let Some(j) = seen.insert(s.clone(), i) {
+                        return Err(err(
+                            format!("replicas[{i}].address"),
+                            format!("its subject {s} is already replicas[{j}]'s"),
+                        ));
+                    }
+                }
+                continue;
+            }
             for rank in 0..r.dp_ranks {
                 let ep = offset_port(&r.endpoint, rank).unwrap_or_else(|| r.endpoint.clone());
                 if let Some(j) = seen.insert(ep.clone(), i) {
@@ -157,6 +190,49 @@ impl Config {
         }
         Ok(())
     }
+}
+
+fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
+    let (tls, rest) = if let Some(r) = js.url.strip_prefix("tls://") {
+        (true, r)
+    } else if let Some(r) = js.url.strip_prefix("nats://") {
+        (false, r)
+    } else {
+        return Err(err("jetstream.url", format!("{:?}: must be nats://host:port or tls://host:port", js.url)));
+    };
+    let host = match rest.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => h,
+        _ => return Err(err("jetstream.url", format!("{:?}: needs host:port", js.url))),
+    };
+    // Off loopback the events (which name every cached block) travel encrypted and to an
+    // authenticated broker only.
+    if !is_loopback_host(host) {
+        if !tls && js.tls_ca.is_none() {
+            return Err(err("jetstream.url", "a broker off loopback needs TLS (tls://host:port or tls_ca)"));
+        }
+        if js.token.as_deref().unwrap_or("").is_empty() {
+            return Err(err("jetstream.token", "a broker off loopback needs a token"));
+        }
+    }
+    let name_ok = !js.stream.is_empty() && js.stream.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !name_ok {
+        return Err(err("jetstream.stream", "letters, digits, '_' and '-' only"));
+    }
+    let prefix_ok = !js.subject_prefix.is_empty()
+        && js
+            .subject_prefix
+            .split('.')
+            .all(|t| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
+    if !prefix_ok {
+        return Err(err("jetstream.subject_prefix", "dot-separated tokens of letters, digits, '_' and '-'"));
+    }
+    if js.max_messages_per_subject < 1 {
+        return Err(err("jetstream.max_messages_per_subject", "must be at least 1"));
+    }
+    if js.max_bytes == 0 || js.max_bytes < -1 {
+        return Err(err("jetstream.max_bytes", "must be positive, or -1 for no limit"));
+    }
+    Ok(())
 }
 
 fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
@@ -210,6 +286,36 @@ mod tests {
         assert!(Config::parse(&ok).is_ok());
         let ok =
             format!("[feed]\nlisten = \"0.0.0.0:7070\"\nallow_non_loopback = true\nclient_ca = \"ca.pem\"\n{TLS}{OK}");
+        assert!(Config::parse(&ok).is_ok());
+    }
+
+    #[test]
+    fn jetstream_replicas_need_the_section_no_zmq_endpoints_and_a_safe_broker() {
+        let js = "[jetstream]\nurl = \"nats://127.0.0.1:4222\"\n";
+        let rep = "[[replicas]]\nname = \"j\"\naddress = \"127.0.0.1:8009\"\nevents = \"jetstream\"\n";
+        let cfg = Config::parse(&format!("{js}{OK}{rep}")).unwrap();
+        let e = cfg.engines();
+        assert_eq!(e.last().and_then(|e| e.subject.as_deref()), Some("llmgw.kv.127_0_0_1_8009.0"));
+        assert!(e.first().is_some_and(|e| e.subject.is_none()));
+        let cases = [
+            (format!("{OK}{rep}"), "replicas[2].events"),
+            (format!("{js}{OK}{rep}endpoint = \"tcp://127.0.0.1:7000\"\n"), "replicas[2].endpoint"),
+            // Two replicas on one address would share a subject.
+            (format!("{js}{OK}{rep}{}", rep.replace("\"j\"", "\"k\"")), "replicas[3].address"),
+            (format!("[jetstream]\nurl = \"http://127.0.0.1:4222\"\n{OK}"), "jetstream.url"),
+            (format!("[jetstream]\nurl = \"nats://127.0.0.1\"\n{OK}"), "jetstream.url"),
+            (format!("[jetstream]\nurl = \"nats://10.0.0.9:4222\"\ntoken = \"t\"\n{OK}"), "jetstream.url"),
+            (format!("[jetstream]\nurl = \"tls://10.0.0.9:4222\"\n{OK}"), "jetstream.token"),
+            (format!("{js}stream = \"a.b\"\n{OK}"), "jetstream.stream"),
+            (format!("{js}subject_prefix = \"a..b\"\n{OK}"), "jetstream.subject_prefix"),
+            (format!("{js}subject_prefix = \"a.>\"\n{OK}"), "jetstream.subject_prefix"),
+            (format!("{js}max_messages_per_subject = 0\n{OK}"), "jetstream.max_messages_per_subject"),
+        ];
+        for (text, field) in cases {
+            let e = error_of(&text);
+            assert_eq!(e.field, field, "{e}");
+        }
+        let ok = format!("[jetstream]\nurl = \"tls://10.0.0.9:4222\"\ntoken = \"t\"\n{OK}");
         assert!(Config::parse(&ok).is_ok());
     }
 }

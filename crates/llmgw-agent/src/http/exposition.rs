@@ -89,6 +89,42 @@ pub fn metrics_text(st: &HubState) -> String {
     };
     let per =
         |f: &dyn Fn(&EngineState) -> u64| -> Vec<(String, f64)> { st.live().map(|e| (lbl(e), f(e) as f64)).collect() };
+    let js = &st.jetstream;
+    for (name, help, kind, v) in [
+        (
+            "jetstream_connected",
+            "Whether the JetStream consumer is connected and reading.",
+            "gauge",
+            u64::from(js.connected),
+        ),
+        (
+            "jetstream_sessions_total",
+            "JetStream consumer sessions started (the first, then one per reconnect).",
+            "counter",
+            js.sessions,
+        ),
+        ("jetstream_messages_total", "Messages read from the JetStream stream.", "counter", js.messages),
+        (
+            "jetstream_unknown_subject_total",
+            "JetStream messages on a subject no configured engine has (not applied).",
+            "counter",
+            js.unknown_subject,
+        ),
+        (
+            "jetstream_bad_header_total",
+            "JetStream messages without a readable Llmgw-Seq header (not applied).",
+            "counter",
+            js.bad_header,
+        ),
+        (
+            "jetstream_chunks_total",
+            "Hub-lock acquisitions applying JetStream messages (messages per lock = messages / chunks).",
+            "counter",
+            js.chunks,
+        ),
+    ] {
+        counter(name, help, kind, vec![(String::new(), v as f64)]);
+    }
     counter(
         "events_received_total",
         "Live event batches received from the publisher.",

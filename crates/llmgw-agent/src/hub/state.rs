@@ -86,6 +86,8 @@ pub struct HubState {
     /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks),
     /// and engines not added because every id was in use.
     pub discovery_refused: u64,
+    /// The JetStream consumer's counters (replicas with `events = "jetstream"`).
+    pub jetstream: crate::jetstream::JetStreamCounters,
     /// Slots of removed engines, reused once their thread and scraper have exited.
     gone_slots: Vec<usize>,
     /// Empty between calls: one batch's net changes while they are published (kept for its
@@ -126,6 +128,7 @@ impl HubState {
             max_blocks,
             feed: FeedCounters::default(),
             discovery_refused: 0,
+            jetstream: Default::default(),
             gone_slots: Vec::new(),
             changes: Vec::new(),
         }

@@ -1,0 +1,331 @@
+//! `llmgw-agent publish`: beside one vLLM replica, its KV-event batches into JetStream.
+//!
+//! One thread per data-parallel rank reads the replica's ZMQ publisher (on loopback, so a gap
+//! is rare and the replay socket fills it); one task per rank publishes the batches in order,
+//! each acknowledged by the broker before the next (vLLM sends about a hundred a second, far
+//! below what a round trip allows), retrying with the same `Nats-Msg-Id` so that the broker keeps
+//! one copy. While the broker is away the rank's queue fills, the ZMQ socket then drops, and the
+//! gap is filled from the replica's replay socket when it can be: the stream stays in order.
+
+use super::{connect, stream_config, subject, SEQ_HEADER};
+use crate::config::{Config, EngineSpec, JetStreamConfig, ZmqConfig};
+use crate::seq::{Cause, Fill, FillStep, SeqTracker, Verdict};
+use crate::zmqsub::{parse_seq, replay_item, END_SEQ};
+use async_nats::jetstream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Batches queued per rank between its ZMQ thread and its publishing task.
+const QUEUE: usize = 4096;
+
+/// One batch on its way to the broker.
+struct Item {
+    seq: u64,
+    /// Counts the engine restarts this process has seen: a restarted engine numbers from 0
+    /// again, and its batches must not be taken for duplicates of the old ones.
+    epoch: u64,
+    payload: Vec<u8>,
+}
+
+/// Counters, logged every 10 s.
+#[derive(Default)]
+struct Counters {
+    published: AtomicU64,
+    retries: AtomicU64,
+    replayed: AtomicU64,
+    unfilled: AtomicU64,
+}
+
+/// The engines `publish` serves: the named replica's ranks (or the only replica's).
+pub fn engines_of(cfg: &Config, replica: Option<&str>) -> Result<Vec<EngineSpec>, String> {
+    let names: Vec<&str> = cfg.replicas.iter().map(|r| r.name.as_str()).collect();
+    let name = match (replica, names.as_slice()) {
+        (Some(n), _) => n.to_owned(),
+        (None, [only]) => (*only).to_owned(),
+        (None, _) => return Err(format!("--replica is needed: the configuration has {} replicas", names.len())),
+    };
+    let engines: Vec<EngineSpec> = cfg.engines().into_iter().filter(|e| e.replica == name).collect();
+    if engines.is_empty() {
+        return Err(format!("no replica named {name:?} in the configuration"));
+    }
+    if engines.iter().any(|e| e.subject.is_some()) {
+        return Err(format!(
+            "replicas.{name}: publish reads the replica's ZMQ events; give its endpoint, not events = \"jetstream\""
+        ));
+    }
+    Ok(engines)
+}
+
+/// Runs until SIGINT or SIGTERM.
+pub fn run(cfg: Config, replica: Option<&str>) -> Result<(), String> {
+    let js = cfg.jetstream.clone().ok_or("publish needs a [jetstream] section (url, stream, subject_prefix)")?;
+    let engines = engines_of(&cfg, replica)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .thread_name("llmgw-publish")
+        .build()
+        .map_err(|e| format!("cannot start runtime: {e}"))?;
+    rt.block_on(run_async(js, cfg.zmq.clone(), engines))
+}
+
+async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineSpec>) -> Result<(), String> {
+    let ctx = loop {
+        match open(&js).await {
+            Ok(c) => break c,
+            Err(e) => {
+                warn!(error = %e, "jetstream not reachable; retrying in 1 s");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = crate::shutdown_signal() => return Ok(()),
+                }
+            }
+        }
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(Counters::default());
+    let zctx = zmq::Context::new();
+    let mut threads = Vec::new();
+    let mut tasks = Vec::new();
+    for spec in engines {
+        let subj = subject(&js.subject_prefix, &spec.address, spec.dp_rank);
+        info!(replica = %spec.label(), endpoint = %spec.endpoint, subject = %subj, stream = %js.stream, "publishing KV events to jetstream");
+        let last = last_published(&ctx, &js, &subj).await;
+        if let Some(seq) = last {
+            info!(subject = %subj, seq, "the stream holds this engine's batches up to seq; continuing after it");
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel::<Item>(QUEUE);
+        let reader = Reader {
+            spec,
+            cfg: zmq_cfg.clone(),
+            ctx: zctx.clone(),
+            stop: stop.clone(),
+            counters: counters.clone(),
+            tx,
+            last,
+        };
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("zmq-{}", reader.spec.label()))
+                .spawn(move || reader.run())
+                .map_err(|e| format!("cannot start engine thread: {e}"))?,
+        );
+        tasks.push(tokio::spawn(publish_rank(ctx.clone(), subj, rx, counters.clone(), stop.clone())));
+    }
+    let report = tokio::spawn(report(counters.clone()));
+    crate::shutdown_signal().await;
+    info!("shutting down");
+    stop.store(true, Ordering::SeqCst);
+    report.abort();
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(3), t).await;
+    }
+    tokio::task::spawn_blocking(move || {
+        for t in threads {
+            let _ = t.join();
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn open(js: &JetStreamConfig) -> Result<jetstream::Context, String> {
+    let client = connect(js, "llmgw-publish").await?;
+    let ctx = jetstream::new(client);
+    ctx.get_or_create_stream(stream_config(js)).await.map_err(|e| format!("stream {}: {e}", js.stream))?;
+    Ok(ctx)
+}
+
+/// The sequence number of the last batch the stream holds for `subj` (a restarted publisher
+/// continues after it instead of publishing the replica's replay buffer again).
+async fn last_published(ctx: &jetstream::Context, js: &JetStreamConfig, subj: &str) -> Option<u64> {
+    let stream = ctx.get_stream(&js.stream).await.ok()?;
+    let m = stream.get_last_raw_message_by_subject(subj).await.ok()?;
+    m.headers.get(SEQ_HEADER)?.as_str().trim().parse().ok()
+}
+
+/// Publishes one rank's batches in order, each acknowledged before the next.
+async fn publish_rank(
+    ctx: jetstream::Context,
+    subj: String,
+    mut rx: tokio::sync::mpsc::Receiver<Item>,
+    counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+) {
+    // Distinguishes this process's message ids from an earlier one's (the broker keeps ids for
+    // its duplicate window, 2 minutes).
+    let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    while let Some(item) = rx.recv().await {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(SEQ_HEADER, item.seq.to_string().as_str());
+        let id = format!("{subj}:{boot}:{}:{}", item.epoch, item.seq);
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+        let payload = bytes::Bytes::from(item.payload);
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let r = match ctx.publish_with_headers(subj.clone(), headers.clone(), payload.clone()).await {
+                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match r {
+                Ok(()) => {
+                    counters.published.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Err(e) if stop.load(Ordering::SeqCst) => {
+                    warn!(subject = %subj, seq = item.seq, error = %e, "batch not published at shutdown");
+                    return;
+                }
+                Err(e) => {
+                    counters.retries.fetch_add(1, Ordering::Relaxed);
+                    warn!(subject = %subj, seq = item.seq, error = %e, "publish failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = delay.saturating_mul(2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+}
+
+async fn report(c: Arc<Counters>) {
+    let mut t = tokio::time::interval(Duration::from_secs(10));
+    t.tick().await;
+    loop {
+        t.tick().await;
+        info!(
+            published = c.published.load(Ordering::Relaxed),
+            retries = c.retries.load(Ordering::Relaxed),
+            replayed = c.replayed.load(Ordering::Relaxed),
+            unfilled_gaps = c.unfilled.load(Ordering::Relaxed),
+            "jetstream publisher"
+        );
+    }
+}
+
+/// One rank's ZMQ side.
+struct Reader {
+    spec: EngineSpec,
+    cfg: ZmqConfig,
+    ctx: zmq::Context,
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+    tx: tokio::sync::mpsc::Sender<Item>,
+    /// The last batch the stream already holds for this engine.
+    last: Option<u64>,
+}
+
+impl Reader {
+    fn run(self) {
+        let mut tracker = SeqTracker::new();
+        if let Some(seq) = self.last {
+            tracker.applied(seq);
+        }
+        let mut epoch: u64 = 0;
+        while !self.stop.load(Ordering::SeqCst) {
+            if let Err(e) = self.session(&mut tracker, &mut epoch) {
+                warn!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, error = %e, "zmq socket failed; retrying in 1 s");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    }
+
+    fn session(&self, tracker: &mut SeqTracker, epoch: &mut u64) -> Result<(), zmq::Error> {
+        let sub = self.ctx.socket(zmq::SUB)?;
+        sub.set_rcvhwm(self.cfg.rcvhwm)?;
+        sub.set_maxmsgsize(self.cfg.max_message_bytes)?;
+        sub.set_linger(0)?;
+        sub.set_reconnect_ivl(100)?;
+        sub.set_reconnect_ivl_max(self.cfg.reconnect_ivl_max_ms)?;
+        sub.set_rcvtimeo(200)?;
+        if self.spec.endpoint.contains('[') {
+            sub.set_ipv6(true)?;
+        }
+        sub.set_subscribe(self.spec.topic.as_bytes())?;
+        match self.spec.mode {
+            crate::config::Mode::Bind => sub.bind(&self.spec.endpoint)?,
+            crate::config::Mode::Connect => sub.connect(&self.spec.endpoint)?,
+        }
+        while !self.stop.load(Ordering::SeqCst) {
+            let frames = match sub.recv_multipart(0) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => continue,
+                Err(e) => return Err(e),
+            };
+            let [_topic, seq_frame, payload] = frames.as_slice() else { continue };
+            let Some(seq) = parse_seq(seq_frame) else { continue };
+            if let Verdict::Fill { from, until, cause, .. } = tracker.observe(seq) {
+                if cause == Cause::Restart || cause == Cause::Reconnect {
+                    *epoch = epoch.saturating_add(1);
+                }
+                if from < until {
+                    self.fill(from, until, *epoch);
+                }
+            }
+            if !self.send(seq, *epoch, payload.clone()) {
+                return Ok(());
+            }
+            tracker.applied(seq);
+        }
+        Ok(())
+    }
+
+    /// Queues a batch for the broker; false once the publishing task is gone.
+    fn send(&self, seq: u64, epoch: u64, payload: Vec<u8>) -> bool {
+        self.tx.blocking_send(Item { seq, epoch, payload }).is_ok()
+    }
+
+    /// Fetches `from..until` from the replica's replay socket and queues them in order. What it
+    /// cannot fetch stays a hole in the stream, which the consumers treat as a gap.
+    fn fill(&self, from: u64, until: u64, epoch: u64) {
+        let Some(ep) = self.spec.replay_endpoint.as_deref() else {
+            self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
+            warn!(replica = %self.spec.label(), from, until, "batches missed and no replay endpoint: consumers will reset this engine");
+            return;
+        };
+        let mut fill = Fill::new(from, until);
+        let r: Result<(), zmq::Error> = (|| {
+            let d = self.ctx.socket(zmq::DEALER)?;
+            d.set_maxmsgsize(self.cfg.max_message_bytes)?;
+            d.set_linger(0)?;
+            d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
+            if ep.contains('[') {
+                d.set_ipv6(true)?;
+            }
+            d.connect(ep)?;
+            d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
+            while !fill.complete() {
+                let frames = match d.recv_multipart(0) {
+                    Ok(f) => f,
+                    Err(zmq::Error::EAGAIN) => break,
+                    Err(e) => return Err(e),
+                };
+                let Some((seq_frame, payload)) = replay_item(&frames) else { continue };
+                if seq_frame == END_SEQ {
+                    break;
+                }
+                let Some(seq) = parse_seq(seq_frame) else { continue };
+                match fill.step(seq) {
+                    FillStep::Skip => continue,
+                    FillStep::Apply => {
+                        self.counters.replayed.fetch_add(1, Ordering::Relaxed);
+                        if !self.send(seq, epoch, payload.to_vec()) {
+                            break;
+                        }
+                    }
+                    FillStep::Done | FillStep::Hole => break,
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            warn!(replica = %self.spec.label(), error = %e, "replay socket failed");
+        }
+        if !fill.complete() {
+            self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
+            warn!(replica = %self.spec.label(), from, until, "missed batches could not be replayed: consumers will reset this engine");
+        }
+    }
+}
