@@ -3,6 +3,7 @@
 //! to copy; its sort and JSON come after.
 
 use crate::config::EngineSpec;
+use crate::discovery::Refused;
 use crate::hub::{EngineCounters, EngineState, Hub, HubState};
 use llmgw_core::feed::ReplicaLoad;
 use llmgw_core::mirror::MirrorStats;
@@ -298,9 +299,13 @@ pub fn metrics_text(st: &HubState) -> String {
     );
     counter(
         "discovery_refused_total",
-        "Discovered replicas' /kv_event_sources answers refused (unparseable, naming another host's sockets, too many ranks).",
+        "Discovered replicas refused, by reason: a /kv_event_sources answer unparseable, naming another host's \
+         sockets or too many ranks; or every replica id in use.",
         "counter",
-        vec![(String::new(), st.discovery_refused as f64)],
+        Refused::ALL
+            .iter()
+            .map(|r| (format!("reason=\"{}\"", r.label()), st.discovery_refused.get(*r) as f64))
+            .collect(),
     );
     s
 }
@@ -323,6 +328,14 @@ mod tests {
         assert!(text.contains("llmgw_agent_blocks{replica=\"r1\",dp_rank=\"0\"} 2"), "{text}");
         assert!(text.contains("llmgw_agent_events_skipped_total{replica=\"r0\",dp_rank=\"0\",reason=\"malformed\"} 1"));
         assert!(text.contains("llmgw_agent_subscribers 0"));
+        h.state().discovery_refused.count(Refused::ForeignHost);
+        h.state().discovery_refused.count(Refused::ForeignHost);
+        h.state().discovery_refused.count(Refused::Unparseable);
+        let text = metrics_text(&h.state());
+        for (reason, n) in [("unparseable", 1), ("foreign_host", 2), ("too_many_ranks", 0), ("ids_exhausted", 0)] {
+            let row = format!("llmgw_agent_discovery_refused_total{{reason=\"{reason}\"}} {n}\n");
+            assert!(text.contains(&row), "{row} in {text}");
+        }
         // An offloaded tier's store is counted, not mirrored.
         let cpu = llmgw_core::wire::WireEvent::BlockStored(llmgw_core::wire::WireBlockStored {
             block_hashes: vec![5],
