@@ -801,3 +801,48 @@ fn a_view_a_new_vm_or_root_starts_from_is_held_to_its_own_allowlist() {
         ctx.on_log();
     }
 }
+
+#[test]
+fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
+    use crate::host::CAS_RETRIES;
+    const IN_FLIGHT: &str = "llmgw.inflight.v2";
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    let gave_up = |what: &str| e.counter(&format!("llmgw_shared_update_failures_total.what.{what}"));
+    for what in ["in_flight", "heartbeat", "health", "tokenizer_health", "speculative"] {
+        assert_eq!(gave_up(what), 0, "{what}");
+    }
+    // Races lost fewer times than the retries: the update lands, nothing is counted.
+    e.host.cas_failures.set(CAS_RETRIES - 1);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!(e.host.shared_value(IN_FLIGHT).map(|v| v.len()), Some(20));
+    assert_eq!(gave_up("in_flight"), 0);
+    ctx.on_log();
+    // Every attempt lost: the in-flight count stays unwritten, and that is counted.
+    e.host.cas_failures.set(CAS_RETRIES);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.shared_value(IN_FLIGHT), Some(Vec::new()));
+    assert_eq!(gave_up("in_flight"), 1);
+    // The replica's 5xx not recorded as passive health.
+    e.host.cas_failures.set(CAS_RETRIES);
+    e.host.set_header(Headers::Response, ":status", Some("503"));
+    ctx.on_http_response_headers(1, false);
+    assert_eq!(gave_up("health"), 1);
+    ctx.on_log();
+    // A prompt nobody holds is recorded in the speculative entries: both updates give up.
+    let other: Vec<u32> = (100..132).collect();
+    e.host.cas_failures.set(2 * CAS_RETRIES);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &other));
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!((gave_up("in_flight"), gave_up("speculative")), (2, 1));
+    ctx.on_log();
+    // A heartbeat due on the tick, not renewed.
+    e.host.now_ns.set(e.host.now_ns.get() + crate::inflight::HEARTBEAT_NS);
+    e.host.cas_failures.set(CAS_RETRIES);
+    let mut root = e.root;
+    root.on_tick();
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!(e.host.counter("llmgw_shared_update_failures_total.what.heartbeat"), Some(1));
+}
