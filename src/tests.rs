@@ -846,3 +846,33 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
     assert_eq!(e.host.cas_failures.get(), 0);
     assert_eq!(e.host.counter("llmgw_shared_update_failures_total.what.heartbeat"), Some(1));
 }
+
+#[test]
+fn the_readme_lists_every_metric_and_label_value_the_filter_defines() {
+    let readme = include_str!("../README.md");
+    let start = readme.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
+    let section = &readme[start..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    // Every metric, the per-VM gauges too (defined on the first tick, which `synced` gives).
+    let e = synced("", vec![], vec![], true);
+    let names = e.host.metric_names();
+    assert!(names.iter().any(|n| n.starts_with("llmgw_destinations_refused.vm.")), "{names:?}");
+    for name in names {
+        let mut parts = name.split('.');
+        let base = parts.next().unwrap();
+        match (parts.next(), parts.next()) {
+            (None, _) => assert!(section.contains(&format!("`{base}`")), "{base} not in the README"),
+            (Some("vm"), Some(_)) => {
+                assert!(section.contains(&format!("`{base}{{vm=…}}`")), "{name} not in the README")
+            }
+            (Some(tag), Some(value)) => {
+                let open = format!("`{base}{{{tag}=\"");
+                let at = section.find(&open).unwrap_or_else(|| panic!("{base}{{{tag}}} not in the README"));
+                let values = &section[at + open.len()..];
+                let values = &values[..values.find('"').unwrap()];
+                assert!(values.split('|').any(|v| v == value), "{name}: {value} not among {values}");
+            }
+            _ => panic!("unexpected metric name {name}"),
+        }
+    }
+}
