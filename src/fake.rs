@@ -167,6 +167,11 @@ impl FakeHost {
         v
     }
 
+    /// Every metric defined so far, by name.
+    pub fn metric_names(&self) -> Vec<String> {
+        self.metrics.borrow().iter().map(|m| m.name.clone()).collect()
+    }
+
     pub fn samples(&self, name: &str) -> Vec<u64> {
         self.metrics.borrow().iter().find(|m| m.name == name).map(|m| m.samples.clone()).unwrap_or_default()
     }

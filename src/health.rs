@@ -12,7 +12,7 @@
 //! The shared value holds 20-byte records: the address's stable hash (u64), the end of its
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
-use crate::host::{update_shared, Host};
+use crate::host::{update_shared, Host, SharedKind};
 use crate::inflight::address_id;
 
 const KEY: &str = "llmgw.health";
@@ -85,25 +85,32 @@ fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
     bytes
 }
 
-fn update(host: &dyn Host, key: &str, address: &str, failed: bool) {
+/// `Err` when the shared record could not be updated.
+fn update(host: &dyn Host, key: &str, what: SharedKind, address: &str, failed: bool) -> Result<(), SharedKind> {
     let id = address_id(address);
     let now = host.now_ns();
-    update_shared(host, key, |v| {
+    let ok = update_shared(host, key, |v| {
         // Nothing to clear: no write (the common case, every healthy answer).
         (failed || records(v).any(|(x, _, _)| x == id)).then(|| with(v, id, now, failed))
     });
+    if ok {
+        Ok(())
+    } else {
+        log::debug!("llmgw: {} of {address} not updated (shared data refused or contended)", what.as_str());
+        Err(what)
+    }
 }
 
 /// The replica's answer (or Envoy's, when it could not connect): 5xx avoids it for a while,
-/// anything else clears it.
-pub fn observe(host: &dyn Host, address: &str, status: u32) {
-    update(host, KEY, address, status >= 500);
+/// anything else clears it. `Err` when the record could not be updated.
+pub fn observe(host: &dyn Host, address: &str, status: u32) -> Result<(), SharedKind> {
+    update(host, KEY, SharedKind::Health, address, status >= 500)
 }
 
 /// A tokenizer call to `address` came back: `failed` when it says the tokenizer is unwell
-/// ([`llmgw_core::flow::TokenizerFailure::strikes`]).
-pub fn observe_tokenizer(host: &dyn Host, address: &str, failed: bool) {
-    update(host, TOKENIZER_KEY, address, failed);
+/// ([`llmgw_core::flow::TokenizerFailure::strikes`]). `Err` when the record could not be updated.
+pub fn observe_tokenizer(host: &dyn Host, address: &str, failed: bool) -> Result<(), SharedKind> {
+    update(host, TOKENIZER_KEY, SharedKind::TokenizerHealth, address, failed)
 }
 
 #[cfg(test)]
@@ -118,26 +125,26 @@ mod tests {
         const B: &str = "10.0.0.2:8000";
         host.now_ns.set(100);
         assert!(!Health::read(&host).avoided(A));
-        observe(&host, A, 503);
+        observe(&host, A, 503).unwrap();
         assert!(Health::read(&host).avoided(A) && !Health::read(&host).avoided(B));
         // Tried again after a second; failing again doubles the wait.
         host.now_ns.set(100 + FIRST_NS);
         assert!(!Health::read(&host).avoided(A));
-        observe(&host, A, 502);
+        observe(&host, A, 502).unwrap();
         host.now_ns.set(100 + FIRST_NS + FIRST_NS);
         assert!(Health::read(&host).avoided(A));
         host.now_ns.set(100 + FIRST_NS + 2 * FIRST_NS);
         assert!(!Health::read(&host).avoided(A));
         // An answer below 500 clears it.
-        observe(&host, A, 200);
-        observe(&host, A, 500);
+        observe(&host, A, 200).unwrap();
+        observe(&host, A, 500).unwrap();
         host.now_ns.set(100 + 4 * FIRST_NS + 1);
         assert!(!Health::read(&host).avoided(A), "a first failure again waits one second");
-        observe(&host, A, 200);
+        observe(&host, A, 200).unwrap();
         assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());
         // The wait is capped.
         for _ in 0..20 {
-            observe(&host, B, 503);
+            observe(&host, B, 503).unwrap();
         }
         let (_, until, _) = records(&host.shared_value(KEY).unwrap()).next().unwrap();
         assert_eq!(until - host.now_ns.get(), MAX_NS);

@@ -36,7 +36,43 @@ pub enum SharedWrite {
 }
 
 /// Compare-and-swap attempts before a shared-data update gives up (other VMs racing).
-const CAS_RETRIES: u32 = 16;
+pub const CAS_RETRIES: u32 = 16;
+
+/// What a shared-data update keeps: the `what` of `llmgw_shared_update_failures_total`, counted
+/// when [`update_shared`] gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedKind {
+    /// Per-replica in-flight requests and prefill tokens (`crate::inflight`).
+    InFlight,
+    /// The VMs' heartbeats (`crate::inflight::heartbeat`).
+    Heartbeat,
+    /// Replicas avoided after a 5xx (`crate::health`).
+    Health,
+    /// Tokenizers avoided after failing (`crate::health`).
+    TokenizerHealth,
+    /// Speculative index entries (`crate::speculative`).
+    Speculative,
+}
+
+impl SharedKind {
+    pub const ALL: [SharedKind; 5] = [
+        SharedKind::InFlight,
+        SharedKind::Heartbeat,
+        SharedKind::Health,
+        SharedKind::TokenizerHealth,
+        SharedKind::Speculative,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SharedKind::InFlight => "in_flight",
+            SharedKind::Heartbeat => "heartbeat",
+            SharedKind::Health => "health",
+            SharedKind::TokenizerHealth => "tokenizer_health",
+            SharedKind::Speculative => "speculative",
+        }
+    }
+}
 
 /// Updates shared value `key` with compare-and-swap: `next` gets the current value (empty when
 /// absent) and returns the new one, or `None` when nothing needs writing. False when the value

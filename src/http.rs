@@ -101,10 +101,13 @@ impl Request {
                 let rank = r.dp_rank.map(|rank| rank.to_string());
                 self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
                 let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
-                inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
+                s.metrics.shared_update_failed(inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens));
                 self.prefilling = tokens;
                 if let Some(spec) = &r.speculation {
-                    s.metrics.speculative_dropped(crate::speculative::record(self.host.as_ref(), spec));
+                    match crate::speculative::record(self.host.as_ref(), spec) {
+                        Ok(dropped) => s.metrics.speculative_dropped(dropped),
+                        Err(k) => s.metrics.shared_update_failed([k]),
+                    }
                 }
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));
@@ -166,8 +169,8 @@ impl Request {
         if tokens == 0 {
             return;
         }
-        if let Some(vm) = self.shared.as_ref().and_then(|s| s.try_borrow().ok().map(|s| s.vm)) {
-            inflight::first_token(self.host.as_ref(), vm, addr, tokens);
+        if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
+            s.metrics.shared_update_failed(inflight::first_token(self.host.as_ref(), s.vm, addr, tokens));
         }
     }
 
@@ -215,7 +218,9 @@ impl Context for Request {
         // a while; a good answer clears it.
         let failure = step.report().tokenizer_failure;
         if failure.is_none_or(|f| f.strikes()) {
-            crate::health::observe_tokenizer(self.host.as_ref(), &target, failure.is_some());
+            if let Err(k) = crate::health::observe_tokenizer(self.host.as_ref(), &target, failure.is_some()) {
+                s.metrics.shared_update_failed([k]);
+            }
         }
         self.act(&mut s, step, t0, true);
     }
@@ -287,7 +292,11 @@ impl HttpContext for Request {
             let status = self.host.header(Headers::Response, ":status");
             if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
             {
-                crate::health::observe(self.host.as_ref(), addr, code);
+                if let Err(k) = crate::health::observe(self.host.as_ref(), addr, code) {
+                    if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
+                        s.metrics.shared_update_failed([k]);
+                    }
+                }
             }
             // A stream's headers come before its first token (vLLM sends them at once); any
             // other answer (a whole completion, an error) comes after the prefill, or without one.
@@ -315,8 +324,8 @@ impl HttpContext for Request {
     fn on_log(&mut self) {
         let tokens = std::mem::take(&mut self.prefilling);
         if let Some(addr) = self.counted.take() {
-            if let Some(vm) = self.shared.as_ref().and_then(|s| s.try_borrow().ok().map(|s| s.vm)) {
-                inflight::decrement(self.host.as_ref(), vm, &addr, tokens);
+            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
+                s.metrics.shared_update_failed(inflight::decrement(self.host.as_ref(), s.vm, &addr, tokens));
             }
         }
     }

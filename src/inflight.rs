@@ -12,7 +12,7 @@
 //! crashed and was replaced, or its configuration went away) no longer counts, and its records
 //! are dropped by the next write: counts return to zero instead of drifting.
 
-use crate::host::{update_shared, Host};
+use crate::host::{update_shared, Host, SharedKind};
 use llmgw_core::flow::InFlight;
 use llmgw_core::policy::stable_hash;
 
@@ -190,32 +190,42 @@ impl InFlight for Snapshot {
     }
 }
 
-fn update(host: &dyn Host, vm: VmId, address: &str, change: Change) {
+/// Returns the shared records it could not update (none, usually).
+fn update(host: &dyn Host, vm: VmId, address: &str, change: Change) -> Vec<SharedKind> {
+    let mut gave_up = Vec::new();
     // One read of the heartbeats: renewed on the way when this VM's is due (its first request
     // may come before its first tick).
     let live = heartbeat(host, vm, host.now_ns());
+    if live.is_none() {
+        gave_up.push(SharedKind::Heartbeat);
+    }
     let id = address_id(address);
     if !update_shared(host, KEY, |v| Some(bump(v, live.as_deref(), vm.0, id, change))) {
         log::debug!("llmgw: in-flight count of {address} not updated (shared data refused or contended)");
+        gave_up.push(SharedKind::InFlight);
     }
+    gave_up
 }
 
-/// A request routed to `address`, with `tokens` of prefill to compute there.
-pub fn increment(host: &dyn Host, vm: VmId, address: &str, tokens: u32) {
-    update(host, vm, address, Change { requests: 1, tokens: i64::from(tokens) });
+/// A request routed to `address`, with `tokens` of prefill to compute there. Returns the shared
+/// records it could not update.
+pub fn increment(host: &dyn Host, vm: VmId, address: &str, tokens: u32) -> Vec<SharedKind> {
+    update(host, vm, address, Change { requests: 1, tokens: i64::from(tokens) })
 }
 
-/// A request's first token: its `tokens` of prefill are done.
-pub fn first_token(host: &dyn Host, vm: VmId, address: &str, tokens: u32) {
-    if tokens > 0 {
-        update(host, vm, address, Change { requests: 0, tokens: 0i64.saturating_sub(i64::from(tokens)) });
+/// A request's first token: its `tokens` of prefill are done. Returns the shared records it
+/// could not update.
+pub fn first_token(host: &dyn Host, vm: VmId, address: &str, tokens: u32) -> Vec<SharedKind> {
+    if tokens == 0 {
+        return Vec::new();
     }
+    update(host, vm, address, Change { requests: 0, tokens: 0i64.saturating_sub(i64::from(tokens)) })
 }
 
 /// A request's end, with the prefill tokens still counted for it (it never produced a first
-/// token).
-pub fn decrement(host: &dyn Host, vm: VmId, address: &str, tokens: u32) {
-    update(host, vm, address, Change { requests: -1, tokens: 0i64.saturating_sub(i64::from(tokens)) });
+/// token). Returns the shared records it could not update.
+pub fn decrement(host: &dyn Host, vm: VmId, address: &str, tokens: u32) -> Vec<SharedKind> {
+    update(host, vm, address, Change { requests: -1, tokens: 0i64.saturating_sub(i64::from(tokens)) })
 }
 
 #[cfg(test)]

@@ -169,7 +169,9 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(Ok(mut s)) = self.shared.as_ref().map(|s| s.try_borrow_mut()) {
             self.feed.on_tick(&mut s);
-            let _ = inflight::heartbeat(self.host.as_ref(), s.vm, self.host.now_ns());
+            if inflight::heartbeat(self.host.as_ref(), s.vm, self.host.now_ns()).is_none() {
+                s.metrics.shared_update_failed([host::SharedKind::Heartbeat]);
+            }
         }
     }
 

@@ -4,7 +4,7 @@
 //! `llmgw_prefix_decisions_total{outcome="exact"}`. Counters and histograms are shared by name
 //! by every VM; per-VM gauges carry a `vm` tag.
 
-use crate::host::Host;
+use crate::host::{Host, SharedKind};
 use llmgw_core::flow::{Fallback, Report, TokenizerFailure};
 use llmgw_core::policy::Outcome;
 use proxy_wasm::types::MetricType;
@@ -17,6 +17,7 @@ pub struct Metrics {
     outcomes: Vec<(Outcome, Option<u32>)>,
     fallbacks: Vec<(Fallback, Option<u32>)>,
     tokenizer_failures: Vec<(TokenizerFailure, Option<u32>)>,
+    shared_update_failures: Vec<(SharedKind, Option<u32>)>,
     matched_blocks: Option<u32>,
     tokenizer_us: Option<u32>,
     decision_us: Option<u32>,
@@ -57,6 +58,10 @@ impl Metrics {
             tokenizer_failures: TokenizerFailure::ALL
                 .iter()
                 .map(|f| (*f, c(&format!("llmgw_tokenizer_failures_total.reason.{}", f.as_str()))))
+                .collect(),
+            shared_update_failures: SharedKind::ALL
+                .iter()
+                .map(|k| (*k, c(&format!("llmgw_shared_update_failures_total.what.{}", k.as_str()))))
                 .collect(),
             matched_blocks: h("llmgw_matched_blocks"),
             tokenizer_us: h("llmgw_tokenizer_latency_us"),
@@ -120,6 +125,13 @@ impl Metrics {
         }
         if let Some(n) = r.matched_blocks {
             self.record(self.matched_blocks, u64::from(n));
+        }
+    }
+
+    /// Shared-data updates that gave up (refused, or every compare-and-swap lost its race).
+    pub fn shared_update_failed(&self, what: impl IntoIterator<Item = SharedKind>) {
+        for k in what {
+            self.labelled(&self.shared_update_failures, k);
         }
     }
 

@@ -7,7 +7,7 @@
 //! At most `MAX_RECORDS` are kept: past that the ones expiring first go, counted in
 //! `llmgw_speculative_dropped_total`.
 
-use crate::host::{update_shared, Host};
+use crate::host::{update_shared, Host, SharedKind};
 pub use llmgw_core::flow::SPECULATIVE_TTL_NS as TTL_NS;
 use llmgw_core::flow::{Speculation, SpeculativeHit};
 
@@ -83,8 +83,8 @@ fn with(v: &[u8], spec: &Speculation, now: u64) -> (Vec<u8>, usize) {
 }
 
 /// Records `spec` (a routed request's blocks); returns how many unexpired entries the bound
-/// dropped.
-pub fn record(host: &dyn Host, spec: &Speculation) -> usize {
+/// dropped, or `Err` when the entries could not be updated.
+pub fn record(host: &dyn Host, spec: &Speculation) -> Result<usize, SharedKind> {
     let now = host.now_ns();
     let mut dropped = 0;
     let ok = update_shared(host, KEY, |v| {
@@ -94,8 +94,9 @@ pub fn record(host: &dyn Host, spec: &Speculation) -> usize {
     });
     if !ok {
         log::debug!("llmgw: speculative entries not recorded (shared data refused or contended)");
+        return Err(SharedKind::Speculative);
     }
-    dropped
+    Ok(dropped)
 }
 
 #[cfg(test)]
@@ -108,7 +109,7 @@ mod tests {
         let host = FakeHost::default();
         host.now_ns.set(1_000);
         let spec = Speculation { replica: 7, keys: vec![10, 11], reset_ns: 0 };
-        assert_eq!(record(&host, &spec), 0);
+        assert_eq!(record(&host, &spec), Ok(0));
         let mut hits = Vec::new();
         Entries::read(&host).lookup(&[11, 99, 10], &mut hits);
         let mut got: Vec<(usize, u64, u64)> = hits.iter().map(|h| (h.key, h.engine, h.written_ns)).collect();
@@ -116,14 +117,14 @@ mod tests {
         assert_eq!(got, vec![(0, 7, 1_000), (2, 7, 1_000)]);
         // Routed again later: still expires TTL after the first write.
         host.now_ns.set(1_000 + TTL_NS / 2);
-        record(&host, &spec);
+        record(&host, &spec).unwrap();
         host.now_ns.set(1_000 + TTL_NS);
         let mut hits = Vec::new();
         Entries::read(&host).lookup(&[10, 11], &mut hits);
         assert!(hits.is_empty(), "{hits:?}");
         // Past the bound the entries expiring first go, and the drop is reported.
         let many = Speculation { replica: 8, keys: (0..MAX_RECORDS as u64 + 5).collect(), reset_ns: 0 };
-        assert_eq!(record(&host, &many), 5);
+        assert_eq!(record(&host, &many), Ok(5));
         let v = host.shared_value(KEY).unwrap();
         assert_eq!(v.len(), MAX_RECORDS * RECORD);
         let mut hits = Vec::new();

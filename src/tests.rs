@@ -801,3 +801,78 @@ fn a_view_a_new_vm_or_root_starts_from_is_held_to_its_own_allowlist() {
         ctx.on_log();
     }
 }
+
+#[test]
+fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
+    use crate::host::CAS_RETRIES;
+    const IN_FLIGHT: &str = "llmgw.inflight.v2";
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    let gave_up = |what: &str| e.counter(&format!("llmgw_shared_update_failures_total.what.{what}"));
+    for what in ["in_flight", "heartbeat", "health", "tokenizer_health", "speculative"] {
+        assert_eq!(gave_up(what), 0, "{what}");
+    }
+    // Races lost fewer times than the retries: the update lands, nothing is counted.
+    e.host.cas_failures.set(CAS_RETRIES - 1);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!(e.host.shared_value(IN_FLIGHT).map(|v| v.len()), Some(20));
+    assert_eq!(gave_up("in_flight"), 0);
+    ctx.on_log();
+    // Every attempt lost: the in-flight count stays unwritten, and that is counted.
+    e.host.cas_failures.set(CAS_RETRIES);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.shared_value(IN_FLIGHT), Some(Vec::new()));
+    assert_eq!(gave_up("in_flight"), 1);
+    // The replica's 5xx not recorded as passive health.
+    e.host.cas_failures.set(CAS_RETRIES);
+    e.host.set_header(Headers::Response, ":status", Some("503"));
+    ctx.on_http_response_headers(1, false);
+    assert_eq!(gave_up("health"), 1);
+    ctx.on_log();
+    // A prompt nobody holds is recorded in the speculative entries: both updates give up.
+    let other: Vec<u32> = (100..132).collect();
+    e.host.cas_failures.set(2 * CAS_RETRIES);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &other));
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!((gave_up("in_flight"), gave_up("speculative")), (2, 1));
+    ctx.on_log();
+    // A heartbeat due on the tick, not renewed.
+    e.host.now_ns.set(e.host.now_ns.get() + crate::inflight::HEARTBEAT_NS);
+    e.host.cas_failures.set(CAS_RETRIES);
+    let mut root = e.root;
+    root.on_tick();
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!(e.host.counter("llmgw_shared_update_failures_total.what.heartbeat"), Some(1));
+}
+
+#[test]
+fn the_readme_lists_every_metric_and_label_value_the_filter_defines() {
+    let readme = include_str!("../README.md");
+    let start = readme.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
+    let section = &readme[start..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    // Every metric, the per-VM gauges too (defined on the first tick, which `synced` gives).
+    let e = synced("", vec![], vec![], true);
+    let names = e.host.metric_names();
+    assert!(names.iter().any(|n| n.starts_with("llmgw_destinations_refused.vm.")), "{names:?}");
+    for name in names {
+        let mut parts = name.split('.');
+        let base = parts.next().unwrap();
+        match (parts.next(), parts.next()) {
+            (None, _) => assert!(section.contains(&format!("`{base}`")), "{base} not in the README"),
+            (Some("vm"), Some(_)) => {
+                assert!(section.contains(&format!("`{base}{{vm=…}}`")), "{name} not in the README")
+            }
+            (Some(tag), Some(value)) => {
+                let open = format!("`{base}{{{tag}=\"");
+                let at = section.find(&open).unwrap_or_else(|| panic!("{base}{{{tag}}} not in the README"));
+                let values = &section[at + open.len()..];
+                let values = &values[..values.find('"').unwrap()];
+                assert!(values.split('|').any(|v| v == value), "{name}: {value} not among {values}");
+            }
+            _ => panic!("unexpected metric name {name}"),
+        }
+    }
+}

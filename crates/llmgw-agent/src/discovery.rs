@@ -14,6 +14,89 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
 
+/// Why a discovered replica was refused: the `reason` label of
+/// `llmgw_agent_discovery_refused_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// `/kv_event_sources` answered something discovery cannot use: not the expected JSON, an
+    /// address that does not parse, port 0, or a publisher that connects out.
+    Unparseable,
+    /// It named a host other than the replica's own address.
+    ForeignHost,
+    /// It listed more than [`MAX_RANKS`] ranks.
+    TooManyRanks,
+    /// Every replica id was in use (the engine was not added).
+    IdsExhausted,
+}
+
+impl Refused {
+    pub const ALL: [Refused; 4] =
+        [Refused::Unparseable, Refused::ForeignHost, Refused::TooManyRanks, Refused::IdsExhausted];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Refused::Unparseable => "unparseable",
+            Refused::ForeignHost => "foreign_host",
+            Refused::TooManyRanks => "too_many_ranks",
+            Refused::IdsExhausted => "ids_exhausted",
+        }
+    }
+}
+
+/// Refusals counted by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RefusedCounts {
+    unparseable: u64,
+    foreign_host: u64,
+    too_many_ranks: u64,
+    ids_exhausted: u64,
+}
+
+impl RefusedCounts {
+    pub fn count(&mut self, reason: Refused) {
+        let n = match reason {
+            Refused::Unparseable => &mut self.unparseable,
+            Refused::ForeignHost => &mut self.foreign_host,
+            Refused::TooManyRanks => &mut self.too_many_ranks,
+            Refused::IdsExhausted => &mut self.ids_exhausted,
+        };
+        *n = n.saturating_add(1);
+    }
+
+    pub fn get(&self, reason: Refused) -> u64 {
+        match reason {
+            Refused::Unparseable => self.unparseable,
+            Refused::ForeignHost => self.foreign_host,
+            Refused::TooManyRanks => self.too_many_ranks,
+            Refused::IdsExhausted => self.ids_exhausted,
+        }
+    }
+}
+
+/// A `/kv_event_sources` answer (or one endpoint of it) refused: why, and what was wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourcesError {
+    pub reason: Refused,
+    pub detail: String,
+}
+
+impl SourcesError {
+    fn unparseable(detail: impl Into<String>) -> SourcesError {
+        SourcesError { reason: Refused::Unparseable, detail: detail.into() }
+    }
+
+    /// The same refusal, its detail prefixed (`rank 0: ...`).
+    fn within(self, prefix: &str) -> SourcesError {
+        SourcesError { reason: self.reason, detail: format!("{prefix}{}", self.detail) }
+    }
+}
+
+impl std::fmt::Display for SourcesError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
 /// One rank's publisher settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Source {
@@ -46,30 +129,35 @@ fn is_own_host(ip: IpAddr, host: &str) -> bool {
 /// The address to connect to for a publisher vLLM reports as `published`. vLLM binds its PUB
 /// only when the endpoint has `*` or `::`; otherwise it connects somewhere, which discovery
 /// cannot serve. A concrete host must be the replica's own.
-pub fn publisher_endpoint(ip: IpAddr, published: &str) -> Result<String, String> {
+pub fn publisher_endpoint(ip: IpAddr, published: &str) -> Result<String, SourcesError> {
     if !(published.contains('*') || published.contains("::")) {
-        return Err(format!("publisher {published:?} connects out; discovery needs it to bind"));
+        return Err(SourcesError::unparseable(format!(
+            "publisher {published:?} connects out; discovery needs it to bind"
+        )));
     }
-    let (host, port) = parse_tcp(published)?;
+    let (host, port) = parse_tcp(published).map_err(SourcesError::unparseable)?;
     if port == 0 {
-        return Err(format!("publisher {published:?} has port 0"));
+        return Err(SourcesError::unparseable(format!("publisher {published:?} has port 0")));
     }
     endpoint_on(ip, &host, port, published)
 }
 
 /// vLLM always binds the replay ROUTER.
-pub fn replay_endpoint(ip: IpAddr, published: &str) -> Result<String, String> {
-    let (host, port) = parse_tcp(published)?;
+pub fn replay_endpoint(ip: IpAddr, published: &str) -> Result<String, SourcesError> {
+    let (host, port) = parse_tcp(published).map_err(SourcesError::unparseable)?;
     endpoint_on(ip, &host, port, published)
 }
 
-fn endpoint_on(ip: IpAddr, host: &str, port: u16, published: &str) -> Result<String, String> {
+fn endpoint_on(ip: IpAddr, host: &str, port: u16, published: &str) -> Result<String, SourcesError> {
     if is_wildcard(host) {
         Ok(format!("tcp://{}:{port}", host_of(ip)))
     } else if is_own_host(ip, host) {
         Ok(format!("tcp://{host}:{port}"))
     } else {
-        Err(format!("{published:?} names host {host}, not this replica's address {ip}"))
+        Err(SourcesError {
+            reason: Refused::ForeignHost,
+            detail: format!("{published:?} names host {host}, not this replica's address {ip}"),
+        })
     }
 }
 
@@ -77,25 +165,32 @@ fn endpoint_on(ip: IpAddr, host: &str, port: u16, published: &str) -> Result<Str
 pub const MAX_RANKS: usize = 64;
 
 /// Parses `GET /kv_event_sources`: `{"0": {"endpoint": ..., "replay_endpoint": ..., "topic": ...}}`.
-pub fn parse_sources(ip: IpAddr, body: &str) -> Result<Vec<Source>, String> {
-    let v: Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
-    let obj = v.as_object().ok_or("not a JSON object")?;
+pub fn parse_sources(ip: IpAddr, body: &str) -> Result<Vec<Source>, SourcesError> {
+    let v: Value = serde_json::from_str(body).map_err(|e| SourcesError::unparseable(format!("not JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| SourcesError::unparseable("not a JSON object"))?;
     if obj.len() > MAX_RANKS {
-        return Err(format!("{} ranks listed; at most {MAX_RANKS} are accepted", obj.len()));
+        return Err(SourcesError {
+            reason: Refused::TooManyRanks,
+            detail: format!("{} ranks listed; at most {MAX_RANKS} are accepted", obj.len()),
+        });
     }
     let mut out = Vec::new();
     for (rank, cfg) in obj {
-        let rank: u32 = rank.parse().map_err(|_| format!("rank {rank:?} is not a number"))?;
+        let rank: u32 =
+            rank.parse().map_err(|_| SourcesError::unparseable(format!("rank {rank:?} is not a number")))?;
         if cfg.get("enable_kv_cache_events").and_then(Value::as_bool) == Some(false) {
             continue;
         }
         if cfg.get("publisher").and_then(Value::as_str).is_some_and(|p| p != "zmq") {
             continue;
         }
-        let published = cfg.get("endpoint").and_then(Value::as_str).ok_or(format!("rank {rank}: no endpoint"))?;
-        let endpoint = publisher_endpoint(ip, published).map_err(|e| format!("rank {rank}: {e}"))?;
+        let published = cfg
+            .get("endpoint")
+            .and_then(Value::as_str)
+            .ok_or_else(|| SourcesError::unparseable(format!("rank {rank}: no endpoint")))?;
+        let endpoint = publisher_endpoint(ip, published).map_err(|e| e.within(&format!("rank {rank}: ")))?;
         let replay = match cfg.get("replay_endpoint").and_then(Value::as_str) {
-            Some(r) => Some(replay_endpoint(ip, r).map_err(|e| format!("rank {rank}: replay {e}"))?),
+            Some(r) => Some(replay_endpoint(ip, r).map_err(|e| e.within(&format!("rank {rank}: replay ")))?),
             None => None,
         };
         let topic = cfg.get("topic").and_then(Value::as_str).unwrap_or("").to_owned();
@@ -194,9 +289,8 @@ pub async fn run(cfg: Config, idx: usize, hub: Arc<Hub>, ctx: zmq::Context, stop
                         Ok(body) => match parse_sources(ip, &body) {
                             Ok(s) => s,
                             Err(e) => {
-                                warn!(discovery = %d.name, %url, error = %e, "unusable /kv_event_sources");
-                                let mut st = hub.state();
-                                st.discovery_refused = st.discovery_refused.saturating_add(1);
+                                warn!(discovery = %d.name, %url, reason = e.reason.label(), error = %e, "unusable /kv_event_sources");
+                                hub.state().discovery_refused.count(e.reason);
                                 continue;
                             }
                         },
@@ -263,17 +357,51 @@ mod tests {
         // Another replica's publisher, or the agent's own loopback, named by 10.0.0.5.
         for e in ["tcp://[::ffff:10.0.0.9]:5557", "tcp://[::ffff:127.0.0.1]:5557"] {
             let err = publisher_endpoint(IP, e).unwrap_err();
-            assert!(err.contains("not this replica's address"), "{err}");
+            assert!(err.detail.contains("not this replica's address"), "{err}");
+            assert_eq!(err.reason, Refused::ForeignHost);
         }
-        assert!(replay_endpoint(IP, "tcp://127.0.0.1:5558").is_err());
+        assert_eq!(replay_endpoint(IP, "tcp://127.0.0.1:5558").unwrap_err().reason, Refused::ForeignHost);
         let body = r#"{"0":{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://10.0.0.9:5558"}}"#;
-        assert!(parse_sources(IP, body).unwrap_err().contains("replay"));
+        let err = parse_sources(IP, body).unwrap_err();
+        assert!(err.detail.contains("replay"), "{err}");
+        assert_eq!(err.reason, Refused::ForeignHost);
         // Ranks are bounded.
         let many: String = (0..=MAX_RANKS)
             .map(|r| format!(r#""{r}":{{"endpoint":"tcp://*:{}"}}"#, 6000 + r))
             .collect::<Vec<_>>()
             .join(",");
-        assert!(parse_sources(IP, &format!("{{{many}}}")).unwrap_err().contains("ranks"));
+        let err = parse_sources(IP, &format!("{{{many}}}")).unwrap_err();
+        assert!(err.detail.contains("ranks"), "{err}");
+        assert_eq!(err.reason, Refused::TooManyRanks);
+    }
+
+    #[test]
+    fn each_refusal_has_its_reason() {
+        let reason = |body: &str| parse_sources(IP, body).map(|_| ()).map_err(|e| e.reason);
+        for body in [
+            "not json",
+            "[]",
+            r#"{"x":{"endpoint":"tcp://*:5557"}}"#,
+            r#"{"0":{}}"#,
+            r#"{"0":{"endpoint":"tcp://*:0"}}"#,
+            r#"{"0":{"endpoint":"tcp://10.0.0.5:5557"}}"#,
+            r#"{"0":{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:notaport"}}"#,
+        ] {
+            assert_eq!(reason(body), Err(Refused::Unparseable), "{body}");
+        }
+        assert_eq!(
+            reason(r#"{"0":{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://10.0.0.6:1"}}"#),
+            Err(Refused::ForeignHost)
+        );
+        let many: Vec<String> = (0..=MAX_RANKS).map(|r| format!(r#""{r}":{{"endpoint":"tcp://*:1"}}"#)).collect();
+        assert_eq!(reason(&format!("{{{}}}", many.join(","))), Err(Refused::TooManyRanks));
+        // Counted apart, each under its own label.
+        let mut counts = RefusedCounts::default();
+        counts.count(Refused::ForeignHost);
+        counts.count(Refused::ForeignHost);
+        counts.count(Refused::TooManyRanks);
+        let got: Vec<(&str, u64)> = Refused::ALL.iter().map(|r| (r.label(), counts.get(*r))).collect();
+        assert_eq!(got, vec![("unparseable", 0), ("foreign_host", 2), ("too_many_ranks", 1), ("ids_exhausted", 0)]);
     }
 
     #[test]

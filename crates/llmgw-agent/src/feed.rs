@@ -53,9 +53,15 @@ impl FeedService {
 /// both are hashed (SHA-256) and the digests compared in constant time.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     use sha2::{Digest, Sha256};
+    digests_equal(a, b, |x| Sha256::digest(x))
+}
+
+/// Whether `a` and `b` have the same `digest`, compared in constant time. Both are digested
+/// every time, whatever their lengths and contents: nothing returns early.
+fn digests_equal<D: AsRef<[u8]>>(a: &[u8], b: &[u8], mut digest: impl FnMut(&[u8]) -> D) -> bool {
     use subtle::ConstantTimeEq;
-    let (da, db) = (Sha256::digest(a), Sha256::digest(b));
-    bool::from(da.as_slice().ct_eq(db.as_slice()))
+    let (da, db) = (digest(a), digest(b));
+    bool::from(da.as_ref().ct_eq(db.as_ref()))
 }
 
 /// The longest subscriber name kept and logged (a client chooses it); longer ones are cut.
@@ -189,6 +195,27 @@ mod tests {
         assert!(!constant_time_eq(b"secret-token", b"secret"));
         assert!(!constant_time_eq(b"", b"x"));
         assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn both_tokens_are_digested_whatever_their_lengths_and_contents() {
+        let pairs: [(&[u8], &[u8]); 6] = [
+            (b"secret-token", b"secret-token"),
+            (b"secret-token", b"secret-tokeN"),
+            (b"secret-token", b"secret"),
+            (b"s", b"secret-token"),
+            (b"", b"x"),
+            (b"", b""),
+        ];
+        for (a, b) in pairs {
+            let mut seen: Vec<Vec<u8>> = Vec::new();
+            let equal = digests_equal(a, b, |x| {
+                seen.push(x.to_vec());
+                <sha2::Sha256 as sha2::Digest>::digest(x)
+            });
+            assert_eq!(seen, vec![a.to_vec(), b.to_vec()], "{a:?} against {b:?}");
+            assert_eq!(equal, a == b, "{a:?} against {b:?}");
+        }
     }
 
     #[test]

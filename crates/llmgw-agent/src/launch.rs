@@ -36,24 +36,31 @@ pub fn command_line(cfg: &Config, spec: &LaunchSpec) -> Result<(Vec<String>, Env
     Ok((argv, extra.env))
 }
 
-/// vLLM flags whose value is a secret (the API key, tokens); their values never reach a log.
-const SECRET_FLAGS: [&str; 3] = ["--api-key", "--hf-token", "--ssl-keyfile-password"];
+/// Words that make a flag's value secret wherever they are in its name, in any case
+/// (`--api-key`, `--hf-token`, `--ssl-keyfile-password`, `--client-secret`): its value never
+/// reaches a log. Some harmless values are hidden too (`--max-num-batched-tokens`).
+const SECRET_WORDS: [&str; 4] = ["key", "token", "password", "secret"];
+
+fn is_secret_flag(arg: &str) -> bool {
+    let name = arg.to_ascii_lowercase();
+    name.starts_with('-') && SECRET_WORDS.iter().any(|w| name.contains(w))
+}
 
 /// The command line as it may be logged: the value of each secret flag (`--api-key K` or
-/// `--api-key=K`) replaced by `<redacted>`.
+/// `--api-key=K`) replaced by `<redacted>`. A secret flag followed by another flag (`--...`)
+/// takes no value: that flag is shown.
 pub fn redacted(argv: &[String]) -> Vec<String> {
     let mut out = Vec::with_capacity(argv.len());
     let mut hide_next = false;
     for a in argv {
-        if hide_next {
+        if std::mem::take(&mut hide_next) && !a.starts_with("--") {
             out.push("<redacted>".to_owned());
-            hide_next = false;
             continue;
         }
         match a.split_once('=') {
-            Some((flag, _)) if SECRET_FLAGS.contains(&flag) => out.push(format!("{flag}=<redacted>")),
+            Some((flag, _)) if is_secret_flag(flag) => out.push(format!("{flag}=<redacted>")),
             _ => {
-                hide_next = SECRET_FLAGS.contains(&a.as_str());
+                hide_next = is_secret_flag(a);
                 out.push(a.clone());
             }
         }
@@ -141,6 +148,40 @@ mod tests {
         let shown = redacted(&argv).join(" ");
         assert_eq!(shown, "vllm serve m --api-key <redacted> --port 8000 --hf-token=<redacted>");
         assert!(!shown.contains("s3cret") && !shown.contains("hf_x"));
+    }
+
+    #[test]
+    fn any_flag_naming_a_key_token_password_or_secret_is_redacted() {
+        let argv: Vec<String> = [
+            "vllm",
+            "serve",
+            "my-model",
+            "--ssl-keyfile-password",
+            "pw1",
+            "--client-secret=cs2",
+            "--OPENAI_API_KEY",
+            "ak3",
+            "--auth-token=",
+            "--port",
+            "8000",
+            "--skip-tokenizer-init",
+            "--host",
+            "127.0.0.1",
+            "--service-password=a=b",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let shown = redacted(&argv).join(" ");
+        assert_eq!(
+            shown,
+            "vllm serve my-model --ssl-keyfile-password <redacted> --client-secret=<redacted> --OPENAI_API_KEY \
+             <redacted> --auth-token=<redacted> --port 8000 --skip-tokenizer-init --host 127.0.0.1 \
+             --service-password=<redacted>"
+        );
+        for secret in ["pw1", "cs2", "ak3", "a=b"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
     }
 
     #[test]

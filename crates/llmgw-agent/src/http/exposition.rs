@@ -1,7 +1,13 @@
 //! What the agent's HTTP server shows: `/debug/replicas` (JSON) and `/metrics` (Prometheus
-//! text), both read from the hub state under its lock.
+//! text), both read from the hub state under its lock. `/debug/replicas` holds the lock only
+//! to copy; its sort and JSON come after.
 
-use crate::hub::{EngineState, HubState};
+use crate::config::EngineSpec;
+use crate::discovery::Refused;
+use crate::hub::{EngineCounters, EngineState, Hub, HubState};
+use llmgw_core::feed::ReplicaLoad;
+use llmgw_core::mirror::MirrorStats;
+use llmgw_core::BlockKey;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -9,67 +15,139 @@ use std::time::Instant;
 /// Block keys `/debug/replicas` lists per engine (at most; any of them past that).
 const DEBUG_KEYS: usize = 100_000;
 
-/// `/debug/replicas`.
-pub fn debug_json(st: &HubState) -> Value {
-    let now = Instant::now();
-    let engines: Vec<Value> = st
-        .live()
-        .map(|e| {
-            let s = e.mirror.stats();
-            let p = &s.parity;
-            // A bounded copy under the lock, no sort of every key: `/debug` is for people.
-            let mut blocks = e.mirror.some_keys(DEBUG_KEYS);
-            blocks.sort_unstable();
-            json!({
-                "id": e.spec.id,
-                "replica": e.spec.replica,
-                "dp_rank": e.spec.dp_rank,
-                "address": e.spec.address,
-                "models": e.spec.models,
-                "endpoint": e.spec.endpoint,
-                "mode": match e.spec.mode { crate::config::Mode::Bind => "bind", crate::config::Mode::Connect => "connect" },
-                "up": e.up,
-                "http_ok": e.http_ok,
-                "publisher_ok": e.publisher_ok,
-                "connected": e.connected,
-                "blocks": e.mirror.len(),
-                "block_keys": blocks,
-                "last_seq": e.last_seq,
-                "last_event_age_secs": e.last_event.map(|t| now.saturating_duration_since(t).as_secs_f64()),
-                "hash": {
-                    "algo": e.spec.hash.algo.name(),
-                    "seed": e.spec.hash.seed,
-                    "block_size": e.spec.hash.block_size,
-                    "lookahead_tokens": e.spec.hash.lookahead_tokens,
-                },
-                // Lookahead hashing as the engine's own events show it (EAGLE-family engines).
-                "lookahead_tokens_seen": s.lookahead_tokens,
-                "parity": {
-                    "matched": p.matched,
-                    "mismatched": p.mismatched,
-                    "unverifiable": p.unverifiable,
-                    "match_ratio": p.match_ratio(),
-                    "last_mismatch": p.last_mismatch.map(|(a, b)| json!({"published": a, "recomputed": b})),
-                },
-                "received": e.counters.received,
-                "applied": e.counters.applied,
-                "skipped": e.counters.skipped,
-                "gaps": e.counters.gaps,
-                "replays": {"complete": e.counters.replays_complete, "incomplete": e.counters.replays_incomplete, "batches": e.counters.replayed_batches},
-                "resets": e.counters.resets,
-                "disconnects": e.counters.disconnects,
-                "clears": s.clears,
-                "ignored": {"medium": s.ignored_medium, "locality": s.ignored_locality, "group": s.ignored_group},
-                "load": e.load.as_ref().map(|l| json!({"running": l.running, "waiting": l.waiting, "kv_cache_usage": l.kv_cache_usage})),
+/// `/debug/replicas`: what it shows is copied under the hub lock ([`DebugCopy::collect`]), then
+/// the keys are sorted and the JSON built with the lock released ([`DebugCopy::render`]).
+pub fn debug_replicas(hub: &Hub) -> Value {
+    debug_replicas_with(hub, DebugCopy::render)
+}
+
+/// [`debug_replicas`] with the render step given (tests look at the lock from inside it).
+fn debug_replicas_with(hub: &Hub, render: impl FnOnce(DebugCopy) -> Value) -> Value {
+    let copy = DebugCopy::collect(&hub.state());
+    render(copy)
+}
+
+/// What `/debug/replicas` shows of the hub state, owned: taking it holds the lock only for
+/// copies (the keys unsorted).
+pub struct DebugCopy {
+    engines: Vec<EngineCopy>,
+    subscribers: usize,
+    feed: Vec<(String, usize, u64)>,
+}
+
+struct EngineCopy {
+    spec: EngineSpec,
+    up: bool,
+    http_ok: bool,
+    publisher_ok: bool,
+    connected: bool,
+    blocks: usize,
+    /// At most [`DEBUG_KEYS`], in no order.
+    keys: Vec<BlockKey>,
+    last_seq: Option<u64>,
+    last_event_age_secs: Option<f64>,
+    stats: MirrorStats,
+    counters: EngineCounters,
+    load: Option<ReplicaLoad>,
+}
+
+impl DebugCopy {
+    /// Copies, under the lock the caller holds, what [`DebugCopy::render`] shows.
+    pub fn collect(st: &HubState) -> DebugCopy {
+        let now = Instant::now();
+        let engines = st
+            .live()
+            .map(|e| EngineCopy {
+                spec: e.spec.clone(),
+                up: e.up,
+                http_ok: e.http_ok,
+                publisher_ok: e.publisher_ok,
+                connected: e.connected,
+                blocks: e.mirror.len(),
+                keys: e.mirror.some_keys(DEBUG_KEYS),
+                last_seq: e.last_seq,
+                last_event_age_secs: e.last_event.map(|t| now.saturating_duration_since(t).as_secs_f64()),
+                stats: e.mirror.stats().clone(),
+                counters: e.counters.clone(),
+                load: e.load.clone(),
             })
+            .collect();
+        DebugCopy { engines, subscribers: st.live_subscribers(), feed: st.subscriber_lags() }
+    }
+
+    /// Sorts the keys and builds the JSON; needs no lock.
+    pub fn render(self) -> Value {
+        let engines: Vec<Value> = self.engines.into_iter().map(EngineCopy::render).collect();
+        let subs: Vec<Value> = self
+            .feed
+            .into_iter()
+            .map(|(name, queued, snapshots)| json!({"name": name, "queued": queued, "snapshots": snapshots}))
+            .collect();
+        json!({ "replicas": engines, "subscribers": self.subscribers, "feed": subs })
+    }
+}
+
+impl EngineCopy {
+    fn render(self) -> Value {
+        let EngineCopy {
+            spec,
+            up,
+            http_ok,
+            publisher_ok,
+            connected,
+            blocks,
+            mut keys,
+            last_seq,
+            last_event_age_secs,
+            stats: s,
+            counters: c,
+            load,
+        } = self;
+        keys.sort_unstable();
+        let p = &s.parity;
+        json!({
+            "id": spec.id,
+            "replica": spec.replica,
+            "dp_rank": spec.dp_rank,
+            "address": spec.address,
+            "models": spec.models,
+            "endpoint": spec.endpoint,
+            "mode": match spec.mode { crate::config::Mode::Bind => "bind", crate::config::Mode::Connect => "connect" },
+            "up": up,
+            "http_ok": http_ok,
+            "publisher_ok": publisher_ok,
+            "connected": connected,
+            "blocks": blocks,
+            "block_keys": keys,
+            "last_seq": last_seq,
+            "last_event_age_secs": last_event_age_secs,
+            "hash": {
+                "algo": spec.hash.algo.name(),
+                "seed": spec.hash.seed,
+                "block_size": spec.hash.block_size,
+                "lookahead_tokens": spec.hash.lookahead_tokens,
+            },
+            // Lookahead hashing as the engine's own events show it (EAGLE-family engines).
+            "lookahead_tokens_seen": s.lookahead_tokens,
+            "parity": {
+                "matched": p.matched,
+                "mismatched": p.mismatched,
+                "unverifiable": p.unverifiable,
+                "match_ratio": p.match_ratio(),
+                "last_mismatch": p.last_mismatch.map(|(a, b)| json!({"published": a, "recomputed": b})),
+            },
+            "received": c.received,
+            "applied": c.applied,
+            "skipped": c.skipped,
+            "gaps": c.gaps,
+            "replays": {"complete": c.replays_complete, "incomplete": c.replays_incomplete, "batches": c.replayed_batches},
+            "resets": c.resets,
+            "disconnects": c.disconnects,
+            "clears": s.clears,
+            "ignored": {"medium": s.ignored_medium, "locality": s.ignored_locality, "group": s.ignored_group},
+            "load": load.as_ref().map(|l| json!({"running": l.running, "waiting": l.waiting, "kv_cache_usage": l.kv_cache_usage})),
         })
-        .collect();
-    let subs: Vec<Value> = st
-        .subscriber_lags()
-        .into_iter()
-        .map(|(name, queued, snapshots)| json!({"name": name, "queued": queued, "snapshots": snapshots}))
-        .collect();
-    json!({ "replicas": engines, "subscribers": st.live_subscribers(), "feed": subs })
+    }
 }
 
 /// `/metrics` in Prometheus text format.
@@ -257,9 +335,13 @@ pub fn metrics_text(st: &HubState) -> String {
     );
     counter(
         "discovery_refused_total",
-        "Discovered replicas' /kv_event_sources answers refused (unparseable, naming another host's sockets, too many ranks).",
+        "Discovered replicas refused, by reason: a /kv_event_sources answer unparseable, naming another host's \
+         sockets or too many ranks; or every replica id in use.",
         "counter",
-        vec![(String::new(), st.discovery_refused as f64)],
+        Refused::ALL
+            .iter()
+            .map(|r| (format!("reason=\"{}\"", r.label()), st.discovery_refused.get(*r) as f64))
+            .collect(),
     );
     s
 }
@@ -282,6 +364,14 @@ mod tests {
         assert!(text.contains("llmgw_agent_blocks{replica=\"r1\",dp_rank=\"0\"} 2"), "{text}");
         assert!(text.contains("llmgw_agent_events_skipped_total{replica=\"r0\",dp_rank=\"0\",reason=\"malformed\"} 1"));
         assert!(text.contains("llmgw_agent_subscribers 0"));
+        h.state().discovery_refused.count(Refused::ForeignHost);
+        h.state().discovery_refused.count(Refused::ForeignHost);
+        h.state().discovery_refused.count(Refused::Unparseable);
+        let text = metrics_text(&h.state());
+        for (reason, n) in [("unparseable", 1), ("foreign_host", 2), ("too_many_ranks", 0), ("ids_exhausted", 0)] {
+            let row = format!("llmgw_agent_discovery_refused_total{{reason=\"{reason}\"}} {n}\n");
+            assert!(text.contains(&row), "{row} in {text}");
+        }
         // An offloaded tier's store is counted, not mirrored.
         let cpu = llmgw_core::wire::WireEvent::BlockStored(llmgw_core::wire::WireBlockStored {
             block_hashes: vec![5],
@@ -293,5 +383,58 @@ mod tests {
         let text = metrics_text(&h.state());
         assert!(text.contains("llmgw_agent_events_ignored_total{replica=\"r0\",dp_rank=\"0\",reason=\"medium\"} 1"));
         assert_eq!(h.state().engines[0].mirror.len(), 0);
+    }
+
+    #[test]
+    fn debug_lists_each_engine_with_its_keys_sorted() {
+        let h = hub(2, 64);
+        h.state().apply(0, 3, &batch(vec![stored(vec![9, 4, 7, 1])]));
+        h.state().skipped(1, "malformed");
+        h.state()
+            .set_load(0, llmgw_core::feed::ReplicaLoad { replica: 0, running: 2, waiting: 1, kv_cache_usage: 0.5 });
+        let _sub = h.subscribe("t".into());
+        let got = debug_replicas(&h);
+        let engine = |id: u32, keys: Vec<u64>, last_seq: Option<u64>, load: Value, applied: u64, skipped: Value| {
+            json!({
+                "id": id, "replica": format!("r{id}"), "dp_rank": 0, "address": format!("127.0.0.1:{}", 8000 + id),
+                "models": [], "endpoint": format!("tcp://127.0.0.1:{}", 5000 + id), "mode": "connect",
+                "up": true, "http_ok": true, "publisher_ok": true, "connected": false,
+                "blocks": keys.len(), "block_keys": keys, "last_seq": last_seq, "last_event_age_secs": null,
+                "hash": {"algo": "sha256_cbor", "seed": null, "block_size": 16, "lookahead_tokens": 0},
+                "lookahead_tokens_seen": null,
+                "parity": {"matched": 0, "mismatched": 0, "unverifiable": if keys.is_empty() { 0 } else { 4 },
+                           "match_ratio": null, "last_mismatch": null},
+                "received": 0, "applied": applied, "skipped": skipped, "gaps": 0,
+                "replays": {"complete": 0, "incomplete": 0, "batches": 0},
+                "resets": {}, "disconnects": 0, "clears": 0,
+                "ignored": {"medium": 0, "locality": 0, "group": 0},
+                "load": load,
+            })
+        };
+        let want = json!({
+            "replicas": [
+                engine(0, vec![1, 4, 7, 9], Some(3), json!({"running": 2, "waiting": 1, "kv_cache_usage": 0.5}), 1, json!({})),
+                engine(1, vec![], None, Value::Null, 0, json!({"malformed": 1})),
+            ],
+            "subscribers": 1,
+            "feed": [{"name": "t", "queued": 0, "snapshots": 0}],
+        });
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn debug_sorts_and_renders_with_the_hub_lock_released() {
+        let h = hub(1, 64);
+        h.state().apply(0, 0, &batch(vec![stored(vec![3, 1, 2])]));
+        let mut free = None;
+        let got = debug_replicas_with(&h, |copy| {
+            // `try_lock` from the thread that would hold it: it fails instead of deadlocking.
+            let held = h.try_state();
+            free = Some(held.is_some());
+            // Rendering while this thread holds the lock: a render that locked would not end.
+            copy.render()
+        });
+        assert_eq!(free, Some(true), "the hub lock was held while rendering");
+        assert_eq!(got["replicas"][0]["block_keys"], json!([1, 2, 3]));
     }
 }

@@ -36,7 +36,9 @@ async fn healthz() -> &'static str {
 }
 
 async fn replicas(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
-    Json(with_state(hub, exposition::debug_json).await.unwrap_or_default())
+    // Copies under the lock, sorts and renders after it (on the blocking thread too: sorting
+    // 100k keys an engine is not for the runtime's threads).
+    Json(tokio::task::spawn_blocking(move || exposition::debug_replicas(&hub)).await.unwrap_or_default())
 }
 
 pub async fn serve(

@@ -38,6 +38,12 @@ impl Hub {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The state if the hub lock is free (tests check what runs outside it).
+    #[cfg(test)]
+    pub(crate) fn try_state(&self) -> Option<MutexGuard<'_, HubState>> {
+        self.state.try_lock().ok()
+    }
+
     pub fn engine_count(&self) -> usize {
         self.state().engines.len()
     }

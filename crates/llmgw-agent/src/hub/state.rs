@@ -84,8 +84,8 @@ pub struct HubState {
     pub max_blocks: usize,
     pub feed: FeedCounters,
     /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks),
-    /// and engines not added because every id was in use.
-    pub discovery_refused: u64,
+    /// and engines not added because every id was in use; by reason.
+    pub discovery_refused: crate::discovery::RefusedCounts,
     /// The JetStream consumer's counters (replicas with `events = "jetstream"`).
     pub jetstream: crate::jetstream::JetStreamCounters,
     /// Slots of removed engines, reused once their thread and scraper have exited.
@@ -127,7 +127,7 @@ impl HubState {
             max_subscribers: 1024,
             max_blocks,
             feed: FeedCounters::default(),
-            discovery_refused: 0,
+            discovery_refused: Default::default(),
             jetstream: Default::default(),
             gone_slots: Vec::new(),
             changes: Vec::new(),
@@ -154,7 +154,7 @@ impl HubState {
             Some(at) => self.gone_slots.swap_remove(at),
             None if self.engines.len() < MAX_ENGINES => self.engines.len(),
             None => {
-                self.discovery_refused = self.discovery_refused.saturating_add(1);
+                self.discovery_refused.count(crate::discovery::Refused::IdsExhausted);
                 return None;
             }
         };
@@ -485,7 +485,9 @@ mod tests {
             assert!(st.add_engine(spec.clone()).is_some());
         }
         assert_eq!(st.add_engine(spec), None);
-        assert_eq!(st.discovery_refused, 1);
+        assert_eq!(st.discovery_refused.get(crate::discovery::Refused::IdsExhausted), 1);
+        let text = crate::http::exposition::metrics_text(&st);
+        assert!(text.contains("llmgw_agent_discovery_refused_total{reason=\"ids_exhausted\"} 1"), "{text}");
     }
 
     #[test]
