@@ -11,7 +11,7 @@
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
 #          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
-#          publishers, feed fan-out; `bench soak`: an hour of churning traffic with agent and replica
+#          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench soak`: an hour of churning traffic with agent and replica
 #          restarts, memory sampled every minute; `bench vllm`: 3 real vllm serve replicas behind every
 #          router (installs vLLM like `conformance`)
 #   fuzz   every fuzz target (fuzz/), or `fuzz TARGET...` the named ones, FUZZ_SECONDS (60) each (FUZZ_BUILD=dev:
@@ -188,6 +188,7 @@ bench() {
   # ./build.sh bench vllm [vllm.py args]  3 real vllm serve replicas behind every router (bench/vllm.py --help)
   # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
   # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
+  # ./build.sh bench broker [broker.py args]  one agent's ingest by ZMQ and through NATS JetStream (bench/broker.py --help)
   # ./build.sh bench soak [soak.py args]  an hour of churning traffic with restarts (bench/soak.py --help)
   setup
   if [ "${1:-}" = soak ]; then
@@ -220,6 +221,11 @@ bench() {
     bench_scale "$@"
     return
   fi
+  if [ "${1:-}" = broker ]; then
+    shift
+    bench_broker "$@"
+    return
+  fi
   if [ "${1:-}" = filter ]; then
     shift
     build_wasm
@@ -238,6 +244,16 @@ bench() {
   setup_charts
   setup_peers
   "$VENV/bin/python" bench/bench.py "$@"
+}
+
+# One agent's ingest from 256 publishers by ZMQ and through NATS JetStream: writes results/broker/.
+bench_broker() {
+  log "building (release): agent, publishers, subscriber"
+  cargo build -q --release -p llmgw-agent --bin llmgw-agent --example kv_publishers --example feed_subscribers
+  target_dir >/dev/null
+  mkdir -p results/broker
+  log "broker benchmark (about 3 minutes; log: results/broker/run.log)"
+  "$VENV/bin/python" bench/broker.py "$@" 2>&1 | tee results/broker/run.log
 }
 
 # The scale benchmark: builds its examples, writes results/scale/ (scale.md, scale.json, PNGs);

@@ -139,13 +139,17 @@ def run_index(args, out: Path) -> dict:
 class AgentRun:
     """Publishers (CPU 1), the agent (CPU 0), CPU samples of the agent."""
 
-    def __init__(self, procs: Procs, work: Path, count: int, phases: list[tuple[float, float]], name: str):
+    def __init__(self, procs: Procs, work: Path, count: int, phases: list[tuple[float, float]], name: str,
+                 nats: str | None = None):
+        """With `nats` (a JetStream URL) the publishers put their batches on the stream and the
+        agent reads it (replicas with events = "jetstream") instead of subscribing to each."""
         self.procs, self.work, self.count, self.name = procs, work, count, name
         self.pub_log = work / f"{name}-publishers.log"
         eps = work / f"{name}-endpoints.txt"
         exe = kit.built("examples/kv_publishers", "release")
         phase_arg = ",".join(f"{r:g}:{s:g}" for r, s in phases)
-        self.pub = procs.start(["nice", exe, "--count", count, "--endpoints", eps, "--phases", phase_arg],
+        via = ["--nats", nats] if nats else []
+        self.pub = procs.start(["nice", exe, "--count", count, "--endpoints", eps, "--phases", phase_arg, *via],
                                f"{name}-publishers", cpu=1)
         wait_until(lambda: eps.exists() and len(eps.read_text().split()) == count, 60, "publisher endpoints")
         endpoints = eps.read_text().split()
@@ -153,7 +157,12 @@ class AgentRun:
         replicas = [{"name": f"r{i}", "address": f"127.0.{i >> 8}.{i & 255}:8000", "models": ["m"],
                      "endpoint": ep, "mode": "connect", "topic": "", "metrics_url": ""}
                     for i, ep in enumerate(endpoints)]
-        cfg = agent_config(self.feed_port, self.http_port, replicas,
+        extra = {}
+        if nats:
+            replicas = [{"name": r["name"], "address": r["address"], "models": ["m"], "metrics_url": "",
+                         "events": "jetstream"} for r in replicas]
+            extra = {"jetstream": {"url": nats, "max_messages_per_subject": 1000}}
+        cfg = agent_config(self.feed_port, self.http_port, replicas, **extra,
                            hash={"algo": "sha256_cbor", "seed": "0", "block_size": 16},
                            load={"enabled": False},
                            zmq={"verify_on_reconnect": False, "down_after_disconnect_ms": 0})

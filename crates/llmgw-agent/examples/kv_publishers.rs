@@ -9,6 +9,11 @@
 //! PYTHONHASHSEED=0), and one BlockRemoved evicting the blocks stored `--lag` batches earlier.
 //! Payloads come from a ring of `--ring` batches shared by every publisher.
 //!
+//! With `--nats URL` the batches go to a NATS JetStream stream instead (as `llmgw-agent publish`
+//! beside each replica would put them): publisher `i` is the replica at `127.0.{i/256}.{i%256}:8000`,
+//! on that address's subject, with its sequence number in the `Llmgw-Seq` header; the stream
+//! (the agent's defaults, `--per-subject` batches kept per replica) is created first.
+//!
 //! `--endpoints FILE` receives one endpoint per line once every socket is bound; the sender waits
 //! until every socket has a subscriber, then runs `--phases rate:secs,...` (batches per second per
 //! publisher; 0 seconds = until `FILE.advance` exists), printing one JSON line when a phase starts
@@ -91,6 +96,10 @@ fn main() {
         .collect();
     let payload_bytes = payloads.iter().map(Vec::len).sum::<usize>() as f64 / ring as f64;
 
+    if let Some(url) = args.iter().position(|a| a == "--nats").and_then(|i| args.get(i + 1)) {
+        let per_subject: i64 = arg("--per-subject", "1000").parse().unwrap();
+        return nats(url, per_subject, count, &endpoints_file, &advance, &phases, payloads, payload_bytes, 2 * per);
+    }
     // At most 1,023 sockets per libzmq context: one context per 500 publishers.
     let ctxs: Vec<zmq::Context> = (0..count.div_ceil(500)).map(|_| zmq::Context::new()).collect();
     let mut socks = Vec::with_capacity(count);
@@ -159,6 +168,79 @@ fn main() {
         println!(
             "{{\"event\":\"phase_end\",\"phase\":{pi},\"rate\":{rate},\"secs\":{e:.3},\"batches\":{sent},\"block_events\":{},\"bytes\":{bytes},\"dropped\":{dropped},\"achieved_rate\":{:.1}}}",
             sent * 2 * per as u64,
+            sent as f64 / e / count as f64
+        );
+        std::io::stdout().flush().unwrap();
+    }
+}
+
+/// The same phases, each batch published to the replica's JetStream subject (core NATS publish:
+/// the stream stores it; no acknowledgement is awaited, as a paced load generator).
+#[allow(clippy::too_many_arguments)]
+fn nats(
+    url: &str,
+    per_subject: i64,
+    count: usize,
+    endpoints_file: &str,
+    advance: &str,
+    phases: &[(f64, f64)],
+    payloads: Vec<Vec<u8>>,
+    payload_bytes: f64,
+    blocks_per_batch: usize,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let _in_runtime = rt.enter();
+    let js: llmgw_agent::config::JetStreamConfig =
+        toml::from_str(&format!("url = \"{url}\"\nmax_messages_per_subject = {per_subject}")).unwrap();
+    let client = rt.block_on(async_nats::connect(url)).unwrap();
+    let ctx = async_nats::jetstream::new(client.clone());
+    rt.block_on(ctx.get_or_create_stream(llmgw_agent::jetstream::stream_config(&js))).unwrap();
+    let subjects: Vec<String> = (0..count)
+        .map(|i| llmgw_agent::jetstream::subject(&js.subject_prefix, &format!("127.0.{}.{}:8000", i >> 8, i & 255), 0))
+        .collect();
+    std::fs::write(endpoints_file, subjects.join("\n") + "\n").unwrap();
+    let payloads: Vec<bytes::Bytes> = payloads.into_iter().map(bytes::Bytes::from).collect();
+    let ring = payloads.len();
+    println!(
+        "{{\"event\":\"subscribed\",\"count\":{count},\"secs\":0,\"payload_bytes\":{payload_bytes:.0},\"blocks_per_batch\":{blocks_per_batch}}}"
+    );
+    std::io::stdout().flush().unwrap();
+    let mut seq = vec![0u64; count];
+    let mut next = 0usize;
+    for (pi, &(rate, secs)) in phases.iter().enumerate() {
+        println!("{{\"event\":\"phase_start\",\"phase\":{pi},\"rate\":{rate},\"secs\":{secs}}}");
+        std::io::stdout().flush().unwrap();
+        let start = Instant::now();
+        let (mut sent, mut bytes, mut dropped) = (0u64, 0u64, 0u64);
+        loop {
+            let e = start.elapsed().as_secs_f64();
+            if (secs > 0.0 && e >= secs) || (secs <= 0.0 && std::path::Path::new(advance).exists()) {
+                break;
+            }
+            let due = (rate * count as f64 * e) as u64;
+            rt.block_on(async {
+                while sent < due {
+                    let q = seq[next];
+                    let p = payloads[(q as usize) % ring].clone();
+                    let len = p.len() as u64;
+                    let mut h = async_nats::HeaderMap::new();
+                    h.insert(llmgw_agent::jetstream::SEQ_HEADER, q.to_string().as_str());
+                    match client.publish_with_headers(subjects[next].clone(), h, p).await {
+                        Ok(()) => bytes += len,
+                        Err(_) => dropped += 1,
+                    }
+                    seq[next] = q + 1;
+                    next = (next + 1) % count;
+                    sent += 1;
+                }
+                let _ = client.flush().await;
+            });
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        let e = start.elapsed().as_secs_f64();
+        println!(
+            "{{\"event\":\"phase_end\",\"phase\":{pi},\"rate\":{rate},\"secs\":{e:.3},\"batches\":{sent},\"block_events\":{},\"bytes\":{bytes},\"dropped\":{dropped},\"achieved_rate\":{:.1}}}",
+            sent * blocks_per_batch as u64,
             sent as f64 / e / count as f64
         );
         std::io::stdout().flush().unwrap();
