@@ -47,7 +47,7 @@ def run(args, out: Path) -> list[dict]:
                 nats = start_nats(procs, out, name="nats")
                 nats_proc = procs.procs[-1]
             log(f"{way}: {args.publishers} publishers")
-            agent = scale.AgentRun(procs, out, args.publishers, phases, way, nats=nats)
+            agent = scale.AgentRun(procs, out, args.publishers, phases, way, nats=nats, nats_memory=args.memory)
             for i, rate in enumerate(rates, start=1):
                 b0 = scale.proc_stat(nats_proc.pid) if nats_proc else None
                 row = scale.ingest_phase(agent, i, rate, w, s)
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "broker"))
     ap.add_argument("--publishers", type=int, default=256)
     ap.add_argument("--ways", default="zmq,jetstream")
+    ap.add_argument("--memory", action="store_true", help="the stream in the broker's memory, not on its disk")
     ap.add_argument("--warmup", type=float, default=4)
     ap.add_argument("--secs", type=float, default=8)
     args = ap.parse_args()

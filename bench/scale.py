@@ -140,7 +140,7 @@ class AgentRun:
     """Publishers (CPU 1), the agent (CPU 0), CPU samples of the agent."""
 
     def __init__(self, procs: Procs, work: Path, count: int, phases: list[tuple[float, float]], name: str,
-                 nats: str | None = None):
+                 nats: str | None = None, nats_memory: bool = False):
         """With `nats` (a JetStream URL) the publishers put their batches on the stream and the
         agent reads it (replicas with events = "jetstream") instead of subscribing to each."""
         self.procs, self.work, self.count, self.name = procs, work, count, name
@@ -148,7 +148,7 @@ class AgentRun:
         eps = work / f"{name}-endpoints.txt"
         exe = kit.built("examples/kv_publishers", "release")
         phase_arg = ",".join(f"{r:g}:{s:g}" for r, s in phases)
-        via = ["--nats", nats] if nats else []
+        via = (["--nats", nats] + (["--memory"] if nats_memory else [])) if nats else []
         self.pub = procs.start(["nice", exe, "--count", count, "--endpoints", eps, "--phases", phase_arg, *via],
                                f"{name}-publishers", cpu=1)
         wait_until(lambda: eps.exists() and len(eps.read_text().split()) == count, 60, "publisher endpoints")
@@ -161,7 +161,7 @@ class AgentRun:
         if nats:
             replicas = [{"name": r["name"], "address": r["address"], "models": ["m"], "metrics_url": "",
                          "events": "jetstream"} for r in replicas]
-            extra = {"jetstream": {"url": nats, "max_messages_per_subject": 1000}}
+            extra = {"jetstream": {"url": nats, "max_messages_per_subject": 1000, "memory_storage": nats_memory}}
         cfg = agent_config(self.feed_port, self.http_port, replicas, **extra,
                            hash={"algo": "sha256_cbor", "seed": "0", "block_size": 16},
                            load={"enabled": False},

@@ -12,7 +12,8 @@
 //! With `--nats URL` the batches go to a NATS JetStream stream instead (as `llmgw-agent publish`
 //! beside each replica would put them): publisher `i` is the replica at `127.0.{i/256}.{i%256}:8000`,
 //! on that address's subject, with its sequence number in the `Llmgw-Seq` header; the stream
-//! (the agent's defaults, `--per-subject` batches kept per replica) is created first.
+//! (the agent's defaults, `--per-subject` batches kept per replica, in the broker's memory with
+//! `--memory`) is created first.
 //!
 //! `--endpoints FILE` receives one endpoint per line once every socket is bound; the sender waits
 //! until every socket has a subscriber, then runs `--phases rate:secs,...` (batches per second per
@@ -98,7 +99,8 @@ fn main() {
 
     if let Some(url) = args.iter().position(|a| a == "--nats").and_then(|i| args.get(i + 1)) {
         let per_subject: i64 = arg("--per-subject", "1000").parse().unwrap();
-        return nats(url, per_subject, count, &endpoints_file, &advance, &phases, payloads, payload_bytes, 2 * per);
+        let memory = args.iter().any(|a| a == "--memory");
+        return nats(url, per_subject, memory, count, &endpoints_file, &advance, &phases, payloads, payload_bytes, 2 * per);
     }
     // At most 1,023 sockets per libzmq context: one context per 500 publishers.
     let ctxs: Vec<zmq::Context> = (0..count.div_ceil(500)).map(|_| zmq::Context::new()).collect();
@@ -180,6 +182,7 @@ fn main() {
 fn nats(
     url: &str,
     per_subject: i64,
+    memory: bool,
     count: usize,
     endpoints_file: &str,
     advance: &str,
@@ -191,7 +194,8 @@ fn nats(
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let _in_runtime = rt.enter();
     let js: llmgw_agent::config::JetStreamConfig =
-        toml::from_str(&format!("url = \"{url}\"\nmax_messages_per_subject = {per_subject}")).unwrap();
+        toml::from_str(&format!("url = \"{url}\"\nmax_messages_per_subject = {per_subject}\nmemory_storage = {memory}"))
+            .unwrap();
     let client = rt.block_on(async_nats::connect(url)).unwrap();
     let ctx = async_nats::jetstream::new(client.clone());
     rt.block_on(ctx.get_or_create_stream(llmgw_agent::jetstream::stream_config(&js))).unwrap();
