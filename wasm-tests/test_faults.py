@@ -643,3 +643,46 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
         assert refused > 0 and len(later) <= refused + CONCURRENCY, (len(later), refused)
     else:
         assert not later, later[:5]
+
+
+@pytest.mark.parametrize("policy", ["FAIL_RELOAD", "FAIL_OPEN"])
+def test_a_worker_whose_filter_failed_never_sends_a_client_where_it_asks(procs, tmp_path, agent_bin, sim_bin,
+                                                                        envoy_bin, policy):
+    """Fail closed when the filter fails on a worker: one worker's VM traps on a request that
+    names a canary server in the destination header, then requests naming it keep coming on
+    fresh connections (both workers). With FAIL_RELOAD and Envoy's default 1 s reload backoff
+    that worker answers without a filter until the reload; with FAIL_OPEN it skips the filter
+    from then on. Either way Envoy's own header_mutation has removed the client's header before
+    the filter's place in the chain, so the canary is never reached."""
+    from test_deploy import DEST, Canary
+
+    canary = Canary()
+    try:
+        wasm = fault_wasm()
+        fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
+        doc = yaml.safe_load(with_reload_backoff(
+            kit.shipped_config(wasm, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), None))
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        (wasm_filter,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
+        wasm_filter["typed_config"]["config"]["failure_policy"] = policy
+        fl.start_envoy(wasm, config=yaml.safe_dump(doc, sort_keys=False))
+        url = f"http://127.0.0.1:{fl.listen}/v1/chat/completions"
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}).encode()
+        headers = {"content-type": "application/json", DEST: f"127.0.0.1:{canary.port}"}
+        trap, _, _ = kit.request("POST", url, body, {**headers, "x-llmgw-fault": "trap"}, timeout=10)
+        statuses, unfiltered = [], 0
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            status, h, _ = kit.request("POST", url, body, headers, timeout=10)
+            statuses.append(status)
+            # Answered by a worker whose filter did not run (no decision header).
+            unfiltered += kit.DECISION_HEADER not in {k.lower() for k in h}
+    finally:
+        canary.stop()
+    summary = {s: statuses.count(s) for s in set(statuses)}
+    print(f"{policy}: trap answered {trap}; then {len(statuses)} requests naming the canary: {summary}, "
+          f"{unfiltered} answered by a worker without the filter; canary reached {len(canary.hits)} times")
+    assert trap != 200, "the test-only build did not trap"
+    # The failing worker was exercised, and nothing reached the address the client named.
+    assert unfiltered > 0, summary
+    assert canary.hits == [], canary.hits
