@@ -36,6 +36,7 @@ pub struct Metrics {
     index_blocks: Cell<Option<Option<u32>>>,
     index_bytes: Cell<Option<Option<u32>>>,
     destinations_refused: Cell<Option<Option<u32>>>,
+    vm_memory: Cell<Option<Option<u32>>>,
     vm_tag: String,
     enabled: bool,
 }
@@ -79,6 +80,7 @@ impl Metrics {
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
             destinations_refused: Cell::new(None),
+            vm_memory: Cell::new(None),
             vm_tag: vm_tag.to_owned(),
             enabled,
             host,
@@ -184,6 +186,21 @@ impl Metrics {
             self.record(self.gauge(&self.feed_connected, "llmgw_feed_connected"), u64::from(connected));
             self.record(self.gauge(&self.index_blocks, "llmgw_index_blocks"), index_blocks);
             self.record(self.gauge(&self.index_bytes, "llmgw_index_bytes"), index_bytes);
+            self.record(self.gauge(&self.vm_memory, "llmgw_vm_memory_bytes"), linear_memory_bytes());
         }
+    }
+}
+
+/// The VM's linear memory in bytes: what Envoy holds for this VM's heap, which never shrinks
+/// (0 outside wasm, where there is no such memory).
+pub fn linear_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    {
+        let pages = u64::try_from(core::arch::wasm32::memory_size::<0>()).unwrap_or(u64::MAX);
+        pages.saturating_mul(65_536)
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        0
     }
 }

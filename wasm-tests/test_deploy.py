@@ -377,6 +377,8 @@ def test_deployed_config_routes_exactly_and_ignores_a_clients_destination_and_en
     assert status == 200 and again == served_by, f"follow-up went to {again}, its prefix is on {served_by}"
     # The decision is exact, and Prometheus sees it with its label.
     assert envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"') == exact_before + 1
+    # Each VM's linear memory reaches Prometheus as a gauge with its vm label.
+    assert envoy.metric("llmgw_vm_memory_bytes", 'vm="') > 0
     assert canary.hits == []
     # Other paths are not passed to the replicas.
     status, _, _ = _post(listen, "/kv_event_sources", {})
