@@ -100,7 +100,18 @@ fn main() {
     if let Some(url) = args.iter().position(|a| a == "--nats").and_then(|i| args.get(i + 1)) {
         let per_subject: i64 = arg("--per-subject", "1000").parse().unwrap();
         let memory = args.iter().any(|a| a == "--memory");
-        return nats(url, per_subject, memory, count, &endpoints_file, &advance, &phases, payloads, payload_bytes, 2 * per);
+        return nats(
+            url,
+            per_subject,
+            memory,
+            count,
+            &endpoints_file,
+            &advance,
+            &phases,
+            payloads,
+            payload_bytes,
+            2 * per,
+        );
     }
     // At most 1,023 sockets per libzmq context: one context per 500 publishers.
     let ctxs: Vec<zmq::Context> = (0..count.div_ceil(500)).map(|_| zmq::Context::new()).collect();
@@ -193,9 +204,10 @@ fn nats(
 ) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let _in_runtime = rt.enter();
-    let js: llmgw_agent::config::JetStreamConfig =
-        toml::from_str(&format!("url = \"{url}\"\nmax_messages_per_subject = {per_subject}\nmemory_storage = {memory}"))
-            .unwrap();
+    let js: llmgw_agent::config::JetStreamConfig = toml::from_str(&format!(
+        "url = \"{url}\"\nmax_messages_per_subject = {per_subject}\nmemory_storage = {memory}"
+    ))
+    .unwrap();
     let client = rt.block_on(async_nats::connect(url)).unwrap();
     let ctx = async_nats::jetstream::new(client.clone());
     rt.block_on(ctx.get_or_create_stream(llmgw_agent::jetstream::stream_config(&js))).unwrap();
