@@ -237,10 +237,12 @@ def main() -> int:
                     next_sample += a.sample_every_s
                     s = {"min": (now - t0) / 60, "envoy_kib": rss_kib(envoy_proc.pid),
                          "agent_kib": rss_kib(agent.proc.pid), "agent_pid": agent.proc.pid,
+                         "vm_kib": sum(envoy.stats("llmgw_vm_memory_bytes").values()) / 1024,
                          "index_blocks": envoy.index_blocks(), "sent": load.sent, "failed": load.failed,
                          "checks": len(checker.checks)}
                     samples.append(s)
-                    log(f"{s['min']:5.1f} min: envoy {s['envoy_kib'] / 1024:.1f} MiB, agent "
+                    log(f"{s['min']:5.1f} min: envoy {s['envoy_kib'] / 1024:.1f} MiB (VMs' linear memory "
+                        f"{s['vm_kib'] / 1024:.1f} MiB), agent "
                         f"{s['agent_kib'] / 1024:.1f} MiB, index {s['index_blocks']}, sent {s['sent']}, "
                         f"failed {s['failed']}, checks {s['checks']}")
                 if now >= next_fault:
@@ -268,6 +270,9 @@ def main() -> int:
             checker.stop()
     warm = [s for s in samples if s["min"] >= a.warmup_min]
     envoy_slope = slope_mb_per_h([(s["min"] * 60, s["envoy_kib"]) for s in warm])
+    # The VMs' linear memory (llmgw_vm_memory_bytes, summed over VMs) and the rest of Envoy.
+    vm_slope = slope_mb_per_h([(s["min"] * 60, s.get("vm_kib", 0)) for s in warm])
+    rest_slope = slope_mb_per_h([(s["min"] * 60, s["envoy_kib"] - s.get("vm_kib", 0)) for s in warm])
     last_pid = samples[-1]["agent_pid"] if samples else None
     agent_life = [s for s in warm if s["agent_pid"] == last_pid]
     agent_slope = slope_mb_per_h([(s["min"] * 60, s["agent_kib"]) for s in agent_life])
@@ -277,6 +282,7 @@ def main() -> int:
         "args": {k: str(v) for k, v in vars(a).items()},
         "sent": load.sent, "failed": load.failed, "faults": faults, "samples": samples,
         "envoy_mb_per_h": envoy_slope, "agent_mb_per_h": agent_slope,
+        "vm_linear_mb_per_h": vm_slope, "envoy_outside_vms_mb_per_h": rest_slope,
         "agent_last_lifetime_min": (agent_life[-1]["min"] - agent_life[0]["min"]) if len(agent_life) > 1 else 0,
         "checks": len(checker.checks), "checks_answered": len(checks),
         "index_right": sum(c["index_right"] for c in exact) / max(1, len(exact)),
@@ -291,6 +297,8 @@ def main() -> int:
         f"{load.sent} requests, {load.failed} failed.\n",
         "| | after warm-up ({:g} min) |".format(a.warmup_min), "|---|---|",
         f"| Envoy RSS growth | {fmt(envoy_slope)} MB/h |",
+        f"| of which the VMs' linear memory (`llmgw_vm_memory_bytes`) | {fmt(vm_slope)} MB/h |",
+        f"| Envoy outside the VMs (RSS minus linear memory) | {fmt(rest_slope)} MB/h |",
         f"| agent RSS growth (its last lifetime, {result['agent_last_lifetime_min']:.0f} min) | {fmt(agent_slope)} MB/h |",
         f"| ground-truth checks answered | {len(checks)} of {len(checker.checks)} |",
         f"| decisions on exact data | {result['exact_share']:.3f} |",
@@ -306,6 +314,8 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.plot([s["min"] for s in samples], [s["envoy_kib"] / 1024 for s in samples], label="Envoy (2 workers)")
         ax.plot([s["min"] for s in samples], [s["agent_kib"] / 1024 for s in samples], label="agent")
+        ax.plot([s["min"] for s in samples], [s.get("vm_kib", 0) / 1024 for s in samples],
+                label="the VMs' linear memory (in Envoy)")
         for f in faults:
             ax.axvline(f["min"], color="grey", lw=0.6, ls=":")
         ax.axvline(a.warmup_min, color="black", lw=0.8, ls="--", label="end of warm-up")
