@@ -135,3 +135,32 @@ def test_an_engine_restart_on_the_stream_resets_every_mirror(
     for gw in gws:
         r = gw.wait_for("r0", lambda r: r["resets"].get("restart") == 1 and r["last_seq"] == 0, "restart")
         assert r["block_keys"] == [3000]
+
+
+def test_mirrors_reset_while_the_broker_was_away_are_rebuilt_from_the_stream(
+        procs, tmp_path, agent_bin, start_agent, pub):
+    port, mon = free_port(), free_port()
+    nats = {"url": start_nats(procs, tmp_path, port=port, mon=mon)}
+    broker = procs.procs[-1]
+    start_publish(procs, agent_bin, tmp_path, nats, pub)
+    pub.wait_subscribed()
+    gw = start_agent([{"name": "r0", "address": ADDRESS, "events": "jetstream"}], name="gw",
+                     jetstream={"url": nats["url"]}, zmq={"down_after_disconnect_ms": 300})
+    wait_until(lambda: "llmgw_agent_jetstream_connected 1" in gw.metrics(), 20, "gw consuming")
+    model = Model()
+    for seq in range(6):
+        pub.send(seq, stored([4000 + seq]))
+        model.apply_payload(stored([4000 + seq]))
+    gw.wait_for("r0", seq_is(5), "seq 5")
+    # The broker goes away for longer than down_after_disconnect_ms: the replica is marked down
+    # and its blocks leave. Back on the same port and store, the mirror is read again from the
+    # stream, and then follows the new batches.
+    procs.stop(broker, signal.SIGKILL)
+    gw.wait_for("r0", lambda r: not r["up"] and r["blocks"] == 0, "down while the broker is away")
+    start_nats(procs, tmp_path, port=port, mon=mon)
+    pub.send(6, stored([4006]))
+    model.apply_payload(stored([4006]))
+    r = gw.wait_for("r0", lambda r: r["up"] and r["last_seq"] == 6 and r["block_keys"] == model.keys(),
+                    "rebuilt from the stream")
+    assert r["resets"].get("jetstream_gone") == 1 and "restart" not in r["resets"], r["resets"]
+

