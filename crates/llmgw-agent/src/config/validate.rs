@@ -86,6 +86,7 @@ impl Config {
                 if let Some(h) = &r.hash {
                     check_hash(&f("hash"), h)?;
                 }
+                check_metrics_url(&f("metrics_url"), r.metrics_url.as_deref())?;
                 continue;
             }
             if r.endpoint.is_empty() {
@@ -126,11 +127,7 @@ impl Config {
             if let Some(h) = &r.hash {
                 check_hash(&f("hash"), h)?;
             }
-            if let Some(u) = &r.metrics_url {
-                if !u.is_empty() && !u.starts_with("http://") {
-                    return Err(err(f("metrics_url"), "must start with http:// (or be empty to disable scraping)"));
-                }
-            }
+            check_metrics_url(&f("metrics_url"), r.metrics_url.as_deref())?;
         }
         for (i, d) in self.discovery.iter().enumerate() {
             let f = |name: &str| format!("discovery[{i}].{name}");
@@ -192,6 +189,15 @@ impl Config {
     }
 }
 
+fn check_metrics_url(field: &str, u: Option<&str>) -> Result<(), ConfigError> {
+    match u {
+        Some(u) if !u.is_empty() && !u.starts_with("http://") => {
+            Err(err(field, "must start with http:// (or be empty to disable scraping)"))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
     let (tls, rest) = if let Some(r) = js.url.strip_prefix("tls://") {
         (true, r)
@@ -200,6 +206,10 @@ fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
     } else {
         return Err(err("jetstream.url", format!("{:?}: must be nats://host:port or tls://host:port", js.url)));
     };
+    if rest.contains('@') || rest.contains('/') {
+        // A token in the URL would be logged with it: it goes in `token`.
+        return Err(err("jetstream.url", "host:port only (credentials go in jetstream.token)"));
+    }
     let host = match rest.rsplit_once(':') {
         Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => h,
         _ => return Err(err("jetstream.url", format!("{:?}: needs host:port", js.url))),
@@ -310,6 +320,8 @@ mod tests {
             (format!("{js}subject_prefix = \"a..b\"\n{OK}"), "jetstream.subject_prefix"),
             (format!("{js}subject_prefix = \"a.>\"\n{OK}"), "jetstream.subject_prefix"),
             (format!("{js}max_messages_per_subject = 0\n{OK}"), "jetstream.max_messages_per_subject"),
+            (format!("[jetstream]\nurl = \"nats://tok@127.0.0.1:4222\"\n{OK}"), "jetstream.url"),
+            (format!("{js}{OK}{rep}metrics_url = \"ftp://x\"\n"), "replicas[2].metrics_url"),
         ];
         for (text, field) in cases {
             let e = error_of(&text);

@@ -195,6 +195,12 @@ pub fn metrics_text(st: &HubState) -> String {
             js.bad_header,
         ),
         (
+            "jetstream_stream_replaced_total",
+            "Times the JetStream stream was found deleted, recreated or behind what was applied (its mirrors reset and read again).",
+            "counter",
+            js.stream_replaced,
+        ),
+        (
             "jetstream_chunks_total",
             "Hub-lock acquisitions applying JetStream messages (messages per lock = messages / chunks).",
             "counter",

@@ -54,14 +54,22 @@ pub fn stream_config(cfg: &JetStreamConfig) -> stream::Config {
         max_age: Duration::from_secs(cfg.max_age_secs),
         storage: if cfg.memory_storage { stream::StorageType::Memory } else { stream::StorageType::File },
         discard: stream::DiscardPolicy::Old,
-        duplicate_window: Duration::from_secs(120),
+        // The broker refuses a duplicate window longer than a non-zero max_age.
+        duplicate_window: match cfg.max_age_secs {
+            0 => Duration::from_secs(120),
+            a => Duration::from_secs(a.min(120)),
+        },
         ..Default::default()
     }
 }
 
 /// Connects to the broker with the configured token and TLS.
 pub async fn connect(cfg: &JetStreamConfig, name: &str) -> Result<async_nats::Client, String> {
-    let mut opts = async_nats::ConnectOptions::new().name(name).connection_timeout(Duration::from_secs(5));
+    // Servers the broker announces are not followed: only the configured (validated) address.
+    let mut opts = async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(Duration::from_secs(5))
+        .ignore_discovered_servers();
     if let Some(t) = cfg.token.as_deref().filter(|t| !t.is_empty()) {
         opts = opts.token(t.to_owned());
     }
@@ -84,6 +92,9 @@ pub struct JetStreamCounters {
     pub bad_header: u64,
     /// Hub-lock acquisitions that applied messages (messages / chunks = messages per lock).
     pub chunks: u64,
+    /// Times the stream was found deleted, recreated or behind what was applied (every mirror
+    /// read from JetStream was reset and read again).
+    pub stream_replaced: u64,
 }
 
 /// What the consumer keeps between messages: each engine's sequence discipline.
@@ -167,6 +178,11 @@ impl Ingest {
     pub fn forget(&mut self) {
         self.trackers.clear();
     }
+
+    /// Forgets these engines' sequences.
+    pub fn forget_engines(&mut self, engines: &HashSet<usize>) {
+        self.trackers.retain(|i, _| !engines.contains(i));
+    }
 }
 
 /// Where the consumer is in the stream.
@@ -177,6 +193,23 @@ struct Position {
     /// Reading the stream again from its start up to this sequence, applying only these
     /// engines' messages (their mirrors started clean); the others already have them.
     catch_up: Option<(u64, HashSet<usize>)>,
+}
+
+impl Position {
+    /// Whether a message (its stream sequence, its engine) is to be applied: during a catch-up
+    /// only the rebuilding engines' messages up to where it ends are.
+    fn admit(&mut self, stream_seq: Option<u64>, engine: Option<usize>) -> bool {
+        if let (Some((until, engines)), Some(s)) = (&self.catch_up, stream_seq) {
+            if s <= *until {
+                return engine.is_some_and(|e| engines.contains(&e));
+            }
+            self.catch_up = None;
+        }
+        if stream_seq.is_some() {
+            self.last = self.last.max(stream_seq);
+        }
+        true
+    }
 }
 
 /// The consumer: reads the stream until `stop`, reconnecting after any failure. After a lost
@@ -231,15 +264,13 @@ async fn session(
 ) -> Result<(), String> {
     let client = connect(cfg, "llmgw-agent").await?;
     let ctx = jetstream::new(client.clone());
-    let stream =
+    let mut stream =
         ctx.get_or_create_stream(stream_config(cfg)).await.map_err(|e| format!("stream {}: {e}", cfg.stream))?;
-    {
-        let mut st = hub.state();
-        for idx in ingest.engines() {
-            st.set_health(idx, Health::Publisher, true, "jetstream_connected");
-        }
+    let created = stream.cached_info().created;
+    if let Some((_, engines)) = &pos.catch_up {
+        // Reading from the start again: what the rebuilding engines applied so far comes again.
+        ingest.forget_engines(engines);
     }
-    ask_rebuilds(ingest, pos);
     let deliver_policy = match (&pos.catch_up, pos.last.and_then(|s| s.checked_add(1))) {
         (None, Some(start_sequence)) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
         _ => consumer::DeliverPolicy::All,
@@ -259,7 +290,12 @@ async fn session(
         st.jetstream.sessions = st.jetstream.sessions.saturating_add(1);
         for idx in ingest.engines() {
             st.connection(idx, true);
+            st.set_health(idx, Health::Publisher, true, "jetstream_connected");
         }
+    }
+    // Replicas that came up with clean mirrors (the broker back): read again for them.
+    if ask_rebuilds(ingest, pos) {
+        return Ok(());
     }
     *lost_since = None;
     info!(url = %cfg.url, stream = %cfg.stream, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
@@ -268,6 +304,7 @@ async fn session(
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut away: Option<Instant> = None;
     let mut marked_down = false;
+    let mut checked = Instant::now();
     loop {
         let chunk = tokio::select! {
             chunk = messages.next() => chunk,
@@ -285,11 +322,27 @@ async fn session(
                         }
                         warn!(url = %cfg.url, "jetstream broker away: its replicas are marked down");
                     }
-                } else if away.take().is_some() && marked_down {
+                } else if away.take().is_some() && std::mem::take(&mut marked_down) {
                     // Back: the replicas come up with clean mirrors, rebuilt from the stream.
                     let mut st = hub.state();
+                    st.jetstream.connected = true;
                     for idx in ingest.engines() {
+                        st.connection(idx, true);
                         st.set_health(idx, Health::Publisher, true, "jetstream_connected");
+                    }
+                }
+                if connected && checked.elapsed() >= Duration::from_secs(1) {
+                    checked = Instant::now();
+                    if let Some(why) = stream_replaced(&mut stream, created, pos.last).await {
+                        // The batches the mirrors were built from are gone: start over.
+                        let mut st = hub.state();
+                        st.jetstream.stream_replaced = st.jetstream.stream_replaced.saturating_add(1);
+                        for idx in ingest.engines() {
+                            st.reset(idx, "stream_replaced");
+                        }
+                        *pos = Position::default();
+                        ingest.forget();
+                        return Err(format!("stream {} {why}; reading the new one from its start", cfg.stream));
                     }
                 }
                 if ask_rebuilds(ingest, pos) {
@@ -307,23 +360,31 @@ async fn session(
         for m in chunk {
             let m = m.map_err(|e| format!("consumer on {}: {e}", cfg.stream))?;
             let stream_seq = m.info().map(|i| i.stream_sequence).ok();
-            if let (Some((until, engines)), Some(s)) = (&pos.catch_up, stream_seq) {
-                if s <= *until {
-                    if !ingest.engine_of(m.subject.as_str()).is_some_and(|e| engines.contains(&e)) {
-                        continue;
-                    }
-                } else {
-                    pos.catch_up = None;
-                }
-            }
-            if stream_seq.is_some() {
-                pos.last = pos.last.max(stream_seq);
+            if !pos.admit(stream_seq, ingest.engine_of(m.subject.as_str())) {
+                continue;
             }
             let seq = m.headers.as_ref().and_then(|h| h.get(SEQ_HEADER)).map(|v| v.as_str());
             ingest.on_message(&mut st, m.subject.as_str(), seq, &m.payload);
         }
     }
     Err("message stream ended".to_owned())
+}
+
+/// Whether the stream was deleted, recreated or emptied behind the consumer's back (a broker
+/// restarted with memory storage, a store wiped): the ordered consumer would wait on it forever.
+async fn stream_replaced(
+    stream: &mut stream::Stream,
+    created: async_nats::datetime::DateTime,
+    last: Option<u64>,
+) -> Option<&'static str> {
+    match stream.info().await {
+        // JetStream's API error 10059; the client passes it on only as text.
+        Err(e) if e.to_string().contains("stream not found") => Some("was deleted"),
+        Err(_) => None,
+        Ok(info) if info.created != created => Some("was recreated"),
+        Ok(info) if last.is_some_and(|l| info.state.last_sequence < l) => Some("is behind what was applied"),
+        Ok(_) => None,
+    }
 }
 
 /// Takes the hub's rebuild requests: true when they need the stream read again from its start
@@ -438,6 +499,20 @@ mod tests {
         ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
         assert!(!hub.state().engines[0].counters.resets.contains_key("restart"));
         assert_eq!(hub.state().engines[0].mirror.len(), 1);
+    }
+
+    #[test]
+    fn a_catch_up_applies_only_the_rebuilding_engines_messages_until_it_ends() {
+        let mut pos = Position { last: Some(10), catch_up: Some((10, HashSet::from([1]))) };
+        assert!(!pos.admit(Some(3), Some(0)), "engine 0 has it already");
+        assert!(pos.admit(Some(4), Some(1)), "engine 1 is rebuilding");
+        assert!(!pos.admit(Some(5), None), "no engine");
+        assert!(pos.admit(Some(10), Some(1)));
+        assert_eq!(pos.last, Some(10));
+        // Past where it ends: every engine again, and the position moves on.
+        assert!(pos.admit(Some(11), Some(0)));
+        assert_eq!(pos.catch_up, None);
+        assert_eq!(pos.last, Some(11));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::config::{Config, EngineSpec, JetStreamConfig, ZmqConfig};
 use crate::seq::{Cause, Fill, FillStep, SeqTracker, Verdict};
 use crate::zmqsub::{parse_seq, replay_item, END_SEQ};
 use async_nats::jetstream;
+use async_nats::jetstream::context::PublishErrorKind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +37,8 @@ struct Counters {
     retries: AtomicU64,
     replayed: AtomicU64,
     unfilled: AtomicU64,
+    /// Batches larger than the broker's max_payload: dropped (a hole consumers reset at).
+    too_large: AtomicU64,
 }
 
 /// The engines `publish` serves: the named replica's ranks (or the only replica's).
@@ -73,7 +76,7 @@ pub fn run(cfg: Config, replica: Option<&str>) -> Result<(), String> {
 
 async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineSpec>) -> Result<(), String> {
     let ctx = loop {
-        match open(&js).await {
+        match open(&js, zmq_cfg.max_message_bytes).await {
             Ok(c) => break c,
             Err(e) => {
                 warn!(error = %e, "jetstream not reachable; retrying in 1 s");
@@ -112,15 +115,19 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
                 .spawn(move || reader.run())
                 .map_err(|e| format!("cannot start engine thread: {e}"))?,
         );
-        tasks.push(tokio::spawn(publish_rank(ctx.clone(), subj, rx, counters.clone(), stop.clone())));
+        tasks.push(tokio::spawn(publish_rank(ctx.clone(), js.clone(), subj, rx, counters.clone(), stop.clone())));
     }
     let report = tokio::spawn(report(counters.clone()));
     crate::shutdown_signal().await;
     info!("shutting down");
     stop.store(true, Ordering::SeqCst);
     report.abort();
-    for t in tasks {
-        let _ = tokio::time::timeout(Duration::from_secs(3), t).await;
+    // The ranks finish what they hold together, for 3 s at most.
+    let all = futures_util::future::join_all(tasks.iter_mut());
+    if tokio::time::timeout(Duration::from_secs(3), all).await.is_err() {
+        for t in &tasks {
+            t.abort();
+        }
     }
     tokio::task::spawn_blocking(move || {
         for t in threads {
@@ -132,8 +139,17 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
     Ok(())
 }
 
-async fn open(js: &JetStreamConfig) -> Result<jetstream::Context, String> {
+async fn open(js: &JetStreamConfig, max_message_bytes: i64) -> Result<jetstream::Context, String> {
     let client = connect(js, "llmgw-publish").await?;
+    let max_payload = client.server_info().max_payload;
+    if i64::try_from(max_payload).is_ok_and(|m| m < max_message_bytes) {
+        warn!(
+            max_payload,
+            max_message_bytes,
+            "the broker's max_payload is below zmq.max_message_bytes: a batch larger than it is dropped \
+             (consumers reset that engine); raise the broker's max_payload"
+        );
+    }
     let ctx = jetstream::new(client);
     ctx.get_or_create_stream(stream_config(js)).await.map_err(|e| format!("stream {}: {e}", js.stream))?;
     Ok(ctx)
@@ -150,6 +166,7 @@ async fn last_published(ctx: &jetstream::Context, js: &JetStreamConfig, subj: &s
 /// Publishes one rank's batches in order, each acknowledged before the next.
 async fn publish_rank(
     ctx: jetstream::Context,
+    js: JetStreamConfig,
     subj: String,
     mut rx: tokio::sync::mpsc::Receiver<Item>,
     counters: Arc<Counters>,
@@ -167,13 +184,29 @@ async fn publish_rank(
         let mut delay = Duration::from_millis(50);
         loop {
             let r = match ctx.publish_with_headers(subj.clone(), headers.clone(), payload.clone()).await {
-                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
+                Ok(ack) => ack.await.map(|_| ()),
+                Err(e) => Err(e),
             };
             match r {
                 Ok(()) => {
                     counters.published.fetch_add(1, Ordering::Relaxed);
                     break;
+                }
+                Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                    // Never accepted however often it is sent: leave the hole.
+                    counters.too_large.fetch_add(1, Ordering::Relaxed);
+                    warn!(subject = %subj, seq = item.seq, bytes = payload.len(), error = %e, "batch larger than the broker accepts: dropped; consumers will reset this engine");
+                    break;
+                }
+                Err(e) if e.kind() == PublishErrorKind::StreamNotFound => {
+                    // The stream was deleted (or the broker restarted without it): make it again.
+                    counters.retries.fetch_add(1, Ordering::Relaxed);
+                    warn!(subject = %subj, seq = item.seq, error = %e, "stream missing; creating it again");
+                    if let Err(e) = ctx.get_or_create_stream(stream_config(&js)).await {
+                        warn!(stream = %js.stream, error = %e, "cannot create the stream");
+                    }
+                    tokio::time::sleep(delay).await;
+                    delay = delay.saturating_mul(2).min(Duration::from_secs(1));
                 }
                 Err(e) if stop.load(Ordering::SeqCst) => {
                     warn!(subject = %subj, seq = item.seq, error = %e, "batch not published at shutdown");
@@ -200,6 +233,7 @@ async fn report(c: Arc<Counters>) {
             retries = c.retries.load(Ordering::Relaxed),
             replayed = c.replayed.load(Ordering::Relaxed),
             unfilled_gaps = c.unfilled.load(Ordering::Relaxed),
+            too_large = c.too_large.load(Ordering::Relaxed),
             "jetstream publisher"
         );
     }
