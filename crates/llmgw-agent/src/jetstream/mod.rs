@@ -141,6 +141,12 @@ impl Ingest {
 
     /// Applies one message (under the hub lock the caller holds).
     pub fn on_message(&mut self, st: &mut HubState, subject: &str, seq: Option<&str>, payload: &[u8]) {
+        self.on_batch(st, subject, seq, EventBatch::decode(payload).ok());
+    }
+
+    /// Applies one message whose payload was decoded before the hub lock was taken (`None`: it
+    /// did not decode).
+    pub fn on_batch(&mut self, st: &mut HubState, subject: &str, seq: Option<&str>, batch: Option<EventBatch>) {
         st.jetstream.messages = st.jetstream.messages.saturating_add(1);
         let Some(&idx) = self.by_subject.get(subject) else {
             st.jetstream.unknown_subject = st.jetstream.unknown_subject.saturating_add(1);
@@ -167,9 +173,9 @@ impl Ingest {
                 st.reset(idx, &format!("{}_unrepaired", cause.as_str()));
             }
         }
-        match EventBatch::decode(payload) {
-            Ok(batch) => st.apply(idx, seq, &batch),
-            Err(_) => st.skipped(idx, "malformed"),
+        match batch {
+            Some(batch) => st.apply(idx, seq, &batch),
+            None => st.skipped(idx, "malformed"),
         }
         tracker.applied(seq);
     }
@@ -355,16 +361,22 @@ async fn session(
         if ask_rebuilds(ingest, pos) {
             return Ok(());
         }
-        let mut st = hub.state();
-        st.jetstream.chunks = st.jetstream.chunks.saturating_add(1);
+        // Decoded before the hub lock is taken, as on the ZMQ path.
+        let mut ready = Vec::with_capacity(chunk.len());
         for m in chunk {
             let m = m.map_err(|e| format!("consumer on {}: {e}", cfg.stream))?;
             let stream_seq = m.info().map(|i| i.stream_sequence).ok();
             if !pos.admit(stream_seq, ingest.engine_of(m.subject.as_str())) {
                 continue;
             }
+            let batch = EventBatch::decode(&m.payload).ok();
+            ready.push((m, batch));
+        }
+        let mut st = hub.state();
+        st.jetstream.chunks = st.jetstream.chunks.saturating_add(1);
+        for (m, batch) in ready {
             let seq = m.headers.as_ref().and_then(|h| h.get(SEQ_HEADER)).map(|v| v.as_str());
-            ingest.on_message(&mut st, m.subject.as_str(), seq, &m.payload);
+            ingest.on_batch(&mut st, m.subject.as_str(), seq, batch);
         }
     }
     Err("message stream ended".to_owned())
