@@ -134,14 +134,18 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     }
     let _ = tokio::time::timeout(Duration::from_secs(3), feed_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(3), http_task).await;
+    join_threads(threads).await
+}
+
+/// Waits, off the runtime's threads, for the engine threads to end.
+pub(crate) async fn join_threads(threads: Vec<std::thread::JoinHandle<()>>) -> Result<(), String> {
     tokio::task::spawn_blocking(move || {
         for t in threads {
             let _ = t.join();
         }
     })
     .await
-    .map_err(|e| e.to_string())?;
-    Ok(())
+    .map_err(|e| e.to_string())
 }
 
 pub(crate) async fn shutdown_signal() {

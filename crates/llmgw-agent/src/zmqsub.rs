@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// Sequence frame of the end-of-replay marker.
-pub(crate) const END_SEQ: [u8; 8] = [0xff; 8];
+const END_SEQ: [u8; 8] = [0xff; 8];
 
 /// A monitor message: `Some(true)` for a new connection, `Some(false)` for a lost one.
 fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
@@ -24,7 +24,7 @@ fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
 }
 
 /// A replay reply: `[b"", topic, seq8, payload]` since vLLM 0.29, `[b"", seq8, payload]` before.
-pub(crate) fn replay_item(frames: &[Vec<u8>]) -> Option<(&[u8], &[u8])> {
+fn replay_item(frames: &[Vec<u8>]) -> Option<(&[u8], &[u8])> {
     match frames {
         [e, _topic, s, p] if e.is_empty() => Some((s, p)),
         [e, s, p] if e.is_empty() => Some((s, p)),
@@ -47,6 +47,70 @@ pub fn parse_seq(frame: &[u8]) -> Option<u64> {
     }
     let b: [u8; 8] = frame.get(..8)?.try_into().ok()?;
     Some(u64::from_be_bytes(b))
+}
+
+/// A fresh DEALER on a publisher's replay socket, with the configured size cap and timeout.
+pub(crate) fn replay_dealer(ctx: &zmq::Context, cfg: &ZmqConfig, endpoint: &str) -> Result<zmq::Socket, zmq::Error> {
+    let d = ctx.socket(zmq::DEALER)?;
+    d.set_maxmsgsize(cfg.max_message_bytes)?;
+    d.set_linger(0)?;
+    d.set_rcvtimeo(i32::try_from(cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
+    if endpoint.contains('[') {
+        d.set_ipv6(true)?;
+    }
+    d.connect(endpoint)?;
+    Ok(d)
+}
+
+/// Asks a replay socket for the batches from `from` and hands those in `from..until` to
+/// `batch` in order (it returns false to stop); `bad` hears of frames it cannot read
+/// (`bad_replay_frames`, `bad_seq`) and of a `timeout`. Returns whether the whole range came,
+/// and how many batches were handed on. The agent's engines and `publish` both fill gaps so.
+pub(crate) fn replay_range(
+    ctx: &zmq::Context,
+    cfg: &ZmqConfig,
+    endpoint: &str,
+    from: u64,
+    until: u64,
+    mut batch: impl FnMut(u64, &[u8]) -> bool,
+    mut bad: impl FnMut(&'static str),
+) -> Result<(bool, u64), zmq::Error> {
+    let d = replay_dealer(ctx, cfg, endpoint)?;
+    d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
+    let mut fill = Fill::new(from, until);
+    let mut handed: u64 = 0;
+    while !fill.complete() {
+        let frames = match d.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => {
+                bad("timeout");
+                break;
+            }
+            Err(e) => return Err(e),
+        };
+        let Some((seq_frame, payload)) = replay_item(&frames) else {
+            bad("bad_replay_frames");
+            continue;
+        };
+        if seq_frame == END_SEQ {
+            break;
+        }
+        let Some(seq) = parse_seq(seq_frame) else {
+            bad("bad_seq");
+            continue;
+        };
+        match fill.step(seq) {
+            FillStep::Skip => continue,
+            FillStep::Apply => {
+                handed = handed.saturating_add(1);
+                if !batch(seq, payload) {
+                    break;
+                }
+            }
+            FillStep::Done | FillStep::Hole => break,
+        }
+    }
+    Ok((fill.complete(), handed))
 }
 
 pub struct Engine {
@@ -266,15 +330,7 @@ impl Engine {
     }
 
     fn dealer(&self, endpoint: &str) -> Result<zmq::Socket, zmq::Error> {
-        let d = self.ctx.socket(zmq::DEALER)?;
-        d.set_maxmsgsize(self.cfg.max_message_bytes)?;
-        d.set_linger(0)?;
-        d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
-        if endpoint.contains('[') {
-            d.set_ipv6(true)?;
-        }
-        d.connect(endpoint)?;
-        Ok(d)
+        replay_dealer(&self.ctx, &self.cfg, endpoint)
     }
 
     fn on_disconnected(&mut self) {
@@ -369,44 +425,26 @@ impl Engine {
     /// Requests batches from `from` on a fresh DEALER and applies those in `from..until`.
     /// Returns whether the whole range was applied, and how many batches were.
     fn replay(&mut self, endpoint: &str, from: u64, until: u64) -> Result<(bool, u64), zmq::Error> {
-        let d = self.dealer(endpoint)?;
-        let start = from.to_be_bytes();
-        d.send_multipart([&[][..], &start[..]], 0)?;
-        let mut fill = Fill::new(from, until);
-        let mut applied: u64 = 0;
-        loop {
-            let frames = match d.recv_multipart(0) {
-                Ok(f) => f,
-                Err(zmq::Error::EAGAIN) => {
-                    warn!(replica = %self.spec.label(), endpoint, "replay timed out");
-                    break;
+        let (ctx, cfg, idx, hub) = (self.ctx.clone(), self.cfg.clone(), self.idx, self.hub.clone());
+        let label = self.spec.label();
+        replay_range(
+            &ctx,
+            &cfg,
+            endpoint,
+            from,
+            until,
+            |seq, payload| {
+                self.apply_payload(seq, payload);
+                true
+            },
+            |reason| {
+                if reason == "timeout" {
+                    warn!(replica = %label, endpoint, "replay timed out");
+                } else {
+                    hub.state().skipped(idx, reason);
                 }
-                Err(e) => return Err(e),
-            };
-            let Some((seq_frame, payload)) = replay_item(&frames) else {
-                self.hub.state().skipped(self.idx, "bad_replay_frames");
-                continue;
-            };
-            if seq_frame == END_SEQ {
-                break;
-            }
-            let Some(seq) = parse_seq(seq_frame) else {
-                self.hub.state().skipped(self.idx, "bad_seq");
-                continue;
-            };
-            match fill.step(seq) {
-                FillStep::Skip => continue,
-                FillStep::Apply => {
-                    self.apply_payload(seq, payload);
-                    applied = applied.saturating_add(1);
-                }
-                FillStep::Done | FillStep::Hole => break,
-            }
-            if fill.complete() {
-                break;
-            }
-        }
-        Ok((fill.complete(), applied))
+            },
+        )
     }
 }
 

@@ -9,8 +9,8 @@
 
 use super::{connect, stream_config, subject, SEQ_HEADER};
 use crate::config::{Config, EngineSpec, JetStreamConfig, ZmqConfig};
-use crate::seq::{Cause, Fill, FillStep, SeqTracker, Verdict};
-use crate::zmqsub::{parse_seq, replay_item, END_SEQ};
+use crate::seq::{Cause, SeqTracker, Verdict};
+use crate::zmqsub::{parse_seq, replay_range};
 use async_nats::jetstream;
 use async_nats::jetstream::context::PublishErrorKind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -129,14 +129,7 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
             t.abort();
         }
     }
-    tokio::task::spawn_blocking(move || {
-        for t in threads {
-            let _ = t.join();
-        }
-    })
-    .await
-    .map_err(|e| e.to_string())?;
-    Ok(())
+    crate::join_threads(threads).await
 }
 
 async fn open(js: &JetStreamConfig, max_message_bytes: i64) -> Result<jetstream::Context, String> {
@@ -319,45 +312,26 @@ impl Reader {
             warn!(replica = %self.spec.label(), from, until, "batches missed and no replay endpoint: consumers will reset this engine");
             return;
         };
-        let mut fill = Fill::new(from, until);
-        let r: Result<(), zmq::Error> = (|| {
-            let d = self.ctx.socket(zmq::DEALER)?;
-            d.set_maxmsgsize(self.cfg.max_message_bytes)?;
-            d.set_linger(0)?;
-            d.set_rcvtimeo(i32::try_from(self.cfg.replay_timeout_ms).unwrap_or(i32::MAX))?;
-            if ep.contains('[') {
-                d.set_ipv6(true)?;
+        let r = replay_range(
+            &self.ctx,
+            &self.cfg,
+            ep,
+            from,
+            until,
+            |seq, payload| {
+                self.counters.replayed.fetch_add(1, Ordering::Relaxed);
+                self.send(seq, epoch, payload.to_vec())
+            },
+            |_| {},
+        );
+        let complete = match r {
+            Ok((complete, _)) => complete,
+            Err(e) => {
+                warn!(replica = %self.spec.label(), error = %e, "replay socket failed");
+                false
             }
-            d.connect(ep)?;
-            d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
-            while !fill.complete() {
-                let frames = match d.recv_multipart(0) {
-                    Ok(f) => f,
-                    Err(zmq::Error::EAGAIN) => break,
-                    Err(e) => return Err(e),
-                };
-                let Some((seq_frame, payload)) = replay_item(&frames) else { continue };
-                if seq_frame == END_SEQ {
-                    break;
-                }
-                let Some(seq) = parse_seq(seq_frame) else { continue };
-                match fill.step(seq) {
-                    FillStep::Skip => continue,
-                    FillStep::Apply => {
-                        self.counters.replayed.fetch_add(1, Ordering::Relaxed);
-                        if !self.send(seq, epoch, payload.to_vec()) {
-                            break;
-                        }
-                    }
-                    FillStep::Done | FillStep::Hole => break,
-                }
-            }
-            Ok(())
-        })();
-        if let Err(e) = r {
-            warn!(replica = %self.spec.label(), error = %e, "replay socket failed");
-        }
-        if !fill.complete() {
+        };
+        if !complete {
             self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
             warn!(replica = %self.spec.label(), from, until, "missed batches could not be replayed: consumers will reset this engine");
         }
