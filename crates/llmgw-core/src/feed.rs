@@ -381,7 +381,7 @@ impl FeedState {
 pub struct FeedView {
     serving: FeedState,
     resync: Option<FeedState>,
-    /// Engines (`flow::replica_key`) reset since [`FeedView::take_cleared`] was last called.
+    /// Engines (`fleet::replica_key`) reset since [`FeedView::take_cleared`] was last called.
     cleared: Vec<u64>,
 }
 
@@ -404,7 +404,7 @@ impl FeedView {
     }
 
     /// The engines reset (restarted, their caches emptied) since the last call, by
-    /// `flow::replica_key`.
+    /// `fleet::replica_key`.
     pub fn take_cleared(&mut self) -> Vec<u64> {
         std::mem::take(&mut self.cleared)
     }
@@ -469,7 +469,7 @@ impl FeedView {
                 .replicas
                 .iter()
                 .find(|x| x.id == r.replica)
-                .map(|x| crate::flow::replica_key(&x.address, x.data_parallel().then_some(x.dp_rank)));
+                .map(|x| crate::fleet::replica_key(&x.address, x.data_parallel().then_some(x.dp_rank)));
             if let Some(e) = engine.filter(|e| !self.cleared.contains(e)) {
                 if self.cleared.len() < MAX_CLEARED {
                     self.cleared.push(e);

@@ -4,7 +4,7 @@
 //! slots, `fingerprint (48 bits) | replica bitmask (16 bits)`, with linear probing and
 //! backward-shift deletion (no tombstones). Placement is keyed: the fingerprint is the top 48
 //! bits of `mix64(key ^ secret)` (a bijection on u64; the secret is drawn once per process,
-//! `idhash::placement_secret`), and the slot a key belongs to is the top bits of its
+//! `placement::placement_secret`), and the slot a key belongs to is the top bits of its
 //! fingerprint. Publishers choose block keys: with an unkeyed placement they could send keys
 //! that all probe one slot, stalling every lookup.
 //! Two block keys share a slot only when their products agree in 48 bits (probability about
@@ -68,7 +68,7 @@ const MAX_CAPACITY: usize = if usize::BITS > 32 { 1 << (usize::BITS - 24) } else
 /// The 48-bit fingerprint of a key (never all of a slot: the mask of an occupied slot is set).
 #[inline]
 fn fingerprint(key: BlockKey) -> u64 {
-    crate::idhash::place(key.0) >> MASK_BITS
+    crate::placement::place(key.0) >> MASK_BITS
 }
 
 #[inline]
@@ -538,7 +538,7 @@ mod tests {
         let n = 20_000u64;
         let hostile: Vec<BlockKey> = (1..=n).map(|i| BlockKey((i << 16).wrapping_mul(inv))).collect();
         assert!(hostile.iter().all(|k| k.0.wrapping_mul(FIB) >> 40 == 0));
-        let random: Vec<BlockKey> = (1..=n).map(|i| BlockKey(crate::idhash::mix64(i ^ 0x5eed))).collect();
+        let random: Vec<BlockKey> = (1..=n).map(|i| BlockKey(crate::stable_hash::mix64(i ^ 0x5eed))).collect();
         let (mut a, mut b) = (ReplicaIndex::new(), ReplicaIndex::new());
         for (&h, &r) in hostile.iter().zip(&random) {
             a.insert(ReplicaId(0), h);

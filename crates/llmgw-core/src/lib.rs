@@ -5,10 +5,12 @@
 //!   from `PYTHONHASHSEED` and the extra keys (cache salt, LoRA, multimodal) it mixes in.
 //! * [`wire`]: decoding of vLLM's `KVEventBatch` msgpack payloads, in both encodings
 //!   (events as maps tagged by `type` since vLLM 0.24, positional arrays before), on `rmp`.
-//! * [`idhash`]: the stable (seedless) hashing helpers and the maps keyed by block keys.
+//! * [`stable_hash`]: seedless hashing, the same in every process and gateway (routing keys).
+//! * [`placement`]: keyed placement of block keys in the index and maps (a per-process secret).
 //! * [`event`]: the domain view of those events, independent of the wire form.
 //! * [`mirror`]: one engine's held blocks as a reference-counted multiset, yielding net changes
 //!   and checking hash parity.
+//! * [`fleet`]: the fleet as routing sees it (engine identities).
 //! * [`index`]: block key → replicas holding it, with leading-prefix scoring.
 //! * [`allow`]: the networks and ports the filter may route to.
 //! * [`config`]: the filter's configuration, validated with errors naming the field, and
@@ -26,14 +28,16 @@ pub mod allow;
 pub mod config;
 pub mod event;
 pub mod feed;
+pub mod fleet;
 pub mod flow;
 pub mod hash;
-pub mod idhash;
 pub mod index;
 pub mod mirror;
 pub mod pickle;
+pub mod placement;
 pub mod policy;
 pub mod request;
+pub mod stable_hash;
 pub mod tokcache;
 pub mod wire;
 

@@ -14,7 +14,7 @@
 
 use crate::event::{EventBatch, KvEvent, Medium, RemovedBlocks, StoredBlocks};
 use crate::hash::{group_key, BlockHasher, BlockKey, Digest, ExtraKey, MAX_KV_GROUPS};
-use crate::idhash::KeyMap;
+use crate::placement::KeyMap;
 use std::collections::BTreeMap;
 
 /// A change in whether a block is held.

@@ -52,7 +52,7 @@ impl Candidate<'_> {
     pub fn rendezvous_weight(&self, key: u64) -> u64 {
         let w = rendezvous_weight(key, self.address);
         match self.dp_rank {
-            Some(rank) => crate::idhash::mix64(w ^ u64::from(rank)),
+            Some(rank) => crate::stable_hash::mix64(w ^ u64::from(rank)),
             None => w,
         }
     }
@@ -151,11 +151,11 @@ pub struct Work {
 }
 
 /// Defined with the other stable hashing helpers; routing keys are made with it from here.
-pub use crate::idhash::stable_hash;
+pub use crate::stable_hash::stable_hash;
 
 /// The rendezvous weight of `address` for a prefix key.
 pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
-    crate::idhash::mix64(key ^ stable_hash(address.as_bytes()))
+    crate::stable_hash::mix64(key ^ stable_hash(address.as_bytes()))
 }
 
 /// Indices of the replicas the policy may pick: up and not overloaded, or, when every up

@@ -14,7 +14,7 @@
 //! at a fraction of its bookkeeping.
 
 use crate::hash::BlockHash;
-use crate::idhash::BuildKeyHasher;
+use crate::placement::BuildKeyHasher;
 use std::collections::{HashMap, VecDeque};
 
 /// A cache key: the keyed 128-bit hash of everything that determines a request's tokens and

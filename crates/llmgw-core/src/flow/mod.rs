@@ -23,12 +23,12 @@ pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{tokenizer_answer, tokenizer_tokens, Fallback, TokenizerFailure, TokenizerReply};
 pub use speculative::{
-    checkpoints, replica_key, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS,
-    TTL_NS as SPECULATIVE_TTL_NS,
+    checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
 };
 
 use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
+pub use crate::fleet::replica_key;
 use crate::hash::{BlockHash, HashSpec, MmFeature, RequestExtras};
 use crate::index::ReplicaId;
 use crate::policy::{self, Candidate, Decision, Outcome};

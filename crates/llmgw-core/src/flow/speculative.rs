@@ -12,9 +12,6 @@
 //! then the events have confirmed them (the index holds the blocks) or the replica did not keep
 //! them.
 
-use crate::idhash::mix64;
-use crate::policy::stable_hash;
-
 /// Blocks hashed for speculative entries: 1,024 tokens at block size 16, seven checkpoints.
 pub const MAX_BLOCKS: usize = 64;
 
@@ -22,7 +19,7 @@ pub const MAX_BLOCKS: usize = 64;
 pub const TTL_NS: u64 = 2_000_000_000;
 
 /// A speculative entry found for a request: the index of its key, the engine it was sent to
-/// (`replica_key`) and when it was written. An entry written before this VM learned of its
+/// (`fleet::replica_key`) and when it was written. An entry written before this VM learned of its
 /// engine's reset (a restart: its cache is empty) is not credited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hit {
@@ -44,16 +41,6 @@ pub fn checkpoints(n: usize) -> impl Iterator<Item = usize> {
         next = p.checked_mul(2).and_then(|x| x.checked_add(1));
         Some(p)
     })
-}
-
-/// The identity entries carry for an engine: its address, and its rank on a data-parallel
-/// replica (whose ranks share the address).
-pub fn replica_key(address: &str, dp_rank: Option<u32>) -> u64 {
-    let a = stable_hash(address.as_bytes());
-    match dp_rank {
-        Some(rank) => mix64(a ^ u64::from(rank).wrapping_add(1)),
-        None => a,
-    }
 }
 
 /// What a routed request leaves for the next ones: its blocks at the checkpoints past the run
@@ -79,7 +66,5 @@ mod tests {
         assert_eq!(checkpoints(8).collect::<Vec<_>>(), vec![0, 1, 3, 7]);
         assert_eq!(checkpoints(50).collect::<Vec<_>>(), vec![0, 1, 3, 7, 15, 31, 49]);
         assert_eq!(checkpoints(MAX_BLOCKS).count(), 7);
-        assert_ne!(replica_key("a:1", None), replica_key("a:1", Some(0)));
-        assert_ne!(replica_key("a:1", Some(0)), replica_key("a:1", Some(1)));
     }
 }

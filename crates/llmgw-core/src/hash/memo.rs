@@ -8,7 +8,7 @@
 //! unknown. Other blocks use a keyed 128-bit xxh3 of the whole preimage.
 
 use super::Digest;
-use crate::idhash::{mix64, GOLDEN_GAMMA};
+use crate::stable_hash::{mix64, GOLDEN_GAMMA};
 
 /// Invariant: `slots.len()` is a power of two; a slot whose tag is `[0, 0]` is empty, and no
 /// real tag is `[0, 0]` (tags with both halves zero are bumped to `[0, 1]`). Without the `xxhash`

@@ -111,7 +111,7 @@ impl HashSpec {
         bytes.push(0);
         bytes.extend_from_slice(&u64::try_from(self.block_size).unwrap_or(u64::MAX).to_le_bytes());
         bytes.extend_from_slice(&u64::try_from(self.lookahead).unwrap_or(u64::MAX).to_le_bytes());
-        crate::idhash::stable_hash(&bytes)
+        crate::stable_hash::stable_hash(&bytes)
     }
 
     /// The seed as a log line shows it: quoted, or `unset`.
@@ -255,8 +255,8 @@ pub fn group_key(key: BlockKey, group: u32) -> BlockKey {
     if group == 0 {
         return key;
     }
-    let salt = crate::idhash::mix64(0x6b76_5f67_726f_7570 ^ u64::from(group));
-    BlockKey(crate::idhash::mix64(key.0 ^ salt))
+    let salt = crate::stable_hash::mix64(0x6b76_5f67_726f_7570 ^ u64::from(group));
+    BlockKey(crate::stable_hash::mix64(key.0 ^ salt))
 }
 
 /// The published u64 form of a hash given as bytes (`int.from_bytes(b, "big") & (2**64-1)`):

@@ -1,38 +1,13 @@
-//! Stable hashing helpers: no random state and no platform dependence, so a value hashes the
-//! same in every process, build and gateway (natively and in wasm).
-//!
-//! * [`mix64`]: SplitMix64's finaliser, a bijection on u64 that spreads every input bit.
-//! * [`stable_hash`]: 64-bit FNV-1a of bytes, finished by [`mix64`] (re-exported as
-//!   `policy::stable_hash`, where routing keys are made).
-//! * [`KeyHasher`] and the maps built on it: for keys that are already hashes (block keys,
-//!   128-bit tags), [`mix64`] of the key XOR a per-process secret ([`placement_secret`]); no
-//!   SipHash. Whoever publishes block keys chooses them, so their placement must not be
-//!   predictable: an unkeyed multiply lets a publisher send keys that all land in one bucket.
+//! Keyed placement of keys that are already hashes (block keys, 128-bit tags) in the index
+//! and in maps: [`mix64`] of the key XOR a per-process secret ([`placement_secret`]); no
+//! SipHash. Whoever publishes block keys chooses them, so their placement must not be
+//! predictable: an unkeyed multiply lets a publisher send keys that all land in one bucket.
 
+use crate::hash::BlockKey;
+use crate::stable_hash::{mix64, GOLDEN_GAMMA};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::OnceLock;
-
-/// The odd constant ⌊2⁶⁴/φ⌋ behind Fibonacci hashing and SplitMix64's increment.
-pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// SplitMix64's finaliser: a bijection on u64 that spreads every input bit.
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// 64-bit FNV-1a followed by a SplitMix64 finaliser: stable across platforms, builds and
-/// processes (no random state), which is what cross-gateway consistency needs.
-pub fn stable_hash(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in data {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    mix64(h)
-}
 
 /// A secret drawn once per process (per wasm VM) from the host's random source (std's
 /// `RandomState`, which reads the OS or WASI random source): the placement of block keys in the
@@ -72,20 +47,11 @@ impl Hasher for KeyHasher {
 
 pub type BuildKeyHasher = BuildHasherDefault<KeyHasher>;
 /// Maps keyed by block keys, with the cheap key hasher.
-pub type KeyMap<V> = HashMap<crate::hash::BlockKey, V, BuildKeyHasher>;
+pub type KeyMap<V> = HashMap<BlockKey, V, BuildKeyHasher>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stable_values_do_not_drift() {
-        // Pinned: routing keys must not change between builds or gateways.
-        assert_eq!(mix64(0), 0);
-        assert_eq!(mix64(1), 0x5692_161d_100b_05e5);
-        assert_eq!(stable_hash(b"abc"), 0x0dd4_9049_0804_b508);
-        assert_ne!(stable_hash(b"abc"), stable_hash(b"abd"));
-    }
 
     #[test]
     fn keys_chosen_to_share_a_bucket_under_a_multiply_spread_when_placed() {
