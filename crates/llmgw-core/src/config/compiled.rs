@@ -7,8 +7,9 @@
 //! hasher, a block size of at least 1 and at least one model; `destination_header` is a
 //! lowercase header name.
 
-use super::{ConfigError, FilterConfig, TokenizerEndpoint, Weights};
+use super::{ConfigError, FilterConfig, TokenizerEndpoint};
 use crate::hash::{BlockHasher, HashAlgo, HashSpec};
+use crate::policy::Weights;
 use std::collections::BTreeMap;
 
 /// The digest memo each profile's hasher keeps ([`BlockHasher::with_cache`]).
@@ -180,7 +181,7 @@ impl Compiled {
                 tokenizer: p.tokenizer,
                 tokenizer_timeout_ms: p.tokenizer_timeout_ms,
                 tokenizer_address: p.tokenizer_address,
-                weights: p.weights,
+                weights: p.weights.resolve(),
                 lora_adapters: p.lora_adapters,
                 approx_prefix_bytes: usize::try_from(p.approx_prefix_bytes).unwrap_or(usize::MAX),
             });

@@ -2,7 +2,9 @@
 //! errors that name the offending field, then compiled ([`compiled`]) into what a request needs.
 
 mod compiled;
+mod weights;
 pub use compiled::{Compiled, CompiledProfile, HashPins, MemoSettings};
+pub use weights::WeightsConfig;
 
 use crate::hash::{defaults, HashAlgo, HashSpec, MAX_LOOKAHEAD};
 use serde::Deserialize;
@@ -124,7 +126,7 @@ pub struct Profile {
     #[serde(default)]
     pub tokenizer_address: Option<String>,
     #[serde(default)]
-    pub weights: Weights,
+    pub weights: WeightsConfig,
     /// LoRA adapters served under this profile: adapter name (as requests name it in `model`)
     /// → the path the engines loaded it from (vLLM mixes both into every block hash).
     #[serde(default)]
@@ -149,170 +151,6 @@ impl Profile {
 
 fn default_tokenizer() -> TokenizerEndpoint {
     TokenizerEndpoint::Tokenize
-}
-
-/// How replicas that hold some of a request's blocks are compared (see `crate::policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PolicyMode {
-    /// The lowest predicted time to first token: the request's uncached tokens there plus
-    /// `queued_prefill` × the prefill queued there, at `prefill_us_per_token`, plus
-    /// `request_us` per request on the engine.
-    Ttft,
-    /// The highest blended score `prefix × share − load × load term`.
-    Score,
-}
-
-/// Scoring weights. `policy` `ttft` (the default): predicted time to first token =
-/// `prefill_us_per_token` × (uncached prompt tokens + `queued_prefill` × prefill tokens routed
-/// there still awaiting their first token) + `request_us` × (max(in-flight, running +
-/// waiting) + waiting). `score`: score = prefix × share −
-/// load × (pressure / (pressure + load_scale) + kv_usage × kv cache usage), where pressure =
-/// in-flight + running + 2 × waiting. Replicas past any `max_*` limit are overloaded and only
-/// chosen when every replica is.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Weights {
-    #[serde(default = "default_policy")]
-    pub policy: PolicyMode,
-    /// Prefill cost of one prompt token (µs), `ttft` policy.
-    #[serde(default = "default_prefill_us_per_token")]
-    pub prefill_us_per_token: f64,
-    /// What each request already on a replica adds to a new request's time to first token
-    /// (µs): the engine steps it takes and the batch slot it holds, `ttft` policy.
-    #[serde(default = "default_request_us")]
-    pub request_us: f64,
-    /// The share of the prefill queued on a replica (its requests without a first token yet)
-    /// a new request waits for, `ttft` policy: 1 when every queued token delays it (vLLM
-    /// computes a step's tokens together, the step lasting longer for each), 0 when the engine
-    /// computes prefills side by side (the simulator). Default 1: in front of real vLLM
-    /// (`./build.sh bench vllm`) it cut multi-turn TTFT p50 by about a sixth against 0 (see the
-    /// README's "Routing policy"); the demo and the simulator benchmark set 0.
-    #[serde(default = "default_queued_prefill")]
-    pub queued_prefill: f64,
-    /// Predictions within this many µs are equal (`ttft` policy): the prompt's rendezvous
-    /// order picks, as with `tie_margin`.
-    #[serde(default = "default_tie_us")]
-    pub tie_us: f64,
-    #[serde(default = "one")]
-    pub prefix: f64,
-    #[serde(default = "half")]
-    pub load: f64,
-    /// Pressure at which the load term reaches half its weight.
-    #[serde(default = "default_load_scale")]
-    pub load_scale: f64,
-    /// Weight of the engine's KV cache usage (0..1) inside the load term.
-    #[serde(default = "default_kv_weight")]
-    pub kv_usage: f64,
-    #[serde(default = "default_max_waiting")]
-    pub max_waiting: u32,
-    #[serde(default = "default_max_in_flight")]
-    pub max_in_flight: u32,
-    #[serde(default = "default_max_kv_usage")]
-    pub max_kv_usage: f64,
-    /// Approximate fallback: a replica takes a prefix's request while its pressure stays within
-    /// `spill_factor` × the mean pressure (+ `spill_slack`); past it the request spills to the
-    /// next replica in the prefix's rendezvous order.
-    #[serde(default = "default_spill_factor")]
-    pub spill_factor: f64,
-    #[serde(default = "default_spill_slack")]
-    pub spill_slack: u32,
-    /// A prefix the index shows no replica holds goes to the least loaded of its first
-    /// `approx_choices` replicas in rendezvous order; every gateway computes the same order,
-    /// and equal loads pick the first. 2 (the default): new prefixes spread by load rather than
-    /// by hash luck, and a burst sharing one lands on at most two replicas; 1: always the
-    /// first, load bound permitting. Fallbacks without exact data always take the first.
-    #[serde(default = "default_approx_choices")]
-    pub approx_choices: u32,
-    /// Replicas holding a request's blocks whose scores differ by at most this much are equally
-    /// good: the one the prompt's rendezvous order puts first wins. A difference of one request
-    /// (0.5 × 1/9 at the defaults) is within it: engine-reported loads reach every gateway at a
-    /// different instant, and without the margin gateways with the same index split on them.
-    #[serde(default = "default_tie_margin")]
-    pub tie_margin: f64,
-    /// Replicas holding a request's blocks keep it while their pressure stays within
-    /// `holder_spill_factor` × the mean pressure (+ 2 × `spill_slack`); when every holder is past
-    /// that, the request goes where a new prefix would (outcome `spill`), so a hot prefix is
-    /// replicated instead of queueing on one replica. 0 turns the bound off.
-    #[serde(default = "default_holder_spill_factor")]
-    pub holder_spill_factor: f64,
-}
-
-fn default_policy() -> PolicyMode {
-    PolicyMode::Ttft
-}
-fn default_prefill_us_per_token() -> f64 {
-    200.0
-}
-fn default_request_us() -> f64 {
-    40_000.0
-}
-fn default_queued_prefill() -> f64 {
-    1.0
-}
-fn default_tie_us() -> f64 {
-    45_000.0
-}
-fn default_load_scale() -> f64 {
-    8.0
-}
-fn default_kv_weight() -> f64 {
-    0.25
-}
-fn default_max_waiting() -> u32 {
-    64
-}
-fn default_max_in_flight() -> u32 {
-    256
-}
-fn default_max_kv_usage() -> f64 {
-    0.99
-}
-fn default_spill_factor() -> f64 {
-    1.25
-}
-fn default_approx_choices() -> u32 {
-    2
-}
-fn default_spill_slack() -> u32 {
-    2
-}
-fn default_tie_margin() -> f64 {
-    0.06
-}
-fn default_holder_spill_factor() -> f64 {
-    1.5
-}
-
-fn one() -> f64 {
-    1.0
-}
-fn half() -> f64 {
-    0.5
-}
-
-impl Default for Weights {
-    fn default() -> Self {
-        Weights {
-            policy: default_policy(),
-            prefill_us_per_token: default_prefill_us_per_token(),
-            request_us: default_request_us(),
-            tie_us: default_tie_us(),
-            queued_prefill: default_queued_prefill(),
-            prefix: one(),
-            load: half(),
-            load_scale: default_load_scale(),
-            kv_usage: default_kv_weight(),
-            max_waiting: default_max_waiting(),
-            max_in_flight: default_max_in_flight(),
-            max_kv_usage: default_max_kv_usage(),
-            spill_factor: default_spill_factor(),
-            spill_slack: default_spill_slack(),
-            approx_choices: default_approx_choices(),
-            tie_margin: default_tie_margin(),
-            holder_spill_factor: default_holder_spill_factor(),
-        }
-    }
 }
 
 /// The filter's whole configuration.
@@ -446,29 +284,8 @@ impl FilterConfig {
             if p.tokenizer_address.as_ref().is_some_and(|a| a.parse::<std::net::SocketAddr>().is_err()) {
                 return bad(f("tokenizer_address"), "must be IP:PORT (IPv6 in brackets)");
             }
-            let w = &p.weights;
-            for (name, v) in [
-                ("weights.prefix", w.prefix),
-                ("weights.load", w.load),
-                ("weights.kv_usage", w.kv_usage),
-                ("weights.max_kv_usage", w.max_kv_usage),
-                ("weights.prefill_us_per_token", w.prefill_us_per_token),
-                ("weights.request_us", w.request_us),
-                ("weights.tie_us", w.tie_us),
-                ("weights.queued_prefill", w.queued_prefill),
-            ] {
-                if !v.is_finite() || v < 0.0 {
-                    return bad(f(name), "must be a finite, non-negative number");
-                }
-            }
-            if !w.load_scale.is_finite() || w.load_scale <= 0.0 {
-                return bad(f("weights.load_scale"), "must be a finite, positive number");
-            }
-            if w.approx_choices == 0 {
-                return bad(f("weights.approx_choices"), "must be at least 1");
-            }
-            if !w.spill_factor.is_finite() || w.spill_factor < 1.0 {
-                return bad(f("weights.spill_factor"), "must be a finite number of at least 1");
+            if let Err(e) = p.weights.resolve().validate() {
+                return bad(f(&format!("weights.{}", e.field)), e.message);
             }
             if p.lora_adapters.keys().any(String::is_empty) {
                 return bad(f("lora_adapters"), "adapter names must not be empty");
@@ -542,6 +359,25 @@ mod tests {
             .contains("`profiles[0].weights.spill_factor`"));
         assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"weights":{"load_scale":0}}]}"#)
             .contains("`profiles[0].weights.load_scale`"));
+        // Every weight is validated, those of the policy not in use too.
+        for (weights, field) in [
+            (r#"{"tie_margin":-0.1}"#, "tie_margin"),
+            (r#"{"tie_us":-1}"#, "tie_us"),
+            (r#"{"holder_spill_factor":0.5}"#, "holder_spill_factor"),
+            (r#"{"max_in_flight":0}"#, "max_in_flight"),
+            (r#"{"policy":"score","prefill_us_per_token":-1}"#, "prefill_us_per_token"),
+            (r#"{"policy":"ttft","prefix":-1}"#, "prefix"),
+            (r#"{"max_kv_usage":-1}"#, "max_kv_usage"),
+            (r#"{"approx_choices":0}"#, "approx_choices"),
+        ] {
+            let e = err(&format!(r#"{{"profiles":[{{"name":"a","models":["m"],"weights":{weights}}}]}}"#));
+            assert!(e.contains(&format!("`profiles[0].weights.{field}`")), "{weights}: {e}");
+        }
+        assert!(err(r#"{"profiles":[{"name":"a","models":["m"],"weights":{"colour":1}}]}"#).contains("colour"));
+        assert!(FilterConfig::from_json(
+            br#"{"profiles":[{"name":"a","models":["m"],"weights":{"holder_spill_factor":0}}]}"#
+        )
+        .is_ok());
         assert!(
             err(r#"{"tokenizer_cluster":"","profiles":[{"name":"a","models":["m"]}]}"#).contains("`tokenizer_cluster`")
         );
@@ -559,7 +395,9 @@ mod tests {
         .unwrap();
         let p = c.profile_for("ad").unwrap();
         assert_eq!(p.lora_adapters.get("ad").map(String::as_str), Some("/l/ad"));
-        assert_eq!(p.weights.prefix, 1.0);
-        assert_eq!(p.weights.max_waiting, 64);
+        let w = p.weights.resolve();
+        assert_eq!(w.score.prefix, 1.0);
+        assert_eq!(w.score.load, 1.0);
+        assert_eq!(w.limits.max_waiting, 64);
     }
 }

@@ -26,11 +26,12 @@ pub use speculative::{
     checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
 };
 
-use crate::config::{Compiled, CompiledProfile, Weights, DEFAULT_APPROX_PREFIX_BYTES};
+use crate::config::{Compiled, CompiledProfile, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{FeedState, FeedView};
 pub use crate::fleet::replica_key;
 use crate::hash::{BlockHash, HashSpec, MmFeature, RequestExtras};
 use crate::index::ReplicaId;
+use crate::policy::Weights;
 use crate::policy::{self, Candidate, Decision, Outcome};
 use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAnswer, TokenizerCall};
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
@@ -624,7 +625,7 @@ impl Router {
             return TokenizerTarget::Nobody;
         }
         cands.retain(|c| c.up && !in_flight.tokenizer_avoided(c.address));
-        match policy::least_loaded(&cands, w).and_then(|i| cands.get(i)) {
+        match policy::least_loaded(&cands, &w.limits).and_then(|i| cands.get(i)) {
             Some(c) => TokenizerTarget::At(c.address.to_owned()),
             None => TokenizerTarget::CircuitOpen,
         }

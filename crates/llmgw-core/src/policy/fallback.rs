@@ -1,0 +1,139 @@
+//! The fallbacks: where a request goes when the index does not decide.
+//!
+//! * **Approx**: rendezvous (highest random weight) hashing of a hash of the prompt's leading
+//!   text over the replicas' addresses gives every worker and every gateway the same order for
+//!   the same prefix, with no coordination; the first replica in that order whose pressure is
+//!   within the bounded-load capacity wins, so a burst sharing a new prefix lands together
+//!   until load says otherwise.
+//! * **Load**: nothing to hash: the least-pressured replica.
+//! * **Spill**: every replica holding the request's blocks is past the holders' load bound:
+//!   the least loaded replica within the bound, so a hot prefix is replicated.
+
+use super::{Candidate, InvalidWeight, Limits, Outcome};
+
+/// The fallbacks' weights and the holders' load bound.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FallbackWeights {
+    /// A replica takes a prefix's request while its pressure stays within `spill_factor` × the
+    /// mean pressure (+ `spill_slack`); past it the request spills to the next replica in the
+    /// prefix's rendezvous order.
+    pub spill_factor: f64,
+    pub spill_slack: u32,
+    /// A prefix the index shows no replica holds goes to the least loaded of its first
+    /// `approx_choices` replicas in rendezvous order; every gateway computes the same order,
+    /// and equal loads pick the first. Fallbacks without exact data always take the first.
+    pub approx_choices: u32,
+    /// Replicas holding a request's blocks keep it while their pressure stays within
+    /// `holder_spill_factor` × the mean pressure (+ 2 × `spill_slack`); when every holder is past
+    /// that, the request goes where a new prefix would (outcome `spill`). 0 turns the bound off.
+    pub holder_spill_factor: f64,
+}
+
+impl Default for FallbackWeights {
+    fn default() -> Self {
+        FallbackWeights { spill_factor: 1.25, spill_slack: 2, approx_choices: 2, holder_spill_factor: 1.5 }
+    }
+}
+
+impl FallbackWeights {
+    pub fn validate(&self) -> Result<(), InvalidWeight> {
+        if !self.spill_factor.is_finite() || self.spill_factor < 1.0 {
+            return Err(InvalidWeight { field: "spill_factor", message: "must be a finite number of at least 1" });
+        }
+        if self.approx_choices == 0 {
+            return Err(InvalidWeight { field: "approx_choices", message: "must be at least 1" });
+        }
+        let h = self.holder_spill_factor;
+        if !h.is_finite() || (h != 0.0 && h < 1.0) {
+            return Err(InvalidWeight {
+                field: "holder_spill_factor",
+                message: "must be 0 (no bound) or a finite number of at least 1",
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether a candidate among `idx` is within the holders' load bound (always, when the
+    /// bound is off).
+    pub fn holders_within<'c>(&self, cands: &'c [Candidate<'_>], idx: &[usize]) -> impl Fn(usize) -> bool + 'c {
+        let bounded = self.holder_spill_factor > 0.0;
+        let cap = load_cap(cands, idx, self.holder_spill_factor, self.spill_slack.saturating_mul(2));
+        move |i| !bounded || cands.get(i).is_some_and(|c| c.pressure().saturating_add(1) <= cap)
+    }
+
+    /// The fallback's choice among `idx`: by the prompt's rendezvous order when there is a
+    /// `key`, else by load. With exact data (`exact`) the prefix is known to be new: it may go
+    /// to the less loaded of its first rendezvous choices; without (a fallback), its first
+    /// choice is the best guess of where earlier requests sharing it went, so only the load
+    /// bound moves it. A spilled hot prefix goes to the least loaded replica within the bound.
+    pub fn pick(
+        &self,
+        cands: &[Candidate<'_>],
+        idx: &[usize],
+        key: Option<u64>,
+        exact: bool,
+        spilled: bool,
+    ) -> (Option<usize>, Outcome) {
+        let choices = if spilled {
+            u32::try_from(idx.len()).unwrap_or(u32::MAX)
+        } else if exact {
+            self.approx_choices
+        } else {
+            1
+        };
+        let (approx, load) = if spilled { (Outcome::Spill, Outcome::Spill) } else { (Outcome::Approx, Outcome::Load) };
+        match key {
+            Some(k) => (self.approx_pick(cands, idx, k, choices), approx),
+            None => (least_of(cands, idx), load),
+        }
+    }
+
+    /// Rendezvous order with bounded-load spillover: among the replicas within the load bound,
+    /// the least pressured of the first `choices` in the key's rendezvous order (ties: the
+    /// earlier one), so equal loads keep a prefix on its first replica everywhere.
+    fn approx_pick(&self, cands: &[Candidate<'_>], idx: &[usize], key: u64, choices: u32) -> Option<usize> {
+        if idx.is_empty() {
+            return None;
+        }
+        let cap = load_cap(cands, idx, self.spill_factor, self.spill_slack);
+        let mut order: Vec<(u64, usize)> =
+            idx.iter().filter_map(|&i| cands.get(i).map(|c| (c.rendezvous_weight(key), i))).collect();
+        order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let choices = usize::try_from(choices.max(1)).unwrap_or(1);
+        order
+            .iter()
+            .filter_map(|&(_, i)| cands.get(i).map(|c| (i, c)))
+            .filter(|(_, c)| c.pressure().saturating_add(1) <= cap)
+            .take(choices)
+            // `min_by_key` keeps the first of equal minima: the earlier rendezvous choice.
+            .min_by_key(|(_, c)| c.pressure())
+            .map(|(i, _)| i)
+            .or_else(|| least_of(cands, idx))
+    }
+}
+
+/// The least-pressured replica among `idx` (ties: lower KV usage, then address order).
+fn least_of(cands: &[Candidate<'_>], idx: &[usize]) -> Option<usize> {
+    idx.iter()
+        .copied()
+        .filter_map(|i| cands.get(i).map(|c| (i, c)))
+        .min_by(|(_, a), (_, b)| {
+            a.pressure().cmp(&b.pressure()).then(a.kv_usage.total_cmp(&b.kv_usage)).then(a.address.cmp(b.address))
+        })
+        .map(|(i, _)| i)
+}
+
+/// The least-loaded healthy replica (used for tokenizer callouts and the load fallback).
+pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits) -> Option<usize> {
+    least_of(cands, &limits.eligible(cands))
+}
+
+/// The load bound: `ceil(factor × (total pressure + 1) / n) + slack`, the most pressure a
+/// replica may have after taking the request.
+fn load_cap(cands: &[Candidate<'_>], idx: &[usize], factor: f64, slack: u32) -> u64 {
+    let n = idx.len().max(1);
+    let total: u64 = idx.iter().filter_map(|&i| cands.get(i)).map(|c| c.pressure()).fold(0u64, u64::saturating_add);
+    let mean = (total.saturating_add(1)) as f64 / n as f64;
+    let cap = (factor * mean).ceil() as u64;
+    cap.saturating_add(u64::from(slack))
+}
