@@ -139,11 +139,11 @@ impl FeedClient {
         if matches!(msg.body, Some(llmgw_core::feed::Body::Load(_))) {
             self.last_load_ns = Some(now);
         }
-        let applied = s.router.feed.apply(&msg);
+        let applied = s.router.apply_feed(&msg, now);
         if let Some(llmgw_core::feed::Body::Replicas(table)) = &msg.body {
             log_refused(s);
             if applied.is_ok() {
-                crate::seed::remember_table(s.host.as_ref(), &s.router.config().agent_cluster, table);
+                crate::warm_view::remember_table(s.host.as_ref(), &s.router.config().agent_cluster, table);
             }
         }
         match applied {
@@ -190,7 +190,7 @@ fn log_refused(s: &Shared) {
     let names: Vec<String> = state
         .replicas
         .iter()
-        .filter(|r| refused.contains(&r.id))
+        .filter(|r| refused.contains(&u32::from(r.id)))
         .take(4)
         .map(|r| r.address.chars().take(64).collect())
         .collect();

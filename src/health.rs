@@ -13,11 +13,10 @@
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::inflight::address_id;
+use crate::shared_records::{address_id, decode, encode, Fields, SharedRecord};
 
 const KEY: &str = "llmgw.health";
 const TOKENIZER_KEY: &str = "llmgw.tokenizer_health";
-const RECORD: usize = 20;
 /// How long a first failure keeps a replica avoided; each failure in a row doubles it.
 pub const FIRST_NS: u64 = 1_000_000_000;
 /// The longest a replica is avoided at a time.
@@ -25,13 +24,23 @@ pub const MAX_NS: u64 = 30_000_000_000;
 /// At most this many replicas are remembered (the oldest avoidance goes first).
 const MAX_RECORDS: usize = 4096;
 
+/// One address avoided: until when, after how many failures in a row.
+struct Avoidance(u64, u64, u32);
+
+impl SharedRecord for Avoidance {
+    const SIZE: usize = 20;
+    fn read(f: &mut Fields<'_>) -> Option<Self> {
+        Some(Avoidance(f.u64()?, f.u64()?, f.u32()?))
+    }
+    fn write(&self, f: &mut Fields<'_>) {
+        f.put_u64(self.0);
+        f.put_u64(self.1);
+        f.put_u32(self.2);
+    }
+}
+
 fn records(v: &[u8]) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-    v.chunks_exact(RECORD).filter_map(|r| {
-        let id = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
-        let until = u64::from_le_bytes(r.get(8..16)?.try_into().ok()?);
-        let strikes = u32::from_le_bytes(r.get(16..20)?.try_into().ok()?);
-        Some((id, until, strikes))
-    })
+    decode::<Avoidance>(v).map(|Avoidance(id, until, strikes)| (id, until, strikes))
 }
 
 /// The shared health records, read once per decision.
@@ -76,13 +85,7 @@ fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
             out.drain(..extra);
         }
     }
-    let mut bytes = Vec::with_capacity(out.len().saturating_mul(RECORD));
-    for (x, until, s) in out {
-        bytes.extend_from_slice(&x.to_le_bytes());
-        bytes.extend_from_slice(&until.to_le_bytes());
-        bytes.extend_from_slice(&s.to_le_bytes());
-    }
-    bytes
+    encode(out.into_iter().map(|(x, until, s)| Avoidance(x, until, s)))
 }
 
 /// `Err` when the shared record could not be updated.

@@ -3,7 +3,7 @@
 //! call the tokenizer and hand its reply back), resume.
 
 use crate::host::{Buffer, Headers, Host};
-use crate::{inflight, Shared};
+use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
 use llmgw_core::flow::{Body, Pending, Rejected, Step, TokenizerReply};
 use proxy_wasm::traits::{Context, HttpContext};
@@ -71,7 +71,7 @@ impl Request {
         let Some(shared) = self.shared.clone() else { return self.pass() };
         let Ok(mut s) = shared.try_borrow_mut() else { return self.pass() };
         let t0 = self.host.now_ns();
-        let in_flight = inflight::Snapshot::read(self.host.as_ref());
+        let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
         let step = s.router.on_body(&Body { path: &self.path, bytes, too_large }, &in_flight, t0);
         self.act(&mut s, step, t0, false)
     }
@@ -149,7 +149,7 @@ impl Request {
                     Err(e) => {
                         log::warn!("llmgw: tokenizer callout to cluster `{cluster}` refused: {e:?}");
                         let t1 = self.host.now_ns();
-                        let in_flight = inflight::Snapshot::read(self.host.as_ref());
+                        let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
                         let step = s.router.on_tokenizer_reply(*t.pending, &TokenizerReply::Refused, &in_flight, t1);
                         // A refused call yields a route or a 503, never another call.
                         return self.act(s, step, t1, resuming);
@@ -212,7 +212,7 @@ impl Context for Request {
         } else {
             TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
         };
-        let in_flight = inflight::Snapshot::read(self.host.as_ref());
+        let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
         let step = s.router.on_tokenizer_reply(*pending, &reply, &in_flight, t0);
         // The tokenizer's circuit breaker: a timeout, reset, 5xx or garbage leaves it alone for
         // a while; a good answer clears it.

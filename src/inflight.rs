@@ -13,14 +13,11 @@
 //! are dropped by the next write: counts return to zero instead of drifting.
 
 use crate::host::{update_shared, Host, SharedKind};
-use llmgw_core::flow::InFlight;
-use llmgw_core::policy::stable_hash;
+use crate::shared_records::{address_id, decode, encode, Fields, SharedRecord};
 
 /// (Versioned: the records grew a token count; a VM of an older build keeps its own key.)
 const KEY: &str = "llmgw.inflight.v2";
 const LIVE_KEY: &str = "llmgw.inflight.vms";
-const RECORD: usize = 20;
-const LIVE_RECORD: usize = 12;
 /// A VM silent this long is gone: its requests no longer count.
 pub const STALE_NS: u64 = 10_000_000_000;
 /// How often a VM renews its heartbeat.
@@ -29,11 +26,6 @@ pub const HEARTBEAT_NS: u64 = 1_000_000_000;
 /// A VM's id in the shared records (random per VM).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VmId(pub u32);
-
-/// The id an address is recorded under.
-pub fn address_id(address: &str) -> u64 {
-    stable_hash(address.as_bytes())
-}
 
 /// One VM's requests to one address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,14 +36,39 @@ struct Record {
     tokens: u32,
 }
 
+impl SharedRecord for Record {
+    const SIZE: usize = 20;
+    fn read(f: &mut Fields<'_>) -> Option<Self> {
+        Some(Record { vm: f.u32()?, id: f.u64()?, requests: f.u32()?, tokens: f.u32()? })
+    }
+    fn write(&self, f: &mut Fields<'_>) {
+        f.put_u32(self.vm);
+        f.put_u64(self.id);
+        f.put_u32(self.requests);
+        f.put_u32(self.tokens);
+    }
+}
+
 fn records(v: &[u8]) -> impl Iterator<Item = Record> + '_ {
-    v.chunks_exact(RECORD).filter_map(|r| {
-        let vm = u32::from_le_bytes(r.get(..4)?.try_into().ok()?);
-        let id = u64::from_le_bytes(r.get(4..12)?.try_into().ok()?);
-        let requests = u32::from_le_bytes(r.get(12..16)?.try_into().ok()?);
-        let tokens = u32::from_le_bytes(r.get(16..20)?.try_into().ok()?);
-        Some(Record { vm, id, requests, tokens })
-    })
+    decode(v)
+}
+
+/// One VM's last heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Heartbeat {
+    vm: u32,
+    at: u64,
+}
+
+impl SharedRecord for Heartbeat {
+    const SIZE: usize = 12;
+    fn read(f: &mut Fields<'_>) -> Option<Self> {
+        Some(Heartbeat { vm: f.u32()?, at: f.u64()? })
+    }
+    fn write(&self, f: &mut Fields<'_>) {
+        f.put_u32(self.vm);
+        f.put_u64(self.at);
+    }
 }
 
 /// A change to one VM's record of one address.
@@ -69,11 +86,7 @@ fn apply(n: u32, d: i64) -> u32 {
 }
 
 fn heartbeats(v: &[u8]) -> impl Iterator<Item = (u32, u64)> + '_ {
-    v.chunks_exact(LIVE_RECORD).filter_map(|r| {
-        let vm = u32::from_le_bytes(r.get(..4)?.try_into().ok()?);
-        let at = u64::from_le_bytes(r.get(4..12)?.try_into().ok()?);
-        Some((vm, at))
-    })
+    decode::<Heartbeat>(v).map(|h| (h.vm, h.at))
 }
 
 /// The VMs whose last heartbeat is within `STALE_NS` of `now`.
@@ -93,14 +106,8 @@ pub fn count(v: &[u8], live: &[u32], id: u64) -> (u32, u64) {
 /// not in `live` are removed, so the value holds only live VMs' requests in flight (`None`: the
 /// heartbeats could not be read, every VM's records are kept).
 pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, change: Change) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len().saturating_add(RECORD));
     let mut found = false;
-    let mut put = |r: Record| {
-        out.extend_from_slice(&r.vm.to_le_bytes());
-        out.extend_from_slice(&r.id.to_le_bytes());
-        out.extend_from_slice(&r.requests.to_le_bytes());
-        out.extend_from_slice(&r.tokens.to_le_bytes());
-    };
+    let mut out: Vec<Record> = Vec::new();
     for mut r in records(v) {
         if r.vm == vm && r.id == id {
             found = true;
@@ -108,27 +115,19 @@ pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, change: Change) ->
             r.tokens = apply(r.tokens, change.tokens);
         }
         if r.requests > 0 && (r.vm == vm || live.is_none_or(|l| l.contains(&r.vm))) {
-            put(r);
+            out.push(r);
         }
     }
     if !found && change.requests > 0 {
-        put(Record { vm, id, requests: apply(0, i64::from(change.requests)), tokens: apply(0, change.tokens) });
+        out.push(Record { vm, id, requests: apply(0, i64::from(change.requests)), tokens: apply(0, change.tokens) });
     }
-    out
+    encode(out)
 }
 
 /// The heartbeat list with `vm` seen at `now` and stale VMs left out.
 fn beat(v: &[u8], vm: u32, now: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(v.len().saturating_add(LIVE_RECORD));
-    for (x, at) in heartbeats(v) {
-        if x != vm && now.saturating_sub(at) <= STALE_NS {
-            out.extend_from_slice(&x.to_le_bytes());
-            out.extend_from_slice(&at.to_le_bytes());
-        }
-    }
-    out.extend_from_slice(&vm.to_le_bytes());
-    out.extend_from_slice(&now.to_le_bytes());
-    out
+    let others = decode::<Heartbeat>(v).filter(|h| h.vm != vm && now.saturating_sub(h.at) <= STALE_NS);
+    encode(others.chain([Heartbeat { vm, at: now }]))
 }
 
 /// Renews `vm`'s heartbeat when it is older than `HEARTBEAT_NS` (or absent); returns the live
@@ -144,49 +143,23 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
     ok.then_some(live)
 }
 
-/// Every replica's in-flight count over the live VMs, which replicas are avoided
-/// (`crate::health`) and the speculative index entries (`crate::speculative`), read once.
-pub struct Snapshot {
+/// Reads the in-flight records and the live VMs once.
+pub struct Counts {
     records: Vec<u8>,
     live: Vec<u32>,
-    health: crate::health::Health,
-    tokenizers: crate::health::Health,
-    speculative: crate::speculative::Entries,
 }
 
-impl Snapshot {
-    pub fn read(host: &dyn Host) -> Snapshot {
+impl Counts {
+    pub fn read(host: &dyn Host) -> Counts {
         let now = host.now_ns();
         let live = host.shared_data(LIVE_KEY).and_then(|(v, _)| v).unwrap_or_default();
-        Snapshot {
-            records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(),
-            live: live_vms(&live, now),
-            health: crate::health::Health::read(host),
-            tokenizers: crate::health::Health::read_tokenizers(host),
-            speculative: crate::speculative::Entries::read(host),
-        }
-    }
-}
-
-impl InFlight for Snapshot {
-    fn in_flight(&self, address: &str) -> u32 {
-        count(&self.records, &self.live, address_id(address)).0
+        Counts { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), live: live_vms(&live, now) }
     }
 
-    fn pending_tokens(&self, address: &str) -> u64 {
-        count(&self.records, &self.live, address_id(address)).1
-    }
-
-    fn avoided(&self, address: &str) -> bool {
-        self.health.avoided(address)
-    }
-
-    fn tokenizer_avoided(&self, address: &str) -> bool {
-        self.tokenizers.avoided(address)
-    }
-
-    fn speculative(&self, keys: &[u64], out: &mut Vec<llmgw_core::flow::SpeculativeHit>) {
-        self.speculative.lookup(keys, out);
+    /// The requests to `address` over the live VMs, and their prefill tokens awaiting a first
+    /// token.
+    pub fn of(&self, address: &str) -> (u32, u64) {
+        count(&self.records, &self.live, address_id(address))
     }
 }
 
@@ -233,6 +206,9 @@ mod tests {
     use super::*;
     use crate::fake::FakeHost;
 
+    /// The documented record sizes.
+    const RECORD: usize = 20;
+    const LIVE_RECORD: usize = 12;
     const UP: Change = Change { requests: 1, tokens: 0 };
     const DOWN: Change = Change { requests: -1, tokens: 0 };
 
@@ -279,17 +255,17 @@ mod tests {
         // Two workers route to A: 700 and 300 tokens to compute there.
         increment(&host, VmId(1), A, 700);
         increment(&host, VmId(2), A, 300);
-        let s = Snapshot::read(&host);
-        assert_eq!((s.in_flight(A), s.pending_tokens(A)), (2, 1000));
+        let s = Counts::read(&host);
+        assert_eq!(s.of(A), (2, 1000));
         // The first one's first token: its prefill is done, the request still in flight.
         first_token(&host, VmId(1), A, 700);
-        let s = Snapshot::read(&host);
-        assert_eq!((s.in_flight(A), s.pending_tokens(A)), (2, 300));
+        let s = Counts::read(&host);
+        assert_eq!(s.of(A), (2, 300));
         // The second ends without a first token (an error, a reset): its tokens go with it.
         decrement(&host, VmId(2), A, 300);
         decrement(&host, VmId(1), A, 0);
-        let s = Snapshot::read(&host);
-        assert_eq!((s.in_flight(A), s.pending_tokens(A)), (0, 0));
+        let s = Counts::read(&host);
+        assert_eq!(s.of(A), (0, 0));
         assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());
         // Sums saturate instead of wrapping.
         let v = bump(&[], None, 1, 9, Change { requests: 1, tokens: i64::MAX });
@@ -307,21 +283,21 @@ mod tests {
         for _ in 0..3 {
             increment(&host, old, A, 10);
         }
-        assert_eq!(Snapshot::read(&host).in_flight(A), 3);
+        assert_eq!(Counts::read(&host).of(A).0, 3);
         // Its replacement starts, heartbeats and routes one of its own.
         host.now_ns.set(2_000_000_000);
         increment(&host, new, A, 5);
-        assert_eq!(Snapshot::read(&host).in_flight(A), 4);
-        assert_eq!(Snapshot::read(&host).pending_tokens(A), 35);
+        assert_eq!(Counts::read(&host).of(A).0, 4);
+        assert_eq!(Counts::read(&host).of(A).1, 35);
         // Past STALE_NS without the old VM's heartbeat: only the new VM's request counts.
         for s in 3..=12u64 {
             host.now_ns.set(s * 1_000_000_000);
             heartbeat(&host, new, host.now_ns.get());
         }
-        assert_eq!(Snapshot::read(&host).in_flight(A), 1);
-        assert_eq!(Snapshot::read(&host).pending_tokens(A), 5);
+        assert_eq!(Counts::read(&host).of(A).0, 1);
+        assert_eq!(Counts::read(&host).of(A).1, 5);
         decrement(&host, new, A, 5);
-        assert_eq!(Snapshot::read(&host).in_flight(A), 0);
+        assert_eq!(Counts::read(&host).of(A).0, 0);
         // The dead VM's records are gone from the value too.
         assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());
         assert_eq!(host.shared_value(LIVE_KEY).unwrap().len(), LIVE_RECORD);

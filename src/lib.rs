@@ -13,13 +13,15 @@
 //! panic.
 
 mod feed;
+mod gateway_state;
 mod health;
 mod host;
 mod http;
 mod inflight;
 mod metrics;
-mod seed;
+mod shared_records;
 mod speculative;
+mod warm_view;
 
 #[cfg(test)]
 mod fake;
@@ -140,7 +142,7 @@ impl RootContext for Root {
             }
             None => {
                 let metrics = Metrics::define(self.host.clone(), compiled.metrics, &self.vm_tag);
-                let view = seed::initial_view(self.host.as_ref(), &compiled.agent_cluster);
+                let view = warm_view::initial_view(self.host.as_ref(), &compiled.agent_cluster);
                 let mut router = Router::new(compiled, self.tokcache_key);
                 if let Some(view) = view {
                     router.feed = view;
@@ -155,7 +157,7 @@ impl RootContext for Root {
                     vm_tag: self.vm_tag.clone(),
                     vm: inflight::VmId(u32::from_str_radix(&self.vm_tag, 16).unwrap_or_default()),
                 }));
-                seed::register_root(&shared);
+                warm_view::register_root(&shared);
                 self.shared = Some(shared);
             }
         }

@@ -8,11 +8,11 @@
 //! `llmgw_speculative_dropped_total`.
 
 use crate::host::{update_shared, Host, SharedKind};
+use crate::shared_records::{decode, encode, Fields, SharedRecord};
 pub use llmgw_core::flow::SPECULATIVE_TTL_NS as TTL_NS;
 use llmgw_core::flow::{Speculation, SpeculativeHit};
 
 const KEY: &str = "llmgw.speculative";
-const RECORD: usize = 24;
 /// The most entries kept (48 KiB, read once per decision).
 pub const MAX_RECORDS: usize = 2048;
 
@@ -23,13 +23,20 @@ struct Record {
     expires: u64,
 }
 
+impl SharedRecord for Record {
+    const SIZE: usize = 24;
+    fn read(f: &mut Fields<'_>) -> Option<Self> {
+        Some(Record { key: f.u64()?, engine: f.u64()?, expires: f.u64()? })
+    }
+    fn write(&self, f: &mut Fields<'_>) {
+        f.put_u64(self.key);
+        f.put_u64(self.engine);
+        f.put_u64(self.expires);
+    }
+}
+
 fn records(v: &[u8]) -> impl Iterator<Item = Record> + '_ {
-    v.chunks_exact(RECORD).filter_map(|r| {
-        let key = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
-        let engine = u64::from_le_bytes(r.get(8..16)?.try_into().ok()?);
-        let expires = u64::from_le_bytes(r.get(16..24)?.try_into().ok()?);
-        Some(Record { key, engine, expires })
-    })
+    decode(v)
 }
 
 /// The live records, as a decision reads them.
@@ -61,8 +68,8 @@ fn with(v: &[u8], spec: &Speculation, now: u64) -> (Vec<u8>, usize) {
     let expires = now.saturating_add(TTL_NS);
     for &key in &spec.keys {
         match out.iter_mut().find(|r| r.key == key && r.engine == spec.replica) {
-            // Written before the engine's reset: stale.
-            Some(r) if r.expires.saturating_sub(TTL_NS) < spec.reset_ns => r.expires = expires,
+            // Written before the engine's reset (or at the instant it was learned): stale.
+            Some(r) if spec.reset_ns > 0 && r.expires.saturating_sub(TTL_NS) <= spec.reset_ns => r.expires = expires,
             Some(_) => {}
             None => out.push(Record { key, engine: spec.replica, expires }),
         }
@@ -73,13 +80,7 @@ fn with(v: &[u8], spec: &Speculation, now: u64) -> (Vec<u8>, usize) {
         out.sort_by_key(|r| r.expires);
         out.drain(..dropped);
     }
-    let mut bytes = Vec::with_capacity(out.len().saturating_mul(RECORD));
-    for r in out {
-        bytes.extend_from_slice(&r.key.to_le_bytes());
-        bytes.extend_from_slice(&r.engine.to_le_bytes());
-        bytes.extend_from_slice(&r.expires.to_le_bytes());
-    }
-    (bytes, dropped)
+    (encode(out), dropped)
 }
 
 /// Records `spec` (a routed request's blocks); returns how many unexpired entries the bound
@@ -102,6 +103,9 @@ pub fn record(host: &dyn Host, spec: &Speculation) -> Result<usize, SharedKind> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The documented record size.
+    const RECORD: usize = 24;
     use crate::fake::FakeHost;
 
     #[test]

@@ -283,7 +283,8 @@ fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before
     e2.host.now_ns.set(e2.host.now_ns.get() + 1);
     let (mut c5, _) = e2.request(COMPLETIONS, &tokens_body("m", &prompt(5000)));
     c5.on_http_response_headers(2, false);
-    assert!(e2.host.response_header("x-llmgw-decision").unwrap().starts_with("outcome=exact;"));
+    let h5 = e2.host.response_header("x-llmgw-decision").unwrap();
+    assert!(h5.starts_with("outcome=exact;"), "{h5}");
     c5.on_log();
     // Unconfirmed by any event, the entries expire: a prompt sharing the prefix is new again.
     e1.host.now_ns.set(e1.host.now_ns.get() + crate::speculative::TTL_NS);
@@ -292,8 +293,8 @@ fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before
 
 /// In-flight requests and prefill tokens as every VM of this Envoy reads them.
 fn inflight_at(e: &Env, address: &str) -> (u32, u64) {
-    use llmgw_core::flow::InFlight;
-    let s = crate::inflight::Snapshot::read(e.host.as_ref());
+    use llmgw_core::flow::InFlightCounts;
+    let s = crate::gateway_state::Snapshot::read(e.host.as_ref());
     (s.in_flight(address), s.pending_tokens(address))
 }
 

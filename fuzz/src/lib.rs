@@ -6,7 +6,7 @@ use llmgw_core::config::{Compiled, MemoSettings};
 use llmgw_core::feed::{
     Body as Msg, FeedMessage, LoadReport, Replica, ReplicaLoad, ReplicaTable, SnapshotChunk, SnapshotComplete,
 };
-use llmgw_core::flow::{InFlight, Router};
+use llmgw_core::flow::{InFlightCounts, ReplicaAvoidance, Router, SpeculativeEntries};
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
 
 /// Splits `data` into frames, each a 2-byte little-endian length then that many bytes (the last
@@ -108,11 +108,16 @@ pub fn fixture_router() -> Router {
 /// Requests in flight: a fixed count per address, and one address avoided.
 pub struct Counts;
 
-impl InFlight for Counts {
+impl InFlightCounts for Counts {
     fn in_flight(&self, address: &str) -> u32 {
         u32::try_from(address.len() % 3).unwrap_or(0)
     }
+}
+
+impl ReplicaAvoidance for Counts {
     fn avoided(&self, address: &str) -> bool {
         address.ends_with(":9")
     }
 }
+
+impl SpeculativeEntries for Counts {}

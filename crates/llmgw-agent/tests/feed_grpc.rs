@@ -160,7 +160,7 @@ async fn subscribe_over_grpc_gets_table_snapshot_then_deltas() {
     // Table + one chunk per engine (3) + complete.
     assert_eq!(seqs, vec![0, 1, 2, 3, 4]);
     assert_eq!(st.replicas.len(), 3);
-    assert_eq!(st.replicas[2].dp_rank, 1);
+    assert_eq!(st.replicas[2].rank, 1);
     assert_eq!(st.index.score(&[BlockKey(1), BlockKey(2), BlockKey(3)]).leading, vec![3, 0, 0]);
     assert_eq!(st.index.score(&[BlockKey(9)]).leading, vec![0, 0, 1]);
 

@@ -1,6 +1,9 @@
-//! The fleet as routing sees it: identities of the engines behind the replicas the feed
-//! announces.
+//! The fleet as routing sees it: the feed's replica table resolved once, when it arrives, into
+//! replicas with their engine identity, parsed hash settings and KV-cache groups, and the loads
+//! their engines report. Nothing here is parsed per request.
 
+use crate::hash::HashSpec;
+use crate::index::ReplicaId;
 use crate::stable_hash::{mix64, stable_hash};
 
 /// The identity of one engine: its replica's address, and its rank on a data-parallel replica
@@ -11,6 +14,74 @@ pub fn replica_key(address: &str, dp_rank: Option<u32>) -> u64 {
         Some(rank) => mix64(a ^ u64::from(rank).wrapping_add(1)),
         None => a,
     }
+}
+
+/// What kind of attention a KV-cache group holds, as far as prefix hits are concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvGroupKind {
+    /// Full attention (MLA included): a hit is the leading run of cached blocks.
+    Full,
+    /// Sliding-window attention over `window` tokens.
+    Sliding { window: usize },
+    /// Something prefix scoring does not model (Mamba layers, a window of 0, a kind this
+    /// build does not know).
+    Unsupported,
+}
+
+/// One KV-cache group of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGroup {
+    pub idx: u32,
+    pub kind: KvGroupKind,
+    pub block_size: usize,
+}
+
+/// One engine of the fleet (a replica, or one data-parallel rank of one).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replica {
+    pub id: ReplicaId,
+    pub name: String,
+    /// `ip:port`.
+    pub address: String,
+    /// Models it serves (empty: any).
+    pub models: Vec<String>,
+    pub up: bool,
+    /// Its rank, when the replica behind `address` runs several data-parallel ranks (requests
+    /// then name it in `X-data-parallel-rank`).
+    pub dp_rank: Option<u32>,
+    /// The rank as the agent numbered it (0 without data parallelism), for logs.
+    pub rank: u32,
+    /// [`replica_key`] of its address and rank.
+    pub engine: u64,
+    /// How it hashes, when the agent said: the settings, or why they cannot be used.
+    pub hash: Option<Result<HashSpec, String>>,
+    /// Its KV-cache groups (empty or one: not hybrid).
+    pub kv_groups: Vec<KvGroup>,
+}
+
+impl Replica {
+    /// Whether it serves `model` (every model, when the model is unknown or it lists none).
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        match model {
+            Some(m) => self.models.is_empty() || self.models.iter().any(|x| x == m),
+            None => true,
+        }
+    }
+
+    /// Whether it has several KV-cache groups (a hybrid model).
+    pub fn hybrid(&self) -> bool {
+        self.kv_groups.len() > 1
+    }
+}
+
+/// The load an engine reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Load {
+    pub replica: ReplicaId,
+    pub running: u32,
+    pub waiting: u32,
+    /// KV cache usage, 0..1.
+    pub kv_cache_usage: f32,
 }
 
 #[cfg(test)]

@@ -441,7 +441,7 @@ mod tests {
             fs.apply(&m).unwrap();
         }
         assert_eq!(fs.replicas.len(), 2);
-        assert_eq!(fs.replicas[1].id, 1);
+        assert_eq!(u32::from(fs.replicas[1].id), 1);
         assert_eq!(state_of(&fs, 2)[1], vec![5, 6]);
         h.state().remove_engine(idx);
         assert!(h.state().engines[idx].stop.load(Ordering::SeqCst));
@@ -464,7 +464,7 @@ mod tests {
         for m in drain(&sub, &h) {
             fs.apply(&m).unwrap();
         }
-        assert_eq!(fs.replicas.iter().map(|r| r.id).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(fs.replicas.iter().map(|r| u32::from(r.id)).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(state_of(&fs, 2)[1], Vec::<u64>::new(), "the reused id starts empty");
     }
 
@@ -590,7 +590,7 @@ mod tests {
         }
         let groups = &fs.replicas[0].kv_groups;
         assert_eq!(groups.len(), 2, "{groups:?}");
-        assert_eq!((groups[1].group_idx, groups[1].kind.as_str(), groups[1].sliding_window), (1, "sliding_window", 32));
+        assert_eq!((groups[1].idx, groups[1].kind), (1, llmgw_core::fleet::KvGroupKind::Sliding { window: 32 }));
         assert!(fs.index.holds(llmgw_core::ReplicaId(0), group_key(llmgw_core::BlockKey(3), 1)));
         // A removal names its group: group 1's copy goes, group 0's stays.
         let rm = WireEvent::BlockRemoved(WireBlockRemoved {

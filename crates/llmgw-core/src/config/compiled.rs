@@ -1,18 +1,18 @@
 //! The configuration as requests use it, compiled once per (re)configure and replaced whole:
-//! each profile carries its hasher (built and seeded once), its weights and its byte budgets
+//! each profile carries its hash settings (checked once), its weights and its byte budgets
 //! as the types the request path takes, so nothing is parsed, looked up by name or cloned per
 //! request.
 //!
 //! Invariants (established by [`FilterConfig::validate`] before compiling): every profile has a
-//! hasher, a block size of at least 1 and at least one model; `destination_header` is a
+//! usable default hashing, a block size of at least 1 and at least one model; `destination_header` is a
 //! lowercase header name.
 
 use super::{ConfigError, FilterConfig, TokenizerEndpoint};
-use crate::hash::{BlockHasher, HashAlgo, HashSpec};
+use crate::hash::{HashAlgo, HashSpec};
 use crate::policy::Weights;
 use std::collections::BTreeMap;
 
-/// The digest memo each profile's hasher keeps ([`BlockHasher::with_cache`]).
+/// The digest memo each profile's hashers keep (`BlockHasher::with_cache`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoSettings {
     /// Slots (56 bytes each).
@@ -21,26 +21,18 @@ pub struct MemoSettings {
     pub key: u64,
 }
 
-/// One profile, ready for requests.
+/// One profile, ready for requests. Immutable: how it hashes for a model, given what the
+/// replicas publish, is the request path's hash plan.
 pub struct CompiledProfile {
     pub name: String,
     models: Vec<String>,
     catch_all: bool,
     /// Exact routing from KV events.
     pub kv_events: bool,
-    /// The block size `hasher` is used with (`spec.block_size`, at least 1).
-    pub block_size: usize,
-    /// Hashes as `spec` says (replaced when the feed's settings change it: [`Self::use_spec`]).
-    pub hasher: BlockHasher,
-    pub spec: HashSpec,
     /// What the profile sets itself (the rest comes from the feed).
     pub pins: HashPins,
     /// The hashing where neither the profile nor the feed says anything.
     pub default_spec: HashSpec,
-    memo: Option<MemoSettings>,
-    /// Hashers of other specs used recently (a catch-all profile over models whose replicas
-    /// hash differently switches between them without losing their digest memos).
-    others: Vec<(HashSpec, BlockHasher)>,
     pub tokenizer: TokenizerEndpoint,
     pub tokenizer_timeout_ms: u32,
     /// A dedicated tokenizer, tried before the replicas.
@@ -50,9 +42,6 @@ pub struct CompiledProfile {
     /// Leading prompt bytes the approximate key reads.
     pub approx_prefix_bytes: usize,
 }
-
-/// Hashers a profile keeps besides its current one.
-const OTHER_HASHERS: usize = 3;
 
 /// The hash settings a profile sets itself; `None`: the feed's (else the default).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -78,36 +67,6 @@ impl CompiledProfile {
             block_size: self.pins.block_size.unwrap_or(base.block_size),
             lookahead: self.pins.lookahead.unwrap_or(base.lookahead),
         }
-    }
-
-    /// Hashes by `spec` from now on (a new hasher only when it changed). False when the hasher
-    /// cannot serve it (then nothing changes).
-    pub fn use_spec(&mut self, spec: &HashSpec) -> bool {
-        if *spec == self.spec {
-            return true;
-        }
-        if spec.block_size == 0 {
-            return false;
-        }
-        let (spec, hasher) = match self.others.iter().position(|(s, _)| s == spec) {
-            Some(i) => self.others.swap_remove(i),
-            None => {
-                let Ok(hasher) = spec.hasher() else { return false };
-                let hasher = match self.memo {
-                    Some(m) => hasher.with_cache(m.slots, m.key),
-                    None => hasher,
-                };
-                (spec.clone(), hasher)
-            }
-        };
-        let old_hasher = std::mem::replace(&mut self.hasher, hasher);
-        let old_spec = std::mem::replace(&mut self.spec, spec);
-        self.block_size = self.spec.block_size;
-        if self.others.len() >= OTHER_HASHERS {
-            self.others.remove(0);
-        }
-        self.others.push((old_spec, old_hasher));
-        true
     }
 
     /// The LoRA adapter `model` names under this profile, as vLLM mixes it into block hashes.
@@ -136,6 +95,8 @@ pub struct Compiled {
     /// Where requests and tokenizer calls may go.
     pub allow: crate::allow::Allowlist,
     pub profiles: Vec<CompiledProfile>,
+    /// The digest memo each profile's hashers keep.
+    pub memo: Option<MemoSettings>,
 }
 
 impl Compiled {
@@ -153,13 +114,8 @@ impl Compiled {
         for (i, p) in cfg.profiles.into_iter().enumerate() {
             let field = |name: &str| format!("profiles[{i}].{name}");
             let spec = p.default_spec();
-            let hasher = spec.hasher().map_err(|e| ConfigError { field: field("seed"), message: e.to_string() })?;
-            let hasher = match memo {
-                Some(m) => hasher.with_cache(m.slots, m.key),
-                None => hasher,
-            };
-            // At least 1: validated.
-            let block_size = spec.block_size;
+            // The default hashing must be usable here (a profile's hasher is built from it).
+            spec.hasher().map_err(|e| ConfigError { field: field("seed"), message: e.to_string() })?;
             let pins = HashPins {
                 algo: p.hash_algo,
                 seed: p.seed.clone(),
@@ -167,17 +123,12 @@ impl Compiled {
                 lookahead: p.lookahead_tokens.map(|l| usize::try_from(l).unwrap_or(usize::MAX)),
             };
             profiles.push(CompiledProfile {
-                default_spec: spec.clone(),
-                spec,
+                default_spec: spec,
                 pins,
-                memo,
-                others: Vec::new(),
                 catch_all: p.models.iter().any(|m| m == "*"),
                 name: p.name,
                 models: p.models,
                 kv_events: p.kv_events,
-                block_size,
-                hasher,
                 tokenizer: p.tokenizer,
                 tokenizer_timeout_ms: p.tokenizer_timeout_ms,
                 tokenizer_address: p.tokenizer_address,
@@ -202,6 +153,7 @@ impl Compiled {
             tokenizer_cache_ttl_ns: u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000),
             allow,
             profiles,
+            memo,
         })
     }
 
@@ -235,9 +187,10 @@ mod tests {
         assert_eq!(c.profile_for("m1"), Some(0));
         assert_eq!(c.profile_for("other"), Some(1));
         let a = c.profile(0).unwrap();
-        assert_eq!((a.hasher.algo(), a.block_size), (HashAlgo::Sha256, 32));
+        assert_eq!((a.default_spec.algo, a.default_spec.block_size), (HashAlgo::Sha256, 32));
+        assert!(a.default_spec.hasher().is_ok());
         let any = c.profile(1).unwrap();
-        assert_eq!((any.hasher.algo(), any.block_size), (HashAlgo::Sha256Cbor, 16));
+        assert_eq!((any.default_spec.algo, any.default_spec.block_size), (HashAlgo::Sha256Cbor, 16));
         assert_eq!(c.tokenizer_cache_ttl_ns, 60_000_000_000);
         assert_eq!(c.max_body_bytes, 32 << 20);
         let only = Compiled::from_json(br#"{"profiles":[{"name":"a","models":["m1"]}]}"#, None).unwrap();

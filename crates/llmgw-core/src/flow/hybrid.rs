@@ -15,15 +15,9 @@
 //! `sliding_window` and `sliding_window_mla`, group 0 full attention. Anything else (Mamba
 //! layers, mixed block sizes) is reported unsupported and scored by group 0 alone.
 
-use crate::feed::{KvCacheGroup, Replica};
+use crate::fleet::{KvGroupKind, Replica};
 use crate::hash::{group_key, BlockHash};
-use crate::index::{ReplicaId, ReplicaIndex};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Full,
-    Sliding { window: usize },
-}
+use crate::index::ReplicaIndex;
 
 /// How a hybrid engine's hit was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,43 +30,35 @@ pub enum HybridHit {
     Unsupported,
 }
 
-fn kind(g: &KvCacheGroup) -> Option<Kind> {
-    match g.kind.as_str() {
-        "full_attention" | "mla_attention" => Some(Kind::Full),
-        "sliding_window" | "sliding_window_mla" if g.sliding_window > 0 => {
-            Some(Kind::Sliding { window: usize::try_from(g.sliding_window).ok()? })
-        }
-        _ => None,
-    }
-}
-
-/// The hit of `replica` (id `id`) for a request of `n_tokens` tokens whose leading blocks hash
+/// The hit of `replica` for a request of `n_tokens` tokens whose leading blocks hash
 /// to `hashes`, given group 0's leading run `full_run`.
 pub fn hybrid_hit(
     index: &ReplicaIndex,
     replica: &Replica,
-    id: ReplicaId,
     hashes: &[BlockHash],
     full_run: usize,
     n_tokens: usize,
     block_size: usize,
 ) -> HybridHit {
-    if replica.kv_groups.len() <= 1 || block_size == 0 {
+    if !replica.hybrid() || block_size == 0 {
         return HybridHit::NotHybrid;
     }
     let mut groups = Vec::with_capacity(replica.kv_groups.len());
     for g in &replica.kv_groups {
-        let Some(k) = kind(g) else { return HybridHit::Unsupported };
-        if usize::try_from(g.block_size).ok() != Some(block_size) || (g.group_idx == 0 && k != Kind::Full) {
+        if g.kind == KvGroupKind::Unsupported
+            || g.block_size != block_size
+            || (g.idx == 0 && g.kind != KvGroupKind::Full)
+        {
             return HybridHit::Unsupported;
         }
-        if g.group_idx != 0 {
-            groups.push((g.group_idx, k));
+        if g.idx != 0 {
+            groups.push((g.idx, g.kind));
         }
     }
-    if !replica.kv_groups.iter().any(|g| g.group_idx == 0) {
+    if !replica.kv_groups.iter().any(|g| g.idx == 0) {
         return HybridHit::Unsupported;
     }
+    let id = replica.id;
     let holds = |g: u32, i: usize| hashes.get(i).is_some_and(|h| index.holds(id, group_key(h.key, g)));
     let max_blocks = n_tokens.saturating_sub(1).checked_div(block_size).unwrap_or(0);
     let mut hit = full_run.min(max_blocks).min(hashes.len());
@@ -80,8 +66,9 @@ pub fn hybrid_hit(
         let before = hit;
         for &(g, k) in &groups {
             hit = match k {
-                Kind::Full => (0..hit).take_while(|&i| holds(g, i)).count(),
-                Kind::Sliding { window } => sliding_hit(|i| holds(g, i), window, block_size, hit),
+                KvGroupKind::Full => (0..hit).take_while(|&i| holds(g, i)).count(),
+                KvGroupKind::Sliding { window } => sliding_hit(|i| holds(g, i), window, block_size, hit),
+                KvGroupKind::Unsupported => 0,
             };
         }
         if hit >= before {

@@ -4,6 +4,7 @@ use super::*;
 use crate::config::MemoSettings;
 use crate::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
 use crate::hash::{BlockHasher, BlockKey, HashAlgo};
+use crate::policy::Outcome;
 
 const A: &str = "127.0.0.1:8001";
 const B: &str = "127.0.0.1:8002";
@@ -149,11 +150,13 @@ fn a_text_prompt_is_tokenized_on_the_least_loaded_replica_then_scored() {
     let tokens: Vec<u32> = (100..140).collect();
     let mut r = router("", keys(&tokens[..20]), true);
     struct Busy;
-    impl InFlight for Busy {
+    impl InFlightCounts for Busy {
         fn in_flight(&self, address: &str) -> u32 {
             u32::from(address == A) * 3
         }
     }
+    impl ReplicaAvoidance for Busy {}
+    impl SpeculativeEntries for Busy {}
     let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &Busy, 0));
     assert_eq!((call.target.as_str(), call.path, call.timeout_ms), (B, "/tokenize", 500));
     assert!(String::from_utf8_lossy(&call.body).contains(r#""prompt":"hello""#));
@@ -264,6 +267,29 @@ fn settings(seed: &str, block_size: u32) -> crate::feed::HashSettings {
 
 /// A router with `profile_json` as its only profile (model "m"), whose feed knows A and B
 /// with the given hash settings, B holding `on_b`.
+/// The serving table as the feed would send it again, with replica `id`'s KV-cache groups
+/// from `groups`.
+fn wire_table(r: &Router, groups: impl Fn(u32) -> Vec<crate::feed::KvCacheGroup>) -> ReplicaTable {
+    let replicas = r
+        .feed
+        .serving()
+        .replicas
+        .iter()
+        .map(|x| Replica {
+            id: u32::from(x.id),
+            name: x.name.clone(),
+            address: x.address.clone(),
+            models: x.models.clone(),
+            up: x.up,
+            dp_rank: x.rank,
+            hash: x.hash.as_ref().and_then(|h| h.as_ref().ok()).map(crate::feed::HashSettings::from_spec),
+            dp_size: if x.dp_rank.is_some() { 2 } else { 1 },
+            kv_groups: groups(u32::from(x.id)),
+        })
+        .collect();
+    ReplicaTable { replicas }
+}
+
 fn router_with_hash(
     profile_json: &str,
     a: Option<crate::feed::HashSettings>,
@@ -442,15 +468,7 @@ fn a_hybrid_engine_is_scored_as_vllms_coordinator_hits_it() {
         None,
         on_b,
     );
-    let table = ReplicaTable {
-        replicas: r
-            .feed
-            .serving()
-            .replicas
-            .iter()
-            .map(|x| Replica { kv_groups: if x.id == 1 { hybrid.clone() } else { vec![] }, ..x.clone() })
-            .collect(),
-    };
+    let table = wire_table(&r, |id| if id == 1 { hybrid.clone() } else { vec![] });
     r.feed.apply(&FeedMessage { seq: 3, body: Some(Msg::Replicas(table)) }).unwrap();
     // The whole prompt and more: every group hits all 8 blocks.
     let longer: Vec<u32> = (0..40).collect();
@@ -469,18 +487,8 @@ fn a_hybrid_engine_is_scored_as_vllms_coordinator_hits_it() {
     assert_eq!((got.report.matched_blocks, got.report.fallback), (Some(0), Some(Fallback::NoMatch)));
     assert!(!got.report.hybrid_unsupported);
     // A Mamba group is not modelled: scored by group 0 alone, and said so.
-    let table = ReplicaTable {
-        replicas: r
-            .feed
-            .serving()
-            .replicas
-            .iter()
-            .map(|x| Replica {
-                kv_groups: if x.id == 1 { vec![group(0, "full_attention", 0), group(1, "mamba", 0)] } else { vec![] },
-                ..x.clone()
-            })
-            .collect(),
-    };
+    let table =
+        wire_table(&r, |id| if id == 1 { vec![group(0, "full_attention", 0), group(1, "mamba", 0)] } else { vec![] });
     r.feed.apply(&FeedMessage { seq: 4, body: Some(Msg::Replicas(table)) }).unwrap();
     let got = routed(r.on_body(&body(COMPLETIONS, body_of(&diverging).as_bytes()), &(), 0));
     assert_eq!(got.report.matched_blocks, Some(5));
@@ -616,14 +624,17 @@ fn a_replica_outside_the_allowlist_is_never_routed_to_nor_asked_to_tokenize() {
 #[test]
 fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one() {
     struct Failing(&'static [&'static str]);
-    impl InFlight for Failing {
+    impl InFlightCounts for Failing {
         fn in_flight(&self, _address: &str) -> u32 {
             0
         }
+    }
+    impl ReplicaAvoidance for Failing {
         fn tokenizer_avoided(&self, address: &str) -> bool {
             self.0.contains(&address)
         }
     }
+    impl SpeculativeEntries for Failing {}
     let text = br#"{"model":"m","prompt":"hello"}"#;
     let mut r = router("", vec![], true);
     // Equal loads: A first; A failing: B.

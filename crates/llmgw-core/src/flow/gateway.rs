@@ -1,0 +1,49 @@
+//! What the gateway around the router knows and the router asks for: the requests this Envoy
+//! has in flight, the replicas it avoids, and the speculative entries it wrote. The filter keeps
+//! them in Envoy's shared data (every worker sees them); `()` knows nothing.
+
+use super::speculative::Hit;
+
+/// The requests this gateway has sent to a replica and not yet finished.
+pub trait InFlightCounts {
+    fn in_flight(&self, address: &str) -> u32;
+    /// Prefill tokens of those requests that have not produced a first token yet.
+    fn pending_tokens(&self, _address: &str) -> u64 {
+        0
+    }
+}
+
+/// The replicas the gateway leaves alone for now.
+pub trait ReplicaAvoidance {
+    /// Whether requests avoid this replica (its connects failed or it answered 5xx): it is
+    /// treated as down.
+    fn avoided(&self, _address: &str) -> bool {
+        false
+    }
+    /// Whether tokenizer calls leave this address alone (its recent calls timed out, were
+    /// reset or answered 5xx): the tokenizer's circuit breaker.
+    fn tokenizer_avoided(&self, _address: &str) -> bool {
+        false
+    }
+}
+
+/// Speculative index entries (see [`super::speculative`]).
+pub trait SpeculativeEntries {
+    /// One hit pushed onto `out` for each of `keys` (block keys) this Envoy sent to an engine
+    /// within the TTL.
+    fn speculative(&self, _keys: &[u64], _out: &mut Vec<Hit>) {}
+}
+
+/// Everything the router asks the gateway.
+pub trait GatewayState: InFlightCounts + ReplicaAvoidance + SpeculativeEntries {}
+
+impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries> GatewayState for T {}
+
+/// Nothing in flight, nothing avoided, no speculative entries.
+impl InFlightCounts for () {
+    fn in_flight(&self, _address: &str) -> u32 {
+        0
+    }
+}
+impl ReplicaAvoidance for () {}
+impl SpeculativeEntries for () {}

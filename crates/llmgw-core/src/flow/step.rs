@@ -1,0 +1,173 @@
+//! What the request path hands back: a [`Step`] (route, answer locally, or call the
+//! tokenizer), with the [`Report`] of what to count, the explain header and the 503 body.
+
+use super::reasons::{Fallback, TokenizerFailure};
+use super::speculative::Speculation;
+use crate::policy::{Decision, Outcome};
+use crate::request::ParsedRequest;
+use crate::tokcache::CacheTag;
+
+/// A request body as the filter has it.
+#[derive(Debug, Clone, Copy)]
+pub struct Body<'a> {
+    /// The `:path` header.
+    pub path: &'a str,
+    /// The whole body, or its leading bytes when it is too large.
+    pub bytes: &'a [u8],
+    /// The body exceeds `max_body_bytes` (`bytes` is its head).
+    pub too_large: bool,
+}
+
+/// What to count for a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Report {
+    pub outcome: Option<Outcome>,
+    pub fallback: Option<Fallback>,
+    /// Leading blocks the winner holds, when the decision had exact data.
+    pub matched_blocks: Option<u32>,
+    /// A tokenization-cache lookup, when one was made.
+    pub tokenizer_cache: Option<CacheLookup>,
+    pub tokenizer_failure: Option<TokenizerFailure>,
+    /// Some replica serving the model hashes otherwise than the request was hashed (see
+    /// [`super::Router::take_hash_note`] for which and how): its blocks were not credited.
+    pub hash_mismatch: bool,
+    /// Some replica serving the model has KV-cache groups the hybrid scoring does not model
+    /// (Mamba layers, mixed block sizes): it was scored by its first group alone.
+    pub hybrid_unsupported: bool,
+}
+
+/// How the tokenization cache answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheLookup {
+    /// A byte-identical body (same path) resolved to its tokenization without being parsed.
+    RawBodyHit,
+    /// The request's tokenizer call (and salt, model, profile) was seen recently.
+    Hit,
+    Miss,
+}
+
+impl CacheLookup {
+    pub fn is_hit(self) -> bool {
+        self != CacheLookup::Miss
+    }
+}
+
+/// Route to a replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// `ip:port`, the destination header's value.
+    pub address: String,
+    /// The chosen engine's data-parallel rank, when the replica behind `address` runs several
+    /// (the value of `X-data-parallel-rank`).
+    pub dp_rank: Option<u32>,
+    pub decision: Decision,
+    pub report: Report,
+    /// The prompt tokens the chosen replica computes for it (past the leading blocks it
+    /// holds), when the decision had exact data: counted as queued prefill there until the
+    /// request's first token.
+    pub prefill_tokens: u64,
+    /// The runner-up's address, when the decision predicted times to first token.
+    pub runner_up: Option<String>,
+    /// Speculative index entries to record for the chosen engine (its blocks at checkpoints
+    /// past the run the index shows it holds), when the decision had exact data.
+    pub speculation: Option<Speculation>,
+    /// Of `decision.matched`, the blocks only speculative entries credit the winner with (the
+    /// index shows it holding the rest): they were just sent there, no KV event confirmed them.
+    pub speculative_blocks: u32,
+}
+
+impl Routed {
+    /// The explain header's value: with the `ttft` policy, the winner's predicted time to first
+    /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`).
+    pub fn explain(&self, vm: &str) -> String {
+        let d = &self.decision;
+        let mut out =
+            format!("outcome={}; replica={}; matched={}/{}", d.outcome.as_str(), self.address, d.matched, d.total);
+        if self.speculative_blocks > 0 {
+            out.push_str(&format!("; speculative={}", self.speculative_blocks));
+        }
+        out.push_str(&format!("; vm={vm}"));
+        if let Some(us) = d.predicted_us {
+            out.push_str(&format!("; predicted_ms={:.1}; prefill_tokens={}", us as f64 / 1000.0, self.prefill_tokens));
+            if let (Some(addr), Some((_, r))) = (&self.runner_up, d.runner_up) {
+                out.push_str(&format!("; runner_up={addr} {:.1}", r as f64 / 1000.0));
+            }
+        }
+        out
+    }
+}
+
+/// Answer locally: no healthy replica serves the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rejected {
+    pub status: u32,
+    /// A JSON error body in OpenAI's shape.
+    pub body: Vec<u8>,
+    pub report: Report,
+}
+
+impl Rejected {
+    /// The explain header's value.
+    pub const EXPLAIN: &'static str = "outcome=no_replica";
+}
+
+/// Call the tokenizer on `target`, then hand the reply to [`super::Router::on_tokenizer_reply`] with
+/// `pending`.
+#[derive(Debug)]
+pub struct Tokenize {
+    pub target: String,
+    pub path: &'static str,
+    pub body: Vec<u8>,
+    pub timeout_ms: u32,
+    pub pending: Box<Pending>,
+    pub report: Report,
+}
+
+/// What a tokenizer call in flight was for.
+#[derive(Debug)]
+pub struct Pending {
+    pub(super) profile: usize,
+    pub(super) parsed: ParsedRequest,
+    pub(super) approx_bytes: usize,
+    /// The tokenization cache's tag of this request, when the cache is on.
+    pub(super) cache_tag: Option<CacheTag>,
+    /// The tag of the raw body (see [`super::Router::on_body`]).
+    pub(super) raw_tag: Option<CacheTag>,
+    /// The configuration generation the call was made under: a reply to a call made before a
+    /// reconfigure is routed but not cached.
+    pub(super) generation: u64,
+    /// The hashing the cache tag was taken under (a reply hashed otherwise is not cached).
+    pub(super) spec: u64,
+}
+
+/// What to do next.
+#[derive(Debug)]
+pub enum Step {
+    Route(Routed),
+    Reject(Rejected),
+    Tokenize(Tokenize),
+}
+
+impl Step {
+    /// What to count for this step.
+    pub fn report(&self) -> &Report {
+        match self {
+            Step::Route(r) => &r.report,
+            Step::Reject(r) => &r.report,
+            Step::Tokenize(t) => &t.report,
+        }
+    }
+}
+
+/// The JSON body of the 503 sent when no healthy replica serves `model`.
+pub fn no_replica_body(model: Option<&str>) -> Vec<u8> {
+    let model = model.unwrap_or("(none)");
+    let body = serde_json::json!({
+        "error": {
+            "message": format!("no healthy replica for model `{model}`"),
+            "type": "llmgw_no_replica",
+            "code": 503
+        }
+    });
+    serde_json::to_vec(&body).unwrap_or_default()
+}

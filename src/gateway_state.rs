@@ -1,0 +1,53 @@
+//! What the router asks the gateway, read once per decision from this Envoy's shared data: the
+//! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
+//! avoided (`crate::health`) and the speculative index entries (`crate::speculative`).
+
+use crate::health::Health;
+use crate::host::Host;
+use crate::inflight::Counts;
+use crate::speculative::Entries;
+use llmgw_core::flow::{InFlightCounts, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit};
+
+pub struct Snapshot {
+    counts: Counts,
+    health: Health,
+    tokenizers: Health,
+    speculative: Entries,
+}
+
+impl Snapshot {
+    pub fn read(host: &dyn Host) -> Snapshot {
+        Snapshot {
+            counts: Counts::read(host),
+            health: Health::read(host),
+            tokenizers: Health::read_tokenizers(host),
+            speculative: Entries::read(host),
+        }
+    }
+}
+
+impl InFlightCounts for Snapshot {
+    fn in_flight(&self, address: &str) -> u32 {
+        self.counts.of(address).0
+    }
+
+    fn pending_tokens(&self, address: &str) -> u64 {
+        self.counts.of(address).1
+    }
+}
+
+impl ReplicaAvoidance for Snapshot {
+    fn avoided(&self, address: &str) -> bool {
+        self.health.avoided(address)
+    }
+
+    fn tokenizer_avoided(&self, address: &str) -> bool {
+        self.tokenizers.avoided(address)
+    }
+}
+
+impl SpeculativeEntries for Snapshot {
+    fn speculative(&self, keys: &[u64], out: &mut Vec<SpeculativeHit>) {
+        self.speculative.lookup(keys, out);
+    }
+}
