@@ -9,7 +9,10 @@
 //! * **Spill**: every replica holding the request's blocks is past the holders' load bound:
 //!   the least loaded replica within the bound, so a hot prefix is replicated.
 
-use super::{Candidate, InvalidWeight, Limits, Outcome};
+use super::candidate::Candidate;
+use super::decision::Outcome;
+use super::limits::Limits;
+use super::validation::InvalidWeight;
 
 /// The fallbacks' weights and the holders' load bound.
 #[derive(Debug, Clone, PartialEq)]

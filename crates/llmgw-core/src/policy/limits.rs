@@ -1,6 +1,7 @@
 //! Overload limits: a replica past any of them is chosen only when every replica is.
 
-use super::{non_negative, Candidate, InvalidWeight};
+use super::candidate::Candidate;
+use super::validation::{non_negative, InvalidWeight};
 
 /// The most a replica may carry before it counts as overloaded.
 #[derive(Debug, Clone, PartialEq)]

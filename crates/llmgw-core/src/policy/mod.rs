@@ -15,207 +15,27 @@
 //! [`HolderPolicy`]), a [`PolicyMode`] variant and a [`Weights`] field.
 
 mod candidate;
+mod contest;
+mod decision;
 pub mod fallback;
 pub mod limits;
 pub mod score;
 pub mod ttft;
+mod validation;
+mod weights;
 
 pub use candidate::{rendezvous_weight, Candidate};
+pub use contest::{Contest, HolderPolicy, Pick, Work};
+pub use decision::{Decision, Outcome};
 pub use fallback::{least_loaded, FallbackWeights};
 pub use limits::Limits;
 pub use score::ScoreWeights;
 pub use ttft::TtftWeights;
+pub use validation::InvalidWeight;
+pub use weights::{PolicyMode, Weights};
 
 use crate::index::Scores;
-
-/// How a decision was made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// From the index: the winner holds leading blocks of the request.
-    Exact,
-    /// Rendezvous hashing of the prompt's leading text, bounded by load.
-    Approx,
-    /// Least load (nothing to hash, or exact data said the prefix lives on a replica that load
-    /// ruled out and nobody else holds any of it).
-    Load,
-    /// Replicas held the request's leading blocks, but every one of them was past the holders'
-    /// load bound ([`FallbackWeights::holder_spill_factor`]): the request went where a new
-    /// prefix would (its rendezvous order, bounded by load), and that replica then holds the
-    /// prefix too. A hot prefix is replicated this way; a cold one stays where it is.
-    Spill,
-    /// No healthy replica.
-    NoReplica,
-}
-
-impl Outcome {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Exact => "exact",
-            Outcome::Approx => "approx",
-            Outcome::Load => "load",
-            Outcome::Spill => "spill",
-            Outcome::NoReplica => "no_replica",
-        }
-    }
-
-    pub const ALL: [Outcome; 5] = [Outcome::Exact, Outcome::Approx, Outcome::Load, Outcome::Spill, Outcome::NoReplica];
-}
-
-/// The choice: `winner` indexes the candidate slice.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decision {
-    pub winner: Option<usize>,
-    pub outcome: Outcome,
-    /// Leading blocks the winner holds, of `total` in the request (0/0 without exact data).
-    pub matched: u32,
-    pub total: u32,
-    /// `ttft` policy with exact data: the winner's predicted time to first token (µs), and the
-    /// runner-up's (its index and prediction), for the explain header.
-    pub predicted_us: Option<u64>,
-    pub runner_up: Option<(usize, u64)>,
-}
-
-impl Decision {
-    fn new(winner: Option<usize>, outcome: Outcome, matched: u32, total: u32) -> Decision {
-        Decision { winner, outcome, matched, total, predicted_us: None, runner_up: None }
-    }
-}
-
-/// The prompt a decision is about: its token count and the block size the index counts in
-/// (the `ttft` policy's uncached tokens).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Work {
-    pub tokens: u64,
-    pub block_size: u64,
-}
-
-/// The replicas in contest for a request whose blocks the index knows: up, not overloaded
-/// (unless all are), and not holders past their load bound.
-pub struct Contest<'c, 'a> {
-    pub cands: &'c [Candidate<'a>],
-    /// Indices into `cands`.
-    pub members: &'c [usize],
-    pub scores: &'c Scores,
-    /// The prompt's size; without it a policy counts the request's full blocks at 16 tokens.
-    pub work: Option<Work>,
-    tiebreak: &'c dyn Fn(usize) -> Option<u64>,
-}
-
-impl Contest<'_, '_> {
-    /// Leading blocks candidate `i` holds.
-    pub fn leading(&self, i: usize) -> u32 {
-        leading(self.cands, self.scores, i)
-    }
-
-    /// The prompt's rendezvous weight of candidate `i`: equally good replicas are ordered by
-    /// it, so every gateway breaks the tie the same way (computed only when asked).
-    pub fn tiebreak(&self, i: usize) -> Option<u64> {
-        (self.tiebreak)(i)
-    }
-
-    /// The greatest member under `better`, its ties broken by more leading blocks, then the
-    /// prompt's rendezvous order, then the lower index.
-    pub fn best(&self, better: impl Fn(usize, usize) -> std::cmp::Ordering) -> Option<usize> {
-        self.members.iter().copied().max_by(|&a, &b| self.order(&better, a, b))
-    }
-
-    /// As [`Contest::best`], and the runner-up.
-    pub fn best_two(&self, better: impl Fn(usize, usize) -> std::cmp::Ordering) -> (Option<usize>, Option<usize>) {
-        let best = self.best(&better);
-        let second = best
-            .and_then(|w| self.members.iter().copied().filter(|&i| i != w).max_by(|&a, &b| self.order(&better, a, b)));
-        (best, second)
-    }
-
-    fn order(&self, better: &impl Fn(usize, usize) -> std::cmp::Ordering, a: usize, b: usize) -> std::cmp::Ordering {
-        better(a, b)
-            .then(self.leading(a).cmp(&self.leading(b)))
-            .then_with(|| self.tiebreak(a).cmp(&self.tiebreak(b)))
-            .then(b.cmp(&a))
-    }
-}
-
-/// What a holder policy chose: the winner (an index into the candidates) and, for a policy that
-/// predicts times to first token, the winner's prediction and the runner-up's (µs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pick {
-    pub winner: usize,
-    pub predicted_us: Option<u64>,
-    pub runner_up: Option<(usize, u64)>,
-}
-
-/// How replicas in contest for a request whose blocks the index knows are compared.
-pub trait HolderPolicy {
-    /// The policy's name in the configuration (`weights.policy`).
-    fn name(&self) -> &'static str;
-    /// The winner of `contest` (`None` only when it has no members).
-    fn pick(&self, contest: &Contest<'_, '_>) -> Option<Pick>;
-}
-
-/// Which [`HolderPolicy`] a profile uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PolicyMode {
-    /// The lowest predicted time to first token ([`TtftWeights`]).
-    #[default]
-    Ttft,
-    /// The highest blended score of prefix share and load ([`ScoreWeights`]).
-    Score,
-}
-
-/// A weight that is out of range: the field (as the configuration names it) and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidWeight {
-    pub field: &'static str,
-    pub message: &'static str,
-}
-
-/// Checks that each of `values` is a finite, non-negative number.
-pub(crate) fn non_negative(values: &[(&'static str, f64)]) -> Result<(), InvalidWeight> {
-    match values.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
-        Some(&(field, _)) => Err(InvalidWeight { field, message: "must be a finite, non-negative number" }),
-        None => Ok(()),
-    }
-}
-
-/// A profile's routing weights: the policy in use and every policy's weights, the overload
-/// limits and the fallbacks'.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Weights {
-    pub policy: PolicyMode,
-    pub ttft: TtftWeights,
-    pub score: ScoreWeights,
-    pub limits: Limits,
-    pub fallback: FallbackWeights,
-}
-
-impl Weights {
-    /// The weights of the `score` policy, defaults otherwise.
-    pub fn score() -> Weights {
-        Weights { policy: PolicyMode::Score, ..Weights::default() }
-    }
-
-    /// The holder policy in use.
-    pub fn holder_policy(&self) -> &dyn HolderPolicy {
-        match self.policy {
-            PolicyMode::Ttft => &self.ttft,
-            PolicyMode::Score => &self.score,
-        }
-    }
-
-    /// Every weight in range (those of the policies not in use too).
-    pub fn validate(&self) -> Result<(), InvalidWeight> {
-        self.ttft.validate()?;
-        self.score.validate()?;
-        self.limits.validate()?;
-        self.fallback.validate()
-    }
-}
-
-/// Leading blocks candidate `i` holds.
-fn leading(cands: &[Candidate<'_>], s: &Scores, i: usize) -> u32 {
-    cands.get(i).and_then(|c| s.leading.get(usize::from(c.id))).copied().unwrap_or(0)
-}
+use contest::leading;
 
 /// The stable hash routing keys are made with (the approximate fallback's prompt key).
 pub use crate::stable_hash::stable_hash;

@@ -3,7 +3,9 @@
 //! `load_term = pressure / (pressure + load_scale) + kv_usage × kv cache usage` (pressure =
 //! in-flight + running + 2 × waiting).
 
-use super::{non_negative, Candidate, Contest, HolderPolicy, InvalidWeight, Pick};
+use super::candidate::Candidate;
+use super::contest::{Contest, HolderPolicy, Pick};
+use super::validation::{non_negative, InvalidWeight};
 
 /// The `score` policy's weights.
 #[derive(Debug, Clone, PartialEq)]

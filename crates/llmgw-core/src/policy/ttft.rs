@@ -8,7 +8,9 @@
 //! other gateways' requests count too); the lowest wins, predictions within `tie_us` being
 //! equal.
 
-use super::{non_negative, Candidate, Contest, HolderPolicy, InvalidWeight, Pick, Work};
+use super::candidate::Candidate;
+use super::contest::{Contest, HolderPolicy, Pick, Work};
+use super::validation::{non_negative, InvalidWeight};
 
 /// The `ttft` policy's rates.
 #[derive(Debug, Clone, PartialEq)]
