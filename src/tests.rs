@@ -849,7 +849,7 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
 
 #[test]
 fn the_readme_lists_every_metric_and_label_value_the_filter_defines() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../docs/src/operations.md");
     let start = readme.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
     let section = &readme[start..];
     let section = &section[..section.find("\n## ").unwrap_or(section.len())];
