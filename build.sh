@@ -125,7 +125,7 @@ MDBOOK_VERSION=0.5.4
 # name resolves.
 docs() {
   if ! "$ROOT/.tools/bin/mdbook" --version 2>/dev/null | grep -qx "mdbook v$MDBOOK_VERSION"; then
-    log "installing mdBook $MDBOOK_VERSION into .tools (cargo install, once: about 3 minutes of compiling)"
+    log "installing mdBook $MDBOOK_VERSION into .tools (cargo install, once: about 2½ minutes of CPU time)"
     cargo install -q mdbook --version "$MDBOOK_VERSION" --locked --no-default-features --features search \
       --root "$ROOT/.tools"
   fi
