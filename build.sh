@@ -105,6 +105,7 @@ run_tests() {
   cargo fmt --all -- --check
   cargo clippy -q --workspace --all-targets -- -D warnings
   cargo clippy -q -p llmgw -p llmgw-core --target "$WASM_TARGET" -- -D warnings
+  docs
   log "unit, property, fixture and CLI tests"
   cargo test -q --workspace
   log "vLLM 0.33.0 fixture cases"
@@ -115,6 +116,23 @@ run_tests() {
   PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
   run_e2e
   log "all tests passed"
+}
+
+MDBOOK_VERSION=0.5.4
+
+# The manual: mdBook (pinned, built once into .tools/, which git ignores) builds docs/src/ into
+# docs/book/, then docs/check_docs.py checks that every link and file path the book and README.md
+# name resolves.
+docs() {
+  if ! "$ROOT/.tools/bin/mdbook" --version 2>/dev/null | grep -qx "mdbook v$MDBOOK_VERSION"; then
+    log "installing mdBook $MDBOOK_VERSION into .tools (cargo install, once: about 2½ minutes of CPU time)"
+    cargo install -q mdbook --version "$MDBOOK_VERSION" --locked --no-default-features --features search \
+      --root "$ROOT/.tools"
+  fi
+  log "manual: building docs/book/ with mdBook $MDBOOK_VERSION"
+  "$ROOT/.tools/bin/mdbook" build docs 2>&1 | { grep -v ' INFO ' || true; }
+  log "manual: checking every link and path in README.md and docs/src/"
+  python3 docs/check_docs.py
 }
 
 # The end-to-end tests in wasm-tests/ (real Envoy, agent, simulator, publishers on loopback),
@@ -372,6 +390,7 @@ case "$cmd" in
   wasm) setup; build_wasm ;;
   test) run_tests ;;
   e2e) e2e "$@" ;;
+  docs) docs ;;
   demo) demo "$@" ;;
   replay) replay ;;
   bench) bench "$@" ;;

@@ -849,10 +849,10 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
 }
 
 #[test]
-fn the_readme_lists_every_metric_and_label_value_the_filter_defines() {
-    let readme = include_str!("../README.md");
-    let start = readme.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
-    let section = &readme[start..];
+fn the_manual_lists_every_metric_and_label_value_the_filter_defines() {
+    let manual = include_str!("../docs/src/operations.md");
+    let start = manual.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
+    let section = &manual[start..];
     let section = &section[..section.find("\n## ").unwrap_or(section.len())];
     // Every metric, the per-VM gauges too (defined on the first tick, which `synced` gives).
     let e = synced("", vec![], vec![], true);
@@ -862,13 +862,13 @@ fn the_readme_lists_every_metric_and_label_value_the_filter_defines() {
         let mut parts = name.split('.');
         let base = parts.next().unwrap();
         match (parts.next(), parts.next()) {
-            (None, _) => assert!(section.contains(&format!("`{base}`")), "{base} not in the README"),
+            (None, _) => assert!(section.contains(&format!("`{base}`")), "{base} not in the manual"),
             (Some("vm"), Some(_)) => {
-                assert!(section.contains(&format!("`{base}{{vm=…}}`")), "{name} not in the README")
+                assert!(section.contains(&format!("`{base}{{vm=…}}`")), "{name} not in the manual")
             }
             (Some(tag), Some(value)) => {
                 let open = format!("`{base}{{{tag}=\"");
-                let at = section.find(&open).unwrap_or_else(|| panic!("{base}{{{tag}}} not in the README"));
+                let at = section.find(&open).unwrap_or_else(|| panic!("{base}{{{tag}}} not in the manual"));
                 let values = &section[at + open.len()..];
                 let values = &values[..values.find('"').unwrap()];
                 assert!(values.split('|').any(|v| v == value), "{name}: {value} not among {values}");
