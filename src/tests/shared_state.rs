@@ -1,0 +1,147 @@
+//! What the workers share: passive health, the tokenizer breaker, shared-data failures, metrics.
+
+use super::*;
+
+#[test]
+fn a_replica_answering_5xx_is_avoided_from_the_next_request_then_tried_again() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    e.host.now_ns.set(1_000_000_000);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.set_header(Headers::Response, ":status", Some("503"));
+    ctx.on_http_response_headers(1, false);
+    ctx.on_log();
+    // The holder is avoided: the next request goes to the other replica.
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(A));
+    // Every replica failing: none is avoided (requests still go out).
+    e.host.set_header(Headers::Response, ":status", Some("502"));
+    ctx.on_http_response_headers(1, false);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    ctx.on_http_response_headers(1, false);
+    // A second later it is tried again (and an answer below 500 clears it).
+    e.host.now_ns.set(2_000_000_001);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    ctx.on_http_response_headers(1, false);
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+}
+
+#[test]
+fn a_tokenizer_that_times_out_is_left_alone_by_every_worker_then_tried_again() {
+    let hello = br#"{"model":"m","prompt":"hello"}"#;
+    let tokens: Vec<u32> = (0..8).collect();
+    let e = synced("", vec![], vec![], true);
+    e.host.now_ns.set(1_000_000_000);
+    let target = |e: &Env| e.host.last_call().unwrap().header(":authority").map(str::to_owned);
+    // Each request ends (its in-flight count goes) so that equal loads choose A first.
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("504"), b"");
+    ctx.on_log();
+    // The next call (any worker: the record is shared) goes to B; B times out too.
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    assert_eq!(target(&e).as_deref(), Some(B));
+    e.answer(&mut ctx, None, b"");
+    ctx.on_log();
+    // Both failing: no call at all, routed at once.
+    let calls = e.host.calls.borrow().len();
+    let (mut ctx, action) = e.request(COMPLETIONS, hello);
+    assert_eq!((action, e.host.calls.borrow().len()), (Action::Continue, calls));
+    assert_eq!(e.counter("llmgw_tokenizer_failures_total.reason.circuit_open"), 1);
+    assert!(e.dest().is_some());
+    ctx.on_log();
+    // A second later A is tried again, and a good answer clears it.
+    e.host.now_ns.set(2_000_000_001);
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&tokens));
+    ctx.on_log();
+    // A 4xx says nothing about the tokenizer: A stays in use.
+    let (mut ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"other"}"#);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("400"), b"");
+    ctx.on_log();
+    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"third"}"#);
+    assert_eq!(target(&e).as_deref(), Some(A), "a 400 does not open the circuit");
+}
+
+#[test]
+fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
+    use crate::host::CAS_RETRIES;
+    const IN_FLIGHT: &str = "llmgw.inflight.v2";
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    let gave_up = |what: &str| e.counter(&format!("llmgw_shared_update_failures_total.what.{what}"));
+    for what in ["in_flight", "heartbeat", "health", "tokenizer_health", "speculative"] {
+        assert_eq!(gave_up(what), 0, "{what}");
+    }
+    // Races lost fewer times than the retries: the update lands, nothing is counted.
+    e.host.cas_failures.set(CAS_RETRIES - 1);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!(e.host.shared_value(IN_FLIGHT).map(|v| v.len()), Some(20));
+    assert_eq!(gave_up("in_flight"), 0);
+    ctx.on_log();
+    // Every attempt lost: the in-flight count stays unwritten, and that is counted.
+    e.host.cas_failures.set(CAS_RETRIES);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.shared_value(IN_FLIGHT), Some(Vec::new()));
+    assert_eq!(gave_up("in_flight"), 1);
+    // The replica's 5xx not recorded as passive health.
+    e.host.cas_failures.set(CAS_RETRIES);
+    e.host.set_header(Headers::Response, ":status", Some("503"));
+    ctx.on_http_response_headers(1, false);
+    assert_eq!(gave_up("health"), 1);
+    ctx.on_log();
+    // A prompt nobody holds is recorded in the speculative entries: both updates give up.
+    let other: Vec<u32> = (100..132).collect();
+    e.host.cas_failures.set(2 * CAS_RETRIES);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &other));
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!((gave_up("in_flight"), gave_up("speculative")), (2, 1));
+    ctx.on_log();
+    // A heartbeat due on the tick, not renewed.
+    e.host.now_ns.set(e.host.now_ns.get() + crate::inflight::HEARTBEAT_NS);
+    e.host.cas_failures.set(CAS_RETRIES);
+    let mut root = e.root;
+    root.on_tick();
+    assert_eq!(e.host.cas_failures.get(), 0);
+    assert_eq!(e.host.counter("llmgw_shared_update_failures_total.what.heartbeat"), Some(1));
+}
+
+#[test]
+fn the_manual_lists_every_metric_and_label_value_the_filter_defines() {
+    let manual = include_str!("../../docs/src/operations.md");
+    let start = manual.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
+    let section = &manual[start..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    // Every metric, the per-VM gauges too (defined on the first tick, which `synced` gives).
+    let e = synced("", vec![], vec![], true);
+    let names = e.host.metric_names();
+    assert!(names.iter().any(|n| n.starts_with("llmgw_destinations_refused.vm.")), "{names:?}");
+    for name in names {
+        let mut parts = name.split('.');
+        let base = parts.next().unwrap();
+        match (parts.next(), parts.next()) {
+            (None, _) => assert!(section.contains(&format!("`{base}`")), "{base} not in the manual"),
+            (Some("vm"), Some(_)) => {
+                assert!(section.contains(&format!("`{base}{{vm=…}}`")), "{name} not in the manual")
+            }
+            (Some(tag), Some(value)) => {
+                let open = format!("`{base}{{{tag}=\"");
+                let at = section.find(&open).unwrap_or_else(|| panic!("{base}{{{tag}}} not in the manual"));
+                let values = &section[at + open.len()..];
+                let values = &values[..values.find('"').unwrap()];
+                assert!(values.split('|').any(|v| v == value), "{name}: {value} not among {values}");
+            }
+            _ => panic!("unexpected metric name {name}"),
+        }
+    }
+}
