@@ -7,7 +7,7 @@
 //! usable default hashing, a block size of at least 1 and at least one model; `destination_header` is a
 //! lowercase header name.
 
-use super::{ConfigError, FilterConfig, TokenizerEndpoint};
+use super::filter_config::{ConfigError, FilterConfig, TokenizerEndpoint};
 use crate::hash::{HashAlgo, HashSpec};
 use crate::policy::Weights;
 use std::collections::BTreeMap;

@@ -2,7 +2,11 @@
 //! gives it (LoRA on every block, multimodal items on the blocks they overlap, the cache salt on
 //! block 0), optionally a few blocks at a time.
 
-use super::{digest, preimage, BlockHash, BlockHasher, Digest, ExtraKey, HashError, MmFeature, RequestExtras};
+use super::block_key::Digest;
+use super::extras::{ExtraKey, MmFeature, RequestExtras};
+use super::hasher::{digest, BlockHash, BlockHasher};
+use super::preimage;
+use super::spec::HashError;
 
 impl BlockHasher {
     /// Hashes every full block of a request's tokens, as the engine does when the request arrives.

@@ -7,7 +7,7 @@
 //! blocks collide with probability at most 2⁻⁶⁴ whatever their contents, as long as the key is
 //! unknown. Other blocks use a keyed 128-bit xxh3 of the whole preimage.
 
-use super::Digest;
+use super::block_key::Digest;
 use crate::stable_hash::{mix64, GOLDEN_GAMMA};
 
 /// Invariant: `slots.len()` is a power of two; a slot whose tag is `[0, 0]` is empty, and no

@@ -7,7 +7,9 @@
 //! Pickle (the other algorithms) is CPython's protocol 5, written by [`crate::pickle`]: no crate
 //! reproduces CPython's memo and framing choices byte for byte.
 
-use super::{Digest, ExtraKey, HashAlgo};
+use super::block_key::Digest;
+use super::extras::ExtraKey;
+use super::spec::HashAlgo;
 use crate::pickle::{Pickler, PyValue};
 use minicbor::encode::Error;
 use minicbor::Encoder;

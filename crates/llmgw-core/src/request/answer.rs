@@ -4,7 +4,7 @@
 //! without a full parse; it agrees with the full parse on every body it accepts and defers to
 //! it on anything unusual.
 
-use super::RequestError;
+use super::parsed::RequestError;
 use crate::hash::MmFeature;
 use serde::Deserialize;
 use std::collections::BTreeMap;

@@ -3,7 +3,7 @@
 //! cache salt too); `messages` must be an array or null, and an empty array is no prompt. Chat
 //! messages and template inputs stay the raw JSON the client sent (validated, never decoded).
 
-use super::{ApiKind, ParsedRequest, Prompt, RawJson, RequestError};
+use super::parsed::{ApiKind, ParsedRequest, Prompt, RawJson, RequestError};
 use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -229,7 +229,7 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
 mod tests {
     use super::*;
     use crate::config::TokenizerEndpoint;
-    use crate::request::tests::body;
+    use crate::request::parsed::tests::body;
     use serde_json::{json, Value};
 
     #[test]

@@ -8,7 +8,7 @@
 //! The render endpoints (`/v1/completions/render`, `/v1/chat/completions/render`) take the
 //! generation request's body unchanged.
 
-use super::{ApiKind, ParsedRequest, Prompt, RawJson};
+use super::parsed::{ApiKind, ParsedRequest, Prompt, RawJson};
 use crate::config::TokenizerEndpoint;
 
 /// A tokenizer call to make on a replica.
@@ -124,7 +124,7 @@ fn put_raw(out: &mut Vec<u8>, first: &mut bool, key: &str, v: &RawJson) {
 mod tests {
     use super::*;
     use crate::request::parse_request;
-    use crate::request::tests::body;
+    use crate::request::parsed::tests::body;
     use serde_json::{json, Value};
 
     #[test]

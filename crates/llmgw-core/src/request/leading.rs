@@ -4,7 +4,7 @@
 //! byte for byte what a full parse would give: each message's role and text, each followed by a
 //! newline, capped at `max`.
 
-use super::{ParsedRequest, Prompt};
+use super::parsed::{ParsedRequest, Prompt};
 
 impl ParsedRequest {
     /// Up to `max` leading bytes of the prompt as text, for the approximate fallback: the

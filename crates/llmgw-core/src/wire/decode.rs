@@ -3,11 +3,9 @@
 //! [`capacity`] items: no more than the bytes left (every item takes one at least), and no more
 //! than a fixed bound, so a lying header costs nothing before the bytes run out.
 
+use super::batch::{WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireValue};
+use super::error::{DecodeError, DecodeErrorKind, MsgpackError, MsgpackErrorKind};
 use super::reader::{Int, Kind, Reader};
-use super::{
-    DecodeError, DecodeErrorKind, MsgpackError, MsgpackErrorKind, WireBatch, WireBlockRemoved, WireBlockStored,
-    WireEvent, WireValue,
-};
 use crate::hash::key_of_bytes;
 
 /// Builds errors with the current location.

@@ -1,7 +1,7 @@
 //! vLLM's msgpack form of a batch, written with `rmp` (shortest forms, as msgspec writes them).
 //! Used by the simulator, tests and benchmarks; the filter and the agent only decode.
 
-use super::{Encoding, HashForm, WireBatch, WireEvent, WireValue};
+use super::batch::{Encoding, HashForm, WireBatch, WireEvent, WireValue};
 use rmp::encode::{self as re, ByteBuf, ValueWriteError};
 use std::convert::Infallible;
 

@@ -6,7 +6,7 @@
 //! pending items instead of recursion, so hostile nesting cannot exhaust the stack, and refuses
 //! a count larger than the bytes left (every item takes at least one byte) before looping.
 
-use super::{MsgpackError, MsgpackErrorKind};
+use super::error::{MsgpackError, MsgpackErrorKind};
 use rmp::decode::{self as rd, NumValueReadError, ValueReadError};
 use rmp::Marker;
 
