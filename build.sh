@@ -105,6 +105,8 @@ run_tests() {
   cargo fmt --all -- --check
   cargo clippy -q --workspace --all-targets -- -D warnings
   cargo clippy -q -p llmgw -p llmgw-core --target "$WASM_TARGET" -- -D warnings
+  log "structure: no import circle between Rust files, files within their size"
+  python3 dev/check_structure.py
   docs
   log "unit, property, fixture and CLI tests"
   cargo test -q --workspace
