@@ -14,6 +14,7 @@
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, Fields, SharedRecord};
+use std::collections::HashSet;
 
 const KEY: &str = "llmgw.health";
 const TOKENIZER_KEY: &str = "llmgw.tokenizer_health";
@@ -43,11 +44,11 @@ fn records(v: &[u8]) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
     decode::<Avoidance>(v).map(|Avoidance(id, until, strikes)| (id, until, strikes))
 }
 
-/// The shared health records, read once per decision.
+/// The shared health records, read once per decision: the addresses avoided now, by id (a
+/// lookup costs the same whatever the number of records).
 #[derive(Default)]
 pub struct Health {
-    records: Vec<u8>,
-    now: u64,
+    avoided: HashSet<u64>,
 }
 
 impl Health {
@@ -62,13 +63,14 @@ impl Health {
     }
 
     fn read_key(host: &dyn Host, key: &str) -> Health {
-        Health { records: host.shared_data(key).and_then(|(v, _)| v).unwrap_or_default(), now: host.now_ns() }
+        let value = host.shared_data(key).and_then(|(v, _)| v).unwrap_or_default();
+        let now = host.now_ns();
+        Health { avoided: records(&value).filter(|&(_, until, _)| now < until).map(|(id, _, _)| id).collect() }
     }
 
     /// Whether `address` is avoided right now.
     pub fn avoided(&self, address: &str) -> bool {
-        let id = address_id(address);
-        records(&self.records).any(|(x, until, _)| x == id && self.now < until)
+        self.avoided.contains(&address_id(address))
     }
 }
 

@@ -14,6 +14,7 @@
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, Fields, SharedRecord};
+use std::collections::{HashMap, HashSet};
 
 /// (Versioned: the records grew a token count; a VM of an older build keeps its own key.)
 const KEY: &str = "llmgw.inflight.v2";
@@ -94,14 +95,6 @@ fn live_vms(v: &[u8], now: u64) -> Vec<u32> {
     heartbeats(v).filter(|&(_, at)| now.saturating_sub(at) <= STALE_NS).map(|(vm, _)| vm).collect()
 }
 
-/// The requests of `id` and their prefill tokens awaiting a first token, over the live VMs
-/// (0 when absent).
-pub fn count(v: &[u8], live: &[u32], id: u64) -> (u32, u64) {
-    records(v)
-        .filter(|r| r.id == id && live.contains(&r.vm))
-        .fold((0u32, 0u64), |(n, t), r| (n.saturating_add(r.requests), t.saturating_add(u64::from(r.tokens))))
-}
-
 /// Applies `change` to `vm`'s record of `id`; records falling to 0 requests and records of VMs
 /// not in `live` are removed, so the value holds only live VMs' requests in flight (`None`: the
 /// heartbeats could not be read, every VM's records are kept).
@@ -143,23 +136,35 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
     ok.then_some(live)
 }
 
-/// Reads the in-flight records and the live VMs once.
+/// The in-flight records summed per address over the live VMs, read once per decision: a
+/// lookup costs the same whatever the number of records and VMs.
 pub struct Counts {
-    records: Vec<u8>,
-    live: Vec<u32>,
+    by_address: HashMap<u64, (u32, u64)>,
 }
 
 impl Counts {
     pub fn read(host: &dyn Host) -> Counts {
         let now = host.now_ns();
         let live = host.shared_data(LIVE_KEY).and_then(|(v, _)| v).unwrap_or_default();
-        Counts { records: host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default(), live: live_vms(&live, now) }
+        let records = host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default();
+        Counts::summed(&records, &live_vms(&live, now))
+    }
+
+    fn summed(records: &[u8], live: &[u32]) -> Counts {
+        let live: HashSet<u32> = live.iter().copied().collect();
+        let mut by_address: HashMap<u64, (u32, u64)> = HashMap::new();
+        for r in decode::<Record>(records).filter(|r| live.contains(&r.vm)) {
+            let (n, t) = by_address.entry(r.id).or_default();
+            *n = n.saturating_add(r.requests);
+            *t = t.saturating_add(u64::from(r.tokens));
+        }
+        Counts { by_address }
     }
 
     /// The requests to `address` over the live VMs, and their prefill tokens awaiting a first
     /// token.
     pub fn of(&self, address: &str) -> (u32, u64) {
-        count(&self.records, &self.live, address_id(address))
+        self.by_address.get(&address_id(address)).copied().unwrap_or_default()
     }
 }
 
@@ -214,6 +219,10 @@ mod tests {
 
     fn n(v: &[u8], live: &[u32], id: u64) -> u32 {
         count(v, live, id).0
+    }
+
+    fn count(v: &[u8], live: &[u32], id: u64) -> (u32, u64) {
+        Counts::summed(v, live).by_address.get(&id).copied().unwrap_or_default()
     }
 
     #[test]

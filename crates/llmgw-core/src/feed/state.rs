@@ -12,6 +12,7 @@ use crate::index::{ReplicaId, ReplicaIndex};
 #[derive(Debug, Clone, Default)]
 pub struct FeedState {
     pub replicas: Vec<Replica>,
+    /// Sorted by replica id (see [`FeedState::load`]).
     pub loads: Vec<Load>,
     /// Bumped whenever the replica table or the allowlist changes: what is derived from the
     /// table (hash plans) is recomputed when it moves.
@@ -92,6 +93,13 @@ impl FeedState {
         self.last_seq = None;
     }
 
+    /// The load replica `id`'s engine last reported (a binary search: the loads are sorted by
+    /// replica id).
+    pub fn load(&self, id: ReplicaId) -> Option<&Load> {
+        let i = self.loads.binary_search_by_key(&id, |l| l.replica).ok()?;
+        self.loads.get(i)
+    }
+
     /// The replica serving `address`, if known.
     pub fn replica(&self, id: ReplicaId) -> Option<&Replica> {
         self.replicas.iter().find(|r| r.id == id)
@@ -156,9 +164,13 @@ impl FeedState {
             Body::Load(l) => {
                 for load in &l.loads {
                     let load = load.resolve().ok_or(FeedError::BadReplica(load.replica))?;
-                    match self.loads.iter_mut().find(|x| x.replica == load.replica) {
-                        Some(x) => *x = load,
-                        None => self.loads.push(load),
+                    match self.loads.binary_search_by_key(&load.replica, |x| x.replica) {
+                        Ok(i) => {
+                            if let Some(x) = self.loads.get_mut(i) {
+                                *x = load;
+                            }
+                        }
+                        Err(i) => self.loads.insert(i, load),
                     }
                 }
             }

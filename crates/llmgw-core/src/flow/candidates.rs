@@ -26,7 +26,7 @@ fn candidates_avoiding<'a>(
         .iter()
         .filter(|r| r.serves(model) && feed.allowed(u32::from(r.id)))
         .map(|r| {
-            let load = if feed.loads_stale { None } else { feed.loads.iter().find(|l| l.replica == r.id) };
+            let load = if feed.loads_stale { None } else { feed.load(r.id) };
             Candidate {
                 id: r.id,
                 address: r.address.as_str(),
