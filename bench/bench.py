@@ -31,10 +31,9 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit import plain_request, stream_request  # noqa: E402
-from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, peer_command, restart_sims,  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
+from llmgw_testkit import plain_request, stream_request
+from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, peer_command, restart_sims,
                                  run_sessions, sim_command, start_router, stop_on_signals, wait_sims)
 
 ROOT = kit.ROOT

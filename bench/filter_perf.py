@@ -58,12 +58,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, the feed stub)
-from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wait_until  # noqa: E402
-from llmgw_testkit.feed import FeedStub, load_feed_proto  # noqa: E402
-from llmgw_testkit.stub import StubHandler, StubServer  # noqa: E402
-from llmgw_testkit.vllm_hash import block_keys  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, the feed stub
+from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wait_until
+from llmgw_testkit.feed import FeedStub, load_feed_proto
+from llmgw_testkit.stub import StubHandler, StubServer
+from llmgw_testkit.vllm_hash import block_keys
 
 ROOT = kit.ROOT
 MODEL = "m1"

@@ -27,10 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402
-from llmgw_testkit.fleet import SIM_WEIGHTS, new_sims, pct, restart_sims, scrape, stop_on_signals, wait_sims  # noqa: E402
-from llmgw_testkit.gateways import (bound_sim_command, burst, indexes_equal_agents, shares, start_gateways,  # noqa: E402
+import llmgw_testkit as kit
+from llmgw_testkit.fleet import SIM_WEIGHTS, new_sims, pct, restart_sims, scrape, stop_on_signals, wait_sims
+from llmgw_testkit.gateways import (bound_sim_command, burst, indexes_equal_agents, shares, start_gateways,
                                     stream)
 
 MODEL = "demo-model"

@@ -36,10 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402
-from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router, stop_on_signals, wait_sims  # noqa: E402
-from llmgw_testkit.vllm_hash import block_keys  # noqa: E402
+import llmgw_testkit as kit
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router, stop_on_signals, wait_sims
+from llmgw_testkit.vllm_hash import block_keys
 
 MODEL = "demo-model"
 BLOCK = 16

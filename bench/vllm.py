@@ -30,10 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit import http_json, stream_request  # noqa: E402
-from llmgw_testkit.fleet import peer_command, run_sessions, start_router, stop_on_signals  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
+from llmgw_testkit import http_json, stream_request
+from llmgw_testkit.fleet import peer_command, run_sessions, start_router, stop_on_signals
 
 ROOT = kit.ROOT
 CONFORMANCE = ROOT / "conformance"

@@ -14,9 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, restart_sims, run_sessions,  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
+from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, restart_sims, run_sessions,
                                  sim_command, start_router, stop_on_signals, wait_sims)
 
 ROOT = kit.ROOT
