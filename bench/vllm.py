@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import shlex
 import statistics
@@ -32,7 +31,9 @@ from pathlib import Path
 
 import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
 from llmgw_testkit import http_json, stream_request
-from llmgw_testkit.fleet import peer_command, run_sessions, start_router, stop_on_signals
+from llmgw_testkit.fleet import peer_command, start_router, stop_on_signals
+from llmgw_testkit.sessions import run_sessions
+from llmgw_testkit.workloads import Conversations, SharedPrefix, make_sessions
 
 ROOT = kit.ROOT
 CONFORMANCE = ROOT / "conformance"
@@ -61,42 +62,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Workloads (seeded: every router gets the same traffic). A session is a list of chat bodies one
-# client sends one after another; `concurrency` sessions run at once.
-
-
-def words(rng: random.Random, tag: str, n: int) -> str:
-    return " ".join(f"{tag}{rng.randrange(1000)}" for _ in range(n))
-
-
-def chat(messages: list[dict], max_tokens: int) -> dict:
-    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
+# The workloads' shapes (llmgw_testkit.workloads), seeded: every router gets the same traffic;
+# `concurrency` sessions run at once.
+SHAPES = {
+    "shared-prefix": SharedPrefix(groups=8, system_words=120, question_words=(8, 24), per_group=24, vocab=1000),
+    "multi-turn": Conversations(48, 4, first_user_words=(60, 90), user_words=(10, 30), assistant_words=8, vocab=1000),
+}
 
 
 def make_workload(name: str, seed: int, scale: float, max_tokens: int) -> list[list[dict]]:
-    rng = random.Random(f"{name}-{seed}")
-    n = lambda x: max(1, int(round(x * scale)))  # noqa: E731
-    sessions: list[list[dict]] = []
-    if name == "shared-prefix":
-        systems = [words(rng, f"g{g}s", 120) for g in range(8)]
-        picks = [g for g in range(len(systems)) for _ in range(n(24))]
-        for g in picks:
-            msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": words(rng, "q", rng.randrange(8, 24))}]
-            sessions.append([chat(msgs, max_tokens)])
-    elif name == "multi-turn":
-        for c in range(n(48)):
-            msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
-            conv = []
-            for t in range(4):
-                msgs = msgs + [{"role": "user", "content": words(rng, f"c{c}t{t}u", rng.randrange(60, 90) if t == 0 else rng.randrange(10, 30))}]
-                conv.append(chat(list(msgs), max_tokens))
-                msgs = msgs + [{"role": "assistant", "content": words(rng, f"c{c}t{t}a", 8)}]
-            sessions.append(conv)
-    else:
-        raise ValueError(name)
-    rng.shuffle(sessions)
-    return sessions
+    return make_sessions(SHAPES[name], f"{name}-{seed}", MODEL, max_tokens, scale)
 
 
 def oracle_hit_rate(replica_url: str, sessions: list[list[dict]]) -> float:
@@ -292,8 +267,6 @@ class Bench:
         sims = [{"port": r.port} for r in self.replicas]
         out = run_sessions(label, lambda body: stream_request(router.port, body), sims, sessions, self.args.concurrency,
                            width=len(label))
-        if sys.stdout.isatty():
-            print()  # ends the progress line
         shares = out["shares"]
         out["max_min"] = max(shares) / min(shares) if shares and min(shares) > 0 else float("inf")
         return out
