@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import statistics
@@ -33,10 +32,10 @@ import llmgw_testkit as kit  # the project's test kit: processes, configs, clien
 from llmgw_testkit import http_json, stream_request
 from llmgw_testkit.fleet import peer_command, start_router, stop_on_signals
 from llmgw_testkit.sessions import run_sessions
+from llmgw_testkit.vllm_serve import VllmReplica
 from llmgw_testkit.workloads import Conversations, SharedPrefix, make_sessions
 
 ROOT = kit.ROOT
-CONFORMANCE = ROOT / "conformance"
 MODEL = "tiny"
 BLOCK = 16
 
@@ -100,40 +99,21 @@ def oracle_hit_rate(replica_url: str, sessions: list[list[dict]]) -> float:
 # The fleet: real `vllm serve` processes.
 
 
-class Replica:
-    def __init__(self, i: int):
-        self.name = f"v{i}"
-        self.port, self.kv, self.replay = kit.free_port(), kit.free_port(), kit.free_port()
-        self.proc = None
+class Replica(VllmReplica):
+    """A `vllm serve` replica of the benchmark (llmgw_testkit.vllm_serve: its flags from
+    `llmgw-agent vllm-args`). The publisher binds on loopback with vLLM's default topic (""):
+    the agent and vllm-router both connect to it."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self, i: int, blocks: int):
+        super().__init__(f"v{i}", "connect", blocks=blocks, model=MODEL, topic="")
 
     def command(self, a) -> list:
-        # The publisher binds on loopback with vLLM's default topic (""): the agent and
-        # vllm-router both connect to it.
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://[::ffff:127.0.0.1]:{self.kv}",
-                  "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{self.replay}", "topic": ""}
-        return [a.vllm_venv / "bin" / "vllm", "serve", a.model_dir, "--served-model-name", MODEL,
-                "--host", "127.0.0.1", "--port", self.port, "--block-size", BLOCK,
-                "--num-gpu-blocks-override", a.blocks, "--max-model-len", 2048, "--max-num-seqs", a.max_num_seqs,
-                "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning", "--prefix-caching-hash-algo", "sha256_cbor",
-                "--distributed-executor-backend", "llmgw_conformance_executor.NoModelExecutor",
-                "--kv-events-config", json.dumps(events), "--enable-scale-out"]
+        return self.serve_command(a.vllm_venv / "bin" / "vllm", a.model_dir, a.agent_bin, max_model_len=2048,
+                                  max_num_seqs=a.max_num_seqs, extra=["--enable-scale-out"])
 
     def env(self, a) -> dict:
-        env = dict(os.environ)
-        env.update({"PYTHONHASHSEED": "0", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1",
-                    "LLMGW_STEP_US": str(a.step_us), "LLMGW_TOKEN_US": str(a.token_us),
-                    "PYTHONPATH": str(CONFORMANCE) + os.pathsep + env.get("PYTHONPATH", "")})
-        return env
-
-    def agent_entry(self) -> dict:
-        return {"name": self.name, "address": f"127.0.0.1:{self.port}", "models": [MODEL],
-                "endpoint": f"tcp://127.0.0.1:{self.kv}", "mode": "connect",
-                "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": ""}
+        return self.serve_env(a.agent_bin, VLLM_SERVER_DEV_MODE="1", LLMGW_STEP_US=str(a.step_us),
+                              LLMGW_TOKEN_US=str(a.token_us))
 
 
 def reset_caches(replicas: list[Replica]) -> None:
@@ -217,7 +197,7 @@ class Bench:
         self.args = args
         self.logdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-vllm-"))
         self.procs = kit.Procs(self.logdir)
-        self.replicas = [Replica(i) for i in range(args.replicas)]
+        self.replicas = [Replica(i, args.blocks) for i in range(args.replicas)]
         self.results: list[dict] = []
         self.skipped: dict[str, str] = {}
         self.oracle: dict[str, float] = {}
@@ -228,28 +208,19 @@ class Bench:
             f"step {a.step_us} µs + {a.token_us} µs per computed token); logs in {self.logdir}")
         for r in self.replicas:
             r.proc = self.procs.start(r.command(a), f"vllm-{r.name}", env=r.env(a))
-
-        def healthy(r: Replica) -> bool:
-            if r.proc.poll() is not None:
-                raise RuntimeError(f"vllm {r.name} exited with {r.proc.returncode}:\n{kit.tail(r.proc.log_path, 30)}")
-            try:
-                return kit.request("GET", f"{r.url}/health", timeout=2)[0] == 200
-            except OSError:
-                return False
         t0 = time.monotonic()
         for r in self.replicas:
-            kit.wait_until(lambda r=r: healthy(r), a.startup_timeout, f"vllm {r.name} to serve")
+            r.wait_healthy(r.proc, a.startup_timeout)
             log(f"  {r.name} serving on 127.0.0.1:{r.port} ({time.monotonic() - t0:.0f} s)")
 
     def start_render(self) -> None:
         """vLLM's engine-less render server (`vllm launch render`): a dedicated tokenizer that
         never queues behind generation, as the deployment manifests offer it beside Envoy."""
         a = self.args
-        self.render = Replica(len(self.replicas))
-        self.render.name = "render"
+        self.render = VllmReplica("render", model=MODEL)
         cmd = [a.vllm_venv / "bin" / "vllm", "launch", "render", a.model_dir, "--served-model-name", MODEL,
                "--host", "127.0.0.1", "--port", self.render.port, "--uvicorn-log-level", "warning"]
-        self.render.proc = self.procs.start(cmd, "vllm-render", env=self.render.env(a))
+        self.render.proc = self.procs.start(cmd, "vllm-render", env=self.render.serve_env(a.agent_bin))
 
         def serving() -> bool:
             if self.render.proc.poll() is not None:
