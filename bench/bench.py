@@ -36,6 +36,7 @@ from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, peer_comman
                                  start_router, stop_on_signals, wait_sims)
 from llmgw_testkit.sessions import run_sessions
 from llmgw_testkit.workloads import Conversations, SharedPrefix, make_sessions
+from llmgw_testkit.charts import pyplot
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
@@ -400,11 +401,8 @@ def targets(results: list[dict]) -> list[str]:
 
 
 def chart(results: list[dict], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("(matplotlib not installed: no charts)")
         return []
     paths = []

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import llmgw_testkit as kit
+from llmgw_testkit.charts import pyplot
 from llmgw_testkit.fleet import stop_on_signals
 from llmgw_testkit.load_faults import CHAT, COMPLETIONS, MODEL, ClientLoad, SimFleet, send
 from llmgw_testkit.vllm_hash import block_keys
@@ -263,28 +264,26 @@ def main() -> int:
     ]
     (a.out / "soak.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4))
-        ax.plot([s["min"] for s in samples], [s["envoy_kib"] / 1024 for s in samples], label="Envoy (2 workers)")
-        ax.plot([s["min"] for s in samples], [s["agent_kib"] / 1024 for s in samples], label="agent")
-        ax.plot([s["min"] for s in samples], [s.get("vm_kib", 0) / 1024 for s in samples],
-                label="the VMs' linear memory (in Envoy)")
-        for f in faults:
-            ax.axvline(f["min"], color="grey", lw=0.6, ls=":")
-        ax.axvline(a.warmup_min, color="black", lw=0.8, ls="--", label="end of warm-up")
-        ax.set_xlabel("minutes (dotted: agent or replica killed and restarted)")
-        ax.set_ylabel("resident memory, MiB")
-        ax.set_title(f"llmgw soak: Envoy {fmt(envoy_slope)} MB/h, agent {fmt(agent_slope)} MB/h after warm-up")
-        ax.legend(loc="center right")
-        a.chart.parent.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        fig.savefig(a.chart, dpi=110)
-        log(f"chart: {a.chart}")
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("matplotlib not installed: no chart (./build.sh setup installs it)")
+        return 0
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([s["min"] for s in samples], [s["envoy_kib"] / 1024 for s in samples], label="Envoy (2 workers)")
+    ax.plot([s["min"] for s in samples], [s["agent_kib"] / 1024 for s in samples], label="agent")
+    ax.plot([s["min"] for s in samples], [s.get("vm_kib", 0) / 1024 for s in samples],
+            label="the VMs' linear memory (in Envoy)")
+    for f in faults:
+        ax.axvline(f["min"], color="grey", lw=0.6, ls=":")
+    ax.axvline(a.warmup_min, color="black", lw=0.8, ls="--", label="end of warm-up")
+    ax.set_xlabel("minutes (dotted: agent or replica killed and restarted)")
+    ax.set_ylabel("resident memory, MiB")
+    ax.set_title(f"llmgw soak: Envoy {fmt(envoy_slope)} MB/h, agent {fmt(agent_slope)} MB/h after warm-up")
+    ax.legend(loc="center right")
+    a.chart.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(a.chart, dpi=110)
+    log(f"chart: {a.chart}")
     return 0
 
 

@@ -34,6 +34,7 @@ from llmgw_testkit.fleet import peer_command, start_router, stop_on_signals
 from llmgw_testkit.sessions import run_sessions
 from llmgw_testkit.vllm_serve import VllmReplica
 from llmgw_testkit.workloads import Conversations, SharedPrefix, make_sessions
+from llmgw_testkit.charts import pyplot
 
 ROOT = kit.ROOT
 MODEL = "tiny"
@@ -339,11 +340,8 @@ def targets(results: list[dict]) -> list[str]:
 
 
 def chart(results: list[dict], out: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("(matplotlib not installed: no chart)")
         return None
     ws = [w for w in WORKLOADS if any(r["workload"] == w for r in results)]

@@ -18,6 +18,7 @@ from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, restart_sim
                                  sim_command, start_router, stop_on_signals, wait_sims)
 from llmgw_testkit.sessions import run_sessions
 from llmgw_testkit.workloads import Conversations, make_sessions
+from llmgw_testkit.charts import pyplot
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
@@ -121,11 +122,8 @@ def print_table(runs: list[dict]) -> None:
 
 
 def chart(runs: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("(matplotlib not installed: no chart)")
         return
     labels = [r["label"].replace("llmgw ", "llmgw\n") for r in runs]
