@@ -73,6 +73,13 @@ setup_envoy() {
     "$VENV/bin/pip" install -q -r wasm-tests/requirements.txt
     cp wasm-tests/requirements.txt "$VENV/.requirements.installed"
   fi
+  # The project's Python test kit (testkit/llmgw_testkit), editable: it finds the repository from
+  # its own files. Installed again when its pyproject.toml changes.
+  if ! cmp -s testkit/pyproject.toml "$VENV/.testkit.installed" || ! "$VENV/bin/python" -c 'import llmgw_testkit' 2>/dev/null; then
+    log "installing the test kit (testkit/) into .venv"
+    "$VENV/bin/pip" install -q -e testkit
+    cp testkit/pyproject.toml "$VENV/.testkit.installed"
+  fi
 }
 
 # The chart library the demo and the fleet benchmark draw their PNGs with.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import shlex
 import statistics
@@ -31,11 +30,13 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit import plain_request, stream_request  # noqa: E402
-from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, peer_command, restart_sims,  # noqa: E402
-                                 run_sessions, sim_command, start_router, stop_on_signals, wait_sims)
+import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
+from llmgw_testkit import plain_request, stream_request
+from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, peer_command, restart_sims, sim_command,
+                                 start_router, stop_on_signals, wait_sims)
+from llmgw_testkit.sessions import run_sessions
+from llmgw_testkit.workloads import Conversations, SharedPrefix, make_sessions
+from llmgw_testkit.charts import pyplot
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
@@ -61,58 +62,18 @@ WORKLOADS = {
 }
 
 
-# ----------------------------------------------------------------------------------------------
-# Workloads: lists of "sessions"; a session is a list of chat bodies sent one after another by
-# one client worker (single-request sessions make an open pool; multi-turn sessions are
-# conversations). Everything is derived from the seed, so every policy gets the same traffic.
-
-
-def words(rng: random.Random, tag: str, n: int) -> str:
-    return " ".join(f"{tag}{rng.randrange(100000)}" for _ in range(n))
-
-
-def body(messages: list[dict], max_tokens: int) -> dict:
-    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
+# The workloads' shapes (llmgw_testkit.workloads); every count is scaled by --scale and everything
+# derives from the seed, so every policy gets the same traffic.
+SHAPES = {
+    "shared-prefix": SharedPrefix(groups=16, system_words=800),
+    "multi-turn": Conversations(48, 4, first_user_words=(300, 500), user_words=(40, 120), assistant_words=24),
+    "mixed": SharedPrefix(groups=8, system_words=800, unique_words=(500, 900)),
+    "skewed": SharedPrefix(groups=32, system_words=600, zipf=1.1, requests=256),
+}
 
 
 def make_workload(name: str, seed: int, scale: float, max_tokens: int) -> list[list[dict]]:
-    rng = random.Random(f"{name}-{seed}")
-    n = lambda x: max(1, int(round(x * scale)))  # noqa: E731
-    if name in ("shared-prefix", "mixed", "skewed"):
-        groups = {"shared-prefix": 16, "mixed": 8, "skewed": 32}[name]
-        sys_len = {"shared-prefix": 800, "mixed": 800, "skewed": 600}[name]
-        systems = [words(rng, f"g{g}s", sys_len) for g in range(groups)]
-        sessions = []
-        if name == "skewed":
-            weights = [1.0 / (g + 1) ** 1.1 for g in range(groups)]
-            picks = rng.choices(range(groups), weights, k=n(256))
-        else:
-            per = n(16)
-            picks = [g for g in range(groups) for _ in range(per)]
-        for g in picks:
-            msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": words(rng, "q", rng.randrange(40, 120))}]
-            sessions.append([body(msgs, max_tokens)])
-        if name == "mixed":
-            for _ in range(len(picks)):
-                msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(500, 900))}]
-                sessions.append([body(msgs, max_tokens)])
-        rng.shuffle(sessions)
-        return sessions
-    if name == "multi-turn":
-        sessions = []
-        for c in range(n(48)):
-            msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
-            conv = []
-            first = True
-            for t in range(4):
-                msgs = msgs + [{"role": "user", "content": words(rng, f"c{c}t{t}u", rng.randrange(300, 500) if first else rng.randrange(40, 120))}]
-                first = False
-                conv.append(body(list(msgs), max_tokens))
-                msgs = msgs + [{"role": "assistant", "content": words(rng, f"c{c}t{t}a", 24)}]
-            sessions.append(conv)
-        rng.shuffle(sessions)
-        return sessions
-    raise ValueError(name)
+    return make_sessions(SHAPES[name], f"{name}-{seed}", MODEL, max_tokens, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,11 +256,12 @@ class Oracle:
 
 
 def run_traffic(label: str, router: Router, sims: list[dict], sessions, concurrency: int) -> dict:
-    out = run_sessions(label, router.send, sims, sessions, concurrency, width=58)
+    def summary(out: dict) -> str:
+        return (f"  {label:<58} {out['requests']:>4}/{out['requests']}  {out['elapsed_s']:5.1f}s  hit "
+                f"{out['hit_rate'] * 100:5.1f}%  TTFT p50 {out['ttft_p50']:6.1f} ms  mean {out['ttft_mean']:6.1f} ms  "
+                f"max share {out['max_share_x_fair']:.2f}x  err {out['errors']}")
+    out = run_sessions(label, router.send, sims, sessions, concurrency, width=58, summary=summary)
     out.pop("label")
-    sys.stdout.write(f"\r  {label:<58} {out['requests']:>4}/{out['requests']}  {out['elapsed_s']:5.1f}s  hit "
-                     f"{out['hit_rate'] * 100:5.1f}%  TTFT p50 {out['ttft_p50']:6.1f} ms  mean {out['ttft_mean']:6.1f} ms  "
-                     f"max share {out['max_share_x_fair']:.2f}x  err {out['errors']}\n")
     return out
 
 
@@ -439,11 +401,8 @@ def targets(results: list[dict]) -> list[str]:
 
 
 def chart(results: list[dict], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("(matplotlib not installed: no charts)")
         return []
     paths = []

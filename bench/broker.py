@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import scale  # noqa: E402
-from llmgw_testkit.jetstream import start_nats  # noqa: E402
-from llmgw_testkit.procs import Procs  # noqa: E402
+import scale  # bench/scale.py, beside this script
+from llmgw_testkit.jetstream import start_nats
+from llmgw_testkit.procs import Procs
 
 ROOT = scale.ROOT
 

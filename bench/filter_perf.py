@@ -58,12 +58,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, the feed stub)
-from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wait_until  # noqa: E402
-from llmgw_testkit.feed import FeedStub, load_feed_proto  # noqa: E402
-from llmgw_testkit.stub import StubHandler, StubServer  # noqa: E402
-from llmgw_testkit.vllm_hash import block_keys  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, the feed stub
+from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wait_until
+from llmgw_testkit.feed import FeedStub, load_feed_proto
+from llmgw_testkit.stub import StubHandler, StubServer
+from llmgw_testkit.vllm_hash import block_keys
 
 ROOT = kit.ROOT
 MODEL = "m1"
@@ -72,6 +71,14 @@ SEED = "0"
 # Prompts the cold phase cycles through: 200 x 256 blocks overflow the 8192-block digest memo.
 COLD_PROMPTS = 200
 TARGETS = {"decision_us": 150.0, "added_ms": 0.5, "throughput_ratio": 0.60, "bytes_per_entry": 24.0}
+
+# The filter's configuration in the front Envoys.
+FILTER_CONFIG = {
+    "agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "explain_header": False,
+    "max_body_bytes": 33554432,
+    "profiles": [{"name": "default", "models": [MODEL], "kv_events": True, "block_size": BLOCK,
+                  "hash_algo": "sha256_cbor", "seed": SEED, "tokenizer": "tokenize",
+                  "tokenizer_timeout_ms": 2000}]}
 
 WRK_SCRIPT = r"""
 wrk.method = "POST"
@@ -371,7 +378,7 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--duration", type=int, default=3, help="seconds per wrk run")
@@ -387,137 +394,135 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also sample the front Envoy with perf during one extra run of each arm (where the CPU goes)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, configs)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    if not shutil.which("wrk"):
-        print("wrk not found (Debian: apt-get install wrk)", file=sys.stderr)
-        return 2
-    pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
-    cpu_front, cpu_rest = (0, 1) if pin else (None, None)
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmgw-filter-perf-"))
-    procs = Procs(tmp)
-    feeds: list = []
-    cold_stub = None
-    load_start = os.getloadavg()
-    try:
-        body = chat_body(args.body_bytes)
-        body_path = tmp / "body.json"
-        body_path.write_bytes(body)
-        script = tmp / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        tokens = prompt_tokens(args.tokens)
-        answer = tokenize_answer(tokens)
-        keys = block_keys(tokens, BLOCK, SEED)
+# ---------------------------------------------------------------------------------------------
+# One run: its inputs, the Envoys and feed stubs it starts, and its phases.
 
-        # Backend Envoy: the replicas and the tokenizer.
-        ports = [free_port() for _ in range(args.replicas)]
+
+class Run:
+    """One benchmark run: the work directory, the processes and feed stubs started (stopped by
+    close()), the CPU pinning, the body and the prompt with its block keys."""
+
+    def __init__(self, args):
+        self.args = args
+        self.pin = not args.no_pin and (os.cpu_count() or 1) >= 2 and shutil.which("taskset") is not None
+        self.cpu_front, self.cpu_rest = (0, 1) if self.pin else (None, None)
+        self.tmp = Path(tempfile.mkdtemp(prefix="llmgw-filter-perf-"))
+        self.procs = Procs(self.tmp)
+        self.feeds: list = []
+        self.cold_stub = None
+        self.load_start = os.getloadavg()
+
+    def prepare(self) -> None:
+        """The body and wrk's script on disk, the prompt's tokens, the tokenizer's answer, the keys."""
+        self.body = chat_body(self.args.body_bytes)
+        self.body_path = self.tmp / "body.json"
+        self.body_path.write_bytes(self.body)
+        self.script = self.tmp / "post.lua"
+        self.script.write_text(WRK_SCRIPT)
+        self.tokens = prompt_tokens(self.args.tokens)
+        self.answer = tokenize_answer(self.tokens)
+        self.keys = block_keys(self.tokens, BLOCK, SEED)
+
+    def start_backend(self) -> None:
+        """The backend Envoy: the replicas and the tokenizer."""
+        self.ports = [free_port() for _ in range(self.args.replicas)]
         b_admin = free_port()
-        (tmp / "backend.json").write_text(backend_config(b_admin, ports, answer))
-        backend = start_envoy(procs, args.envoy, tmp / "backend.json", "backend", concurrency=1, cpu=cpu_rest,
-                              args=["--base-id", random.randrange(1000, 60000)])
-        EnvoyAdmin(b_admin).wait_ready(proc=backend)
+        (self.tmp / "backend.json").write_text(backend_config(b_admin, self.ports, self.answer))
+        self.backend = start_envoy(self.procs, self.args.envoy, self.tmp / "backend.json", "backend", concurrency=1,
+                                   cpu=self.cpu_rest, args=["--base-id", random.randrange(1000, 60000)])
+        EnvoyAdmin(b_admin).wait_ready(proc=self.backend)
 
-        # Feed: replica 0 holds the whole prompt, replica 1 its first half, all hold filler.
+    def feed_tables(self) -> None:
+        """The feed: replica 0 holds the whole prompt, replica 1 its first half, all hold filler."""
         rng = random.Random(3)
-        blocks: dict[int, list[int]] = {}
-        for r in range(args.replicas):
-            filler = [rng.getrandbits(64) for _ in range(args.blocks)]
-            own = keys if r == 0 else keys[: len(keys) // 2] if r == 1 else []
-            blocks[r] = own + filler
-        replicas = [{"id": r, "name": f"r{r}", "address": f"127.0.0.1:{p}", "models": [MODEL], "up": True}
-                    for r, p in enumerate(ports)]
-        pb, pb_grpc = load_feed_proto(tmp / "gen")
-        ChunkedFeed = chunked_feed_class(pb)
+        self.blocks: dict[int, list[int]] = {}
+        for r in range(self.args.replicas):
+            filler = [rng.getrandbits(64) for _ in range(self.args.blocks)]
+            own = self.keys if r == 0 else self.keys[: len(self.keys) // 2] if r == 1 else []
+            self.blocks[r] = own + filler
+        self.replicas = [{"id": r, "name": f"r{r}", "address": f"127.0.0.1:{p}", "models": [MODEL], "up": True}
+                         for r, p in enumerate(self.ports)]
+        self.pb, self.pb_grpc = load_feed_proto(self.tmp / "gen")
+        self.chunked_feed = chunked_feed_class(self.pb)
+        if self.pin:
+            os.sched_setaffinity(0, {self.cpu_rest})
 
-        if pin:
-            os.sched_setaffinity(0, {cpu_rest})
-        filter_cfg = {
-            "agent_cluster": "llmgw_agent", "tokenizer_cluster": "llmgw_tokenizer", "explain_header": False,
-            "max_body_bytes": 33554432,
-            "profiles": [{"name": "default", "models": [MODEL], "kv_events": True, "block_size": BLOCK,
-                          "hash_algo": "sha256_cbor", "seed": SEED, "tokenizer": "tokenize",
-                          "tokenizer_timeout_ms": 2000}]}
+    def start_front(self, name: str, reps: list[dict], blks: dict[int, list[int]]):
+        """A feed stub and a front Envoy (filter listener, plain listener to the first replica);
+        returns once the filter VMs applied the snapshot."""
+        fd = self.chunked_feed(self.pb, self.pb_grpc, free_port(), reps, blks)
+        self.feeds.append(fd)
+        n_initial = len(fd.initial_messages())
+        lis, pln, adm = free_port(), free_port(), free_port()
+        first_port = int(reps[0]["address"].rsplit(":", 1)[1])
+        (self.tmp / f"{name}.yaml").write_text(front_config(Path(self.args.wasm).resolve(), lis, pln, adm, fd.port,
+                                                            first_port, FILTER_CONFIG))
+        proc = start_envoy(self.procs, self.args.envoy, self.tmp / f"{name}.yaml", name, concurrency=1,
+                           cpu=self.cpu_front, args=["--base-id", random.randrange(1000, 60000)])
+        EnvoyAdmin(adm).wait_ready(proc=proc)
+        # The worker VM and the main thread's ticking VM each apply the snapshot.
+        wait_until(lambda: fd.snapshots_sent >= 2
+                   and plain_stats(adm).get("wasmcustom.llmgw_feed_messages_total", 0) >= 2 * n_initial,
+                   120, "the filter VMs to apply the feed snapshot", interval=0.2)
+        return proc, lis, pln, adm
 
-        def start_front(name: str, reps: list[dict], blks: dict[int, list[int]]):
-            """A feed stub and a front Envoy (filter listener, plain listener to the first replica);
-            returns once the filter VMs applied the snapshot."""
-            fd = ChunkedFeed(pb, pb_grpc, free_port(), reps, blks)
-            feeds.append(fd)
-            n_initial = len(fd.initial_messages())
-            lis, pln, adm = free_port(), free_port(), free_port()
-            first_port = int(reps[0]["address"].rsplit(":", 1)[1])
-            (tmp / f"{name}.yaml").write_text(front_config(Path(args.wasm).resolve(), lis, pln, adm, fd.port,
-                                                           first_port, filter_cfg))
-            proc = start_envoy(procs, args.envoy, tmp / f"{name}.yaml", name, concurrency=1, cpu=cpu_front,
-                               args=["--base-id", random.randrange(1000, 60000)])
-            EnvoyAdmin(adm).wait_ready(proc=proc)
-            # The worker VM and the main thread's ticking VM each apply the snapshot.
-            wait_until(lambda: fd.snapshots_sent >= 2
-                       and plain_stats(adm).get("wasmcustom.llmgw_feed_messages_total", 0) >= 2 * n_initial,
-                       120, "the filter VMs to apply the feed snapshot", interval=0.2)
-            return proc, lis, pln, adm
-
-        front, listen, plain, admin = start_front("front", replicas, blocks)
-
-        # (d) index memory, after the snapshot.
-        time.sleep(0.5)
-        mem = index_memory(admin)
-
-        # Correctness check before timing: the filter routes exactly, the plain listener answers.
-        status, _, raw = request("POST", f"http://127.0.0.1:{listen}/v1/chat/completions", body,
-                              {"content-type": "application/json"})
-        assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
-        status, _, raw = request("POST", f"http://127.0.0.1:{plain}/v1/chat/completions", body,
-                              {"content-type": "application/json"})
-        assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
+    def check_routing(self, listen: int, plain: int, admin: int) -> dict[str, int]:
+        """Correctness check before timing: the filter routes exactly, the plain listener
+        answers; returns the decisions so far."""
+        for port in (listen, plain):
+            status, _, raw = request("POST", f"http://127.0.0.1:{port}/v1/chat/completions", self.body,
+                                     {"content-type": "application/json"})
+            assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
         d0 = decisions(admin)
         assert d0.get("exact", 0) >= 1, d0
+        return d0
 
-        # The tokenizer stub's own cost, directly (1 connection).
-        tok_body = tmp / "tok.json"
-        tok_body.write_bytes(json.dumps({"model": MODEL, "messages": json.loads(body)["messages"]}).encode())
-        tok = run_wrk(f"http://127.0.0.1:{ports[0]}/tokenize", 1, min(args.duration, 2.0), script, tok_body, cpu_rest)
+    def tokenizer_alone(self) -> dict:
+        """The tokenizer stub's own cost, directly (1 connection)."""
+        tok_body = self.tmp / "tok.json"
+        tok_body.write_bytes(json.dumps({"model": MODEL, "messages": json.loads(self.body)["messages"]}).encode())
+        return run_wrk(f"http://127.0.0.1:{self.ports[0]}/tokenize", 1, min(self.args.duration, 2.0), self.script,
+                       tok_body, self.cpu_rest)
 
-        # Warm-up.
-        for url in (f"http://127.0.0.1:{plain}/v1/chat/completions",
-                    f"http://127.0.0.1:{listen}/v1/chat/completions"):
-            run_wrk(url, args.connections, 1.0, script, body_path, cpu_rest)
-
+    def profile_arms(self, front, urls: dict[str, str]) -> dict:
+        """With --profile and perf: where the front Envoy's CPU goes in each arm."""
         profile = {}
-        if args.profile and shutil.which("perf"):
-            for arm, url, vary in (("plain", f"http://127.0.0.1:{plain}/v1/chat/completions", False),
-                                   ("filter", f"http://127.0.0.1:{listen}/v1/chat/completions", False),
-                                   ("filter_new", f"http://127.0.0.1:{listen}/v1/chat/completions", True)):
-                profile[arm] = perf_split(front.pid, url, args, script, body_path, cpu_rest, tmp / f"perf-{arm}.data",
-                                          vary)
-                print(f"perf, front Envoy, {arm} at {args.connections} conns: " + ", ".join(
+        if self.args.profile and shutil.which("perf"):
+            for arm, vary in (("plain", False), ("filter", False), ("filter_new", True)):
+                profile[arm] = perf_split(front.pid, urls[arm], self.args, self.script, self.body_path, self.cpu_rest,
+                                          self.tmp / f"perf-{arm}.data", vary)
+                print(f"perf, front Envoy, {arm} at {self.args.connections} conns: " + ", ".join(
                     f"{k} {v:.0f} µs/request" for k, v in profile[arm].items()), flush=True)
+        return profile
 
-        rounds = []
-        # Arms: plain Envoy; the filter with one prompt repeated (its tokenization cached after the
-        # first request); the filter with every prompt new (a tokenizer call per request; the
-        # stub's fixed answer keeps the blocks' digests memoised).
-        urls = {"plain": f"http://127.0.0.1:{plain}/v1/chat/completions",
-                "filter": f"http://127.0.0.1:{listen}/v1/chat/completions",
-                "filter_new": f"http://127.0.0.1:{listen}/v1/chat/completions"}
+    def one_arm(self, front, admin: int, url: str, conns: int, arm: str) -> dict:
+        """One wrk run of `arm`: its figures, the CPU per request of both Envoys and, through the
+        filter, the decision time's p50."""
+        before = decision_buckets(admin) if arm != "plain" else None
+        cpu0 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid))
+        r = run_wrk(url, conns, self.args.duration, self.script, self.body_path, self.cpu_rest, arm == "filter_new")
+        cpu1 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid))
+        n_req = max(r["requests"], 1)
+        r["front_cpu_us"] = (cpu1[0] - cpu0[0]) * 1e6 / n_req
+        r["backend_cpu_us"] = (cpu1[1] - cpu0[1]) * 1e6 / n_req
+        if arm != "plain":
+            time.sleep(0.5)  # stats flush (0.2 s)
+            p50, n = bucket_p50(before, decision_buckets(admin))
+            r["decision_p50_us"], r["decision_n"] = p50, n
+        return r
+
+    def rounds(self, front, admin: int, urls: dict[str, str]) -> list[dict]:
+        """The interleaved rounds, a line printed per round."""
+        args, rounds = self.args, []
         for i in range(args.rounds):
             order = ["plain", "filter", "filter_new"] if i % 2 == 0 else ["filter_new", "filter", "plain"]
             rr: dict = {"round": i}
             for conns, tag in ((1, "c1"), (args.connections, f"c{args.connections}")):
                 for arm in order:
-                    before = decision_buckets(admin) if arm != "plain" else None
-                    cpu0 = (cpu_seconds(front.pid), cpu_seconds(backend.pid))
-                    r = run_wrk(urls[arm], conns, args.duration, script, body_path, cpu_rest, arm == "filter_new")
-                    cpu1 = (cpu_seconds(front.pid), cpu_seconds(backend.pid))
-                    n_req = max(r["requests"], 1)
-                    r["front_cpu_us"] = (cpu1[0] - cpu0[0]) * 1e6 / n_req
-                    r["backend_cpu_us"] = (cpu1[1] - cpu0[1]) * 1e6 / n_req
-                    if arm != "plain":
-                        time.sleep(0.5)  # stats flush (0.2 s)
-                        p50, n = bucket_p50(before, decision_buckets(admin))
-                        r["decision_p50_us"], r["decision_n"] = p50, n
-                    rr[f"{arm}_{tag}"] = r
+                    rr[f"{arm}_{tag}"] = self.one_arm(front, admin, urls[arm], conns, arm)
             rounds.append(rr)
             c1f, c1n, c1p = rr["filter_c1"], rr["filter_new_c1"], rr["plain_c1"]
             cnf, cnn, cnp = (rr[f"{a}_c{args.connections}"] for a in ("filter", "filter_new", "plain"))
@@ -527,134 +532,200 @@ def main() -> int:
                   f"{cnp['rps']:.0f}, repeated {cnf['rps']:.0f} ({cnf['rps'] / cnp['rps']:.2f}), new {cnn['rps']:.0f} "
                   f"({cnn['rps'] / cnp['rps']:.2f}); decision p50 repeated {c1f['decision_p50_us']}, new "
                   f"{c1n['decision_p50_us']} µs; load {os.getloadavg()[0]:.2f}", flush=True)
+        return rounds
 
-        d1 = decisions(admin)
-        _, _, raw = request("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
-        upstream = {line.split(": ")[0].replace("cluster.", ""): int(line.split(": ")[1])
-                    for line in raw.decode().splitlines() if ": " in line}
-
-        # Cold: every request's prompt is new (no block in the digest memo). A second front Envoy
-        # whose only replica is a Python stub answering a fresh prompt per /tokenize call; only
-        # the filter's own time is read (1 connection).
-        cold_stub = ColdTokenizer(free_port(), tokens, COLD_PROMPTS)
+    def cold(self) -> tuple[dict, dict]:
+        """Cold: every request's prompt is new (no block in the digest memo). A second front Envoy
+        whose only replica is a Python stub answering a fresh prompt per /tokenize call; only the
+        filter's own time is read (1 connection). Returns ({mode: (p50, samples)}, decisions)."""
+        self.cold_stub = ColdTokenizer(free_port(), self.tokens, COLD_PROMPTS)
         cold_keys = [k for j in range(COLD_PROMPTS)
-                     for k in block_keys([ColdTokenizer.FIRST + j] + tokens[1:], BLOCK, SEED)]
-        cold_reps = [{"id": 0, "name": "cold", "address": f"127.0.0.1:{cold_stub.server.server_address[1]}",
+                     for k in block_keys([ColdTokenizer.FIRST + j] + self.tokens[1:], BLOCK, SEED)]
+        cold_reps = [{"id": 0, "name": "cold", "address": f"127.0.0.1:{self.cold_stub.server.server_address[1]}",
                       "models": [MODEL], "up": True}]
-        cold_front, cold_listen, _, cold_admin = start_front("front-cold", cold_reps, {0: cold_keys + blocks[0]})
+        _, cold_listen, _, cold_admin = self.start_front("front-cold", cold_reps, {0: cold_keys + self.blocks[0]})
         cold_url = f"http://127.0.0.1:{cold_listen}/v1/chat/completions"
         cold = {}
         for mode in ("indexed", "new"):
-            cold_stub.mode = mode
-            run_wrk(cold_url, 1, 1, script, body_path, cpu_rest, vary=True)
+            self.cold_stub.mode = mode
+            run_wrk(cold_url, 1, 1, self.script, self.body_path, self.cpu_rest, vary=True)
             before = decision_buckets(cold_admin)
-            run_wrk(cold_url, 1, max(args.duration, 4), script, body_path, cpu_rest, vary=True)
+            run_wrk(cold_url, 1, max(self.args.duration, 4), self.script, self.body_path, self.cpu_rest, vary=True)
             time.sleep(0.5)
             cold[mode] = bucket_p50(before, decision_buckets(cold_admin))
-        cold_decisions = decisions(cold_admin)
+        return cold, decisions(cold_admin)
 
-        errors = sum(rr[k]["non2xx"] + rr[k]["errors"] for rr in rounds for k in rr if k != "round")
-        conn_tag = f"c{args.connections}"
-        decision = med([rr["filter_c1"]["decision_p50_us"] for rr in rounds])
-        decision_cn = med([rr[f"filter_{conn_tag}"]["decision_p50_us"] for rr in rounds])
-        decision_new = med([rr["filter_new_c1"]["decision_p50_us"] for rr in rounds])
-        added = med([(rr["filter_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds])
-        added_new = med([(rr["filter_new_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds])
-        p50_ratio = med([rr["filter_c1"]["p50_us"] / rr["plain_c1"]["p50_us"] for rr in rounds])
-        tput = med([rr[f"filter_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds])
-        tput_new = med([rr[f"filter_new_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds])
-        per_entry = [b / e for _, b, e in mem]
-        bpe = max(per_entry) if per_entry else None
-        result = {
-            "command": " ".join([".venv/bin/python", "bench/filter_perf.py"] + sys.argv[1:]),
-            "pinned": pin, "rounds": args.rounds, "duration_s": args.duration,
-            "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "body_bytes": len(body), "prompt_tokens": len(tokens), "blocks": len(keys),
-            "tokenizer_stub_p50_us": tok["p50_us"], "tokenizer_stub_rps_c1": tok["rps"],
-            "decisions": {k: d1.get(k, 0) - d0.get(k, 0) for k in d1},
-            "errors": errors,
-            "a_decision_p50_us": decision, f"a_decision_p50_us_{conn_tag}": decision_cn,
-            "a_new_prompt_decision_p50_us": decision_new,
-            "a_cold_indexed_decision_p50_us": cold["indexed"][0], "a_cold_indexed_samples": cold["indexed"][1],
-            "a_cold_new_decision_p50_us": cold["new"][0], "a_cold_new_samples": cold["new"][1],
-            "cold_decisions": cold_decisions,
-            "perf_front_us_per_request": profile,
-            "upstream_connections_requests": upstream,
-            "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
-            "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
-            "b_added_p50_ms": added, "b_p50_ratio": p50_ratio,
-            "b_new_prompt_filter_p50_ms": med([rr["filter_new_c1"]["p50_us"] / 1000 for rr in rounds]),
-            "b_new_prompt_added_p50_ms": added_new,
-            "c_plain_rps": med([rr[f"plain_{conn_tag}"]["rps"] for rr in rounds]),
-            "c_filter_rps": med([rr[f"filter_{conn_tag}"]["rps"] for rr in rounds]),
-            "c_throughput_ratio": tput,
-            "c_new_prompt_filter_rps": med([rr[f"filter_new_{conn_tag}"]["rps"] for rr in rounds]),
-            "c_new_prompt_throughput_ratio": tput_new,
-            "front_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["front_cpu_us"] for rr in rounds])
-                                         for arm in ("plain", "filter", "filter_new")},
-            "backend_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["backend_cpu_us"] for rr in rounds])
-                                           for arm in ("plain", "filter", "filter_new")},
-            "d_index": [{"vm": vm, "bytes": b, "entries": e, "bytes_per_entry": b / e} for vm, b, e in mem],
-            "d_bytes_per_entry": bpe,
-            "rounds_detail": rounds,
-        }
-        ok = {
-            "a": decision is not None and decision <= TARGETS["decision_us"],
-            "a_cold": cold["indexed"][0] is not None and cold["indexed"][0] <= TARGETS["decision_us"],
-            "b": added is not None and added <= TARGETS["added_ms"],
-            "b_new": added_new is not None and added_new <= TARGETS["added_ms"],
-            "c": tput is not None and tput >= TARGETS["throughput_ratio"],
-            "c_new": tput_new is not None and tput_new >= TARGETS["throughput_ratio"],
-            "d": bpe is not None and bpe <= TARGETS["bytes_per_entry"],
-        }
+    def close(self) -> None:
+        for fd in self.feeds:
+            fd.stop()
+        self.procs.stop_all()
+        if self.cold_stub is not None:
+            self.cold_stub.stop()
+        if self.args.keep:
+            print(f"work directory: {self.tmp}")
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def upstream_counts(admin: int) -> dict[str, int]:
+    """The front Envoy's upstream connections and requests per cluster."""
+    _, _, raw = request("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
+    return {line.split(": ")[0].replace("cluster.", ""): int(line.split(": ")[1])
+            for line in raw.decode().splitlines() if ": " in line}
+
+
+# ---------------------------------------------------------------------------------------------
+# Results.
+
+
+def summarize(run: Run, rounds: list[dict], d0: dict, d1: dict, tok: dict, mem, cold: dict, cold_decisions: dict,
+              profile: dict, upstream: dict) -> dict:
+    """The run's figures (medians of rounds), as written to --json."""
+    args = run.args
+    conn_tag = f"c{args.connections}"
+    per_entry = [b / e for _, b, e in mem]
+    return {
+        "command": " ".join([".venv/bin/python", "bench/filter_perf.py"] + sys.argv[1:]),
+        "pinned": run.pin, "rounds": args.rounds, "duration_s": args.duration,
+        "loadavg_start": run.load_start, "loadavg_end": os.getloadavg(),
+        "body_bytes": len(run.body), "prompt_tokens": len(run.tokens), "blocks": len(run.keys),
+        "tokenizer_stub_p50_us": tok["p50_us"], "tokenizer_stub_rps_c1": tok["rps"],
+        "decisions": {k: d1.get(k, 0) - d0.get(k, 0) for k in d1},
+        "errors": sum(rr[k]["non2xx"] + rr[k]["errors"] for rr in rounds for k in rr if k != "round"),
+        "a_decision_p50_us": med([rr["filter_c1"]["decision_p50_us"] for rr in rounds]),
+        f"a_decision_p50_us_{conn_tag}": med([rr[f"filter_{conn_tag}"]["decision_p50_us"] for rr in rounds]),
+        "a_new_prompt_decision_p50_us": med([rr["filter_new_c1"]["decision_p50_us"] for rr in rounds]),
+        "a_cold_indexed_decision_p50_us": cold["indexed"][0], "a_cold_indexed_samples": cold["indexed"][1],
+        "a_cold_new_decision_p50_us": cold["new"][0], "a_cold_new_samples": cold["new"][1],
+        "cold_decisions": cold_decisions,
+        "perf_front_us_per_request": profile,
+        "upstream_connections_requests": upstream,
+        "b_plain_p50_ms": med([rr["plain_c1"]["p50_us"] / 1000 for rr in rounds]),
+        "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
+        "b_added_p50_ms": med([(rr["filter_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds]),
+        "b_p50_ratio": med([rr["filter_c1"]["p50_us"] / rr["plain_c1"]["p50_us"] for rr in rounds]),
+        "b_new_prompt_filter_p50_ms": med([rr["filter_new_c1"]["p50_us"] / 1000 for rr in rounds]),
+        "b_new_prompt_added_p50_ms": med([(rr["filter_new_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000
+                                          for rr in rounds]),
+        "c_plain_rps": med([rr[f"plain_{conn_tag}"]["rps"] for rr in rounds]),
+        "c_filter_rps": med([rr[f"filter_{conn_tag}"]["rps"] for rr in rounds]),
+        "c_throughput_ratio": med([rr[f"filter_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"] for rr in rounds]),
+        "c_new_prompt_filter_rps": med([rr[f"filter_new_{conn_tag}"]["rps"] for rr in rounds]),
+        "c_new_prompt_throughput_ratio": med([rr[f"filter_new_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"]
+                                              for rr in rounds]),
+        "front_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["front_cpu_us"] for rr in rounds])
+                                     for arm in ("plain", "filter", "filter_new")},
+        "backend_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["backend_cpu_us"] for rr in rounds])
+                                       for arm in ("plain", "filter", "filter_new")},
+        "d_index": [{"vm": vm, "bytes": b, "entries": e, "bytes_per_entry": b / e} for vm, b, e in mem],
+        "d_bytes_per_entry": max(per_entry) if per_entry else None,
+        "rounds_detail": rounds,
+    }
+
+
+def targets_met(result: dict) -> dict[str, bool]:
+    def at_most(v, limit) -> bool:
+        return v is not None and v <= limit
+
+    def at_least(v, limit) -> bool:
+        return v is not None and v >= limit
+    return {
+        "a": at_most(result["a_decision_p50_us"], TARGETS["decision_us"]),
+        "a_cold": at_most(result["a_cold_indexed_decision_p50_us"], TARGETS["decision_us"]),
+        "b": at_most(result["b_added_p50_ms"], TARGETS["added_ms"]),
+        "b_new": at_most(result["b_new_prompt_added_p50_ms"], TARGETS["added_ms"]),
+        "c": at_least(result["c_throughput_ratio"], TARGETS["throughput_ratio"]),
+        "c_new": at_least(result["c_new_prompt_throughput_ratio"], TARGETS["throughput_ratio"]),
+        "d": at_most(result["d_bytes_per_entry"], TARGETS["bytes_per_entry"]),
+    }
+
+
+def print_report(args, result: dict, ok: dict[str, bool]) -> None:
+    conn_tag = f"c{args.connections}"
+    load_start, errors, upstream = result["loadavg_start"], result["errors"], result["upstream_connections_requests"]
+    decision, decision_cn = result["a_decision_p50_us"], result[f"a_decision_p50_us_{conn_tag}"]
+    decision_new, added, added_new = (result["a_new_prompt_decision_p50_us"], result["b_added_p50_ms"],
+                                      result["b_new_prompt_added_p50_ms"])
+    tput, tput_new, bpe = result["c_throughput_ratio"], result["c_new_prompt_throughput_ratio"], result["d_bytes_per_entry"]
+    cold = {"indexed": (result["a_cold_indexed_decision_p50_us"], result["a_cold_indexed_samples"]),
+            "new": (result["a_cold_new_decision_p50_us"], result["a_cold_new_samples"])}
+    print()
+    print(f"command: {result['command']}   (pinned: {result['pinned']}; load average {load_start[0]:.2f} -> "
+          f"{result['loadavg_end'][0]:.2f})")
+    print(f"body {result['body_bytes']} B, {result['prompt_tokens']} prompt tokens, {result['blocks']} blocks; "
+          f"{args.replicas} replicas x "
+          f"{args.blocks} filler blocks; {args.rounds} interleaved rounds of {args.duration:g} s; "
+          f"decisions in rounds: {result['decisions']}; errors/non-2xx: {errors}")
+    print(f"upstream connections / requests (front Envoy): {upstream}")
+    print(f"tokenizer stub alone (backend Envoy direct response, 1 conn): p50 {result['tokenizer_stub_p50_us']} µs")
+    mm = lambda k: "MET" if ok[k] else "MISSED"  # noqa: E731
+    print(f"(a) decision time p50 (llmgw_decision_us, 1 conn, median of rounds) [target <= {TARGETS['decision_us']:g}]:")
+    print(f"    repeated prompt (tokenization cache hit): {decision} µs ({conn_tag}: {decision_cn} µs) {mm('a')}")
+    print(f"    new prompt, blocks in the digest memo (tokenizer call; its answer parsed): {decision_new} µs")
+    print(f"    new prompt, memo-cold, the index holds it (256 sha256; {cold['indexed'][1]} samples): "
+          f"{cold['indexed'][0]} µs {mm('a_cold')}")
+    print(f"    new prompt nobody holds (hashing stops after the first batch; {cold['new'][1]} samples): "
+          f"{cold['new'][0]} µs; cold decisions: {result['cold_decisions']}")
+    print(f"(b) added latency p50, 1 conn (plain {result['b_plain_p50_ms']:.3f} ms) [target <= {TARGETS['added_ms']:g} ms]:")
+    print(f"    repeated prompt: filter {result['b_filter_p50_ms']:.3f} ms, added {added:.3f} ms {mm('b')}")
+    print(f"    new prompts (tokenizer call each): filter {result['b_new_prompt_filter_p50_ms']:.3f} ms, added "
+          f"{added_new:.3f} ms {mm('b_new')}")
+    print(f"(c) throughput at {args.connections} conns (plain {result['c_plain_rps']:.0f} rps) "
+          f"[target >= {TARGETS['throughput_ratio']:g}]:")
+    print(f"    repeated prompt: {result['c_filter_rps']:.0f} rps, ratio {tput:.2f} {mm('c')}")
+    print(f"    new prompts (tokenizer call each): {result['c_new_prompt_filter_rps']:.0f} rps, ratio {tput_new:.2f} "
+          f"{mm('c_new')}")
+    fc, bc = result["front_cpu_us_per_request"], result["backend_cpu_us_per_request"]
+    print(f"    CPU per request at {args.connections} conns: front Envoy plain {fc['plain']:.0f} µs, repeated "
+          f"{fc['filter']:.0f} µs, new {fc['filter_new']:.0f} µs; backend plain {bc['plain']:.0f} µs, repeated "
+          f"{bc['filter']:.0f} µs, new {bc['filter_new']:.0f} µs (tokenizer stub included)")
+    for d in result["d_index"]:
+        print(f"(d) vm {d['vm']}: index {d['bytes'] / 1e6:.2f} MB for {d['entries']:.0f} (block, replica) "
+              f"entries = {d['bytes_per_entry']:.1f} B/entry")
+    print(f"(d) worst VM: {bpe} B per (block, replica) [target <= {TARGETS['bytes_per_entry']:g}] "
+          f"{'MET' if ok['d'] else 'MISSED'}")
+
+
+def main() -> int:
+    args = parse_args()
+    if not shutil.which("wrk"):
+        print("wrk not found (Debian: apt-get install wrk)", file=sys.stderr)
+        return 2
+    run = Run(args)
+    try:
+        run.prepare()
+        run.start_backend()
+        run.feed_tables()
+        front, listen, plain, admin = run.start_front("front", run.replicas, run.blocks)
+        # (d) index memory, after the snapshot.
+        time.sleep(0.5)
+        mem = index_memory(admin)
+        d0 = run.check_routing(listen, plain, admin)
+        tok = run.tokenizer_alone()
+        # Warm-up.
+        for url in (f"http://127.0.0.1:{plain}/v1/chat/completions",
+                    f"http://127.0.0.1:{listen}/v1/chat/completions"):
+            run_wrk(url, args.connections, 1.0, run.script, run.body_path, run.cpu_rest)
+        # Arms: plain Envoy; the filter with one prompt repeated (its tokenization cached after the
+        # first request); the filter with every prompt new (a tokenizer call per request; the
+        # stub's fixed answer keeps the blocks' digests memoised).
+        urls = {"plain": f"http://127.0.0.1:{plain}/v1/chat/completions",
+                "filter": f"http://127.0.0.1:{listen}/v1/chat/completions",
+                "filter_new": f"http://127.0.0.1:{listen}/v1/chat/completions"}
+        profile = run.profile_arms(front, urls)
+        rounds = run.rounds(front, admin, urls)
+        d1 = decisions(admin)
+        upstream = upstream_counts(admin)
+        cold, cold_decisions = run.cold()
+        result = summarize(run, rounds, d0, d1, tok, mem, cold, cold_decisions, profile, upstream)
+        ok = targets_met(result)
         result["targets_met"] = ok
-        print()
-        print(f"command: {result['command']}   (pinned: {pin}; load average {load_start[0]:.2f} -> "
-              f"{result['loadavg_end'][0]:.2f})")
-        print(f"body {len(body)} B, {len(tokens)} prompt tokens, {len(keys)} blocks; {args.replicas} replicas x "
-              f"{args.blocks} filler blocks; {args.rounds} interleaved rounds of {args.duration:g} s; "
-              f"decisions in rounds: {result['decisions']}; errors/non-2xx: {errors}")
-        print(f"upstream connections / requests (front Envoy): {upstream}")
-        print(f"tokenizer stub alone (backend Envoy direct response, 1 conn): p50 {tok['p50_us']} µs")
-        mm = lambda k: "MET" if ok[k] else "MISSED"  # noqa: E731
-        print(f"(a) decision time p50 (llmgw_decision_us, 1 conn, median of rounds) [target <= {TARGETS['decision_us']:g}]:")
-        print(f"    repeated prompt (tokenization cache hit): {decision} µs ({conn_tag}: {decision_cn} µs) {mm('a')}")
-        print(f"    new prompt, blocks in the digest memo (tokenizer call; its answer parsed): {decision_new} µs")
-        print(f"    new prompt, memo-cold, the index holds it (256 sha256; {cold['indexed'][1]} samples): "
-              f"{cold['indexed'][0]} µs {mm('a_cold')}")
-        print(f"    new prompt nobody holds (hashing stops after the first batch; {cold['new'][1]} samples): "
-              f"{cold['new'][0]} µs; cold decisions: {cold_decisions}")
-        print(f"(b) added latency p50, 1 conn (plain {result['b_plain_p50_ms']:.3f} ms) [target <= {TARGETS['added_ms']:g} ms]:")
-        print(f"    repeated prompt: filter {result['b_filter_p50_ms']:.3f} ms, added {added:.3f} ms {mm('b')}")
-        print(f"    new prompts (tokenizer call each): filter {result['b_new_prompt_filter_p50_ms']:.3f} ms, added "
-              f"{added_new:.3f} ms {mm('b_new')}")
-        print(f"(c) throughput at {args.connections} conns (plain {result['c_plain_rps']:.0f} rps) "
-              f"[target >= {TARGETS['throughput_ratio']:g}]:")
-        print(f"    repeated prompt: {result['c_filter_rps']:.0f} rps, ratio {tput:.2f} {mm('c')}")
-        print(f"    new prompts (tokenizer call each): {result['c_new_prompt_filter_rps']:.0f} rps, ratio {tput_new:.2f} "
-              f"{mm('c_new')}")
-        fc, bc = result["front_cpu_us_per_request"], result["backend_cpu_us_per_request"]
-        print(f"    CPU per request at {args.connections} conns: front Envoy plain {fc['plain']:.0f} µs, repeated "
-              f"{fc['filter']:.0f} µs, new {fc['filter_new']:.0f} µs; backend plain {bc['plain']:.0f} µs, repeated "
-              f"{bc['filter']:.0f} µs, new {bc['filter_new']:.0f} µs (tokenizer stub included)")
-        for d in result["d_index"]:
-            print(f"(d) vm {d['vm']}: index {d['bytes'] / 1e6:.2f} MB for {d['entries']:.0f} (block, replica) "
-                  f"entries = {d['bytes_per_entry']:.1f} B/entry")
-        print(f"(d) worst VM: {bpe} B per (block, replica) [target <= {TARGETS['bytes_per_entry']:g}] "
-              f"{'MET' if ok['d'] else 'MISSED'}")
+        print_report(args, result, ok)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
-        return 0 if all(ok.values()) and errors == 0 else 1
+        return 0 if all(ok.values()) and result["errors"] == 0 else 1
     finally:
-        for fd in feeds:
-            fd.stop()
-        procs.stop_all()
-        if cold_stub is not None:
-            cold_stub.stop()
-        if args.keep:
-            print(f"work directory: {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        run.close()
 
 
 if __name__ == "__main__":

@@ -24,14 +24,13 @@ import random
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402
-from llmgw_testkit.fleet import SIM_WEIGHTS, new_sims, pct, restart_sims, scrape, stop_on_signals, wait_sims  # noqa: E402
-from llmgw_testkit.gateways import (bound_sim_command, burst, indexes_equal_agents, shares, start_gateways,  # noqa: E402
+import llmgw_testkit as kit
+from llmgw_testkit.fleet import SIM_WEIGHTS, new_sims, pct, restart_sims, scrape, stop_on_signals, wait_sims
+from llmgw_testkit.gateways import (bound_sim_command, burst, indexes_equal_agents, shares, start_gateways,
                                     stream)
+from llmgw_testkit.sessions import drive
 
 MODEL = "demo-model"
 
@@ -83,19 +82,7 @@ def sessions(gws, sims, n: int, turns: int, concurrency: int, max_tokens: int, s
             msgs = msgs + [{"role": "assistant", "content": f"answer {t} " * 8}]
 
     total = n * turns
-    stop = threading.Event()
-
-    def progress():
-        while not stop.wait(5):
-            log(f"  sessions: {done[0]}/{total} requests")
-    th = threading.Thread(target=progress, daemon=True)
-    th.start()
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(concurrency) as ex:
-        list(ex.map(run, plans))
-    stop.set()
-    th.join()
-    elapsed = time.monotonic() - t0
+    elapsed = drive(plans, run, concurrency, lambda _: log(f"  sessions: {done[0]}/{total} requests"), 5.0)
     after = [scrape(s["port"]) for s in sims]
     d = lambda k: sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before))  # noqa: E731
     q, h = d("vllm:prefix_cache_queries_total"), d("vllm:prefix_cache_hits_total")

@@ -30,10 +30,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402
-from llmgw_testkit.agent import agent_config  # noqa: E402
-from llmgw_testkit.procs import Procs, free_port, wait_port, wait_until  # noqa: E402
+import llmgw_testkit as kit
+from llmgw_testkit.agent import agent_config
+from llmgw_testkit.procs import Procs, free_port, wait_port, wait_until
 
 ROOT = kit.ROOT
 CLK = os.sysconf("SC_CLK_TCK")

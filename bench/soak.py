@@ -26,25 +26,24 @@ process started is stopped at exit, also on Ctrl-C."""
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import re
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402
-from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router, stop_on_signals, wait_sims  # noqa: E402
-from llmgw_testkit.vllm_hash import block_keys  # noqa: E402
+import llmgw_testkit as kit
+from llmgw_testkit.charts import pyplot
+from llmgw_testkit.fleet import stop_on_signals
+from llmgw_testkit.load_faults import CHAT, COMPLETIONS, MODEL, ClientLoad, SimFleet, send
+from llmgw_testkit.vllm_hash import block_keys
 
-MODEL = "demo-model"
 BLOCK = 16
 DECISION = re.compile(r"outcome=(\w+); replica=([\d.]+:\d+); matched=(\d+)/(\d+)")
 FAMILIES = 16
+REPLICAS = 4
 
 
 def log(msg: str) -> None:
@@ -66,56 +65,28 @@ def family_prefix(f: int) -> list[int]:
     return [rng.randrange(1000, 30000) for _ in range(BLOCK * 24)]
 
 
-def post(port: int, path: str, body: dict, timeout: float = 30.0) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json",
-                                                                     "connection": "close"})
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status, resp.getheader(kit.DECISION_HEADER) or ""
-    except (OSError, http.client.HTTPException):
-        return 0, ""
-    finally:
-        conn.close()
+class Load(ClientLoad):
+    """Each client: a chat request (tokenized) every fifth request, else a completion of token
+    ids, a family's prefix and a new suffix; counted, not recorded (the run is long)."""
 
+    def __init__(self, port: int, concurrency: int, pause_s: float):
+        self.rngs = [random.Random(i) for i in range(concurrency)]
+        self.counts = [0] * concurrency
+        super().__init__(port, concurrency, pause_s=pause_s, keep=False)
 
-class Load:
-    def __init__(self, port: int, concurrency: int, seed: int, pause_s: float):
-        self.port, self.pause_s = port, pause_s
-        self.sent = self.failed = 0
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.rng = random.Random(seed)
-        self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(concurrency)]
-        for t in self.threads:
-            t.start()
-
-    def run(self, i: int) -> None:
-        rng = random.Random(i)
-        n = 0
-        while not self.stopping.is_set():
-            n += 1
-            f = rng.randrange(FAMILIES)
-            if n % 5 == 0:
-                body = {"model": MODEL, "max_tokens": 2, "messages": [
-                    {"role": "system", "content": f"family {f} " + " ".join(f"f{f}w{j}" for j in range(60))},
-                    {"role": "user", "content": f"question {i} {n}"}]}
-                path = "/v1/chat/completions"
-            else:
-                suffix = [rng.randrange(1000, 30000) for _ in range(BLOCK * rng.randrange(1, 4))]
-                body = {"model": MODEL, "max_tokens": 2, "prompt": family_prefix(f) + suffix}
-                path = "/v1/completions"
-            status, _ = post(self.port, path, body)
-            with self.lock:
-                self.sent += 1
-                self.failed += int(not 200 <= status < 300)
-            self.stopping.wait(self.pause_s)
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(60)
+    def request(self, i: int) -> tuple[str, bytes]:
+        rng = self.rngs[i]
+        self.counts[i] += 1
+        n = self.counts[i]
+        f = rng.randrange(FAMILIES)
+        if n % 5 == 0:
+            body = {"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "system", "content": f"family {f} " + " ".join(f"f{f}w{j}" for j in range(60))},
+                {"role": "user", "content": f"question {i} {n}"}]}
+            return CHAT, json.dumps(body).encode()
+        suffix = [rng.randrange(1000, 30000) for _ in range(BLOCK * rng.randrange(1, 4))]
+        body = {"model": MODEL, "max_tokens": 2, "prompt": family_prefix(f) + suffix}
+        return COMPLETIONS, json.dumps(body).encode()
 
 
 class Checker:
@@ -153,7 +124,8 @@ class Checker:
                 while n < len(keys) and keys[n] in ks:
                     n += 1
                 leading[addr] = n
-            status, decision = post(self.port, "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": tokens})
+            r = send(self.port, COMPLETIONS, json.dumps({"model": MODEL, "max_tokens": 1, "prompt": tokens}).encode())
+            status, decision = r.status, r.decision
             m = DECISION.search(decision)
             if status != 200 or not m:
                 self.checks.append({"t": time.time(), "ok": False, "why": f"status {status} {decision!r}"})
@@ -211,22 +183,12 @@ def main() -> int:
     faults: list[dict] = []
     with kit.Procs(work) as procs:
         stop_on_signals(procs)
-        sims = new_sims(4)
-        log(f"starting {len(sims)} simulated replicas ({a.blocks} blocks each), the agent and Envoy")
-        agent = fleet_agent(procs, agent_bin, work, sims, MODEL,
-                            load={"interval_ms": 100, "down_after_ms": 300, "timeout_ms": 200})
-        cmds = {s["name"]: sim_command(sim_bin, s, MODEL, blocks=a.blocks, seed="0", decode_ms=2,
-                                       buffer_steps=100_000) for s in sims}
-        sim_procs = {s["name"]: procs.start(cmds[s["name"]], s["name"]) for s in sims}
-        wait_sims(sims)
-        kit.wait_until(lambda: all(r["connected"] for r in agent.replicas()), 30, "every publisher connected")
-        listen, admin = kit.free_port(), kit.free_port()
-        cfg = kit.filter_config({}, explain_header=True)
-        envoy_proc, envoy = start_router(procs, envoy_bin, work, "envoy",
-                                         kit.shipped_config(wasm, listen, admin, agent.feed, cfg), admin,
-                                         feed=True, feed_timeout=60)
-        load = Load(listen, a.concurrency, 1, a.pause_ms / 1000)
-        checker = Checker(listen, sims, a.check_every_s)
+        log(f"starting {REPLICAS} simulated replicas ({a.blocks} blocks each), the agent and Envoy")
+        fleet = SimFleet(procs, work, agent_bin, sim_bin, envoy_bin, REPLICAS, blocks=a.blocks, decode_ms=2,
+                         buffer_steps=100_000, profile={}, connected_timeout=30.0).start_envoy(wasm)
+        sims, agent, envoy_proc, envoy = fleet.sims, fleet.agent, fleet.envoy_proc, fleet.envoy
+        load = Load(fleet.listen, a.concurrency, a.pause_ms / 1000)
+        checker = Checker(fleet.listen, sims, a.check_every_s)
         t0 = time.monotonic()
         end = t0 + a.minutes * 60
         next_sample, next_fault, fault_no = t0, t0 + a.fault_every_min * 60, 0
@@ -250,19 +212,14 @@ def main() -> int:
                     fault_no += 1
                     if fault_no % 2 == 1:
                         log("fault: agent SIGKILL, restarted")
-                        procs.stop(agent.proc, signal.SIGKILL)
-                        agent.attempts += 1
-                        agent.proc = procs.start([agent_bin, "run", "--config", agent.config],
-                                                 f"{agent.name}-{agent.attempts}")
-                        agent.log_path = agent.proc.log_path
-                        agent.wait_ready()
+                        fleet.kill_agent()
+                        fleet.restart_agent()
                         faults.append({"min": (now - t0) / 60, "what": "agent"})
                     else:
                         victim = sims[fault_no // 2 % len(sims)]
                         log(f"fault: replica {victim['name']} SIGKILL, restarted")
-                        procs.stop(sim_procs[victim["name"]], signal.SIGKILL)
-                        sim_procs[victim["name"]] = procs.start(cmds[victim["name"]], f"{victim['name']}-{fault_no}")
-                        wait_sims([victim])
+                        fleet.kill_sim(victim)
+                        fleet.restart_sim(victim, f"{victim['name']}-{fault_no}")
                         faults.append({"min": (now - t0) / 60, "what": f"replica {victim['name']}"})
                 time.sleep(1)
         finally:
@@ -307,28 +264,26 @@ def main() -> int:
     ]
     (a.out / "soak.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4))
-        ax.plot([s["min"] for s in samples], [s["envoy_kib"] / 1024 for s in samples], label="Envoy (2 workers)")
-        ax.plot([s["min"] for s in samples], [s["agent_kib"] / 1024 for s in samples], label="agent")
-        ax.plot([s["min"] for s in samples], [s.get("vm_kib", 0) / 1024 for s in samples],
-                label="the VMs' linear memory (in Envoy)")
-        for f in faults:
-            ax.axvline(f["min"], color="grey", lw=0.6, ls=":")
-        ax.axvline(a.warmup_min, color="black", lw=0.8, ls="--", label="end of warm-up")
-        ax.set_xlabel("minutes (dotted: agent or replica killed and restarted)")
-        ax.set_ylabel("resident memory, MiB")
-        ax.set_title(f"llmgw soak: Envoy {fmt(envoy_slope)} MB/h, agent {fmt(agent_slope)} MB/h after warm-up")
-        ax.legend(loc="center right")
-        a.chart.parent.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        fig.savefig(a.chart, dpi=110)
-        log(f"chart: {a.chart}")
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         log("matplotlib not installed: no chart (./build.sh setup installs it)")
+        return 0
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([s["min"] for s in samples], [s["envoy_kib"] / 1024 for s in samples], label="Envoy (2 workers)")
+    ax.plot([s["min"] for s in samples], [s["agent_kib"] / 1024 for s in samples], label="agent")
+    ax.plot([s["min"] for s in samples], [s.get("vm_kib", 0) / 1024 for s in samples],
+            label="the VMs' linear memory (in Envoy)")
+    for f in faults:
+        ax.axvline(f["min"], color="grey", lw=0.6, ls=":")
+    ax.axvline(a.warmup_min, color="black", lw=0.8, ls="--", label="end of warm-up")
+    ax.set_xlabel("minutes (dotted: agent or replica killed and restarted)")
+    ax.set_ylabel("resident memory, MiB")
+    ax.set_title(f"llmgw soak: Envoy {fmt(envoy_slope)} MB/h, agent {fmt(agent_slope)} MB/h after warm-up")
+    ax.legend(loc="center right")
+    a.chart.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(a.chart, dpi=110)
+    log(f"chart: {a.chart}")
     return 0
 
 

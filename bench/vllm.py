@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import re
 import shlex
 import statistics
@@ -30,13 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit import http_json, stream_request  # noqa: E402
-from llmgw_testkit.fleet import peer_command, run_sessions, start_router, stop_on_signals  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
+from llmgw_testkit import http_json, stream_request
+from llmgw_testkit.fleet import peer_command, start_router, stop_on_signals
+from llmgw_testkit.sessions import run_sessions
+from llmgw_testkit.vllm_serve import VllmReplica
+from llmgw_testkit.workloads import Conversations, SharedPrefix, make_sessions
+from llmgw_testkit.charts import pyplot
 
 ROOT = kit.ROOT
-CONFORMANCE = ROOT / "conformance"
 MODEL = "tiny"
 BLOCK = 16
 
@@ -62,42 +62,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Workloads (seeded: every router gets the same traffic). A session is a list of chat bodies one
-# client sends one after another; `concurrency` sessions run at once.
-
-
-def words(rng: random.Random, tag: str, n: int) -> str:
-    return " ".join(f"{tag}{rng.randrange(1000)}" for _ in range(n))
-
-
-def chat(messages: list[dict], max_tokens: int) -> dict:
-    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
+# The workloads' shapes (llmgw_testkit.workloads), seeded: every router gets the same traffic;
+# `concurrency` sessions run at once.
+SHAPES = {
+    "shared-prefix": SharedPrefix(groups=8, system_words=120, question_words=(8, 24), per_group=24, vocab=1000),
+    "multi-turn": Conversations(48, 4, first_user_words=(60, 90), user_words=(10, 30), assistant_words=8, vocab=1000),
+}
 
 
 def make_workload(name: str, seed: int, scale: float, max_tokens: int) -> list[list[dict]]:
-    rng = random.Random(f"{name}-{seed}")
-    n = lambda x: max(1, int(round(x * scale)))  # noqa: E731
-    sessions: list[list[dict]] = []
-    if name == "shared-prefix":
-        systems = [words(rng, f"g{g}s", 120) for g in range(8)]
-        picks = [g for g in range(len(systems)) for _ in range(n(24))]
-        for g in picks:
-            msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": words(rng, "q", rng.randrange(8, 24))}]
-            sessions.append([chat(msgs, max_tokens)])
-    elif name == "multi-turn":
-        for c in range(n(48)):
-            msgs: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
-            conv = []
-            for t in range(4):
-                msgs = msgs + [{"role": "user", "content": words(rng, f"c{c}t{t}u", rng.randrange(60, 90) if t == 0 else rng.randrange(10, 30))}]
-                conv.append(chat(list(msgs), max_tokens))
-                msgs = msgs + [{"role": "assistant", "content": words(rng, f"c{c}t{t}a", 8)}]
-            sessions.append(conv)
-    else:
-        raise ValueError(name)
-    rng.shuffle(sessions)
-    return sessions
+    return make_sessions(SHAPES[name], f"{name}-{seed}", MODEL, max_tokens, scale)
 
 
 def oracle_hit_rate(replica_url: str, sessions: list[list[dict]]) -> float:
@@ -126,40 +100,21 @@ def oracle_hit_rate(replica_url: str, sessions: list[list[dict]]) -> float:
 # The fleet: real `vllm serve` processes.
 
 
-class Replica:
-    def __init__(self, i: int):
-        self.name = f"v{i}"
-        self.port, self.kv, self.replay = kit.free_port(), kit.free_port(), kit.free_port()
-        self.proc = None
+class Replica(VllmReplica):
+    """A `vllm serve` replica of the benchmark (llmgw_testkit.vllm_serve: its flags from
+    `llmgw-agent vllm-args`). The publisher binds on loopback with vLLM's default topic (""):
+    the agent and vllm-router both connect to it."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self, i: int, blocks: int):
+        super().__init__(f"v{i}", "connect", blocks=blocks, model=MODEL, topic="")
 
     def command(self, a) -> list:
-        # The publisher binds on loopback with vLLM's default topic (""): the agent and
-        # vllm-router both connect to it.
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://[::ffff:127.0.0.1]:{self.kv}",
-                  "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{self.replay}", "topic": ""}
-        return [a.vllm_venv / "bin" / "vllm", "serve", a.model_dir, "--served-model-name", MODEL,
-                "--host", "127.0.0.1", "--port", self.port, "--block-size", BLOCK,
-                "--num-gpu-blocks-override", a.blocks, "--max-model-len", 2048, "--max-num-seqs", a.max_num_seqs,
-                "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning", "--prefix-caching-hash-algo", "sha256_cbor",
-                "--distributed-executor-backend", "llmgw_conformance_executor.NoModelExecutor",
-                "--kv-events-config", json.dumps(events), "--enable-scale-out"]
+        return self.serve_command(a.vllm_venv / "bin" / "vllm", a.model_dir, a.agent_bin, max_model_len=2048,
+                                  max_num_seqs=a.max_num_seqs, extra=["--enable-scale-out"])
 
     def env(self, a) -> dict:
-        env = dict(os.environ)
-        env.update({"PYTHONHASHSEED": "0", "VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1",
-                    "LLMGW_STEP_US": str(a.step_us), "LLMGW_TOKEN_US": str(a.token_us),
-                    "PYTHONPATH": str(CONFORMANCE) + os.pathsep + env.get("PYTHONPATH", "")})
-        return env
-
-    def agent_entry(self) -> dict:
-        return {"name": self.name, "address": f"127.0.0.1:{self.port}", "models": [MODEL],
-                "endpoint": f"tcp://127.0.0.1:{self.kv}", "mode": "connect",
-                "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": ""}
+        return self.serve_env(a.agent_bin, VLLM_SERVER_DEV_MODE="1", LLMGW_STEP_US=str(a.step_us),
+                              LLMGW_TOKEN_US=str(a.token_us))
 
 
 def reset_caches(replicas: list[Replica]) -> None:
@@ -243,7 +198,7 @@ class Bench:
         self.args = args
         self.logdir = Path(tempfile.mkdtemp(prefix="llmgw-bench-vllm-"))
         self.procs = kit.Procs(self.logdir)
-        self.replicas = [Replica(i) for i in range(args.replicas)]
+        self.replicas = [Replica(i, args.blocks) for i in range(args.replicas)]
         self.results: list[dict] = []
         self.skipped: dict[str, str] = {}
         self.oracle: dict[str, float] = {}
@@ -254,28 +209,19 @@ class Bench:
             f"step {a.step_us} µs + {a.token_us} µs per computed token); logs in {self.logdir}")
         for r in self.replicas:
             r.proc = self.procs.start(r.command(a), f"vllm-{r.name}", env=r.env(a))
-
-        def healthy(r: Replica) -> bool:
-            if r.proc.poll() is not None:
-                raise RuntimeError(f"vllm {r.name} exited with {r.proc.returncode}:\n{kit.tail(r.proc.log_path, 30)}")
-            try:
-                return kit.request("GET", f"{r.url}/health", timeout=2)[0] == 200
-            except OSError:
-                return False
         t0 = time.monotonic()
         for r in self.replicas:
-            kit.wait_until(lambda r=r: healthy(r), a.startup_timeout, f"vllm {r.name} to serve")
+            r.wait_healthy(r.proc, a.startup_timeout)
             log(f"  {r.name} serving on 127.0.0.1:{r.port} ({time.monotonic() - t0:.0f} s)")
 
     def start_render(self) -> None:
         """vLLM's engine-less render server (`vllm launch render`): a dedicated tokenizer that
         never queues behind generation, as the deployment manifests offer it beside Envoy."""
         a = self.args
-        self.render = Replica(len(self.replicas))
-        self.render.name = "render"
+        self.render = VllmReplica("render", model=MODEL)
         cmd = [a.vllm_venv / "bin" / "vllm", "launch", "render", a.model_dir, "--served-model-name", MODEL,
                "--host", "127.0.0.1", "--port", self.render.port, "--uvicorn-log-level", "warning"]
-        self.render.proc = self.procs.start(cmd, "vllm-render", env=self.render.env(a))
+        self.render.proc = self.procs.start(cmd, "vllm-render", env=self.render.serve_env(a.agent_bin))
 
         def serving() -> bool:
             if self.render.proc.poll() is not None:
@@ -293,8 +239,6 @@ class Bench:
         sims = [{"port": r.port} for r in self.replicas]
         out = run_sessions(label, lambda body: stream_request(router.port, body), sims, sessions, self.args.concurrency,
                            width=len(label))
-        if sys.stdout.isatty():
-            print()  # ends the progress line
         shares = out["shares"]
         out["max_min"] = max(shares) / min(shares) if shares and min(shares) > 0 else float("inf")
         return out
@@ -396,11 +340,8 @@ def targets(results: list[dict]) -> list[str]:
 
 
 def chart(results: list[dict], out: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("(matplotlib not installed: no chart)")
         return None
     ws = [w for w in WORKLOADS if any(r["workload"] == w for r in results)]

@@ -11,14 +11,14 @@ import random
 import shutil
 import subprocess
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import llmgw_testkit as kit
-from llmgw_testkit import Procs, free_port, http_json, parse_decision, tail
+from llmgw_testkit import Procs, free_port, http_json, parse_decision
+from llmgw_testkit.vllm_serve import VllmReplica
 
 ROOT = kit.ROOT
 HERE = Path(__file__).resolve().parent
@@ -60,46 +60,17 @@ def agent_hash(tokens: list[int], algo: str = "sha256_cbor", seed: str | None = 
 # vLLM replicas
 
 
-class Replica:
-    """One `vllm serve` process. mode "bind": the agent binds `kv`, vLLM connects to it; mode
-    "connect": vLLM binds tcp://[::ffff:127.0.0.1]:kv (loopback only), the agent connects."""
-
-    def __init__(self, name: str, mode: str = "bind", seed: str | None = "0", algo: str | None = "sha256_cbor",
-                 blocks: int = 64, model: str = MODEL):
-        self.name, self.mode, self.seed, self.algo, self.blocks, self.model = name, mode, seed, algo, blocks, model
-        self.port, self.kv, self.replay = free_port(), free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def kv_events_config(self) -> dict:
-        host = "127.0.0.1" if self.mode == "bind" else "[::ffff:127.0.0.1]"
-        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{self.kv}",
-                "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{self.replay}", "topic": "kv-events"}
+class Replica(VllmReplica):
+    """One `vllm serve` process (llmgw_testkit.vllm_serve: its flags from `llmgw-agent
+    vllm-args`). mode "bind": the agent binds `kv`, vLLM connects to it; mode "connect": vLLM
+    binds tcp://[::ffff:127.0.0.1]:kv (loopback only), the agent connects."""
 
     def serve_args(self, with_events: bool = True) -> list[str]:
-        args = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(MODEL_DIR), "--served-model-name", self.model,
-                "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(BLOCK),
-                "--num-gpu-blocks-override", str(self.blocks), "--max-model-len", "512", "--max-num-seqs", "8",
-                "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
-                "--distributed-executor-backend", "llmgw_conformance_executor.NoModelExecutor"]
-        if self.algo:
-            args += ["--prefix-caching-hash-algo", self.algo]
-        if with_events:
-            args += ["--kv-events-config", json.dumps(self.kv_events_config())]
-        return args
+        return self.serve_command(VLLM_VENV / "bin" / "vllm", MODEL_DIR, AGENT, with_events)
 
     def agent_entry(self) -> dict:
         """This replica in the agent's configuration."""
-        entry = {"name": self.name, "address": self.address, "models": [self.model],
-                 "endpoint": f"tcp://127.0.0.1:{self.kv}", "mode": self.mode,
-                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv-events"}
+        entry = super().agent_entry()
         # Only D is declared to the agent with its own hash settings; E (another seed) is declared
         # like the fleet, as an operator would who does not know it was started differently.
         if self.model != MODEL:
@@ -107,33 +78,8 @@ class Replica:
         return entry
 
 
-def vllm_env(seed: str | None) -> dict:
-    env = dict(os.environ)
-    env.pop("PYTHONHASHSEED", None)
-    if seed is not None:
-        env["PYTHONHASHSEED"] = seed
-    env["VLLM_TARGET_DEVICE"] = "cpu"
-    env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-    env["VLLM_NO_USAGE_STATS"] = "1"
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def wait_healthy(r: Replica, proc: subprocess.Popen, timeout: float = STARTUP_TIMEOUT) -> None:
-    def up():
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve {r.name} exited with {proc.returncode}:\n{tail(proc.log_path)}")
-        try:
-            with urllib.request.urlopen(f"{r.url}/health", timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
-    try:
-        wait_until(up, timeout, f"vllm serve {r.name} /health", interval=0.25)
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}\n{tail(proc.log_path)}") from None
+    r.wait_healthy(proc, timeout)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,7 +149,7 @@ class Fleet:
         return self.envoy
 
     def start_replica(self, r: Replica, with_events: bool = True) -> subprocess.Popen:
-        r.proc = self.procs.start(r.serve_args(with_events), f"vllm-{r.name}", env=vllm_env(r.seed))
+        r.proc = self.procs.start(r.serve_args(with_events), f"vllm-{r.name}", env=r.serve_env(AGENT))
         return r.proc
 
     def restart_replica(self, r: Replica) -> None:

@@ -18,8 +18,8 @@ import random
 
 import pytest
 
-from conftest import (AGENT, BLOCK, Fleet, Replica, agent_hash, agent_toml, decision, vllm_env, wait_healthy,
-                      wait_until, words)
+from conftest import (AGENT, BLOCK, Fleet, Replica, agent_hash, agent_toml, decision, wait_healthy, wait_until,
+                      words)
 from llmgw_testkit import http_json
 
 WINDOW = 32
@@ -45,7 +45,7 @@ def hybrid_fleet(procs, logdir):
     (d / "agent.toml").write_text(agent_toml([r], f.feed, f.http))
     f.agent_proc = procs.start([AGENT, "run", "--config", d / "agent.toml", "--log-level", "info"], "agent-hybrid")
     wait_until(lambda: http_json(f"{f.agent.base}/healthz", timeout=2)[0] in (200, 503), 30, "the agent's HTTP")
-    env = {**vllm_env(r.seed), "LLMGW_CONFORMANCE_SLIDING_WINDOW": str(WINDOW)}
+    env = r.serve_env(AGENT, LLMGW_CONFORMANCE_SLIDING_WINDOW=str(WINDOW))
     r.proc = procs.start(r.serve_args(), f"vllm-{r.name}", env=env)
     wait_healthy(r, r.proc)
     f.agent.wait_up(r.name)

@@ -21,9 +21,10 @@ import subprocess
 
 import pytest
 
-from conftest import (AGENT, BLOCK, HERE, MODEL_DIR, VLLM_VENV, Fleet, Replica, agent_toml, decision, vllm_env,
-                      wait_healthy, wait_until, words)
+from conftest import (AGENT, BLOCK, HERE, MODEL_DIR, VLLM_VENV, Fleet, Replica, agent_toml, decision, wait_healthy,
+                      wait_until, words)
 from llmgw_testkit import http_json
+from llmgw_testkit.vllm_serve import vllm_env
 
 MM_MODEL = "tiny-vision"
 

@@ -3,8 +3,9 @@ flags and PYTHONHASHSEED matching the agent's configuration; Envoy routes to it 
 
 import random
 
+from llmgw_testkit.vllm_serve import vllm_env
 from conftest import (AGENT, BLOCK, MODEL, MODEL_DIR, VLLM_VENV, Fleet, Replica, agent_hash, agent_toml, http_json,
-                      vllm_env, wait_healthy, words)
+                      wait_healthy, words)
 
 
 def test_launched_replica_is_mirrored_and_routed_to(procs, logdir):

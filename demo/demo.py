@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "testkit"))
-import llmgw_testkit as kit  # noqa: E402  (the project's test kit: processes, configs, clients)
-from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, restart_sims, run_sessions,  # noqa: E402
+import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
+from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, restart_sims,
                                  sim_command, start_router, stop_on_signals, wait_sims)
+from llmgw_testkit.sessions import run_sessions
+from llmgw_testkit.workloads import Conversations, make_sessions
+from llmgw_testkit.charts import pyplot
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
@@ -30,27 +31,14 @@ MODEL = "demo-model"
 def make_workload(seed: int, conversations: int, groups: int, system_words: int, turns: int):
     """Conversations, each a list of chat bodies (turn k extends turn k-1). Groups share a
     long system prompt; group popularity is skewed (Zipf-like)."""
-    rng = random.Random(seed)
-    systems = [" ".join(f"s{g}x{rng.randrange(50000)}" for _ in range(system_words)) for g in range(groups)]
-    weights = [1.0 / (g + 1) for g in range(groups)]
-    convs = []
-    for c in range(conversations):
-        g = rng.choices(range(groups), weights)[0]
-        msgs = [{"role": "system", "content": systems[g]}]
-        bodies = []
-        for t in range(turns):
-            user = " ".join(f"u{rng.randrange(50000)}" for _ in range(rng.randrange(20, 60)))
-            msgs = msgs + [{"role": "user", "content": user}]
-            bodies.append({"model": MODEL, "messages": list(msgs), "max_tokens": 8, "stream": True})
-            msgs = msgs + [{"role": "assistant", "content": f"reply {c} {t} " + " ".join(f"a{c}x{t}x{i}" for i in range(8))}]
-        convs.append(bodies)
-    return convs
+    shape = Conversations(conversations, turns, first_user_words=(20, 60), user_words=(20, 60), assistant_words=None,
+                          user_tag="u", system_groups=groups, system_words=system_words, shuffle=False, vocab=50000)
+    return make_sessions(shape, seed, MODEL, 8)
 
 
 def run_traffic(label: str, port: int, sims: list[dict], convs, concurrency: int) -> dict:
-    r = run_sessions(label, lambda body: kit.stream_request(port, body), sims, convs, concurrency)
-    sys.stdout.write(f"\r  {label:<28} {r['requests']:>4}/{r['requests']} requests  {r['elapsed_s']:5.1f}s\n")
-    return r
+    return run_sessions(label, lambda body: kit.stream_request(port, body), sims, convs, concurrency,
+                        summary=lambda r: f"  {label:<28} {r['requests']:>4}/{r['requests']} requests  {r['elapsed_s']:5.1f}s")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,11 +122,8 @@ def print_table(runs: list[dict]) -> None:
 
 
 def chart(runs: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("(matplotlib not installed: no chart)")
         return
     labels = [r["label"].replace("llmgw ", "llmgw\n") for r in runs]

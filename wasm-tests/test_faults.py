@@ -19,14 +19,9 @@ The figures of a run are in README.md ("Fault suite")."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import re
-import signal
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,37 +29,25 @@ import yaml
 
 import llmgw_testkit as kit
 from llmgw_testkit import wait_until
-from llmgw_testkit.fleet import fleet_agent, new_sims, pct, sim_command, start_router, wait_sims
+from llmgw_testkit.fleet import pct
+from llmgw_testkit.load_faults import CHAT, MODEL, ClientLoad, Rec, SimFleet, failed
 
-MODEL = "demo-model"
 N_SIMS = 3
 CONCURRENCY = 6
 # The filter's tokenizer timeout in these tests (the shipped default is 500 ms; shorter keeps
 # the slow-tokenizer phase short).
 TOKENIZER_TIMEOUT_MS = 150
-DECISION = re.compile(r"replica=([\d.]+:\d+)")
-OUTCOME = re.compile(r"outcome=(\w+)")
 
 
 # ---------------------------------------------------------------------------------------------
-# The load: CONCURRENCY client threads, each request on a fresh connection (as many clients
-# behind a proxy do), every one recorded.
-
-
-@dataclass
-class Rec:
-    t0: float          # sent (time.monotonic())
-    t1: float          # answered or failed
-    status: int        # HTTP status; 0 = connection error
-    replica: str | None  # where the filter routed it (x-llmgw-decision), if it says
-    version: str | None  # x-fault-listener-version (listener reload test)
-    outcome: str | None = None  # the decision's outcome (x-llmgw-decision), if it says
+# The load (llmgw_testkit.load_faults): CONCURRENCY client threads, each request on a fresh
+# connection (as many clients behind a proxy do), every one recorded.
 
 
 SYSTEMS = [" ".join(f"family{f} rule{j}" for j in range(24)) for f in range(8)]
 
 
-class Load:
+class Load(ClientLoad):
     """Chat requests to 127.0.0.1:port until stop(). Prompts share system prompts in 8 families;
     with `unique` every request's question is new (so every one is tokenized), else a request
     repeats one of 64 questions and one in `churn` (or one per `churn_every_s`) is new: the
@@ -73,19 +56,11 @@ class Load:
 
     def __init__(self, port: int, concurrency: int = CONCURRENCY, unique: bool = False, churn: int = 4,
                  churn_every_s: float | None = None, max_tokens: int = 2, timeout: float = 30.0):
-        self.port, self.unique, self.churn, self.max_tokens = port, unique, churn, max_tokens
-        self.timeout = timeout
+        self.unique, self.churn, self.max_tokens = unique, churn, max_tokens
         # With churn_every_s, a new question once per that many seconds instead of one in `churn`.
         self.churn_every_s, self.last_new = churn_every_s, 0.0
-        self.recs: list[Rec] = []
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
         self.n = 0
-        # When each client's current request was sent (None between requests).
-        self.current: list[float | None] = [None] * concurrency
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(concurrency)]
-        for t in self.threads:
-            t.start()
+        super().__init__(port, concurrency, timeout=timeout)
 
     def _new(self, k: int) -> bool:
         if self.unique:
@@ -108,60 +83,11 @@ class Load:
         msgs = [{"role": "system", "content": SYSTEMS[k % len(SYSTEMS)]}, {"role": "user", "content": question}]
         return json.dumps({"model": MODEL, "messages": msgs, "max_tokens": self.max_tokens}).encode()
 
-    def _run(self, i: int) -> None:
-        while not self.stopping.is_set():
-            with self.lock:
-                k = self.n
-                self.n += 1
-            body = self.body(k)
-            self.current[i] = time.monotonic()
-            self.recs_append(self.send(body))
-            self.current[i] = None
-
-    def send(self, body: bytes, headers: dict | None = None) -> Rec:
-        t0 = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-        try:
-            conn.request("POST", "/v1/chat/completions", body=body,
-                         headers={"content-type": "application/json", "connection": "close", **(headers or {})})
-            resp = conn.getresponse()
-            resp.read()
-            decision = resp.getheader(kit.DECISION_HEADER) or ""
-            m, o = DECISION.search(decision), OUTCOME.search(decision)
-            return Rec(t0, time.monotonic(), resp.status, m.group(1) if m else None,
-                       resp.getheader("x-fault-listener-version"), o.group(1) if o else None)
-        except (OSError, http.client.HTTPException):
-            return Rec(t0, time.monotonic(), 0, None, None)
-        finally:
-            conn.close()
-
-    def recs_append(self, r: Rec) -> None:
+    def request(self, i: int) -> tuple[str, bytes]:
         with self.lock:
-            self.recs.append(r)
-
-    def since(self, t: float) -> list[Rec]:
-        with self.lock:
-            return [r for r in self.recs if r.t0 >= t]
-
-    def wait_answered(self, n: int, after: float | None = None, timeout: float = 30.0, what: str = "") -> None:
-        """Waits until n more requests sent after `after` (default: now) were answered."""
-        start = time.monotonic() if after is None else after
-        wait_until(lambda: len(self.since(start)) >= n, timeout, f"{n} requests answered {what}".strip())
-
-    def settled(self, t: float) -> bool:
-        """Every request sent before t has been answered or given up on."""
-        return all(c is None or c >= t for c in list(self.current))
-
-    def stop(self) -> list[Rec]:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(60)
-        with self.lock:
-            return list(self.recs)
-
-
-def failed(recs: list[Rec]) -> list[Rec]:
-    return [r for r in recs if not 200 <= r.status < 300]
+            k = self.n
+            self.n += 1
+        return CHAT, self.body(k)
 
 
 def report(name: str, recs: list[Rec], recovery: str) -> str:
@@ -173,71 +99,19 @@ def report(name: str, recs: list[Rec], recovery: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fleet: N_SIMS simulated replicas publishing to one agent (the agent binds, the replicas
-# connect, so a restarted agent gets them back on the same ports), Envoy with two workers.
+# The fleet (llmgw_testkit.load_faults.SimFleet): N_SIMS simulated replicas publishing to one
+# agent, Envoy with two workers.
 
 
-class Fleet:
-    def __init__(self, procs, tmp_path: Path, agent_bin, sim_bin, envoy_bin):
-        self.procs, self.tmp, self.agent_bin = procs, tmp_path, agent_bin
-        self.sim_bin, self.envoy_bin = sim_bin, envoy_bin
-        self.sims = new_sims(N_SIMS)
-        # Loads scraped every 100 ms; a replica whose /metrics fails for 300 ms is down (its
-        # requests must stop within a second of its death, and passive health avoids it for
-        # the first second).
-        self.agent = fleet_agent(procs, agent_bin, tmp_path, self.sims, MODEL,
-                                 load={"interval_ms": 100, "down_after_ms": 300, "timeout_ms": 200})
-        self.sim_procs = {}
-        for s in self.sims:
-            # A replay buffer that covers a whole test: a restarted agent refills from batch 0.
-            self.sim_procs[s["name"]] = procs.start(
-                sim_command(sim_bin, s, MODEL, blocks=65536, seed="0", decode_ms=1, buffer_steps=2_000_000),
-                s["name"])
-        wait_sims(self.sims)
-        wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), 20,
-                   "every replica's publisher connected")
-        self.listen, self.admin = kit.free_port(), kit.free_port()
-        self.filter_cfg = kit.filter_config({"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS}, explain_header=True)
-
-    def start_envoy(self, wasm_path, name: str = "envoy", config: str | None = None):
-        config = config or kit.shipped_config(wasm_path, self.listen, self.admin, self.agent.feed, self.filter_cfg)
-        self.envoy_proc, self.envoy = start_router(self.procs, self.envoy_bin, self.tmp, name, config, self.admin,
-                                                   feed=True, feed_timeout=60)
-        return self
-
-    def addr(self, sim: dict) -> str:
-        return f"127.0.0.1:{sim['port']}"
-
-    def agent_total(self) -> int:
-        return sum(r["blocks"] for r in self.agent.replicas())
-
-    def indexes_equal_agent(self) -> bool:
-        """Every VM's index holds the agent's (block, replica) pairs: the agent's count read
-        before and after the VMs' gauges, unchanged, equal to each gauge."""
-        a = self.agent_total()
-        vals = self.envoy.index_blocks()
-        b = self.agent_total()
-        return a == b and a > 0 and bool(vals) and all(v == a for v in vals)
-
-    def busiest(self) -> dict:
-        """The replica whose publisher sent the agent the most batches so far."""
-        received = {r["replica"]: r["received"] for r in self.agent.replicas()}
-        return max(self.sims, key=lambda s: received.get(s["name"], 0))
-
-    def resets(self, sim: dict) -> int:
-        """The agent's resets of `sim`'s mirror, whatever the reason."""
-        return sum(self.agent.replica(sim["name"])["resets"].values())
-
-    def sim_keys(self, sim: dict) -> set[int]:
-        return set(kit.http_json(f"http://127.0.0.1:{sim['port']}/sim/blocks")[2]["keys"])
-
-    def fault(self, sim: dict, **body) -> None:
-        kit.post_json(f"http://127.0.0.1:{sim['port']}/sim/fault", body)
+def new_fleet(procs, tmp_path: Path, agent_bin, sim_bin, envoy_bin) -> SimFleet:
+    # A replay buffer that covers a whole test: a restarted agent refills from batch 0.
+    return SimFleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, N_SIMS, blocks=65536, decode_ms=1,
+                    buffer_steps=2_000_000, profile={"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS})
 
 
 @pytest.fixture
 def fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
-    return Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin).start_envoy(wasm_path)
+    return new_fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin).start_envoy(wasm_path)
 
 
 def warm(load: Load, n: int = 150) -> None:
@@ -247,15 +121,6 @@ def warm(load: Load, n: int = 150) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # 1. agent SIGKILL and restart
-
-
-def restart_agent(fl: Fleet) -> None:
-    """The agent again, same configuration and ports (the Envoy cluster points there)."""
-    a = fl.agent
-    a.attempts += 1
-    a.proc = fl.procs.start([fl.agent_bin, "run", "--config", a.config], f"{a.name}-{a.attempts}")
-    a.log_path = a.proc.log_path
-    a.wait_ready()
 
 
 # How long the killed agent stays away: long enough for the VMs' reconnect backoff to grow.
@@ -270,14 +135,14 @@ def test_agent_sigkill_and_restart(fleet):
         wait_until(fl.indexes_equal_agent, 10, "every VM's index equal to the agent's before the fault")
         connects = fl.envoy.metric("llmgw_feed_connects_total")
         vms = len(fl.envoy.index_blocks())
-        fl.procs.stop(fl.agent.proc, signal.SIGKILL)
+        fl.kill_agent()
         t_kill = time.monotonic()
         wait_until(lambda: not any(v for v in fl.envoy.stats("llmgw_feed_connected").values()), 10,
                    "every VM noticed the agent is gone")
         # The agent stays away AGENT_OUTAGE_S (as long as a restart by a supervisor takes); the
         # requests sent meanwhile are routed from the index the VMs hold.
         wait_until(lambda: load.since(t_kill + AGENT_OUTAGE_S), AGENT_OUTAGE_S + 10, "the outage under load")
-        restart_agent(fl)
+        fl.restart_agent()
         t_back = time.monotonic()
         wait_until(lambda: fl.envoy.metric("llmgw_feed_connects_total") >= connects + vms, 10,
                    "every VM subscribed to the restarted agent")
@@ -306,7 +171,7 @@ def test_replica_sigkill(fleet):
     try:
         warm(load)
         wait_until(lambda: any(r.replica == addr for r in load.since(0.0)), 10, "requests routed to the victim")
-        fl.procs.stop(fl.sim_procs[victim["name"]], signal.SIGKILL)
+        fl.kill_sim(victim)
         t_kill = time.monotonic()
         wait_until(lambda: not fl.agent.replica(victim["name"])["up"], 10, "the agent marking the victim down")
         t_down = time.monotonic()
@@ -334,7 +199,7 @@ def test_replica_sigkill(fleet):
 # 3. engine restart (the publisher's sequence back to 0)
 
 
-def quiet_and_equal(fl: Fleet, sims: list[dict], timeout: float = 20.0) -> None:
+def quiet_and_equal(fl: SimFleet, sims: list[dict], timeout: float = 20.0) -> None:
     """After the load stopped: the agent's mirror of each of `sims` holds exactly the blocks
     the engine caches, and every VM's index equals the agent's."""
     for s in sims:
@@ -514,11 +379,11 @@ RELOADS = 6
 
 
 def test_listener_reload_under_load(procs, tmp_path, agent_bin, sim_bin, envoy_bin, wasm_path):
-    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
+    fl = new_fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
     lds_dir = tmp_path / "lds"
     lds_dir.mkdir()
     bootstrap, listener = lds_bootstrap(
-        kit.shipped_config(wasm_path, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), lds_dir)
+        fl.shipped(wasm_path), lds_dir)
     write_lds(lds_dir, listener, 0)
     fl.start_envoy(wasm_path, config=bootstrap)
     load = Load(fl.listen)
@@ -526,7 +391,7 @@ def test_listener_reload_under_load(procs, tmp_path, agent_bin, sim_bin, envoy_b
     try:
         warm(load)
         # The shipped build has no trap: the test-only header is an ordinary one.
-        assert load.send(load.body(1), {"x-llmgw-fault": "trap"}).status == 200
+        assert load.send(CHAT, load.body(1), {"x-llmgw-fault": "trap"}).status == 200
         for v in range(1, RELOADS + 1):
             ok = fl.envoy.stats("listener_manager.lds.update_success").get("listener_manager.lds.update_success", 0)
             write_lds(lds_dir, listener, v, filter_change=v % 2 == 0)
@@ -598,15 +463,15 @@ def test_vm_crash_is_reloaded(procs, tmp_path, agent_bin, sim_bin, envoy_bin, ba
     worker); this test's own run (a few thousand requests at most) does not reach it, so it
     asserts the cost instead: no failure beyond the requests in flight at the crash."""
     wasm = fault_wasm()
-    fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
+    fl = new_fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
     fl.start_envoy(wasm, config=with_reload_backoff(
-        kit.shipped_config(wasm, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), backoff))
+        fl.shipped(wasm), backoff))
     load = Load(fl.listen, timeout=CRASH_CLIENT_TIMEOUT_S)
     try:
         warm(load)
         before = reload_stats(fl.envoy)
         t_trap = time.monotonic()
-        trap = load.send(load.body(1), {"x-llmgw-fault": "trap"})
+        trap = load.send(CHAT, load.body(1), {"x-llmgw-fault": "trap"})
         reloads = before["wasm.llmgw.vm_reload_success"]
         wait_until(lambda: reload_stats(fl.envoy)["wasm.llmgw.vm_reload_success"] > reloads, 20,
                    "Envoy reloading the crashed VM")
@@ -659,9 +524,9 @@ def test_a_worker_whose_filter_failed_never_sends_a_client_where_it_asks(procs, 
     canary = Canary()
     try:
         wasm = fault_wasm()
-        fl = Fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
+        fl = new_fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
         doc = yaml.safe_load(with_reload_backoff(
-            kit.shipped_config(wasm, fl.listen, fl.admin, fl.agent.feed, fl.filter_cfg), None))
+            fl.shipped(wasm), None))
         hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         (wasm_filter,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
         wasm_filter["typed_config"]["config"]["failure_policy"] = policy

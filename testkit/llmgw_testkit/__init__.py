@@ -1,6 +1,6 @@
 """llmgw's Python test kit: the one copy of what the demo, the benchmarks, the end-to-end tests
-(wasm-tests/) and the conformance suite share. Import it by putting the repository's `testkit`
-directory on sys.path (the scripts do; pytest.ini does for the suites).
+(wasm-tests/) and the conformance suite share. A package (testkit/pyproject.toml) that
+./build.sh installs into .venv, editable: it finds the repository from its own files.
 
 - paths: the repository, cargo's target directory (CARGO_TARGET_DIR or `cargo metadata`), built
   binaries, dist/llmgw.wasm, Envoy
@@ -9,10 +9,18 @@ directory on sys.path (the scripts do; pytest.ini does for the suites).
 - agent: agent_config (TOML from Python values), AgentAPI, Agent (a runner)
 - envoy: the shipped bootstrap filled in, filter_config, lb_config, start_envoy, EnvoyAdmin
 - client: stream_request, plain_request, parse_decision, speculative_blocks (x-llmgw-decision)
-- fleet: simulated replicas (llmgw-sim) and the session runner of the demo and the benchmark
+- fleet: simulated replicas (llmgw-sim), the agent mirroring them, Envoy in front, peer routers
+- workloads: the workload generator (seeded chat sessions: shared prefixes, conversations)
+- sessions: the session runner (sessions at a concurrency, progress, hit rate, TTFT, shares)
+- load_faults: the load-and-fault harness (client load through Envoy, a simulated fleet whose
+  agent and replicas are killed and restarted)
+- vllm_serve: the `vllm serve` launcher, its flags from `llmgw-agent vllm-args`
+- gateways: several gateways (Envoy and agent each) in front of one simulated fleet
 - feed: code for feed.proto, FeedStub, FeedSubscriber
+- jetstream: a NATS server and the agent's publisher
 - vllm_hash: vLLM's sha256_cbor block keys
 - stub: a base for stub HTTP servers on loopback
+- charts: matplotlib's pyplot for PNG files, when installed
 """
 
 from .agent import Agent, AgentAPI, agent_config, merged, sim_replica, toml

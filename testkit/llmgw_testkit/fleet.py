@@ -1,16 +1,11 @@
-"""A fleet of simulated vLLM replicas (llmgw-sim) and the chat-session runner the demo and the
-fleet benchmark measure routing with: prefix-cache hit rate and request shares from the
-replicas' /metrics, time to first token from the clients."""
+"""A fleet of simulated vLLM replicas (llmgw-sim): their command lines, the agent mirroring them,
+Envoy in front, their /metrics, and the peer routers' command lines."""
 
 from __future__ import annotations
 
 import re
 import signal
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 from pathlib import Path
 
 from .agent import Agent, merged, sim_replica
@@ -96,66 +91,6 @@ def pct(xs: list[float], p: float) -> float:
         return float("nan")
     k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
     return xs[k]
-
-
-def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int, width: int = 28) -> dict:
-    """Sends each session's bodies in order through `send(body) -> (ttft_s, total_s, status)`,
-    `concurrency` sessions at a time, with a progress line; returns the run's figures, read from
-    the replicas' /metrics deltas and the clients' timings. A 200 without a first data line
-    counts as an error."""
-    before = [scrape(s["port"]) for s in sims]
-    results: list[tuple[float, float, int]] = []
-    lock = threading.Lock()
-    total = sum(len(c) for c in sessions)
-    t_start = time.monotonic()
-
-    def worker(session):
-        for body in session:
-            r = send(body)
-            with lock:
-                results.append(r)
-
-    stop_progress = threading.Event()
-
-    # A terminal gets one line rewritten twice a second; a log a line every 5 s.
-    tty = sys.stdout.isatty()
-    start, end = ("\r", "") if tty else ("", "\n")
-
-    def progress():
-        while not stop_progress.wait(0.5 if tty else 5.0):
-            with lock:
-                n = len(results)
-            el = time.monotonic() - t_start
-            sys.stdout.write(f"{start}  {label:<{width}} {n:>4}/{total} requests  {el:5.1f}s{end}")
-            sys.stdout.flush()
-
-    th = threading.Thread(target=progress, daemon=True)
-    th.start()
-    with ThreadPoolExecutor(concurrency) as ex:
-        list(ex.map(worker, sessions))
-    stop_progress.set()
-    th.join()
-    elapsed = time.monotonic() - t_start
-    after = [scrape(s["port"]) for s in sims]
-    d = lambda k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]  # noqa: E731
-    q, h = sum(d("vllm:prefix_cache_queries_total")), sum(d("vllm:prefix_cache_hits_total"))
-    served = d("vllm:request_success_total")
-    ttfts = [r[0] for r in results if r[2] == 200 and r[0] == r[0]]
-    shares = [s / max(1, sum(served)) for s in served]
-    return {
-        "label": label,
-        "hit_rate": h / q if q else 0.0,
-        "ttft_p50": pct(ttfts, 50) * 1000,
-        "ttft_p99": pct(ttfts, 99) * 1000,
-        "ttft_mean": (sum(ttfts) / len(ttfts) * 1000) if ttfts else float("nan"),
-        "throughput": len(results) / elapsed,
-        "shares": shares,
-        "max_share_x_fair": max(shares) * len(shares) if sum(served) else float("nan"),
-        "min_share_x_fair": min(shares) * len(shares) if sum(served) else float("nan"),
-        "errors": sum(1 for r in results if r[2] != 200 or r[0] != r[0]),
-        "requests": len(results),
-        "elapsed_s": elapsed,
-    }
 
 
 def peer_command(policy: str, binary, port: int, worker_urls: list[str], prom_port: int,

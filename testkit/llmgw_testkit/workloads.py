@@ -1,0 +1,123 @@
+"""The workload generator of the demo and the benchmarks: seeded chat traffic as "sessions",
+each a list of chat bodies one client sends one after another (a single-request session is one
+request of an open pool; a longer one is a conversation, each turn extending the last). The same
+seed gives the same traffic, so every router of a run is measured on identical requests.
+
+Two shapes, described by their parameters:
+- SharedPrefix: groups of requests sharing long system prompts (evenly, or with Zipf
+  popularity), optionally mixed with as many unique prompts;
+- Conversations: multi-turn chats, each with a fixed system prompt or one of several shared ones
+  (Zipf popularity)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# The system prompt of a conversation with no shared one.
+ASSISTANT_SYSTEM = "You are a helpful assistant."
+
+
+def words(rng: random.Random, tag: str, n: int, vocab: int = 100000) -> str:
+    """n words `tag<k>`, k drawn below `vocab`."""
+    return " ".join(f"{tag}{rng.randrange(vocab)}" for _ in range(n))
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A streaming chat-completion body."""
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    """Popularity 1 / rank^exponent for ranks 1..n."""
+    return [1.0 / (g + 1) ** exponent for g in range(n)]
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Single requests of `groups` system prompts of `system_words` words, each with a question
+    of `question_words` (low, high) words: `per_group` requests per group, or with `zipf` set,
+    `requests` requests drawn by Zipf popularity. With `unique_words`, as many requests again of
+    one unique user prompt each. Shuffled."""
+
+    groups: int
+    system_words: int
+    question_words: tuple[int, int] = (40, 120)
+    per_group: int = 16
+    zipf: float | None = None
+    requests: int = 256
+    unique_words: tuple[int, int] | None = None
+    vocab: int = 100000
+
+    def sessions(self, rng: random.Random, model: str, max_tokens: int, n) -> list[list[dict]]:
+        systems = [words(rng, f"g{g}s", self.system_words, self.vocab) for g in range(self.groups)]
+        if self.zipf is not None:
+            picks = rng.choices(range(self.groups), zipf_weights(self.groups, self.zipf), k=n(self.requests))
+        else:
+            per = n(self.per_group)
+            picks = [g for g in range(self.groups) for _ in range(per)]
+        sessions = []
+        for g in picks:
+            question = words(rng, "q", rng.randrange(*self.question_words), self.vocab)
+            msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": question}]
+            sessions.append([chat_body(model, msgs, max_tokens)])
+        if self.unique_words is not None:
+            for _ in range(len(picks)):
+                msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(*self.unique_words), self.vocab)}]
+                sessions.append([chat_body(model, msgs, max_tokens)])
+        rng.shuffle(sessions)
+        return sessions
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """`conversations` chats of `turns` turns. The first user message has `first_user_words`
+    (low, high) words, later ones `user_words`, tagged `user_tag` (formatted with c and t); the
+    assistant answers `assistant_words` words tagged `c<c>t<t>a`, or with None a fixed reply.
+    The system prompt is ASSISTANT_SYSTEM, or with `system_groups` one of that many shared
+    prompts of `system_words` words picked per conversation by Zipf (exponent 1) popularity.
+    Shuffled when `shuffle`."""
+
+    conversations: int
+    turns: int
+    first_user_words: tuple[int, int]
+    user_words: tuple[int, int]
+    assistant_words: int | None
+    user_tag: str = "c{c}t{t}u"
+    system_groups: int = 0
+    system_words: int = 0
+    shuffle: bool = True
+    vocab: int = 100000
+
+    def sessions(self, rng: random.Random, model: str, max_tokens: int, n) -> list[list[dict]]:
+        systems = [words(rng, f"s{g}x", self.system_words, self.vocab) for g in range(self.system_groups)]
+        weights = zipf_weights(self.system_groups, 1.0)
+        sessions = []
+        for c in range(n(self.conversations)):
+            system = systems[rng.choices(range(self.system_groups), weights)[0]] if systems else ASSISTANT_SYSTEM
+            msgs: list[dict] = [{"role": "system", "content": system}]
+            conv = []
+            for t in range(self.turns):
+                lo_hi = self.first_user_words if t == 0 else self.user_words
+                user = words(rng, self.user_tag.format(c=c, t=t), rng.randrange(*lo_hi), self.vocab)
+                msgs = msgs + [{"role": "user", "content": user}]
+                conv.append(chat_body(model, list(msgs), max_tokens))
+                msgs = msgs + [{"role": "assistant", "content": self.reply(rng, c, t)}]
+            sessions.append(conv)
+        if self.shuffle:
+            rng.shuffle(sessions)
+        return sessions
+
+    def reply(self, rng: random.Random, c: int, t: int) -> str:
+        if self.assistant_words is None:
+            return f"reply {c} {t} " + " ".join(f"a{c}x{t}x{i}" for i in range(8))
+        return words(rng, f"c{c}t{t}a", self.assistant_words, self.vocab)
+
+
+def make_sessions(shape: SharedPrefix | Conversations, seed, model: str, max_tokens: int,
+                  scale: float = 1.0) -> list[list[dict]]:
+    """The sessions of `shape` for `seed` (anything random.Random takes), every count scaled by
+    `scale` (at least 1)."""
+    def n(x: int) -> int:
+        return max(1, int(round(x * scale)))
+    return shape.sessions(random.Random(seed), model, max_tokens, n)
