@@ -73,8 +73,13 @@ setup_envoy() {
     "$VENV/bin/pip" install -q -r wasm-tests/requirements.txt
     cp wasm-tests/requirements.txt "$VENV/.requirements.installed"
   fi
-  # The project's Python test kit (testkit/llmgw_testkit), editable: it finds the repository from
-  # its own files. Installed again when its pyproject.toml changes.
+  setup_testkit
+}
+
+# The project's Python test kit (testkit/llmgw_testkit), editable: it finds the repository from
+# its own files. Installed again when its pyproject.toml changes.
+setup_testkit() {
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   if ! cmp -s testkit/pyproject.toml "$VENV/.testkit.installed" || ! "$VENV/bin/python" -c 'import llmgw_testkit' 2>/dev/null; then
     log "installing the test kit (testkit/) into .venv"
     "$VENV/bin/pip" install -q -e testkit
@@ -277,6 +282,7 @@ bench() {
 bench_broker() {
   log "building (release): agent, publishers, subscriber"
   cargo build -q --release -p llmgw-agent --bin llmgw-agent --example kv_publishers --example feed_subscribers
+  setup_testkit
   target_dir >/dev/null
   mkdir -p results/broker
   log "broker benchmark (about 3 minutes; log: results/broker/run.log)"
@@ -289,7 +295,7 @@ bench_scale() {
   log "building (release): agent, publishers and subscribers, index benchmark"
   cargo build -q --release -p llmgw-agent --bin llmgw-agent --example kv_publishers --example feed_subscribers
   cargo build -q --release -p llmgw-core --example scale_index
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  setup_testkit
   setup_charts
   target_dir >/dev/null
   mkdir -p results/scale
