@@ -85,9 +85,9 @@ pub struct HubState {
     pub feed: FeedCounters,
     /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks),
     /// and engines not added because every id was in use; by reason.
-    pub discovery_refused: crate::discovery::RefusedCounts,
+    pub discovery_refused: crate::counters::RefusedCounts,
     /// The JetStream consumer's counters (replicas with `events = "jetstream"`).
-    pub jetstream: crate::jetstream::JetStreamCounters,
+    pub jetstream: crate::counters::JetStreamCounters,
     /// Slots of removed engines, reused once their thread and scraper have exited.
     gone_slots: Vec<usize>,
     /// Empty between calls: one batch's net changes while they are published (kept for its
@@ -154,7 +154,7 @@ impl HubState {
             Some(at) => self.gone_slots.swap_remove(at),
             None if self.engines.len() < MAX_ENGINES => self.engines.len(),
             None => {
-                self.discovery_refused.count(crate::discovery::Refused::IdsExhausted);
+                self.discovery_refused.count(crate::counters::Refused::IdsExhausted);
                 return None;
             }
         };
@@ -485,7 +485,7 @@ mod tests {
             assert!(st.add_engine(spec.clone()).is_some());
         }
         assert_eq!(st.add_engine(spec), None);
-        assert_eq!(st.discovery_refused.get(crate::discovery::Refused::IdsExhausted), 1);
+        assert_eq!(st.discovery_refused.get(crate::counters::Refused::IdsExhausted), 1);
         let text = crate::http::exposition::metrics_text(&st);
         assert!(text.contains("llmgw_agent_discovery_refused_total{reason=\"ids_exhausted\"} 1"), "{text}");
     }
