@@ -133,7 +133,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
     ];
     if engines.iter().any(|e| e.source != EventSource::Zmq) {
-        background.push(tokio::spawn(jetstream::consume(cfg.clone(), hub.clone(), stop.clone())));
+        background.push(tokio::spawn(jetstream::consume::consume(cfg.clone(), hub.clone(), stop.clone())));
     }
     for i in 0..cfg.discovery.len() {
         background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), ctx.clone(), stop.clone())));

@@ -28,7 +28,6 @@ pub mod consume;
 pub mod publish;
 
 pub use crate::config::subject;
-pub use consume::consume;
 
 /// Header carrying vLLM's sequence number of the batch (decimal).
 pub const SEQ_HEADER: &str = "Llmgw-Seq";
