@@ -132,7 +132,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
     ];
-    if engines.iter().any(|e| e.source != EventSource::Zmq) {
+    if engines.iter().any(|e| matches!(e.source, EventSource::JetStream { .. })) {
         background.push(tokio::spawn(jetstream::consume::consume(cfg.clone(), hub.clone(), stop.clone())));
     }
     for i in 0..cfg.discovery.len() {

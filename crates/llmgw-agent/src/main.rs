@@ -4,7 +4,7 @@
 mod tools;
 
 use clap::{Args, Parser, Subcommand};
-use llmgw_agent::config::{Config, EventSource};
+use llmgw_agent::config::Config;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -155,21 +155,7 @@ fn main() -> ExitCode {
         Command::VllmArgs(a) => load(&a.config).map(|cfg| print!("{}", llmgw_agent::vllm::render(&cfg))),
         Command::CheckConfig(a) => load(&a.config).map(|cfg| {
             for e in cfg.engines() {
-                println!(
-                    "{} id={} {} {}",
-                    e.label(),
-                    e.id,
-                    e.address,
-                    match &e.source {
-                        EventSource::JetStream { subject } => format!("jetstream {subject}"),
-                        EventSource::Zmq => format!(
-                            "{:?} {} replay={}",
-                            e.mode,
-                            e.endpoint,
-                            e.replay_endpoint.as_deref().unwrap_or("-")
-                        ),
-                    }
-                );
+                println!("{} id={} {} {}", e.label(), e.id, e.address, e.source_summary());
             }
         }),
         Command::Hash(a) => tools::hash(&a),

@@ -59,6 +59,16 @@ impl EngineSpec {
         BlockHasher::new(self.hash.algo, self.hash.seed.as_deref()).ok()
     }
 
+    /// Where its events come from, as `check-config` prints it.
+    pub fn source_summary(&self) -> String {
+        match &self.source {
+            EventSource::JetStream { subject } => format!("jetstream {subject}"),
+            EventSource::Zmq => {
+                format!("{:?} {} replay={}", self.mode, self.endpoint, self.replay_endpoint.as_deref().unwrap_or("-"))
+            }
+        }
+    }
+
     /// Display name: the replica, with `#rank` when it has several ranks.
     pub fn label(&self) -> String {
         format!("{}#{}", self.replica, self.dp_rank)
