@@ -158,9 +158,9 @@ fn main() -> ExitCode {
                 println!("{} id={} {} {}", e.label(), e.id, e.address, e.source_summary());
             }
         }),
-        Command::Hash(a) => tools::hash(&a),
-        Command::Decode(a) => tools::decode(&a),
-        Command::Replay(a) => tools::replay(&a),
+        Command::Hash(a) => tools::hash(&a).map_err(|e| e.to_string()),
+        Command::Decode(a) => tools::decode(&a).map_err(|e| e.to_string()),
+        Command::Replay(a) => tools::replay(&a).map_err(|e| e.to_string()),
         Command::Publish(a) => publish(a),
     };
     match result {
