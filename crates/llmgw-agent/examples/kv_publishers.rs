@@ -150,37 +150,58 @@ fn main() {
     let topic: &[u8] = b"";
     let mut seq = vec![0u64; count];
     let mut next = 0usize;
+    run_phases(count, &advance, &phases, 2 * per as u64, |t, due| {
+        while t.sent < due {
+            let s = &socks[next];
+            let q = seq[next];
+            let p = &payloads[(q as usize) % ring];
+            match s.send_multipart([topic, &q.to_be_bytes()[..], p.as_slice()], zmq::DONTWAIT) {
+                Ok(()) => t.bytes += p.len() as u64,
+                Err(_) => t.dropped += 1,
+            }
+            seq[next] = q + 1;
+            next = (next + 1) % count;
+            t.sent += 1;
+        }
+    });
+}
+
+/// One phase's counts.
+#[derive(Default)]
+struct Tally {
+    sent: u64,
+    bytes: u64,
+    dropped: u64,
+}
+
+/// Runs the phases (rate per publisher, seconds; 0 s: until the `advance` file exists), each
+/// step calling `send` to publish until `sent` reaches the batches due so far, and prints each
+/// phase's start and end.
+fn run_phases(
+    count: usize,
+    advance: &str,
+    phases: &[(f64, f64)],
+    blocks_per_batch: u64,
+    mut send: impl FnMut(&mut Tally, u64),
+) {
     for (pi, &(rate, secs)) in phases.iter().enumerate() {
         println!("{{\"event\":\"phase_start\",\"phase\":{pi},\"rate\":{rate},\"secs\":{secs}}}");
         std::io::stdout().flush().unwrap();
         let start = Instant::now();
-        let mut sent = 0u64;
-        let mut bytes = 0u64;
-        let mut dropped = 0u64;
+        let mut t = Tally::default();
         loop {
             let e = start.elapsed().as_secs_f64();
-            if (secs > 0.0 && e >= secs) || (secs <= 0.0 && std::path::Path::new(&advance).exists()) {
+            if (secs > 0.0 && e >= secs) || (secs <= 0.0 && std::path::Path::new(advance).exists()) {
                 break;
             }
-            let due = (rate * count as f64 * e) as u64;
-            while sent < due {
-                let s = &socks[next];
-                let q = seq[next];
-                let p = &payloads[(q as usize) % ring];
-                match s.send_multipart([topic, &q.to_be_bytes()[..], p.as_slice()], zmq::DONTWAIT) {
-                    Ok(()) => bytes += p.len() as u64,
-                    Err(_) => dropped += 1,
-                }
-                seq[next] = q + 1;
-                next = (next + 1) % count;
-                sent += 1;
-            }
+            send(&mut t, (rate * count as f64 * e) as u64);
             std::thread::sleep(Duration::from_micros(500));
         }
         let e = start.elapsed().as_secs_f64();
+        let Tally { sent, bytes, dropped } = t;
         println!(
             "{{\"event\":\"phase_end\",\"phase\":{pi},\"rate\":{rate},\"secs\":{e:.3},\"batches\":{sent},\"block_events\":{},\"bytes\":{bytes},\"dropped\":{dropped},\"achieved_rate\":{:.1}}}",
-            sent * 2 * per as u64,
+            sent * blocks_per_batch,
             sent as f64 / e / count as f64
         );
         std::io::stdout().flush().unwrap();
@@ -223,42 +244,23 @@ fn nats(
     std::io::stdout().flush().unwrap();
     let mut seq = vec![0u64; count];
     let mut next = 0usize;
-    for (pi, &(rate, secs)) in phases.iter().enumerate() {
-        println!("{{\"event\":\"phase_start\",\"phase\":{pi},\"rate\":{rate},\"secs\":{secs}}}");
-        std::io::stdout().flush().unwrap();
-        let start = Instant::now();
-        let (mut sent, mut bytes, mut dropped) = (0u64, 0u64, 0u64);
-        loop {
-            let e = start.elapsed().as_secs_f64();
-            if (secs > 0.0 && e >= secs) || (secs <= 0.0 && std::path::Path::new(advance).exists()) {
-                break;
-            }
-            let due = (rate * count as f64 * e) as u64;
-            rt.block_on(async {
-                while sent < due {
-                    let q = seq[next];
-                    let p = payloads[(q as usize) % ring].clone();
-                    let len = p.len() as u64;
-                    let mut h = async_nats::HeaderMap::new();
-                    h.insert(llmgw_agent::jetstream::SEQ_HEADER, q.to_string().as_str());
-                    match client.publish_with_headers(subjects[next].clone(), h, p).await {
-                        Ok(()) => bytes += len,
-                        Err(_) => dropped += 1,
-                    }
-                    seq[next] = q + 1;
-                    next = (next + 1) % count;
-                    sent += 1;
+    run_phases(count, advance, phases, blocks_per_batch as u64, |t, due| {
+        rt.block_on(async {
+            while t.sent < due {
+                let q = seq[next];
+                let p = payloads[(q as usize) % ring].clone();
+                let len = p.len() as u64;
+                let mut h = async_nats::HeaderMap::new();
+                h.insert(llmgw_agent::jetstream::SEQ_HEADER, q.to_string().as_str());
+                match client.publish_with_headers(subjects[next].clone(), h, p).await {
+                    Ok(()) => t.bytes += len,
+                    Err(_) => t.dropped += 1,
                 }
-                let _ = client.flush().await;
-            });
-            std::thread::sleep(Duration::from_micros(500));
-        }
-        let e = start.elapsed().as_secs_f64();
-        println!(
-            "{{\"event\":\"phase_end\",\"phase\":{pi},\"rate\":{rate},\"secs\":{e:.3},\"batches\":{sent},\"block_events\":{},\"bytes\":{bytes},\"dropped\":{dropped},\"achieved_rate\":{:.1}}}",
-            sent * blocks_per_batch as u64,
-            sent as f64 / e / count as f64
-        );
-        std::io::stdout().flush().unwrap();
-    }
+                seq[next] = q + 1;
+                next = (next + 1) % count;
+                t.sent += 1;
+            }
+            let _ = client.flush().await;
+        });
+    });
 }

@@ -3,7 +3,8 @@
 //! `GET /kv_event_sources` (or fixed ports). New addresses become engines; vanished ones are
 //! removed (their blocks leave, they leave the replica table).
 
-use crate::config::{parse_tcp, Config, DiscoveryConfig, EngineSpec, Mode, Sources};
+use crate::config::{parse_tcp, Config, DiscoveryConfig, EngineSpec, EventSource, Mode, Sources};
+use crate::counters::Refused;
 use crate::hub::Hub;
 use crate::zmqsub::Engine;
 use serde_json::Value;
@@ -13,65 +14,6 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
-
-/// Why a discovered replica was refused: the `reason` label of
-/// `llmgw_agent_discovery_refused_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
-    /// `/kv_event_sources` answered something discovery cannot use: not the expected JSON, an
-    /// address that does not parse, port 0, or a publisher that connects out.
-    Unparseable,
-    /// It named a host other than the replica's own address.
-    ForeignHost,
-    /// It listed more than [`MAX_RANKS`] ranks.
-    TooManyRanks,
-    /// Every replica id was in use (the engine was not added).
-    IdsExhausted,
-}
-
-impl Refused {
-    pub const ALL: [Refused; 4] =
-        [Refused::Unparseable, Refused::ForeignHost, Refused::TooManyRanks, Refused::IdsExhausted];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Refused::Unparseable => "unparseable",
-            Refused::ForeignHost => "foreign_host",
-            Refused::TooManyRanks => "too_many_ranks",
-            Refused::IdsExhausted => "ids_exhausted",
-        }
-    }
-}
-
-/// Refusals counted by reason.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RefusedCounts {
-    unparseable: u64,
-    foreign_host: u64,
-    too_many_ranks: u64,
-    ids_exhausted: u64,
-}
-
-impl RefusedCounts {
-    pub fn count(&mut self, reason: Refused) {
-        let n = match reason {
-            Refused::Unparseable => &mut self.unparseable,
-            Refused::ForeignHost => &mut self.foreign_host,
-            Refused::TooManyRanks => &mut self.too_many_ranks,
-            Refused::IdsExhausted => &mut self.ids_exhausted,
-        };
-        *n = n.saturating_add(1);
-    }
-
-    pub fn get(&self, reason: Refused) -> u64 {
-        match reason {
-            Refused::Unparseable => self.unparseable,
-            Refused::ForeignHost => self.foreign_host,
-            Refused::TooManyRanks => self.too_many_ranks,
-            Refused::IdsExhausted => self.ids_exhausted,
-        }
-    }
-}
 
 /// A `/kv_event_sources` answer (or one endpoint of it) refused: why, and what was wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,7 +77,7 @@ pub fn publisher_endpoint(ip: IpAddr, published: &str) -> Result<String, Sources
             "publisher {published:?} connects out; discovery needs it to bind"
         )));
     }
-    let (host, port) = parse_tcp(published).map_err(SourcesError::unparseable)?;
+    let (host, port) = parse_tcp(published).map_err(|e| SourcesError::unparseable(e.to_string()))?;
     if port == 0 {
         return Err(SourcesError::unparseable(format!("publisher {published:?} has port 0")));
     }
@@ -144,7 +86,7 @@ pub fn publisher_endpoint(ip: IpAddr, published: &str) -> Result<String, Sources
 
 /// vLLM always binds the replay ROUTER.
 pub fn replay_endpoint(ip: IpAddr, published: &str) -> Result<String, SourcesError> {
-    let (host, port) = parse_tcp(published).map_err(SourcesError::unparseable)?;
+    let (host, port) = parse_tcp(published).map_err(|e| SourcesError::unparseable(e.to_string()))?;
     endpoint_on(ip, &host, port, published)
 }
 
@@ -238,7 +180,7 @@ pub fn specs(cfg: &Config, d: &DiscoveryConfig, ip: IpAddr, sources: &[Source]) 
             topic: s.topic.clone(),
             hash: d.hash.clone().unwrap_or_else(|| cfg.hash.clone()),
             metrics_url: d.scrape.then(|| format!("http://{address}/metrics")),
-            subject: None,
+            source: EventSource::Zmq,
         })
         .collect()
 }
@@ -285,7 +227,7 @@ pub async fn run(cfg: Config, idx: usize, hub: Arc<Hub>, ctx: zmq::Context, stop
                 Sources::Static => static_sources(&d, ip),
                 Sources::KvEventSources => {
                     let url = format!("http://{}/kv_event_sources", SocketAddr::new(ip, d.port));
-                    match crate::load::http_get(&url, Duration::from_millis(cfg.load.timeout_ms)).await {
+                    match crate::http_client::get(&url, Duration::from_millis(cfg.load.timeout_ms)).await {
                         Ok(body) => match parse_sources(ip, &body) {
                             Ok(s) => s,
                             Err(e) => {
@@ -396,7 +338,7 @@ mod tests {
         let many: Vec<String> = (0..=MAX_RANKS).map(|r| format!(r#""{r}":{{"endpoint":"tcp://*:1"}}"#)).collect();
         assert_eq!(reason(&format!("{{{}}}", many.join(","))), Err(Refused::TooManyRanks));
         // Counted apart, each under its own label.
-        let mut counts = RefusedCounts::default();
+        let mut counts = crate::counters::RefusedCounts::default();
         counts.count(Refused::ForeignHost);
         counts.count(Refused::ForeignHost);
         counts.count(Refused::TooManyRanks);

@@ -141,12 +141,22 @@ impl service::feed_server::Feed for FeedService {
     }
 }
 
+/// A PEM file of `[feed]` that cannot be read.
+#[derive(Debug, thiserror::Error)]
+#[error("feed.{field} {}: {source}", path.display())]
+pub struct TlsError {
+    pub field: &'static str,
+    pub path: std::path::PathBuf,
+    pub source: std::io::Error,
+}
+
 /// The feed's TLS settings from `[feed]` (`None` without `tls_cert`), the PEM files read now so
 /// that a missing or unreadable file is an error at start naming it.
-pub fn tls_config(cfg: &crate::config::FeedConfig) -> Result<Option<ServerTlsConfig>, String> {
+pub fn tls_config(cfg: &crate::config::FeedConfig) -> Result<Option<ServerTlsConfig>, TlsError> {
     let (Some(cert), Some(key)) = (&cfg.tls_cert, &cfg.tls_key) else { return Ok(None) };
-    let read =
-        |field: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("feed.{field} {}: {e}", p.display()));
+    let read = |field: &'static str, p: &std::path::Path| {
+        std::fs::read(p).map_err(|source| TlsError { field, path: p.to_owned(), source })
+    };
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read("tls_cert", cert)?, read("tls_key", key)?));
     if let Some(ca) = &cfg.client_ca {
         tls = tls.client_ca_root(Certificate::from_pem(read("client_ca", ca)?));

@@ -21,14 +21,29 @@ pub struct LaunchSpec {
     pub stop_timeout: Duration,
 }
 
+/// Why the replica cannot be launched or supervised.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("no such replica")]
+    NoSuchReplica,
+    #[error("launch needs a command after --, e.g. -- vllm serve MODEL")]
+    NoCommand,
+    #[error("empty command")]
+    EmptyCommand,
+    #[error("cannot start {program}: {source}")]
+    Start { program: String, source: std::io::Error },
+    #[error("{0}")]
+    Wait(std::io::Error),
+}
+
 /// Environment variables as (name, value).
 pub type Env = Vec<(String, String)>;
 
 /// The full command line and environment for the child.
-pub fn command_line(cfg: &Config, spec: &LaunchSpec) -> Result<(Vec<String>, Env), String> {
-    let r = cfg.replicas.get(spec.replica).ok_or("no such replica")?;
+pub fn command_line(cfg: &Config, spec: &LaunchSpec) -> Result<(Vec<String>, Env), LaunchError> {
+    let r = cfg.replicas.get(spec.replica).ok_or(LaunchError::NoSuchReplica)?;
     if spec.command.is_empty() {
-        return Err("launch needs a command after --, e.g. -- vllm serve MODEL".into());
+        return Err(LaunchError::NoCommand);
     }
     let extra = crate::vllm::for_replica(cfg, r);
     let mut argv = spec.command.clone();
@@ -68,11 +83,11 @@ pub fn redacted(argv: &[String]) -> Vec<String> {
     out
 }
 
-fn spawn(argv: &[String], env: &[(String, String)]) -> Result<Child, String> {
-    let (prog, args) = argv.split_first().ok_or("empty command")?;
+fn spawn(argv: &[String], env: &[(String, String)]) -> Result<Child, LaunchError> {
+    let (prog, args) = argv.split_first().ok_or(LaunchError::EmptyCommand)?;
     let mut c = Command::new(prog);
     c.args(args).envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str()))).kill_on_drop(true);
-    c.spawn().map_err(|e| format!("cannot start {prog}: {e}"))
+    c.spawn().map_err(|source| LaunchError::Start { program: prog.clone(), source })
 }
 
 /// Sends `sig` to the child. Its pid cannot have been reused: `Child::id` is `None` once the
@@ -90,7 +105,7 @@ pub async fn supervise(
     spec: LaunchSpec,
     hub: Arc<Hub>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
-) -> Result<(), String> {
+) -> Result<(), LaunchError> {
     let (argv, env) = command_line(&cfg, &spec)?;
     let name = cfg.replicas.get(spec.replica).map(|r| r.name.clone()).unwrap_or_default();
     let engines: Vec<usize> =
@@ -116,7 +131,7 @@ pub async fn supervise(
             }
             return Ok(());
         };
-        let status = status.map_err(|e| e.to_string())?;
+        let status = status.map_err(LaunchError::Wait)?;
         warn!(replica = %name, %status, "vLLM exited; its blocks leave the index and it is restarted");
         {
             let mut st = hub.state();

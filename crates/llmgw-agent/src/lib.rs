@@ -4,51 +4,84 @@
 //! * [`config`]: the TOML configuration and the engines it describes.
 //! * [`discovery`]: replicas found by DNS, with endpoints from vLLM's `/kv_event_sources`.
 //! * [`seq`]: the per-publisher sequence discipline (gaps, replay, restarts), no I/O.
+//! * [`ingest`]: the event-source seam: what a source yields, and the one loop body that
+//!   judges, replays and applies it for every source.
 //! * [`zmqsub`]: one thread per engine with a libzmq SUB socket and replay DEALER.
 //! * [`jetstream`]: events through NATS JetStream instead (publishing beside a replica,
 //!   consuming in the agent).
 //! * [`hub`]: mirrors, feed subscribers, snapshots and counters.
+//! * [`counters`]: the discovery's and the JetStream consumer's counters the hub keeps.
 //! * [`feed`]: the `llmgw.feed.v1.Feed/Subscribe` gRPC service.
 //! * [`http`]: `/metrics`, `/healthz`, `/debug/replicas`.
 //! * [`load`]: scraping each replica's `/metrics` for load and liveness.
+//! * [`http_client`]: the plain-HTTP GET that load scraping and discovery use.
 //! * [`vllm`]: the vLLM flags and environment matching the agent's configuration.
 //! * [`launch`]: running and supervising one vLLM replica under the agent.
+//! * [`shutdown`]: the stop signals, and joining engine threads.
 
 pub mod config;
+pub mod counters;
 pub mod discovery;
 pub mod feed;
 pub mod http;
+pub mod http_client;
 pub mod hub;
+pub mod ingest;
 pub mod jetstream;
 pub mod launch;
 pub mod load;
 pub mod seq;
+pub mod shutdown;
 pub mod vllm;
 pub mod zmqsub;
 
-use config::Config;
+use config::{Config, EventSource};
+use shutdown::{join_threads, shutdown_signal};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
 
+/// Why the agent could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("cannot start runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error(transparent)]
+    FeedTls(#[from] feed::TlsError),
+    /// A listener (`feed.listen`, `http.listen`) could not be opened.
+    #[error("{field} {addr}: {source}")]
+    Listen { field: &'static str, addr: SocketAddr, source: std::io::Error },
+    #[error("{0}")]
+    LocalAddr(std::io::Error),
+    #[error("cannot start engine thread: {0}")]
+    Thread(std::io::Error),
+    #[error(transparent)]
+    Join(#[from] shutdown::JoinError),
+}
+
 /// Runs the agent until SIGINT or SIGTERM.
-pub fn run(cfg: Config) -> Result<(), String> {
+pub fn run(cfg: Config) -> Result<(), RunError> {
     run_with(cfg, None)
 }
 
 /// Runs the agent, and with `launch` also supervises a vLLM process, until SIGINT or SIGTERM.
-pub fn run_with(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), String> {
+pub fn run_with(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), RunError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("llmgw-agent")
         .build()
-        .map_err(|e| format!("cannot start runtime: {e}"))?;
+        .map_err(RunError::Runtime)?;
     rt.block_on(run_async(cfg, launch))
 }
 
-async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), String> {
+async fn bind(field: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, RunError> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|source| RunError::Listen { field, addr, source })
+}
+
+async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<(), RunError> {
     let engines = cfg.engines();
     let hub = hub::Hub::new(engines.clone(), cfg.feed.max_queue, cfg.zmq.max_blocks_per_engine);
     {
@@ -57,19 +90,15 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         st.max_subscribers = cfg.feed.max_subscribers;
     }
     let feed_tls = feed::tls_config(&cfg.feed)?;
-    let feed_listener = tokio::net::TcpListener::bind(cfg.feed.listen)
-        .await
-        .map_err(|e| format!("feed.listen {}: {e}", cfg.feed.listen))?;
-    let http_listener = tokio::net::TcpListener::bind(cfg.http.listen)
-        .await
-        .map_err(|e| format!("http.listen {}: {e}", cfg.http.listen))?;
+    let feed_listener = bind("feed.listen", cfg.feed.listen).await?;
+    let http_listener = bind("http.listen", cfg.http.listen).await?;
     if !cfg.http.listen.ip().is_loopback() {
         warn!(listen = %cfg.http.listen, "observability endpoints listen on a non-loopback address");
     }
     info!(
-        feed = %feed_listener.local_addr().map_err(|e| e.to_string())?,
+        feed = %feed_listener.local_addr().map_err(RunError::LocalAddr)?,
         tls = feed_tls.is_some(),
-        http = %http_listener.local_addr().map_err(|e| e.to_string())?,
+        http = %http_listener.local_addr().map_err(RunError::LocalAddr)?,
         engines = engines.len(),
         "llmgw-agent listening"
     );
@@ -83,12 +112,12 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     // group of engines gets a context of its own.
     const ENGINES_PER_CONTEXT: usize = 200;
     let mut group_ctx = ctx.clone();
-    for (i, spec) in engines.iter().filter(|e| e.subject.is_none()).enumerate() {
+    for (i, spec) in engines.iter().filter(|e| e.source == EventSource::Zmq).enumerate() {
         if i > 0 && i % ENGINES_PER_CONTEXT == 0 {
             group_ctx = zmq::Context::new();
         }
         let t = zmqsub::Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), group_ctx.clone(), stop.clone())
-            .map_err(|e| format!("cannot start engine thread: {e}"))?;
+            .map_err(RunError::Thread)?;
         threads.push(t);
     }
 
@@ -103,8 +132,8 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
     ];
-    if engines.iter().any(|e| e.subject.is_some()) {
-        background.push(tokio::spawn(jetstream::consume(cfg.clone(), hub.clone(), stop.clone())));
+    if engines.iter().any(|e| matches!(e.source, EventSource::JetStream { .. })) {
+        background.push(tokio::spawn(jetstream::consume::consume(cfg.clone(), hub.clone(), stop.clone())));
     }
     for i in 0..cfg.discovery.len() {
         background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), ctx.clone(), stop.clone())));
@@ -134,33 +163,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     }
     let _ = tokio::time::timeout(Duration::from_secs(3), feed_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(3), http_task).await;
-    join_threads(threads).await
-}
-
-/// Waits, off the runtime's threads, for the engine threads to end.
-pub(crate) async fn join_threads(threads: Vec<std::thread::JoinHandle<()>>) -> Result<(), String> {
-    tokio::task::spawn_blocking(move || {
-        for t in threads {
-            let _ = t.join();
-        }
-    })
-    .await
-    .map_err(|e| e.to_string())
-}
-
-pub(crate) async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
-    }
+    Ok(join_threads(threads).await?)
 }
 
 /// Logs a warning when an engine's hash parity drops below the threshold.

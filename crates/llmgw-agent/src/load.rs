@@ -6,11 +6,7 @@ use crate::hub::{Health, Hub};
 use llmgw_core::feed::ReplicaLoad;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::{info, warn};
-
-/// Largest /metrics body read.
-const MAX_BODY: u64 = 16 << 20;
 
 /// Load figures parsed from one /metrics page.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -67,32 +63,6 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     })
 }
 
-/// GET `url` (plain http) and return the body of a 200 response.
-pub async fn http_get(url: &str, timeout: Duration) -> Result<String, String> {
-    let rest = url.strip_prefix("http://").ok_or("only http:// URLs are supported")?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")),
-        None => (rest, "/"),
-    };
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(hostport).await.map_err(|e| e.to_string())?;
-        let req =
-            format!("GET {path} HTTP/1.0\r\nHost: {hostport}\r\nAccept: text/plain\r\nUser-Agent: llmgw-agent\r\n\r\n");
-        s.write_all(req.as_bytes()).await.map_err(|e| e.to_string())?;
-        let mut buf = Vec::new();
-        s.take(MAX_BODY).read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
-        Ok::<Vec<u8>, String>(buf)
-    };
-    let buf = tokio::time::timeout(timeout, fut).await.map_err(|_| "timed out".to_owned())??;
-    let text = String::from_utf8_lossy(&buf);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("malformed HTTP response")?;
-    let status = head.lines().next().unwrap_or("");
-    if status.split_whitespace().nth(1) != Some("200") {
-        return Err(format!("HTTP status {status:?}"));
-    }
-    Ok(body.to_owned())
-}
-
 /// Scrapes one engine's replica forever.
 pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
     let Some(url) = spec.metrics_url.clone() else { return };
@@ -112,7 +82,7 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
         if stop.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
-        let got = http_get(&url, Duration::from_millis(cfg.timeout_ms)).await;
+        let got = crate::http_client::get(&url, Duration::from_millis(cfg.timeout_ms)).await;
         if stop.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }

@@ -125,7 +125,7 @@ fn prepare(a: RunArgs) -> Result<Config, String> {
 fn publish(a: PublishArgs) -> Result<(), String> {
     tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
     let cfg = load(&a.config)?;
-    llmgw_agent::jetstream::publish::run(cfg, a.replica.as_deref())
+    llmgw_agent::jetstream::publish::run(cfg, a.replica.as_deref()).map_err(|e| e.to_string())
 }
 
 fn launch(a: LaunchArgs) -> Result<(), String> {
@@ -144,37 +144,23 @@ fn launch(a: LaunchArgs) -> Result<(), String> {
         command: a.command,
         stop_timeout: std::time::Duration::from_secs(a.stop_timeout_secs),
     };
-    llmgw_agent::run_with(cfg, Some(spec))
+    llmgw_agent::run_with(cfg, Some(spec)).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(a) => prepare(a).and_then(llmgw_agent::run),
+        Command::Run(a) => prepare(a).and_then(|cfg| llmgw_agent::run(cfg).map_err(|e| e.to_string())),
         Command::Launch(a) => launch(a),
         Command::VllmArgs(a) => load(&a.config).map(|cfg| print!("{}", llmgw_agent::vllm::render(&cfg))),
         Command::CheckConfig(a) => load(&a.config).map(|cfg| {
             for e in cfg.engines() {
-                println!(
-                    "{} id={} {} {}",
-                    e.label(),
-                    e.id,
-                    e.address,
-                    match &e.subject {
-                        Some(s) => format!("jetstream {s}"),
-                        None => format!(
-                            "{:?} {} replay={}",
-                            e.mode,
-                            e.endpoint,
-                            e.replay_endpoint.as_deref().unwrap_or("-")
-                        ),
-                    }
-                );
+                println!("{} id={} {} {}", e.label(), e.id, e.address, e.source_summary());
             }
         }),
-        Command::Hash(a) => tools::hash(&a),
-        Command::Decode(a) => tools::decode(&a),
-        Command::Replay(a) => tools::replay(&a),
+        Command::Hash(a) => tools::hash(&a).map_err(|e| e.to_string()),
+        Command::Decode(a) => tools::decode(&a).map_err(|e| e.to_string()),
+        Command::Replay(a) => tools::replay(&a).map_err(|e| e.to_string()),
         Command::Publish(a) => publish(a),
     };
     match result {

@@ -44,34 +44,77 @@ pub struct DecodeArgs {
     pub hex: bool,
 }
 
-fn read_stdin() -> Result<Vec<u8>, String> {
+/// Why a tool failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    #[error("cannot read stdin: {0}")]
+    Stdin(std::io::Error),
+    #[error("{0}")]
+    Output(#[from] std::io::Error),
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error("--block-size must be at least 1")]
+    BlockSizeZero,
+    #[error("--block-size {0} does not fit this platform")]
+    BlockSizeTooLarge(u32),
+    #[error("--lookahead-tokens must be at most {}", llmgw_core::hash::MAX_LOOKAHEAD)]
+    Lookahead,
+    /// The hash settings or the hashing refused (the hasher's own message).
+    #[error("{0}")]
+    Hash(String),
+    #[error("stdin must be a JSON array of token ids (0..2^32): {0}")]
+    Tokens(serde_json::Error),
+    #[error("hex input has an odd number of digits ({0})")]
+    OddHex(usize),
+    #[error("invalid hex digit pair at position {0}")]
+    BadHex(usize),
+    #[error("malformed payload: {0}")]
+    Malformed(String),
+    #[error("{}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{} line {line}: {source}", path.display())]
+    Line { path: PathBuf, line: usize, source: serde_json::Error },
+    #[error("{} line {line}: all_token_ids: {source}", path.display())]
+    TokenIds { path: PathBuf, line: usize, source: serde_json::Error },
+    #[error("capture line {0}: no payload_hex")]
+    NoPayloadHex(usize),
+    #[error(
+        "{0} block hashes did not match: the engine's PYTHONHASHSEED or hash algorithm differs from --seed/--algo"
+    )]
+    ParityMismatch(u64),
+}
+
+fn hash_error(e: impl std::fmt::Display) -> ToolError {
+    ToolError::Hash(e.to_string())
+}
+
+fn read_stdin() -> Result<Vec<u8>, ToolError> {
     let mut buf = Vec::new();
-    std::io::stdin().read_to_end(&mut buf).map_err(|e| format!("cannot read stdin: {e}"))?;
+    std::io::stdin().read_to_end(&mut buf).map_err(ToolError::Stdin)?;
     Ok(buf)
 }
 
-fn print(v: &Value) -> Result<(), String> {
+fn print(v: &Value) -> Result<(), ToolError> {
     let mut out = std::io::stdout().lock();
-    serde_json::to_writer(&mut out, v).map_err(|e| e.to_string())?;
-    writeln!(out).map_err(|e| e.to_string())
+    serde_json::to_writer(&mut out, v)?;
+    Ok(writeln!(out)?)
 }
 
 /// `--block-size`, which must be at least 1.
-fn block_size(n: u32) -> Result<usize, String> {
+fn block_size(n: u32) -> Result<usize, ToolError> {
     match usize::try_from(n) {
-        Ok(0) => Err("--block-size must be at least 1".into()),
+        Ok(0) => Err(ToolError::BlockSizeZero),
         Ok(n) => Ok(n),
-        Err(_) => Err(format!("--block-size {n} does not fit this platform")),
+        Err(_) => Err(ToolError::BlockSizeTooLarge(n)),
     }
 }
 
-pub fn hash(a: &HashArgs) -> Result<(), String> {
-    let algo = HashAlgo::parse(&a.algo).map_err(|e| e.to_string())?;
+pub fn hash(a: &HashArgs) -> Result<(), ToolError> {
+    let algo = HashAlgo::parse(&a.algo).map_err(hash_error)?;
     let block_size = block_size(a.block_size)?;
     let input = read_stdin()?;
-    let tokens: Vec<u32> = serde_json::from_slice(&input)
-        .map_err(|e| format!("stdin must be a JSON array of token ids (0..2^32): {e}"))?;
-    let mut hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?;
+    let tokens: Vec<u32> = serde_json::from_slice(&input).map_err(ToolError::Tokens)?;
+    let mut hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(hash_error)?;
     let extras = RequestExtras {
         cache_salt: a.cache_salt.clone(),
         lora: a.lora_name.clone().zip(a.lora_path.clone()),
@@ -79,17 +122,17 @@ pub fn hash(a: &HashArgs) -> Result<(), String> {
         lookahead: usize::try_from(a.lookahead_tokens)
             .ok()
             .filter(|&l| l <= llmgw_core::hash::MAX_LOOKAHEAD)
-            .ok_or_else(|| format!("--lookahead-tokens must be at most {}", llmgw_core::hash::MAX_LOOKAHEAD))?,
+            .ok_or(ToolError::Lookahead)?,
     };
-    let blocks = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
+    let blocks = hasher.hash_request(&tokens, block_size, &extras).map_err(hash_error)?;
     let blocks: Vec<Value> = blocks.iter().map(|b| json!({"hash_hex": b.digest.to_hex(), "u64": b.key})).collect();
     print(&json!({ "blocks": blocks }))
 }
 
-fn parse_hex(text: &[u8]) -> Result<Vec<u8>, String> {
+fn parse_hex(text: &[u8]) -> Result<Vec<u8>, ToolError> {
     let digits: Vec<u8> = text.iter().copied().filter(|b| !b.is_ascii_whitespace()).collect();
     if !digits.len().is_multiple_of(2) {
-        return Err(format!("hex input has an odd number of digits ({})", digits.len()));
+        return Err(ToolError::OddHex(digits.len()));
     }
     digits
         .chunks(2)
@@ -98,7 +141,7 @@ fn parse_hex(text: &[u8]) -> Result<Vec<u8>, String> {
             std::str::from_utf8(pair)
                 .ok()
                 .and_then(|s| u8::from_str_radix(s, 16).ok())
-                .ok_or_else(|| format!("invalid hex digit pair at position {}", i.saturating_mul(2)))
+                .ok_or(ToolError::BadHex(i.saturating_mul(2)))
         })
         .collect()
 }
@@ -181,10 +224,10 @@ pub fn event_json(ev: &WireEvent) -> Option<Value> {
     })
 }
 
-pub fn decode(a: &DecodeArgs) -> Result<(), String> {
+pub fn decode(a: &DecodeArgs) -> Result<(), ToolError> {
     let input = read_stdin()?;
     let payload = if a.hex { parse_hex(&input)? } else { input };
-    let batch = decode_batch(&payload).map_err(|e| format!("malformed payload: {e}"))?;
+    let batch = decode_batch(&payload).map_err(|e| ToolError::Malformed(e.to_string()))?;
     let mut events = Vec::new();
     let mut skipped = Vec::new();
     for (i, ev) in batch.events.iter().enumerate() {
@@ -233,29 +276,31 @@ fn line_no(i: usize) -> usize {
     i.saturating_add(1)
 }
 
-fn read_jsonl(path: &PathBuf) -> Result<Vec<Value>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+fn read_jsonl(path: &PathBuf) -> Result<Vec<Value>, ToolError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ToolError::Read { path: path.clone(), source })?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("{} line {}: {e}", path.display(), line_no(i))))
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|source| ToolError::Line { path: path.clone(), line: line_no(i), source })
+        })
         .collect()
 }
 
-pub fn replay(a: &ReplayArgs) -> Result<(), String> {
-    let algo = HashAlgo::parse(&a.algo).map_err(|e| e.to_string())?;
+pub fn replay(a: &ReplayArgs) -> Result<(), ToolError> {
+    let algo = HashAlgo::parse(&a.algo).map_err(hash_error)?;
     let block_size = block_size(a.block_size)?;
-    let mut hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?;
-    let mut mirror = EngineMirror::new(Some(BlockHasher::new(algo, a.seed.as_deref()).map_err(|e| e.to_string())?));
+    let mut hasher = BlockHasher::new(algo, a.seed.as_deref()).map_err(hash_error)?;
+    let mut mirror = EngineMirror::new(Some(BlockHasher::new(algo, a.seed.as_deref()).map_err(hash_error)?));
     let mut index = ReplicaIndex::new();
     let mut requests = Vec::new();
     if let Some(p) = &a.requests {
         for (i, r) in read_jsonl(p)?.iter().enumerate() {
             let tokens: Vec<u32> = serde_json::from_value(r["all_token_ids"].clone())
-                .map_err(|e| format!("{} line {}: all_token_ids: {e}", p.display(), line_no(i)))?;
+                .map_err(|source| ToolError::TokenIds { path: p.clone(), line: line_no(i), source })?;
             let extras =
                 RequestExtras { cache_salt: r["cache_salt"].as_str().map(str::to_owned), ..Default::default() };
-            let keys = hasher.hash_request(&tokens, block_size, &extras).map_err(|e| e.to_string())?;
+            let keys = hasher.hash_request(&tokens, block_size, &extras).map_err(hash_error)?;
             requests.push(Request {
                 id: r["request_id"].as_str().unwrap_or("?").to_owned(),
                 keys: keys.iter().map(|b| b.key).collect(),
@@ -265,7 +310,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
         }
     }
     let mut out = std::io::stdout().lock();
-    let w = |out: &mut std::io::StdoutLock<'_>, s: String| writeln!(out, "{s}").map_err(|e| e.to_string());
+    let w = |out: &mut std::io::StdoutLock<'_>, s: String| writeln!(out, "{s}");
     w(
         &mut out,
         format!(
@@ -283,7 +328,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
             }
         }
         last_seq = Some(seq);
-        let hexs = rec["payload_hex"].as_str().ok_or_else(|| format!("capture line {}: no payload_hex", line_no(i)))?;
+        let hexs = rec["payload_hex"].as_str().ok_or(ToolError::NoPayloadHex(line_no(i)))?;
         let payload = parse_hex(hexs.as_bytes())?;
         let batch = match EventBatch::decode(&payload) {
             Ok(b) => b,
@@ -358,10 +403,7 @@ pub fn replay(a: &ReplayArgs) -> Result<(), String> {
         }
     }
     if st.parity.mismatched > 0 {
-        return Err(format!(
-            "{} block hashes did not match: the engine's PYTHONHASHSEED or hash algorithm differs from --seed/--algo",
-            st.parity.mismatched
-        ));
+        return Err(ToolError::ParityMismatch(st.parity.mismatched));
     }
     Ok(())
 }

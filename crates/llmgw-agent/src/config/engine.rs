@@ -22,14 +22,51 @@ pub struct EngineSpec {
     pub topic: String,
     pub hash: HashConfig,
     pub metrics_url: Option<String>,
-    /// The JetStream subject its events come on (`events = "jetstream"`), else `None`.
-    pub subject: Option<String>,
+    /// Where its events come from.
+    pub source: EventSource,
+}
+
+/// Where an engine's KV events come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventSource {
+    /// Its ZMQ publisher (`endpoint`, `replay_endpoint`, `topic`, `mode`).
+    Zmq,
+    /// The `[jetstream]` stream, on this subject.
+    JetStream { subject: String },
+}
+
+impl EventSource {
+    /// The JetStream subject, for an engine fed from the stream.
+    pub fn subject(&self) -> Option<&str> {
+        match self {
+            EventSource::Zmq => None,
+            EventSource::JetStream { subject } => Some(subject),
+        }
+    }
+}
+
+/// The subject an engine's batches are published on: `{prefix}.{address}.{rank}`, the address
+/// with every character other than a letter or digit replaced by `_` (subject tokens cannot hold
+/// `.` or `:`). Both ends derive it from the address the filter routes to.
+pub fn subject(prefix: &str, address: &str, rank: u32) -> String {
+    let token: String = address.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    format!("{prefix}.{token}.{rank}")
 }
 
 impl EngineSpec {
     /// The hasher parity checks use (validated at load).
     pub fn hasher(&self) -> Option<BlockHasher> {
         BlockHasher::new(self.hash.algo, self.hash.seed.as_deref()).ok()
+    }
+
+    /// Where its events come from, as `check-config` prints it.
+    pub fn source_summary(&self) -> String {
+        match &self.source {
+            EventSource::JetStream { subject } => format!("jetstream {subject}"),
+            EventSource::Zmq => {
+                format!("{:?} {} replay={}", self.mode, self.endpoint, self.replay_endpoint.as_deref().unwrap_or("-"))
+            }
+        }
     }
 
     /// Display name: the replica, with `#rank` when it has several ranks.
@@ -66,11 +103,11 @@ impl Config {
                     topic: r.topic.clone(),
                     hash: r.hash.clone().unwrap_or_else(|| self.hash.clone()),
                     metrics_url,
-                    subject: match (r.events, &self.jetstream) {
+                    source: match (r.events, &self.jetstream) {
                         (Events::Jetstream, Some(js)) => {
-                            Some(crate::jetstream::subject(&js.subject_prefix, &r.address, rank))
+                            EventSource::JetStream { subject: subject(&js.subject_prefix, &r.address, rank) }
                         }
-                        _ => None,
+                        _ => EventSource::Zmq,
                     },
                 });
                 id = id.saturating_add(1);
@@ -89,16 +126,29 @@ pub(super) fn is_loopback_host(host: &str) -> bool {
     }
 }
 
+/// Why an endpoint is not `tcp://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("{0:?}: only tcp://host:port endpoints are supported")]
+    NotTcp(String),
+    #[error("{0:?}: missing :port")]
+    MissingPort(String),
+    #[error("{0:?}: missing host")]
+    MissingHost(String),
+    #[error("{endpoint:?}: bad port {port:?}")]
+    BadPort { endpoint: String, port: String },
+}
+
 /// Splits `tcp://host:port`.
-pub fn parse_tcp(endpoint: &str) -> Result<(String, u16), String> {
-    let rest = endpoint
-        .strip_prefix("tcp://")
-        .ok_or_else(|| format!("{endpoint:?}: only tcp://host:port endpoints are supported"))?;
-    let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("{endpoint:?}: missing :port"))?;
+pub fn parse_tcp(endpoint: &str) -> Result<(String, u16), EndpointError> {
+    let rest = endpoint.strip_prefix("tcp://").ok_or_else(|| EndpointError::NotTcp(endpoint.to_owned()))?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| EndpointError::MissingPort(endpoint.to_owned()))?;
     if host.is_empty() {
-        return Err(format!("{endpoint:?}: missing host"));
+        return Err(EndpointError::MissingHost(endpoint.to_owned()));
     }
-    let port = port.parse::<u16>().map_err(|_| format!("{endpoint:?}: bad port {port:?}"))?;
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| EndpointError::BadPort { endpoint: endpoint.to_owned(), port: port.to_owned() })?;
     Ok((host.to_owned(), port))
 }
 

@@ -30,7 +30,7 @@
 mod engine;
 mod validate;
 
-pub use engine::{offset_port, parse_tcp, EngineSpec};
+pub use engine::{offset_port, parse_tcp, subject, EndpointError, EngineSpec, EventSource};
 
 use llmgw_core::hash::{defaults, HashAlgo};
 use serde::Deserialize;

@@ -95,7 +95,7 @@ impl Config {
                     "missing: the replica's ZMQ publisher (tcp://host:port), or events = \"jetstream\"",
                 ));
             }
-            let (host, port) = parse_tcp(&r.endpoint).map_err(|m| err(f("endpoint"), m))?;
+            let (host, port) = parse_tcp(&r.endpoint).map_err(|m| err(f("endpoint"), m.to_string()))?;
             let last = u32::from(port).saturating_add(r.dp_ranks).saturating_sub(1);
             if port == 0 || last > u32::from(u16::MAX) {
                 return Err(err(f("endpoint"), "port must be non-zero and port + dp_ranks - 1 must fit in 65535"));
@@ -110,7 +110,7 @@ impl Config {
                 return Err(err(f("endpoint"), "connect mode needs the replica's host, not *"));
             }
             if let Some(rep) = &r.replay_endpoint {
-                let (rhost, rport) = parse_tcp(rep).map_err(|m| err(f("replay_endpoint"), m))?;
+                let (rhost, rport) = parse_tcp(rep).map_err(|m| err(f("replay_endpoint"), m.to_string()))?;
                 if rhost == "*" {
                     return Err(err(
                         f("replay_endpoint"),
@@ -161,7 +161,7 @@ impl Config {
         for (i, r) in self.replicas.iter().enumerate() {
             if let (Events::Jetstream, Some(js)) = (r.events, &self.jetstream) {
                 for rank in 0..r.dp_ranks {
-                    let s = crate::jetstream::subject(&js.subject_prefix, &r.address, rank);
+                    let s = super::engine::subject(&js.subject_prefix, &r.address, rank);
                     if let Some(j) = seen.insert(s.clone(), i) {
                         return Err(err(
                             format!("replicas[{i}].address"),
@@ -305,8 +305,8 @@ mod tests {
         let rep = "[[replicas]]\nname = \"j\"\naddress = \"127.0.0.1:8009\"\nevents = \"jetstream\"\n";
         let cfg = Config::parse(&format!("{js}{OK}{rep}")).unwrap();
         let e = cfg.engines();
-        assert_eq!(e.last().and_then(|e| e.subject.as_deref()), Some("llmgw.kv.127_0_0_1_8009.0"));
-        assert!(e.first().is_some_and(|e| e.subject.is_none()));
+        assert_eq!(e.last().and_then(|e| e.source.subject()), Some("llmgw.kv.127_0_0_1_8009.0"));
+        assert!(e.first().is_some_and(|e| e.source.subject().is_none()));
         let cases = [
             (format!("{OK}{rep}"), "replicas[2].events"),
             (format!("{js}{OK}{rep}endpoint = \"tcp://127.0.0.1:7000\"\n"), "replicas[2].endpoint"),

@@ -3,7 +3,7 @@
 //! to copy; its sort and JSON come after.
 
 use crate::config::EngineSpec;
-use crate::discovery::Refused;
+use crate::counters::Refused;
 use crate::hub::{EngineCounters, EngineState, Hub, HubState};
 use llmgw_core::feed::ReplicaLoad;
 use llmgw_core::mirror::MirrorStats;

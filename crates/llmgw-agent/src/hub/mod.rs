@@ -6,16 +6,19 @@
 //! stream task then builds the replica table and snapshot under the hub lock, so the snapshot
 //! and the deltas that follow it are consistent.
 //!
-//! * [`state`]: engines (mirror, health, counters) and the replica table.
-//! * [`subscribers`]: feed queues, publishing, snapshots.
+//! * [`state`]: engines (mirror, health, counters), the replica table, and publishing to the
+//!   subscribers' queues.
+//! * [`queue`]: one subscriber's bounded queue.
+//! * [`subscribers`]: subscribing, snapshots for new and lagging subscribers.
 //!
 //! What the HTTP server shows of this state is in [`crate::http::exposition`].
 
+mod queue;
 mod state;
 mod subscribers;
 
+pub use queue::{FeedCounters, Subscriber, CHUNK_BLOCKS};
 pub use state::{EngineCounters, EngineState, Health, HubState};
-pub use subscribers::{FeedCounters, Subscriber, CHUNK_BLOCKS};
 
 use crate::config::EngineSpec;
 use std::sync::atomic::AtomicBool;

@@ -1,13 +1,15 @@
 //! Engines in the hub: each one's mirror, health and counters, and the replica table.
 //!
-//! Every change to an engine's blocks or to the table is published (see [`super::subscribers`])
-//! under the same lock that made it, so subscribers see changes in the order they happened.
+//! Every change to an engine's blocks or to the table is published to the subscribers' queues
+//! ([`super::queue`]) under the same lock that made it, so subscribers see changes in the order
+//! they happened.
 
-use super::subscribers::{FeedCounters, Subscriber};
+use super::queue::{approx_bytes, snapshot_chunks, FeedCounters, Offered, Subscriber, CHUNK_BLOCKS};
 use crate::config::EngineSpec;
 use llmgw_core::event::EventBatch;
 use llmgw_core::feed::{
-    Body, HashSettings, KvCacheGroup, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable,
+    BlockDelta, Body, HashSettings, KvCacheGroup, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable,
+    SnapshotComplete,
 };
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use std::collections::BTreeMap;
@@ -85,9 +87,9 @@ pub struct HubState {
     pub feed: FeedCounters,
     /// `/kv_event_sources` answers refused (unparseable, another host's sockets, too many ranks),
     /// and engines not added because every id was in use; by reason.
-    pub discovery_refused: crate::discovery::RefusedCounts,
+    pub discovery_refused: crate::counters::RefusedCounts,
     /// The JetStream consumer's counters (replicas with `events = "jetstream"`).
-    pub jetstream: crate::jetstream::JetStreamCounters,
+    pub jetstream: crate::counters::JetStreamCounters,
     /// Slots of removed engines, reused once their thread and scraper have exited.
     gone_slots: Vec<usize>,
     /// Empty between calls: one batch's net changes while they are published (kept for its
@@ -154,7 +156,7 @@ impl HubState {
             Some(at) => self.gone_slots.swap_remove(at),
             None if self.engines.len() < MAX_ENGINES => self.engines.len(),
             None => {
-                self.discovery_refused.count(crate::discovery::Refused::IdsExhausted);
+                self.discovery_refused.count(crate::counters::Refused::IdsExhausted);
                 return None;
             }
         };
@@ -387,6 +389,79 @@ impl HubState {
     }
 }
 
+/// Publishing to the feed subscribers.
+impl HubState {
+    /// (name, messages queued, snapshots sent) of every live subscriber.
+    pub fn subscriber_lags(&self) -> Vec<(String, usize, u64)> {
+        self.subscribers
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|s| {
+                let (queued, snapshots) = s.backlog();
+                (s.name.clone(), queued, snapshots)
+            })
+            .collect()
+    }
+
+    pub fn live_subscribers(&self) -> usize {
+        self.subscribers.iter().filter(|w| w.strong_count() > 0).count()
+    }
+
+    /// Sends one message body to every subscriber that is in sync.
+    pub fn publish(&mut self, body: Body) {
+        let max = self.max_queue;
+        let max_bytes = self.max_backlog_bytes;
+        let cost = approx_bytes(&body);
+        let mut sent: u64 = 0;
+        let mut overflows: u64 = 0;
+        let mut by_bytes: u64 = 0;
+        self.subscribers.retain(|w| {
+            let Some(sub) = w.upgrade() else { return false };
+            match sub.offer(&body, cost, max, max_bytes) {
+                Offered::Sent => sent = sent.saturating_add(1),
+                Offered::Held => {}
+                Offered::Overflowed { by_bytes: b } => {
+                    overflows = overflows.saturating_add(1);
+                    by_bytes = by_bytes.saturating_add(u64::from(b));
+                }
+            }
+            true
+        });
+        self.feed.messages = self.feed.messages.saturating_add(sent);
+        self.feed.overflows = self.feed.overflows.saturating_add(overflows);
+        self.feed.backlog_bytes_overflows = self.feed.backlog_bytes_overflows.saturating_add(by_bytes);
+    }
+
+    /// Table, snapshot chunks of every engine (the first one flagged, at most
+    /// [`CHUNK_BLOCKS`] blocks each), SnapshotComplete, and the latest loads, all at once
+    /// under the lock (the fallback when incremental builds keep being abandoned).
+    pub fn snapshot_bodies(&self) -> Vec<Body> {
+        let mut out = vec![Body::Replicas(self.table())];
+        for e in self.live() {
+            let keys = if e.up { e.mirror.keys() } else { Vec::new() };
+            out.extend(snapshot_chunks(e.spec.id, &keys));
+        }
+        out.push(Body::SnapshotComplete(SnapshotComplete {}));
+        let loads: Vec<ReplicaLoad> = self.live().filter_map(|e| e.load.clone()).collect();
+        if !loads.is_empty() {
+            out.push(Body::Load(LoadReport { loads }));
+        }
+        out
+    }
+
+    pub(super) fn publish_changes(&mut self, id: u32) {
+        if self.changes.is_empty() {
+            return;
+        }
+        let changes = std::mem::take(&mut self.changes);
+        for part in changes.chunks(CHUNK_BLOCKS) {
+            self.publish(Body::Delta(BlockDelta::from_changes(id, part)));
+        }
+        self.changes = changes;
+        self.changes.clear();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,7 +560,7 @@ mod tests {
             assert!(st.add_engine(spec.clone()).is_some());
         }
         assert_eq!(st.add_engine(spec), None);
-        assert_eq!(st.discovery_refused.get(crate::discovery::Refused::IdsExhausted), 1);
+        assert_eq!(st.discovery_refused.get(crate::counters::Refused::IdsExhausted), 1);
         let text = crate::http::exposition::metrics_text(&st);
         assert!(text.contains("llmgw_agent_discovery_refused_total{reason=\"ids_exhausted\"} 1"), "{text}");
     }

@@ -1,5 +1,5 @@
-//! Feed subscribers: a bounded queue each, numbered messages, and a fresh table and snapshot
-//! for a new subscriber or one that fell behind.
+//! Feed subscribers: subscribing, and a fresh table and snapshot for a new subscriber or one
+//! that fell behind (its queue is [`super::queue`]).
 //!
 //! A snapshot is built engine by engine, taking the hub lock once per engine for the copy of
 //! its keys (sorting and chunking happen outside), so ingestion is never stalled for longer
@@ -10,87 +10,17 @@
 //! is a set per replica and the changes are applied in order; dropping what the copies already
 //! include only saves messages.)
 
-use super::{Hub, HubState};
-use llmgw_core::feed::{BlockDelta, Body, FeedMessage, LoadReport, ReplicaLoad, SnapshotChunk, SnapshotComplete};
-use std::collections::{BTreeSet, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use tokio::sync::Notify;
-
-/// Largest number of blocks in one snapshot chunk.
-pub const CHUNK_BLOCKS: usize = 65_536;
-
-/// A subscriber's pending messages, numbered without gaps from 0 across resyncs. Lock order:
-/// the hub lock before a queue lock, never the reverse.
-struct SubQueue {
-    msgs: VecDeque<FeedMessage>,
-    /// What `msgs` holds, as [`approx_bytes`] counts it.
-    bytes: usize,
-    /// Number of the next message queued.
-    next_seq: u64,
-    /// Nothing is queued until the stream task has built a fresh table and snapshot.
-    resync: bool,
-    /// Tables and snapshots sent so far.
-    resyncs: u64,
-    /// The snapshot being built, while `resync`.
-    building: Option<Building>,
-    /// Numbers the builds, so that a builder notices its build was abandoned.
-    build_gen: u64,
-}
-
-/// A snapshot under construction.
-struct Building {
-    generation: u64,
-    /// Engines the snapshot lists (the live ones when it started).
-    listed: BTreeSet<u32>,
-    /// Of those, the ones copied so far.
-    taken: BTreeSet<u32>,
-    /// Published since the build started and not included in it.
-    pending: Vec<Body>,
-    pending_bytes: usize,
-}
-
-impl Building {
-    /// Whether `body`, published now, must follow the snapshot.
-    fn keeps(&self, body: &Body) -> bool {
-        let engine = match body {
-            Body::Snapshot(s) => Some(s.replica),
-            Body::Delta(d) => Some(d.replica),
-            Body::Reset(r) => Some(r.replica),
-            _ => None,
-        };
-        engine.is_none_or(|id| !self.listed.contains(&id) || self.taken.contains(&id))
-    }
-}
+use super::queue::{snapshot_chunks, Building, Subscriber};
+use super::Hub;
+use llmgw_core::feed::{Body, FeedMessage, LoadReport, ReplicaLoad, SnapshotComplete};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 
 /// Builds that may be abandoned (the subscriber's backlog overflowed meanwhile) before one is
 /// made under the hub lock throughout.
 const INCREMENTAL_ATTEMPTS: u32 = 3;
 
-/// One feed subscription.
-pub struct Subscriber {
-    pub name: String,
-    queue: Mutex<SubQueue>,
-    pub notify: Notify,
-}
-
 impl Subscriber {
-    fn queue(&self) -> MutexGuard<'_, SubQueue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn push(q: &mut SubQueue, body: Body) {
-        q.bytes = q.bytes.saturating_add(approx_bytes(&body));
-        let seq = q.next_seq;
-        q.next_seq = q.next_seq.saturating_add(1);
-        q.msgs.push_back(FeedMessage { seq, body: Some(body) });
-    }
-
-    /// Whether the next [`Self::pop`] builds a table and snapshot first (a blocking job: the
-    /// feed's stream task hands it to a blocking thread).
-    pub fn needs_resync(&self) -> bool {
-        self.queue().resync
-    }
-
     /// The next message for this subscription, building a fresh table and snapshot first if
     /// it is new or fell behind. `None` when nothing is queued (wait on `notify`).
     pub fn pop(&self, hub: &Hub) -> Option<FeedMessage> {
@@ -193,46 +123,6 @@ impl Subscriber {
         q.resyncs = q.resyncs.saturating_add(1);
         true
     }
-
-    fn pop_front(q: &mut SubQueue) -> Option<FeedMessage> {
-        let m = q.msgs.pop_front()?;
-        if let Some(b) = &m.body {
-            q.bytes = q.bytes.saturating_sub(approx_bytes(b));
-        }
-        Some(m)
-    }
-
-    /// How many times this subscriber got a table and snapshot (1 = only the initial one).
-    pub fn snapshots_sent(&self) -> u64 {
-        self.queue().resyncs
-    }
-}
-
-/// Counters not tied to one engine.
-#[derive(Debug, Default, Clone)]
-pub struct FeedCounters {
-    pub subscriptions: u64,
-    pub messages: u64,
-    pub overflows: u64,
-    pub rejected_token: u64,
-    /// Subscriber names longer than the limit or holding control characters (cut, replaced).
-    pub names_cut: u64,
-    /// Of `overflows`, those past `feed.max_backlog_bytes` (rather than `feed.max_queue`).
-    pub backlog_bytes_overflows: u64,
-    /// Subscriptions refused because `feed.max_subscribers` were live.
-    pub subscribers_refused: u64,
-}
-
-/// What a queued message costs, roughly: its block keys and loads, plus a little.
-fn approx_bytes(body: &Body) -> usize {
-    let n = match body {
-        Body::Snapshot(s) => s.blocks.len().saturating_mul(8),
-        Body::Delta(d) => d.added.len().saturating_add(d.removed.len()).saturating_mul(8),
-        Body::Load(l) => l.loads.len().saturating_mul(24),
-        Body::Replicas(t) => t.replicas.len().saturating_mul(128),
-        _ => 0,
-    };
-    n.saturating_add(64)
 }
 
 impl Hub {
@@ -250,19 +140,7 @@ impl Hub {
 
     /// Registers a subscriber; its first messages will be the table and a snapshot.
     pub fn subscribe(&self, name: String) -> Arc<Subscriber> {
-        let sub = Arc::new(Subscriber {
-            name,
-            queue: Mutex::new(SubQueue {
-                msgs: VecDeque::new(),
-                bytes: 0,
-                next_seq: 0,
-                resync: true,
-                resyncs: 0,
-                building: None,
-                build_gen: 0,
-            }),
-            notify: Notify::new(),
-        });
+        let sub = Arc::new(Subscriber::new(name));
         let mut st = self.state();
         st.subscribers.retain(|w| w.strong_count() > 0);
         st.subscribers.push(Arc::downgrade(&sub));
@@ -273,126 +151,13 @@ impl Hub {
     }
 }
 
-/// One engine's snapshot chunks: the first flagged (empty when it holds nothing), at most
-/// [`CHUNK_BLOCKS`] blocks each.
-fn snapshot_chunks(id: u32, keys: &[llmgw_core::BlockKey]) -> Vec<Body> {
-    if keys.is_empty() {
-        return vec![Body::Snapshot(SnapshotChunk { replica: id, first: true, blocks: Vec::new() })];
-    }
-    keys.chunks(CHUNK_BLOCKS)
-        .enumerate()
-        .map(|(i, chunk)| {
-            Body::Snapshot(SnapshotChunk { replica: id, first: i == 0, blocks: chunk.iter().map(|k| k.0).collect() })
-        })
-        .collect()
-}
-
-impl HubState {
-    /// (name, messages queued, snapshots sent) of every live subscriber.
-    pub fn subscriber_lags(&self) -> Vec<(String, usize, u64)> {
-        self.subscribers
-            .iter()
-            .filter_map(Weak::upgrade)
-            .map(|s| {
-                let q = s.queue();
-                (s.name.clone(), q.msgs.len(), q.resyncs)
-            })
-            .collect()
-    }
-
-    pub fn live_subscribers(&self) -> usize {
-        self.subscribers.iter().filter(|w| w.strong_count() > 0).count()
-    }
-
-    /// Sends one message body to every subscriber that is in sync.
-    pub fn publish(&mut self, body: Body) {
-        let max = self.max_queue;
-        let max_bytes = self.max_backlog_bytes;
-        let cost = approx_bytes(&body);
-        let mut sent: u64 = 0;
-        let mut overflows: u64 = 0;
-        let mut by_bytes: u64 = 0;
-        self.subscribers.retain(|w| {
-            let Some(sub) = w.upgrade() else { return false };
-            let mut q = sub.queue();
-            if q.resync {
-                // A snapshot under construction collects what it will not include; past the
-                // caps the build is abandoned and starts over.
-                if let Some(b) = q.building.as_mut() {
-                    if b.keeps(&body) {
-                        if b.pending.len() >= max || b.pending_bytes.saturating_add(cost) > max_bytes {
-                            q.building = None;
-                            overflows = overflows.saturating_add(1);
-                        } else {
-                            b.pending.push(body.clone());
-                            b.pending_bytes = b.pending_bytes.saturating_add(cost);
-                        }
-                    }
-                }
-                return true;
-            }
-            let too_big = q.bytes.saturating_add(cost) > max_bytes;
-            if q.msgs.len() >= max || too_big {
-                if too_big && q.msgs.len() < max {
-                    by_bytes = by_bytes.saturating_add(1);
-                }
-                // Too far behind: drop the backlog; a fresh table and snapshot replace it,
-                // numbered from the first dropped message so the subscriber sees no gap.
-                if let Some(first) = q.msgs.front() {
-                    q.next_seq = first.seq;
-                }
-                q.msgs.clear();
-                q.bytes = 0;
-                q.resync = true;
-                overflows = overflows.saturating_add(1);
-            } else {
-                Subscriber::push(&mut q, body.clone());
-                sent = sent.saturating_add(1);
-            }
-            drop(q);
-            sub.notify.notify_one();
-            true
-        });
-        self.feed.messages = self.feed.messages.saturating_add(sent);
-        self.feed.overflows = self.feed.overflows.saturating_add(overflows);
-        self.feed.backlog_bytes_overflows = self.feed.backlog_bytes_overflows.saturating_add(by_bytes);
-    }
-
-    /// Table, snapshot chunks of every engine (the first one flagged, at most
-    /// [`CHUNK_BLOCKS`] blocks each), SnapshotComplete, and the latest loads, all at once
-    /// under the lock (the fallback when incremental builds keep being abandoned).
-    pub fn snapshot_bodies(&self) -> Vec<Body> {
-        let mut out = vec![Body::Replicas(self.table())];
-        for e in self.live() {
-            let keys = if e.up { e.mirror.keys() } else { Vec::new() };
-            out.extend(snapshot_chunks(e.spec.id, &keys));
-        }
-        out.push(Body::SnapshotComplete(SnapshotComplete {}));
-        let loads: Vec<ReplicaLoad> = self.live().filter_map(|e| e.load.clone()).collect();
-        if !loads.is_empty() {
-            out.push(Body::Load(LoadReport { loads }));
-        }
-        out
-    }
-
-    pub(super) fn publish_changes(&mut self, id: u32) {
-        if self.changes.is_empty() {
-            return;
-        }
-        let changes = std::mem::take(&mut self.changes);
-        for part in changes.chunks(CHUNK_BLOCKS) {
-            self.publish(Body::Delta(BlockDelta::from_changes(id, part)));
-        }
-        self.changes = changes;
-        self.changes.clear();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::hub::fixtures::*;
+    use crate::hub::CHUNK_BLOCKS;
     use llmgw_core::feed::FeedState;
+    use llmgw_core::feed::{BlockDelta, SnapshotChunk};
     use llmgw_core::wire::WireEvent;
 
     #[test]

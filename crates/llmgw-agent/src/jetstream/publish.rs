@@ -7,10 +7,12 @@
 //! one copy. While the broker is away the rank's queue fills, the ZMQ socket then drops, and the
 //! gap is filled from the replica's replay socket when it can be: the stream stays in order.
 
-use super::{connect, stream_config, subject, SEQ_HEADER};
-use crate::config::{Config, EngineSpec, JetStreamConfig, ZmqConfig};
-use crate::seq::{Cause, SeqTracker, Verdict};
-use crate::zmqsub::{parse_seq, replay_range};
+use super::{connect, stream_config, JetStreamError, SEQ_HEADER};
+use crate::config::{subject, Config, EngineSpec, EventSource, JetStreamConfig, ZmqConfig};
+use crate::ingest::{Fill, FillOutcome, Ingest, Sink, SourceEvent};
+use crate::seq::Cause;
+use crate::shutdown::{join_threads, shutdown_signal, JoinError};
+use crate::zmqsub::socket::{attach, live_item, sub_socket, ZmqReplay};
 use async_nats::jetstream;
 use async_nats::jetstream::context::PublishErrorKind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,40 +43,57 @@ struct Counters {
     too_large: AtomicU64,
 }
 
+/// Why `publish` cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("publish needs a [jetstream] section (url, stream, subject_prefix)")]
+    NoJetStream,
+    #[error("--replica is needed: the configuration has {0} replicas")]
+    ReplicaNeeded(usize),
+    #[error("no replica named {0:?} in the configuration")]
+    NoSuchReplica(String),
+    #[error("replicas.{0}: publish reads the replica's ZMQ events; give its endpoint, not events = \"jetstream\"")]
+    NotZmq(String),
+    #[error("cannot start runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot start engine thread: {0}")]
+    Thread(std::io::Error),
+    #[error(transparent)]
+    Join(#[from] JoinError),
+}
+
 /// The engines `publish` serves: the named replica's ranks (or the only replica's).
-pub fn engines_of(cfg: &Config, replica: Option<&str>) -> Result<Vec<EngineSpec>, String> {
+pub fn engines_of(cfg: &Config, replica: Option<&str>) -> Result<Vec<EngineSpec>, PublishError> {
     let names: Vec<&str> = cfg.replicas.iter().map(|r| r.name.as_str()).collect();
     let name = match (replica, names.as_slice()) {
         (Some(n), _) => n.to_owned(),
         (None, [only]) => (*only).to_owned(),
-        (None, _) => return Err(format!("--replica is needed: the configuration has {} replicas", names.len())),
+        (None, _) => return Err(PublishError::ReplicaNeeded(names.len())),
     };
     let engines: Vec<EngineSpec> = cfg.engines().into_iter().filter(|e| e.replica == name).collect();
     if engines.is_empty() {
-        return Err(format!("no replica named {name:?} in the configuration"));
+        return Err(PublishError::NoSuchReplica(name));
     }
-    if engines.iter().any(|e| e.subject.is_some()) {
-        return Err(format!(
-            "replicas.{name}: publish reads the replica's ZMQ events; give its endpoint, not events = \"jetstream\""
-        ));
+    if engines.iter().any(|e| e.source != EventSource::Zmq) {
+        return Err(PublishError::NotZmq(name));
     }
     Ok(engines)
 }
 
 /// Runs until SIGINT or SIGTERM.
-pub fn run(cfg: Config, replica: Option<&str>) -> Result<(), String> {
-    let js = cfg.jetstream.clone().ok_or("publish needs a [jetstream] section (url, stream, subject_prefix)")?;
+pub fn run(cfg: Config, replica: Option<&str>) -> Result<(), PublishError> {
+    let js = cfg.jetstream.clone().ok_or(PublishError::NoJetStream)?;
     let engines = engines_of(&cfg, replica)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .thread_name("llmgw-publish")
         .build()
-        .map_err(|e| format!("cannot start runtime: {e}"))?;
+        .map_err(PublishError::Runtime)?;
     rt.block_on(run_async(js, cfg.zmq.clone(), engines))
 }
 
-async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineSpec>) -> Result<(), String> {
+async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineSpec>) -> Result<(), PublishError> {
     let ctx = loop {
         match open(&js, zmq_cfg.max_message_bytes).await {
             Ok(c) => break c,
@@ -82,7 +101,7 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
                 warn!(error = %e, "jetstream not reachable; retrying in 1 s");
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    _ = crate::shutdown_signal() => return Ok(()),
+                    _ = shutdown_signal() => return Ok(()),
                 }
             }
         }
@@ -101,24 +120,24 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
         }
         let (tx, rx) = tokio::sync::mpsc::channel::<Item>(QUEUE);
         let reader = Reader {
+            replay: ZmqReplay::new(zctx.clone(), zmq_cfg.clone(), &spec),
+            queue: Queue { counters: counters.clone(), tx, epoch: 0, label: spec.label() },
             spec,
             cfg: zmq_cfg.clone(),
             ctx: zctx.clone(),
             stop: stop.clone(),
-            counters: counters.clone(),
-            tx,
             last,
         };
         threads.push(
             std::thread::Builder::new()
                 .name(format!("zmq-{}", reader.spec.label()))
                 .spawn(move || reader.run())
-                .map_err(|e| format!("cannot start engine thread: {e}"))?,
+                .map_err(PublishError::Thread)?,
         );
         tasks.push(tokio::spawn(publish_rank(ctx.clone(), js.clone(), subj, rx, counters.clone(), stop.clone())));
     }
     let report = tokio::spawn(report(counters.clone()));
-    crate::shutdown_signal().await;
+    shutdown_signal().await;
     info!("shutting down");
     stop.store(true, Ordering::SeqCst);
     report.abort();
@@ -129,10 +148,10 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
             t.abort();
         }
     }
-    crate::join_threads(threads).await
+    Ok(join_threads(threads).await?)
 }
 
-async fn open(js: &JetStreamConfig, max_message_bytes: i64) -> Result<jetstream::Context, String> {
+async fn open(js: &JetStreamConfig, max_message_bytes: i64) -> Result<jetstream::Context, JetStreamError> {
     let client = connect(js, "llmgw-publish").await?;
     let max_payload = client.server_info().max_payload;
     if i64::try_from(max_payload).is_ok_and(|m| m < max_message_bytes) {
@@ -144,7 +163,7 @@ async fn open(js: &JetStreamConfig, max_message_bytes: i64) -> Result<jetstream:
         );
     }
     let ctx = jetstream::new(client);
-    ctx.get_or_create_stream(stream_config(js)).await.map_err(|e| format!("stream {}: {e}", js.stream))?;
+    ctx.get_or_create_stream(stream_config(js)).await.map_err(|e| JetStreamError::stream(&js.stream, e))?;
     Ok(ctx)
 }
 
@@ -232,108 +251,96 @@ async fn report(c: Arc<Counters>) {
     }
 }
 
+/// Where one rank's batches go: the queue to its publishing task, numbered by engine epoch.
+struct Queue {
+    counters: Arc<Counters>,
+    tx: tokio::sync::mpsc::Sender<Item>,
+    /// Counts the engine restarts this process has seen.
+    epoch: u64,
+    /// For logs.
+    label: String,
+}
+
+impl Sink<[u8]> for Queue {
+    fn connected(&mut self, _: usize) {}
+
+    fn disconnected(&mut self, _: usize, _: bool) {}
+
+    fn fill_needed(&mut self, _: usize, cause: Cause, _: bool) {
+        if cause == Cause::Restart || cause == Cause::Reconnect {
+            self.epoch = self.epoch.saturating_add(1);
+        }
+    }
+
+    /// What a fill could not fetch stays a hole in the stream, which the consumers treat as a gap.
+    fn fill_ended(&mut self, _: usize, fill: Fill) {
+        let Fill { from, until, outcome, .. } = fill;
+        let complete = match outcome {
+            FillOutcome::Restarted => return,
+            FillOutcome::NoReplay => {
+                self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
+                warn!(replica = %self.label, from, until, "batches missed and no replay endpoint: consumers will reset this engine");
+                return;
+            }
+            FillOutcome::Replayed { complete, batches, .. } => {
+                self.counters.replayed.fetch_add(batches, Ordering::Relaxed);
+                complete
+            }
+        };
+        if !complete {
+            self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
+            warn!(replica = %self.label, from, until, "missed batches could not be replayed: consumers will reset this engine");
+        }
+    }
+
+    /// Queues a batch for the broker; false once the publishing task is gone.
+    fn apply(&mut self, _: usize, seq: u64, payload: &[u8]) -> bool {
+        self.tx.blocking_send(Item { seq, epoch: self.epoch, payload: payload.to_vec() }).is_ok()
+    }
+}
+
 /// One rank's ZMQ side.
 struct Reader {
     spec: EngineSpec,
     cfg: ZmqConfig,
     ctx: zmq::Context,
     stop: Arc<AtomicBool>,
-    counters: Arc<Counters>,
-    tx: tokio::sync::mpsc::Sender<Item>,
+    queue: Queue,
+    replay: ZmqReplay,
     /// The last batch the stream already holds for this engine.
     last: Option<u64>,
 }
 
 impl Reader {
-    fn run(self) {
-        let mut tracker = SeqTracker::new();
+    fn run(mut self) {
+        let mut ingest = Ingest::new();
         if let Some(seq) = self.last {
-            tracker.applied(seq);
+            ingest.resume_after(0, seq);
         }
-        let mut epoch: u64 = 0;
         while !self.stop.load(Ordering::SeqCst) {
-            if let Err(e) = self.session(&mut tracker, &mut epoch) {
+            if let Err(e) = self.session(&mut ingest) {
                 warn!(replica = %self.spec.label(), endpoint = %self.spec.endpoint, error = %e, "zmq socket failed; retrying in 1 s");
                 std::thread::sleep(Duration::from_secs(1));
             }
         }
     }
 
-    fn session(&self, tracker: &mut SeqTracker, epoch: &mut u64) -> Result<(), zmq::Error> {
-        let sub = self.ctx.socket(zmq::SUB)?;
-        sub.set_rcvhwm(self.cfg.rcvhwm)?;
-        sub.set_maxmsgsize(self.cfg.max_message_bytes)?;
-        sub.set_linger(0)?;
-        sub.set_reconnect_ivl(100)?;
-        sub.set_reconnect_ivl_max(self.cfg.reconnect_ivl_max_ms)?;
+    fn session(&mut self, ingest: &mut Ingest) -> Result<(), zmq::Error> {
+        let sub = sub_socket(&self.ctx, &self.cfg, &self.spec)?;
         sub.set_rcvtimeo(200)?;
-        if self.spec.endpoint.contains('[') {
-            sub.set_ipv6(true)?;
-        }
-        sub.set_subscribe(self.spec.topic.as_bytes())?;
-        match self.spec.mode {
-            crate::config::Mode::Bind => sub.bind(&self.spec.endpoint)?,
-            crate::config::Mode::Connect => sub.connect(&self.spec.endpoint)?,
-        }
+        attach(&sub, &self.spec)?;
         while !self.stop.load(Ordering::SeqCst) {
             let frames = match sub.recv_multipart(0) {
                 Ok(f) => f,
                 Err(zmq::Error::EAGAIN) => continue,
                 Err(e) => return Err(e),
             };
-            let [_topic, seq_frame, payload] = frames.as_slice() else { continue };
-            let Some(seq) = parse_seq(seq_frame) else { continue };
-            if let Verdict::Fill { from, until, cause, .. } = tracker.observe(seq) {
-                if cause == Cause::Restart || cause == Cause::Reconnect {
-                    *epoch = epoch.saturating_add(1);
-                }
-                if from < until {
-                    self.fill(from, until, *epoch);
-                }
-            }
-            if !self.send(seq, *epoch, payload.clone()) {
+            let Ok((seq, payload)) = live_item(&frames) else { continue };
+            let event = SourceEvent::Batch { engine: 0, seq, payload };
+            if !ingest.handle(event, &mut self.replay, &mut self.queue) {
                 return Ok(());
             }
-            tracker.applied(seq);
         }
         Ok(())
-    }
-
-    /// Queues a batch for the broker; false once the publishing task is gone.
-    fn send(&self, seq: u64, epoch: u64, payload: Vec<u8>) -> bool {
-        self.tx.blocking_send(Item { seq, epoch, payload }).is_ok()
-    }
-
-    /// Fetches `from..until` from the replica's replay socket and queues them in order. What it
-    /// cannot fetch stays a hole in the stream, which the consumers treat as a gap.
-    fn fill(&self, from: u64, until: u64, epoch: u64) {
-        let Some(ep) = self.spec.replay_endpoint.as_deref() else {
-            self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
-            warn!(replica = %self.spec.label(), from, until, "batches missed and no replay endpoint: consumers will reset this engine");
-            return;
-        };
-        let r = replay_range(
-            &self.ctx,
-            &self.cfg,
-            ep,
-            from,
-            until,
-            |seq, payload| {
-                self.counters.replayed.fetch_add(1, Ordering::Relaxed);
-                self.send(seq, epoch, payload.to_vec())
-            },
-            |_| {},
-        );
-        let complete = match r {
-            Ok((complete, _)) => complete,
-            Err(e) => {
-                warn!(replica = %self.spec.label(), error = %e, "replay socket failed");
-                false
-            }
-        };
-        if !complete {
-            self.counters.unfilled.fetch_add(1, Ordering::Relaxed);
-            warn!(replica = %self.spec.label(), from, until, "missed batches could not be replayed: consumers will reset this engine");
-        }
     }
 }

@@ -1,0 +1,255 @@
+//! The event-source seam: what every source of KV events yields ([`SourceEvent`]), and the one
+//! loop body that acts on it ([`Ingest::handle`]) for every source: the ZMQ subscriber, the
+//! JetStream consumer and the per-replica publisher.
+//!
+//! A source turns its transport into events; [`Ingest`] owns each engine's sequence discipline
+//! ([`crate::seq`]), judges every batch, fetches what a gap misses through the source's
+//! [`Replay`], and hands the outcome to a [`Sink`]: the hub for the agent ([`to_hub`]), the
+//! broker queue for `publish`. Adding a source is one module that yields these events.
+
+pub mod to_hub;
+
+use crate::seq::{Cause, SeqTracker, Verdict};
+use std::collections::HashMap;
+
+/// What a source yields for one engine.
+#[derive(Debug)]
+pub enum SourceEvent<'a, P: ?Sized> {
+    /// A publisher connection opened.
+    Connected { engine: usize },
+    /// A publisher connection was lost (`still_connected`: another one is still open). The next
+    /// batch may come from a restarted engine.
+    Disconnected { engine: usize, still_connected: bool },
+    /// One live batch with the publisher's sequence number.
+    Batch { engine: usize, seq: u64, payload: &'a P },
+}
+
+/// How a fill ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FillOutcome {
+    /// Nothing was missing: the sequence restarted at 0.
+    Restarted,
+    /// The source has no way to fetch missed batches.
+    NoReplay,
+    /// Missed batches were asked for; `skipped` names the replies that could not be read.
+    Replayed { complete: bool, batches: u64, skipped: Vec<&'static str> },
+}
+
+/// A fill: why, which range, how it ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fill {
+    pub cause: Cause,
+    pub from: u64,
+    pub until: u64,
+    pub outcome: FillOutcome,
+}
+
+/// Fetches batches a gap missed, from where the source keeps them.
+pub trait Replay<P: ?Sized> {
+    /// Hands the batches `from..until` to `apply` in order (it returns false to stop).
+    fn replay(&mut self, from: u64, until: u64, apply: &mut dyn FnMut(u64, &P) -> bool) -> FillOutcome;
+}
+
+/// A source that keeps nothing to replay.
+pub struct NoReplay;
+
+impl<P: ?Sized> Replay<P> for NoReplay {
+    fn replay(&mut self, _: u64, _: u64, _: &mut dyn FnMut(u64, &P) -> bool) -> FillOutcome {
+        FillOutcome::NoReplay
+    }
+}
+
+/// Where batches and what becomes of them go.
+pub trait Sink<P: ?Sized> {
+    /// A publisher connection opened.
+    fn connected(&mut self, engine: usize);
+    /// A publisher connection was lost.
+    fn disconnected(&mut self, engine: usize, still_connected: bool);
+    /// The sequence asks for a fill: before anything is fetched (`reset`: the mirror is stale).
+    fn fill_needed(&mut self, engine: usize, cause: Cause, reset: bool);
+    /// How the fill went (after the replayed batches were applied).
+    fn fill_ended(&mut self, engine: usize, fill: Fill);
+    /// One batch, live or replayed, in sequence order; false when the sink takes no more.
+    fn apply(&mut self, engine: usize, seq: u64, payload: &P) -> bool;
+}
+
+/// Every engine's sequence discipline; the one place a batch's verdict is acted on.
+#[derive(Debug, Default)]
+pub struct Ingest {
+    trackers: HashMap<usize, SeqTracker>,
+}
+
+impl Ingest {
+    pub fn new() -> Ingest {
+        Ingest::default()
+    }
+
+    /// Starts an engine as if this process had already seen batches up to `seq` (a restarted
+    /// publisher continuing after what the stream holds).
+    pub fn resume_after(&mut self, engine: usize, seq: u64) {
+        self.trackers.entry(engine).or_default().applied(seq);
+    }
+
+    /// Acts on one event. Returns false when the sink took no more.
+    pub fn handle<P: ?Sized>(
+        &mut self,
+        event: SourceEvent<'_, P>,
+        replay: &mut dyn Replay<P>,
+        sink: &mut dyn Sink<P>,
+    ) -> bool {
+        match event {
+            SourceEvent::Connected { engine } => sink.connected(engine),
+            SourceEvent::Disconnected { engine, still_connected } => {
+                self.trackers.entry(engine).or_default().mark_reconnect();
+                sink.disconnected(engine, still_connected);
+            }
+            SourceEvent::Batch { engine, seq, payload } => return self.batch(engine, seq, payload, replay, sink),
+        }
+        true
+    }
+
+    fn batch<P: ?Sized>(
+        &mut self,
+        engine: usize,
+        seq: u64,
+        payload: &P,
+        replay: &mut dyn Replay<P>,
+        sink: &mut dyn Sink<P>,
+    ) -> bool {
+        let tracker = self.trackers.entry(engine).or_default();
+        if let Verdict::Fill { from, until, reset, cause } = tracker.observe(seq) {
+            sink.fill_needed(engine, cause, reset);
+            let outcome = if from >= until {
+                FillOutcome::Restarted
+            } else {
+                replay.replay(from, until, &mut |s, p| sink.apply(engine, s, p))
+            };
+            sink.fill_ended(engine, Fill { cause, from, until, outcome });
+        }
+        let taken = sink.apply(engine, seq, payload);
+        if taken {
+            tracker.applied(seq);
+        }
+        taken
+    }
+
+    /// The reconnected publisher was verified to be the same engine.
+    pub fn confirm_same_publisher(&mut self, engine: usize) {
+        if let Some(t) = self.trackers.get_mut(&engine) {
+            t.confirm_same_publisher();
+        }
+    }
+
+    /// Forgets an engine's sequence: its next batch is handled like a first one.
+    pub fn forget(&mut self, engine: usize) {
+        self.trackers.remove(&engine);
+    }
+
+    /// Forgets every engine's sequence.
+    pub fn forget_all(&mut self) {
+        self.trackers.clear();
+    }
+
+    /// Forgets the sequences of the engines `keep` refuses.
+    pub fn retain(&mut self, mut keep: impl FnMut(usize) -> bool) {
+        self.trackers.retain(|i, _| keep(*i));
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+
+    /// Records what reaches it.
+    #[derive(Default)]
+    struct Log(Vec<String>);
+
+    impl Sink<u8> for Log {
+        fn connected(&mut self, e: usize) {
+            self.0.push(format!("up {e}"));
+        }
+        fn disconnected(&mut self, e: usize, still: bool) {
+            self.0.push(format!("down {e} {still}"));
+        }
+        fn fill_needed(&mut self, e: usize, cause: Cause, reset: bool) {
+            self.0.push(format!("fill {e} {} reset={reset}", cause.as_str()));
+        }
+        fn fill_ended(&mut self, e: usize, f: Fill) {
+            self.0.push(format!("filled {e} {}..{} {:?}", f.from, f.until, f.outcome));
+        }
+        fn apply(&mut self, e: usize, seq: u64, p: &u8) -> bool {
+            self.0.push(format!("apply {e} {seq} {p}"));
+            *p != 0
+        }
+    }
+
+    /// Replays from a fixed list.
+    struct Held(Vec<(u64, u8)>);
+
+    impl Replay<u8> for Held {
+        fn replay(&mut self, from: u64, until: u64, apply: &mut dyn FnMut(u64, &u8) -> bool) -> FillOutcome {
+            let mut n = 0;
+            for (s, p) in self.0.iter().filter(|(s, _)| (from..until).contains(s)) {
+                n += 1;
+                if !apply(*s, p) {
+                    break;
+                }
+            }
+            FillOutcome::Replayed { complete: n == until - from, batches: n, skipped: vec![] }
+        }
+    }
+
+    fn batch(engine: usize, seq: u64, payload: &u8) -> SourceEvent<'_, u8> {
+        SourceEvent::Batch { engine, seq, payload }
+    }
+
+    #[test]
+    fn a_gap_is_filled_by_the_sources_replay_before_the_live_batch() {
+        let (mut ingest, mut sink, mut held) = (Ingest::new(), Log::default(), Held(vec![(1, 11), (2, 12)]));
+        assert!(ingest.handle(batch(0, 0, &10), &mut held, &mut sink));
+        assert!(ingest.handle(batch(0, 3, &13), &mut held, &mut sink));
+        let want = [
+            "apply 0 0 10",
+            "fill 0 gap reset=false",
+            "apply 0 1 11",
+            "apply 0 2 12",
+            "filled 0 1..3 Replayed { complete: true, batches: 2, skipped: [] }",
+            "apply 0 3 13",
+        ];
+        assert_eq!(sink.0, want);
+    }
+
+    #[test]
+    fn engines_keep_their_own_sequences_and_a_disconnect_makes_a_jump_a_restart() {
+        let (mut ingest, mut sink) = (Ingest::new(), Log::default());
+        ingest.handle(batch(0, 0, &1), &mut NoReplay, &mut sink);
+        ingest.handle(batch(1, 0, &1), &mut NoReplay, &mut sink);
+        ingest.handle(SourceEvent::Disconnected { engine: 1, still_connected: false }, &mut NoReplay, &mut sink);
+        ingest.handle(batch(0, 1, &1), &mut NoReplay, &mut sink);
+        ingest.handle(batch(1, 5, &1), &mut NoReplay, &mut sink);
+        ingest.handle(batch(1, 0, &1), &mut NoReplay, &mut sink);
+        let want = [
+            "apply 0 0 1",
+            "apply 1 0 1",
+            "down 1 false",
+            "apply 0 1 1",
+            "fill 1 reconnect reset=true",
+            "filled 1 0..5 NoReplay",
+            "apply 1 5 1",
+            "fill 1 restart reset=true",
+            "filled 1 0..0 Restarted",
+            "apply 1 0 1",
+        ];
+        assert_eq!(sink.0, want);
+    }
+
+    #[test]
+    fn a_batch_the_sink_refuses_is_not_counted_as_seen() {
+        let (mut ingest, mut sink) = (Ingest::new(), Log::default());
+        ingest.resume_after(0, 4);
+        assert!(!ingest.handle(batch(0, 5, &0), &mut NoReplay, &mut sink));
+        assert!(ingest.handle(batch(0, 5, &1), &mut NoReplay, &mut sink));
+        assert_eq!(sink.0, ["apply 0 5 0", "apply 0 5 1"]);
+    }
+}
