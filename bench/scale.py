@@ -36,7 +36,7 @@ from llmgw_testkit.procs import Procs, free_port, wait_port, wait_until
 
 ROOT = kit.ROOT
 CLK = os.sysconf("SC_CLK_TCK")
-# The assumed realistic event rate of one busy replica (see the README's "Scale" section):
+# The assumed realistic event rate of one busy replica (see the manual's Scale chapter, docs/src/benchmarks/scale.md):
 # 100 engine steps/s, each publishing 12 stored blocks (2 chains of 6) and 12 evicted ones.
 RATE = 100.0
 BLOCKS_PER_BATCH = 24

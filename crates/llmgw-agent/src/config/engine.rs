@@ -1,7 +1,7 @@
 //! The engines a configuration describes: one per replica and data-parallel rank, with dense
 //! ids, and the `tcp://host:port` endpoint rules (vLLM offsets both ports by the rank).
 
-use super::{Config, Events, HashConfig, Mode};
+use super::file::{Config, Events, HashConfig, Mode};
 use llmgw_core::hash::BlockHasher;
 use std::net::IpAddr;
 
@@ -164,8 +164,8 @@ pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::default_feed_listen;
-    use super::super::tests::OK;
+    use super::super::file::default_feed_listen;
+    use super::super::file::tests::OK;
     use super::*;
 
     #[test]

@@ -2,7 +2,7 @@
 //! error names the field it is about.
 
 use super::engine::{is_loopback_host, offset_port, parse_tcp};
-use super::{err, Config, ConfigError, Events, HashConfig, JetStreamConfig, Mode, Sources};
+use super::file::{err, Config, ConfigError, Events, HashConfig, JetStreamConfig, Mode, Sources};
 use llmgw_core::hash::BlockHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -259,7 +259,7 @@ fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{error_of, OK};
+    use super::super::file::tests::{error_of, OK};
     use super::*;
 
     const TLS: &str = "tls_cert = \"c.pem\"\ntls_key = \"k.pem\"\n";

@@ -1,5 +1,5 @@
 //! KV events through NATS JetStream, for fleets where every agent subscribing to every
-//! publisher costs too much (the README's "Past one agent's reach").
+//! publisher costs too much (the manual's "Past one agent's reach", docs/src/benchmarks/scale.md).
 //!
 //! * **Publishing** (`llmgw-agent publish`, beside each vLLM replica): one thread per
 //!   data-parallel rank subscribes to the replica's ZMQ publisher on loopback, fills any gap from

@@ -1,0 +1,557 @@
+//! The agent's configuration file as written: its sections and fields, their defaults, and the
+//! loading and parsing that [`super::validate`] completes.
+
+use llmgw_core::hash::{defaults, HashAlgo};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub feed: FeedConfig,
+    #[serde(default)]
+    pub http: HttpConfig,
+    #[serde(default)]
+    pub hash: HashConfig,
+    #[serde(default)]
+    pub zmq: ZmqConfig,
+    #[serde(default)]
+    pub load: LoadConfig,
+    #[serde(default)]
+    pub parity: ParityConfig,
+    #[serde(default)]
+    pub replicas: Vec<ReplicaConfig>,
+    #[serde(default)]
+    pub discovery: Vec<DiscoveryConfig>,
+    /// Events through NATS JetStream (replicas with `events = "jetstream"`, and `publish`).
+    #[serde(default)]
+    pub jetstream: Option<JetStreamConfig>,
+}
+
+/// Where a replica's KV events come from.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Events {
+    /// The replica's ZMQ publisher (`endpoint`, `replay_endpoint`).
+    #[default]
+    Zmq,
+    /// The `[jetstream]` stream, on the subject derived from the replica's address and rank
+    /// (`llmgw-agent publish` beside the replica puts them there).
+    Jetstream,
+}
+
+/// The NATS JetStream stream KV events go through (see [`crate::jetstream`]).
+///
+/// ```toml
+/// [jetstream]
+/// url = "nats://nats.llmgw:4222"   # tls://… for TLS
+/// stream = "LLMGW_KV"
+/// subject_prefix = "llmgw.kv"      # an engine's subject: {prefix}.{address}.{rank}
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JetStreamConfig {
+    pub url: String,
+    #[serde(default = "default_js_stream")]
+    pub stream: String,
+    #[serde(default = "default_js_prefix")]
+    pub subject_prefix: String,
+    /// The broker's authorization token.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// CA (PEM) the broker's certificate is checked against; setting it requires TLS.
+    #[serde(default)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Batches the stream keeps per engine: what a restarted agent rebuilds a mirror from
+    /// (vLLM's own replay buffer keeps 10,000 by default).
+    #[serde(default = "default_js_per_subject")]
+    pub max_messages_per_subject: i64,
+    /// Bytes the whole stream keeps at most (-1: no limit but the per-engine count).
+    #[serde(default = "default_js_max_bytes")]
+    pub max_bytes: i64,
+    /// Seconds a batch is kept at most (0: no limit).
+    #[serde(default)]
+    pub max_age_secs: u64,
+    /// Keep the stream in the broker's memory instead of on its disk.
+    #[serde(default)]
+    pub memory_storage: bool,
+}
+
+/// Where a discovered replica's event endpoints come from.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Sources {
+    /// vLLM's `GET /kv_event_sources` (per rank: endpoint, replay endpoint, topic).
+    KvEventSources,
+    /// Fixed ports (`events_port`, `replay_port`), the same on every replica.
+    Static,
+}
+
+/// Replicas found by re-resolving a DNS name (e.g. a Kubernetes headless Service).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Prefix of the replicas' names (`{name}-{ip}`).
+    pub name: String,
+    /// Host name resolved every `refresh_ms`; each address is a replica.
+    pub dns: String,
+    /// HTTP port of each replica's OpenAI server.
+    pub port: u16,
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default = "default_refresh")]
+    pub refresh_ms: u64,
+    #[serde(default = "default_sources")]
+    pub sources: Sources,
+    /// With `sources = "static"`: the publisher port of rank 0 (vLLM started with tcp://*:PORT).
+    #[serde(default)]
+    pub events_port: Option<u16>,
+    /// With `sources = "static"`: the replay port of rank 0.
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+    #[serde(default)]
+    pub topic: String,
+    #[serde(default = "default_dp")]
+    pub dp_ranks: u32,
+    /// Scrape load from `http://{ip}:{port}/metrics`.
+    #[serde(default = "default_true")]
+    pub scrape: bool,
+    #[serde(default)]
+    pub hash: Option<HashConfig>,
+}
+
+fn default_refresh() -> u64 {
+    10_000
+}
+fn default_sources() -> Sources {
+    Sources::KvEventSources
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeedConfig {
+    #[serde(default = "default_feed_listen")]
+    pub listen: SocketAddr,
+    /// Must be set to listen on a non-loopback address.
+    #[serde(default)]
+    pub allow_non_loopback: bool,
+    /// Shared token subscribers must present (required on a non-loopback listener, unless
+    /// `client_ca` authenticates them).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// TLS for the feed (PEM files): the server's certificate chain and private key. Required
+    /// on a non-loopback listener.
+    #[serde(default)]
+    pub tls_cert: Option<std::path::PathBuf>,
+    #[serde(default)]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// Mutual TLS: subscribers must present a certificate issued by this CA (PEM).
+    #[serde(default)]
+    pub client_ca: Option<std::path::PathBuf>,
+    /// Messages queued per subscriber before it is considered too far behind and resynced.
+    #[serde(default = "default_queue")]
+    pub max_queue: usize,
+    /// Bytes queued per subscriber (block keys at 8 bytes each, plus a little per message)
+    /// before it is considered too far behind and resynced: a subscriber that stops reading
+    /// costs at most this much.
+    #[serde(default = "default_backlog_bytes")]
+    pub max_backlog_bytes: usize,
+    /// Live subscriptions at most (each filter VM holds one: workers + 2 per Envoy); more are
+    /// refused (RESOURCE_EXHAUSTED) and counted.
+    #[serde(default = "default_max_subscribers")]
+    pub max_subscribers: usize,
+    /// Seconds between heartbeats.
+    #[serde(default = "default_heartbeat")]
+    pub heartbeat_secs: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    #[serde(default = "default_http_listen")]
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HashConfig {
+    /// vLLM's `--prefix-caching-hash-algo`, read by its flag name.
+    #[serde(default = "default_algo")]
+    pub algo: HashAlgo,
+    /// PYTHONHASHSEED of the replicas; absent when unset.
+    #[serde(default)]
+    pub seed: Option<String>,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// vLLM's lookahead hashing (EAGLE-family speculative decoding with prefix caching): the
+    /// tokens after each block its hash covers; 0 without it.
+    #[serde(default)]
+    pub lookahead_tokens: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZmqConfig {
+    /// SUB receive high-water mark (messages).
+    #[serde(default = "default_rcvhwm")]
+    pub rcvhwm: i32,
+    /// Upper bound of libzmq's reconnect backoff, milliseconds.
+    #[serde(default = "default_reconnect_max")]
+    pub reconnect_ivl_max_ms: i32,
+    /// How long to wait for each replay reply before giving up, milliseconds.
+    #[serde(default = "default_replay_timeout")]
+    pub replay_timeout_ms: u64,
+    /// A publisher disconnected (or never connected) for this long marks its replica down and
+    /// its blocks leave; 0 disables the check.
+    #[serde(default = "default_publisher_down")]
+    pub down_after_disconnect_ms: u64,
+    /// When a publisher reconnects, ask its replay socket for the last batch applied here: a
+    /// different or missing batch means the engine restarted, and its blocks leave at once
+    /// (instead of when its next batch arrives). On by default; needs a replay endpoint.
+    #[serde(default = "default_true")]
+    pub verify_on_reconnect: bool,
+    /// Blocks one engine may hold; past it the engine's mirror is reset (flood bound).
+    #[serde(default = "default_max_blocks")]
+    pub max_blocks_per_engine: usize,
+    /// The largest event message accepted from a publisher, bytes (libzmq drops the connection
+    /// of a peer sending more, before allocating it; it reconnects, and the lost batches are a
+    /// gap). vLLM's largest batches are well under 1 MiB per 100,000 prompt tokens.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: i64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadConfig {
+    /// Scrape each replica's /metrics (running, waiting, KV-cache usage).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default = "default_interval")]
+    pub interval_ms: u64,
+    /// A replica whose /metrics fails for this long is marked down and its blocks leave.
+    #[serde(default = "default_down_after")]
+    pub down_after_ms: u64,
+    #[serde(default = "default_scrape_timeout")]
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParityConfig {
+    /// Share of verified blocks whose hash mismatched above which a warning is logged.
+    #[serde(default = "default_parity_threshold")]
+    pub warn_mismatch_ratio: f64,
+    /// Verified blocks needed before the ratio is judged.
+    #[serde(default = "default_parity_min")]
+    pub min_verified: u64,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// The replica binds (`tcp://*:PORT`); the agent connects.
+    Connect,
+    /// The agent binds a loopback port; the replica connects to it.
+    Bind,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    pub name: String,
+    /// `ip:port` of the replica's OpenAI server, as the filter routes to it.
+    pub address: String,
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Where its events come from: its ZMQ publisher (default) or the `[jetstream]` stream.
+    #[serde(default)]
+    pub events: Events,
+    /// ZMQ endpoint of the event publisher (rank 0), `tcp://host:port` (not with
+    /// `events = "jetstream"`).
+    #[serde(default)]
+    pub endpoint: String,
+    #[serde(default = "default_mode")]
+    pub mode: Mode,
+    /// ZMQ endpoint of the replay ROUTER (rank 0); vLLM always binds it, the agent connects.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    #[serde(default)]
+    pub topic: String,
+    /// Data-parallel ranks; rank r publishes on port + r (both endpoints).
+    #[serde(default = "default_dp")]
+    pub dp_ranks: u32,
+    /// Where to scrape load; defaults to `http://{address}/metrics`. Empty disables scraping.
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+    /// Overrides the global hash settings for this replica.
+    #[serde(default)]
+    pub hash: Option<HashConfig>,
+}
+
+fn default_js_stream() -> String {
+    "LLMGW_KV".to_owned()
+}
+fn default_js_prefix() -> String {
+    "llmgw.kv".to_owned()
+}
+fn default_js_per_subject() -> i64 {
+    10_000
+}
+fn default_js_max_bytes() -> i64 {
+    -1
+}
+pub(super) fn default_feed_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 7070))
+}
+fn default_http_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+fn default_queue() -> usize {
+    4096
+}
+fn default_max_subscribers() -> usize {
+    1024
+}
+fn default_backlog_bytes() -> usize {
+    64 << 20
+}
+fn default_heartbeat() -> f64 {
+    5.0
+}
+fn default_algo() -> HashAlgo {
+    defaults::ALGO
+}
+fn default_block_size() -> u32 {
+    defaults::BLOCK_SIZE
+}
+fn default_rcvhwm() -> i32 {
+    100_000
+}
+fn default_reconnect_max() -> i32 {
+    1000
+}
+fn default_replay_timeout() -> u64 {
+    2000
+}
+fn default_publisher_down() -> u64 {
+    30_000
+}
+fn default_max_blocks() -> usize {
+    16 << 20
+}
+fn default_max_message_bytes() -> i64 {
+    16 << 20
+}
+fn default_true() -> bool {
+    true
+}
+fn default_interval() -> u64 {
+    500
+}
+fn default_down_after() -> u64 {
+    10_000
+}
+fn default_scrape_timeout() -> u64 {
+    1000
+}
+fn default_parity_threshold() -> f64 {
+    0.01
+}
+fn default_parity_min() -> u64 {
+    16
+}
+fn default_mode() -> Mode {
+    Mode::Connect
+}
+fn default_dp() -> u32 {
+    1
+}
+
+impl Default for FeedConfig {
+    fn default() -> Self {
+        Self {
+            listen: default_feed_listen(),
+            allow_non_loopback: false,
+            token: None,
+            tls_cert: None,
+            tls_key: None,
+            client_ca: None,
+            max_queue: default_queue(),
+            max_backlog_bytes: default_backlog_bytes(),
+            max_subscribers: default_max_subscribers(),
+            heartbeat_secs: default_heartbeat(),
+        }
+    }
+}
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self { listen: default_http_listen() }
+    }
+}
+impl HashConfig {
+    /// The settings as the core names them (the feed carries them to the filters).
+    pub fn spec(&self) -> llmgw_core::hash::HashSpec {
+        llmgw_core::hash::HashSpec {
+            algo: self.algo,
+            seed: self.seed.clone(),
+            block_size: usize::try_from(self.block_size).unwrap_or(usize::MAX),
+            lookahead: usize::try_from(self.lookahead_tokens).unwrap_or(usize::MAX),
+        }
+    }
+}
+
+impl Default for HashConfig {
+    fn default() -> Self {
+        Self { algo: default_algo(), seed: None, block_size: default_block_size(), lookahead_tokens: 0 }
+    }
+}
+impl Default for ZmqConfig {
+    fn default() -> Self {
+        Self {
+            rcvhwm: default_rcvhwm(),
+            reconnect_ivl_max_ms: default_reconnect_max(),
+            replay_timeout_ms: default_replay_timeout(),
+            max_blocks_per_engine: default_max_blocks(),
+            max_message_bytes: default_max_message_bytes(),
+            down_after_disconnect_ms: default_publisher_down(),
+            verify_on_reconnect: true,
+        }
+    }
+}
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            interval_ms: default_interval(),
+            down_after_ms: default_down_after(),
+            timeout_ms: default_scrape_timeout(),
+        }
+    }
+}
+impl Default for ParityConfig {
+    fn default() -> Self {
+        Self { warn_mismatch_ratio: default_parity_threshold(), min_verified: default_parity_min() }
+    }
+}
+
+/// A configuration error; `field` is the path of the offending field (`replicas[1].mode`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() || self.field == "." {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.field, self.message)
+        }
+    }
+}
+
+pub(super) fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.into(), message: message.into() }
+}
+
+impl Config {
+    /// Parses and validates TOML text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let de = toml::Deserializer::parse(text).map_err(|e| err("", e.to_string().trim_end().to_owned()))?;
+        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            err(path, e.into_inner().message().to_owned())
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read {}: {e}", path.display())))?;
+        Config::parse(&text)
+    }
+
+    pub fn replay_timeout(&self) -> Duration {
+        Duration::from_millis(self.zmq.replay_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    pub(in crate::config) const OK: &str = r#"
+[hash]
+algo = "sha256_cbor"
+seed = "0"
+
+[[replicas]]
+name = "a"
+address = "127.0.0.1:8000"
+models = ["m"]
+endpoint = "tcp://127.0.0.1:5557"
+replay_endpoint = "tcp://127.0.0.1:5558"
+topic = "kv-events"
+dp_ranks = 2
+
+[[replicas]]
+name = "b"
+address = "127.0.0.1:8001"
+endpoint = "tcp://127.0.0.1:6000"
+mode = "bind"
+metrics_url = ""
+"#;
+
+    pub(in crate::config) fn error_of(text: &str) -> ConfigError {
+        match Config::parse(text) {
+            Ok(_) => panic!("config unexpectedly accepted:\n{text}"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn type_error_names_the_field() {
+        let e = error_of(&OK.replace("mode = \"bind\"", "mode = \"sideways\""));
+        assert_eq!(e.field, "replicas[1].mode", "{e}");
+        let e = error_of(&OK.replace("dp_ranks = 2", "dp_ranks = \"two\""));
+        assert_eq!(e.field, "replicas[0].dp_ranks", "{e}");
+        let e = error_of(&OK.replace("topic = \"kv-events\"", "topik = \"kv-events\""));
+        assert_eq!(e.field, "replicas[0].topik", "{e}");
+        assert!(e.message.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn missing_field_is_named() {
+        let e = error_of(&OK.replace("endpoint = \"tcp://127.0.0.1:6000\"", ""));
+        assert_eq!(e.field, "replicas[1].endpoint", "{e}");
+        assert!(e.message.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn syntax_error_is_reported() {
+        let e = error_of("[[replicas]\nname=");
+        assert!(!e.message.is_empty());
+    }
+
+    #[test]
+    fn hash_algorithm_is_read_once_and_defaults_come_from_the_core() {
+        let cfg = Config::parse("").unwrap();
+        assert_eq!(
+            cfg.hash,
+            HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE, lookahead_tokens: 0 }
+        );
+        let cfg =
+            Config::parse(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"xxhash\", seed = \"1\" }"))
+                .unwrap();
+        let h = cfg.replicas[1].hash.as_ref().unwrap();
+        assert_eq!((h.algo, h.block_size), (HashAlgo::Xxhash, defaults::BLOCK_SIZE));
+        let e = error_of(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"md5\" }"));
+        assert_eq!(e.field, "replicas[1].hash.algo", "{e}");
+        assert!(e.message.contains("md5"), "{e}");
+    }
+}
