@@ -2,7 +2,7 @@
 //! the core's router, act on the step it returns (set the destination header, answer 503, or
 //! call the tokenizer and hand its reply back), resume.
 
-use crate::host::{Buffer, Headers, Host};
+use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
 use llmgw_core::flow::{Body, Pending, Rejected, Step, TokenizerReply};
@@ -35,8 +35,12 @@ pub struct Request {
     shared: Option<Rc<RefCell<Shared>>>,
     phase: Phase,
     path: String,
-    /// Address whose in-flight counter this request holds.
+    /// Address the request was routed to (its answer is passive health).
     counted: Option<String>,
+    /// Whether the in-flight record of `counted` was written for it: only then is it taken
+    /// back at the first token and at the end (a failed increment must not decrement another
+    /// request's count).
+    in_flight_recorded: bool,
     /// Prefill tokens counted for it there until its first token.
     prefilling: u32,
     explain: Option<String>,
@@ -52,6 +56,7 @@ impl Request {
             phase: Phase::Headers,
             path: String::new(),
             counted: None,
+            in_flight_recorded: false,
             prefilling: 0,
             explain: None,
             busy_ns: 0,
@@ -101,8 +106,10 @@ impl Request {
                 let rank = r.dp_rank.map(|rank| rank.to_string());
                 self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
                 let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
-                s.metrics.shared_update_failed(inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens));
-                self.prefilling = tokens;
+                let gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
+                self.in_flight_recorded = !gave_up.contains(&SharedKind::InFlight);
+                s.metrics.shared_update_failed(gave_up);
+                self.prefilling = if self.in_flight_recorded { tokens } else { 0 };
                 if let Some(spec) = &r.speculation {
                     match crate::speculative::record(self.host.as_ref(), spec) {
                         Ok(dropped) => s.metrics.speculative_dropped(dropped),
@@ -323,7 +330,7 @@ impl HttpContext for Request {
 
     fn on_log(&mut self) {
         let tokens = std::mem::take(&mut self.prefilling);
-        if let Some(addr) = self.counted.take() {
+        if let Some(addr) = self.counted.take().filter(|_| std::mem::take(&mut self.in_flight_recorded)) {
             if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                 s.metrics.shared_update_failed(inflight::decrement(self.host.as_ref(), s.vm, &addr, tokens));
             }

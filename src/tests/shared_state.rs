@@ -117,6 +117,27 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
 }
 
 #[test]
+fn a_request_whose_in_flight_count_was_not_written_does_not_take_back_another_ones() {
+    use crate::host::CAS_RETRIES;
+    let tokens: Vec<u32> = (0..32).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    // One request to B counted; a second to B whose count could not be written.
+    let (mut first, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(inflight_at(&e, B).0, 1);
+    e.host.cas_failures.set(CAS_RETRIES);
+    let (mut second, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(inflight_at(&e, B).0, 1);
+    // The second's end leaves the first counted; the first's end takes it back.
+    second.on_http_response_headers(2, false);
+    second.on_log();
+    assert_eq!(inflight_at(&e, B), (1, inflight_at(&e, B).1));
+    first.on_log();
+    assert_eq!(inflight_at(&e, B), (0, 0));
+}
+
+#[test]
 fn the_manual_lists_every_metric_and_label_value_the_filter_defines() {
     let manual = include_str!("../../docs/src/operations.md");
     let start = manual.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
