@@ -120,6 +120,13 @@ pub fn parse_sources(ip: IpAddr, body: &str) -> Result<Vec<Source>, SourcesError
     for (rank, cfg) in obj {
         let rank: u32 =
             rank.parse().map_err(|_| SourcesError::unparseable(format!("rank {rank:?} is not a number")))?;
+        // vLLM numbers a replica's ranks from 0: a rank past the bound is not one of them (and
+        // would reach requests as `X-data-parallel-rank`).
+        if usize::try_from(rank).map_or(true, |r| r >= MAX_RANKS) {
+            return Err(SourcesError::unparseable(format!(
+                "rank {rank} is out of range (ranks are below {MAX_RANKS})"
+            )));
+        }
         if cfg.get("enable_kv_cache_events").and_then(Value::as_bool) == Some(false) {
             continue;
         }
@@ -315,6 +322,13 @@ mod tests {
         let err = parse_sources(IP, &format!("{{{many}}}")).unwrap_err();
         assert!(err.detail.contains("ranks"), "{err}");
         assert_eq!(err.reason, Refused::TooManyRanks);
+        // So are their numbers: one rank numbered past the bound is refused.
+        let far = r#"{"4000000000":{"endpoint":"tcp://*:5557"}}"#;
+        let err = parse_sources(IP, far).unwrap_err();
+        assert!(err.detail.contains("out of range"), "{err}");
+        assert_eq!(err.reason, Refused::Unparseable);
+        let last = format!(r#"{{"{}":{{"endpoint":"tcp://*:5557"}}}}"#, MAX_RANKS - 1);
+        assert_eq!(parse_sources(IP, &last).unwrap().len(), 1);
     }
 
     #[test]
