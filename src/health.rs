@@ -13,7 +13,7 @@
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, Fields, SharedRecord};
+use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
 use std::collections::HashSet;
 
 const KEY: &str = "llmgw.health";
@@ -25,23 +25,27 @@ pub const MAX_NS: u64 = 30_000_000_000;
 /// At most this many replicas are remembered (the oldest avoidance goes first).
 const MAX_RECORDS: usize = 4096;
 
-/// One address avoided: until when, after how many failures in a row.
-struct Avoidance(u64, u64, u32);
+/// One address avoided: its id, until when, after how many failures in a row.
+struct Avoidance {
+    id: u64,
+    until: u64,
+    strikes: u32,
+}
 
 impl SharedRecord for Avoidance {
     const SIZE: usize = 20;
-    fn read(f: &mut Fields<'_>) -> Option<Self> {
-        Some(Avoidance(f.u64()?, f.u64()?, f.u32()?))
+    fn read(f: &mut FieldReader<'_>) -> Option<Self> {
+        Some(Avoidance { id: f.u64()?, until: f.u64()?, strikes: f.u32()? })
     }
-    fn write(&self, f: &mut Fields<'_>) {
-        f.put_u64(self.0);
-        f.put_u64(self.1);
-        f.put_u32(self.2);
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.until.to_le_bytes());
+        out.extend_from_slice(&self.strikes.to_le_bytes());
     }
 }
 
-fn records(v: &[u8]) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-    decode::<Avoidance>(v).map(|Avoidance(id, until, strikes)| (id, until, strikes))
+fn records(v: &[u8]) -> impl Iterator<Item = Avoidance> + '_ {
+    decode(v)
 }
 
 /// The shared health records, read once per decision: the addresses avoided now, by id (a
@@ -65,7 +69,7 @@ impl Health {
     fn read_key(host: &dyn Host, key: &str) -> Health {
         let value = host.shared_data(key).and_then(|(v, _)| v).unwrap_or_default();
         let now = host.now_ns();
-        Health { avoided: records(&value).filter(|&(_, until, _)| now < until).map(|(id, _, _)| id).collect() }
+        Health { avoided: records(&value).filter(|a| now < a.until).map(|a| a.id).collect() }
     }
 
     /// Whether `address` is avoided right now.
@@ -76,18 +80,18 @@ impl Health {
 
 /// The records with `id`'s updated: one more failure in a row, or removed when it answered.
 fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
-    let mut out: Vec<(u64, u64, u32)> = records(v).filter(|&(x, _, _)| x != id).collect();
+    let mut out: Vec<Avoidance> = records(v).filter(|a| a.id != id).collect();
     if failed {
-        let strikes = records(v).find(|&(x, _, _)| x == id).map_or(0, |(_, _, s)| s).saturating_add(1);
+        let strikes = records(v).find(|a| a.id == id).map_or(0, |a| a.strikes).saturating_add(1);
         let span = FIRST_NS.saturating_mul(1u64 << strikes.saturating_sub(1).min(5)).min(MAX_NS);
-        out.push((id, now.saturating_add(span), strikes));
+        out.push(Avoidance { id, until: now.saturating_add(span), strikes });
         if out.len() > MAX_RECORDS {
-            out.sort_by_key(|&(_, until, _)| until);
+            out.sort_by_key(|a| a.until);
             let extra = out.len().saturating_sub(MAX_RECORDS);
             out.drain(..extra);
         }
     }
-    encode(out.into_iter().map(|(x, until, s)| Avoidance(x, until, s)))
+    encode(out)
 }
 
 /// `Err` when the shared record could not be updated.
@@ -96,7 +100,7 @@ fn update(host: &dyn Host, key: &str, what: SharedKind, address: &str, failed: b
     let now = host.now_ns();
     let ok = update_shared(host, key, |v| {
         // Nothing to clear: no write (the common case, every healthy answer).
-        (failed || records(v).any(|(x, _, _)| x == id)).then(|| with(v, id, now, failed))
+        (failed || records(v).any(|a| a.id == id)).then(|| with(v, id, now, failed))
     });
     if ok {
         Ok(())
@@ -151,7 +155,7 @@ mod tests {
         for _ in 0..20 {
             observe(&host, B, 503).unwrap();
         }
-        let (_, until, _) = records(&host.shared_value(KEY).unwrap()).next().unwrap();
+        let until = records(&host.shared_value(KEY).unwrap()).next().unwrap().until;
         assert_eq!(until - host.now_ns.get(), MAX_NS);
     }
 }

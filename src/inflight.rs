@@ -13,7 +13,7 @@
 //! are dropped by the next write: counts return to zero instead of drifting.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, Fields, SharedRecord};
+use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
 use std::collections::{HashMap, HashSet};
 
 /// (Versioned: the records grew a token count; a VM of an older build keeps its own key.)
@@ -39,14 +39,14 @@ struct Record {
 
 impl SharedRecord for Record {
     const SIZE: usize = 20;
-    fn read(f: &mut Fields<'_>) -> Option<Self> {
+    fn read(f: &mut FieldReader<'_>) -> Option<Self> {
         Some(Record { vm: f.u32()?, id: f.u64()?, requests: f.u32()?, tokens: f.u32()? })
     }
-    fn write(&self, f: &mut Fields<'_>) {
-        f.put_u32(self.vm);
-        f.put_u64(self.id);
-        f.put_u32(self.requests);
-        f.put_u32(self.tokens);
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.vm.to_le_bytes());
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.requests.to_le_bytes());
+        out.extend_from_slice(&self.tokens.to_le_bytes());
     }
 }
 
@@ -63,12 +63,12 @@ struct Heartbeat {
 
 impl SharedRecord for Heartbeat {
     const SIZE: usize = 12;
-    fn read(f: &mut Fields<'_>) -> Option<Self> {
+    fn read(f: &mut FieldReader<'_>) -> Option<Self> {
         Some(Heartbeat { vm: f.u32()?, at: f.u64()? })
     }
-    fn write(&self, f: &mut Fields<'_>) {
-        f.put_u32(self.vm);
-        f.put_u64(self.at);
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.vm.to_le_bytes());
+        out.extend_from_slice(&self.at.to_le_bytes());
     }
 }
 
@@ -86,13 +86,13 @@ fn apply(n: u32, d: i64) -> u32 {
     u32::try_from(v).unwrap_or(0)
 }
 
-fn heartbeats(v: &[u8]) -> impl Iterator<Item = (u32, u64)> + '_ {
-    decode::<Heartbeat>(v).map(|h| (h.vm, h.at))
+fn heartbeats(v: &[u8]) -> impl Iterator<Item = Heartbeat> + '_ {
+    decode(v)
 }
 
 /// The VMs whose last heartbeat is within `STALE_NS` of `now`.
 fn live_vms(v: &[u8], now: u64) -> Vec<u32> {
-    heartbeats(v).filter(|&(_, at)| now.saturating_sub(at) <= STALE_NS).map(|(vm, _)| vm).collect()
+    heartbeats(v).filter(|h| now.saturating_sub(h.at) <= STALE_NS).map(|h| h.vm).collect()
 }
 
 /// Applies `change` to `vm`'s record of `id`; records falling to 0 requests and records of VMs
@@ -119,7 +119,7 @@ pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, change: Change) ->
 
 /// The heartbeat list with `vm` seen at `now` and stale VMs left out.
 fn beat(v: &[u8], vm: u32, now: u64) -> Vec<u8> {
-    let others = decode::<Heartbeat>(v).filter(|h| h.vm != vm && now.saturating_sub(h.at) <= STALE_NS);
+    let others = heartbeats(v).filter(|h| h.vm != vm && now.saturating_sub(h.at) <= STALE_NS);
     encode(others.chain([Heartbeat { vm, at: now }]))
 }
 
@@ -128,7 +128,7 @@ fn beat(v: &[u8], vm: u32, now: u64) -> Vec<u8> {
 pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
     let mut live = Vec::new();
     let ok = update_shared(host, LIVE_KEY, |v| {
-        let fresh = heartbeats(v).any(|(x, at)| x == vm.0 && now.saturating_sub(at) < HEARTBEAT_NS);
+        let fresh = heartbeats(v).any(|h| h.vm == vm.0 && now.saturating_sub(h.at) < HEARTBEAT_NS);
         let next = (!fresh).then(|| beat(v, vm.0, now));
         live = live_vms(next.as_deref().unwrap_or(v), now);
         next

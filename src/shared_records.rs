@@ -9,54 +9,39 @@ use llmgw_core::stable_hash::stable_hash;
 pub trait SharedRecord: Sized {
     /// Bytes per record.
     const SIZE: usize;
-    fn read(fields: &mut Fields<'_>) -> Option<Self>;
-    fn write(&self, out: &mut Fields<'_>);
+    /// The record from its bytes (`None`: too short).
+    fn read(fields: &mut FieldReader<'_>) -> Option<Self>;
+    /// Appends the record's fields to `out`, little-endian, in the order `read` takes them.
+    fn write(&self, out: &mut Vec<u8>);
 }
 
-/// Reads or writes one record's fields in order.
-pub enum Fields<'a> {
-    Reading(&'a [u8]),
-    Writing(&'a mut Vec<u8>),
-}
+/// Reads one record's fields in order.
+pub struct FieldReader<'a>(&'a [u8]);
 
-impl Fields<'_> {
+impl FieldReader<'_> {
     pub fn u32(&mut self) -> Option<u32> {
-        let Fields::Reading(rest) = self else { return None };
-        let (head, tail) = rest.split_first_chunk::<4>()?;
-        *rest = tail;
+        let (head, tail) = self.0.split_first_chunk::<4>()?;
+        self.0 = tail;
         Some(u32::from_le_bytes(*head))
     }
 
     pub fn u64(&mut self) -> Option<u64> {
-        let Fields::Reading(rest) = self else { return None };
-        let (head, tail) = rest.split_first_chunk::<8>()?;
-        *rest = tail;
+        let (head, tail) = self.0.split_first_chunk::<8>()?;
+        self.0 = tail;
         Some(u64::from_le_bytes(*head))
-    }
-
-    pub fn put_u32(&mut self, v: u32) {
-        if let Fields::Writing(out) = self {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-    }
-
-    pub fn put_u64(&mut self, v: u64) {
-        if let Fields::Writing(out) = self {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
     }
 }
 
 /// The records of a shared value.
 pub fn decode<R: SharedRecord>(v: &[u8]) -> impl Iterator<Item = R> + '_ {
-    v.chunks_exact(R::SIZE).filter_map(|r| R::read(&mut Fields::Reading(r)))
+    v.chunks_exact(R::SIZE).filter_map(|r| R::read(&mut FieldReader(r)))
 }
 
 /// A shared value holding `records`.
 pub fn encode<R: SharedRecord>(records: impl IntoIterator<Item = R>) -> Vec<u8> {
     let mut out = Vec::new();
     for r in records {
-        r.write(&mut Fields::Writing(&mut out));
+        r.write(&mut out);
     }
     out
 }
@@ -75,12 +60,12 @@ mod tests {
 
     impl SharedRecord for Pair {
         const SIZE: usize = 12;
-        fn read(f: &mut Fields<'_>) -> Option<Self> {
+        fn read(f: &mut FieldReader<'_>) -> Option<Self> {
             Some(Pair(f.u32()?, f.u64()?))
         }
-        fn write(&self, f: &mut Fields<'_>) {
-            f.put_u32(self.0);
-            f.put_u64(self.1);
+        fn write(&self, out: &mut Vec<u8>) {
+            out.extend_from_slice(&self.0.to_le_bytes());
+            out.extend_from_slice(&self.1.to_le_bytes());
         }
     }
 

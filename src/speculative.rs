@@ -8,7 +8,7 @@
 //! `llmgw_speculative_dropped_total`.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{decode, encode, Fields, SharedRecord};
+use crate::shared_records::{decode, encode, FieldReader, SharedRecord};
 pub use llmgw_core::flow::SPECULATIVE_TTL_NS as TTL_NS;
 use llmgw_core::flow::{Speculation, SpeculativeHit};
 
@@ -25,13 +25,13 @@ struct Record {
 
 impl SharedRecord for Record {
     const SIZE: usize = 24;
-    fn read(f: &mut Fields<'_>) -> Option<Self> {
+    fn read(f: &mut FieldReader<'_>) -> Option<Self> {
         Some(Record { key: f.u64()?, engine: f.u64()?, expires: f.u64()? })
     }
-    fn write(&self, f: &mut Fields<'_>) {
-        f.put_u64(self.key);
-        f.put_u64(self.engine);
-        f.put_u64(self.expires);
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.key.to_le_bytes());
+        out.extend_from_slice(&self.engine.to_le_bytes());
+        out.extend_from_slice(&self.expires.to_le_bytes());
     }
 }
 
