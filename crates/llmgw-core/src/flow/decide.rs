@@ -43,7 +43,7 @@ pub fn decide(
     let exact_winner = d
         .winner
         .and_then(|i| cands.get(i))
-        .and_then(|c| exact.map(|(s, sc)| (c, s.index_leading.get(usize::from(c.id)).copied().unwrap_or(0), sc)));
+        .and_then(|c| exact.map(|(_, sc)| (c, sc.index_leading.get(usize::from(c.id)).copied().unwrap_or(0), sc)));
     let speculative_blocks = exact_winner.map_or(0, |(_, held, _)| d.matched.saturating_sub(held));
     let speculation = exact_winner.and_then(|(c, held, sc)| {
         let held = usize::try_from(held).unwrap_or(usize::MAX);

@@ -30,15 +30,14 @@ pub struct PromptBlocks<'a> {
     pub extras: &'a RequestExtras,
 }
 
-/// A request scored from exact data; the scratch space holds its hashes and leading runs.
+/// A request scored from exact data; the scratch space holds its hashes, its leading runs and
+/// those the index alone shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Scored {
     /// Prompt tokens.
     pub tokens: u64,
     /// The block size the plan hashes with.
     pub block_size: usize,
-    /// Per replica id, the leading run the index alone shows (before speculative entries).
-    pub index_leading: Vec<u32>,
     /// Some replica has KV-cache groups hybrid scoring does not model: it was scored by its
     /// first group alone.
     pub hybrid_unsupported: bool,
@@ -72,7 +71,7 @@ pub fn score(
             HybridHit::NotHybrid => {}
         }
     }
-    let index_leading = scratch.scores.leading.clone();
+    scratch.index_leading.clone_from(&scratch.scores.leading);
     // Speculative entries: engines this Envoy just sent this prompt's leading blocks to. The
     // blocks are hashed to a bounded depth for them, even past what the index holds.
     let full = usize::try_from(scratch.scores.total).unwrap_or(usize::MAX);
@@ -82,7 +81,7 @@ pub fn score(
     }
     credit_speculative(ctx, want, scratch);
     let tokens = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
-    Ok(Scored { tokens, block_size, index_leading, hybrid_unsupported })
+    Ok(Scored { tokens, block_size, hybrid_unsupported })
 }
 
 /// Raises the leading run of each engine a speculative entry names to the entry's checkpoint.

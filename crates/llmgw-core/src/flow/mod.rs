@@ -51,7 +51,7 @@ use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAns
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 use decide::{decide, Deciding};
 use exact::{PromptBlocks, Scored, Scoring};
-use hash_plan::{Hashers, PlanStatus, Plans};
+use hash_plan::{HashPlan, Hashers, PlanStatus, Plans};
 use triage::{approx_key, fallback_reason};
 
 /// Where a tokenizer call goes.
@@ -88,6 +88,17 @@ pub struct Router {
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
     TokenCache::new(config.tokenizer_cache_bytes, config.tokenizer_cache_ttl_ns, key)
+}
+
+/// Notes a plan's mismatch in the request's report, and for the log unless that note was
+/// already handed out (no copy per request while a mismatch lasts).
+fn note_plan(plan: &HashPlan, report: &mut Report, hash_note: &mut Option<String>, hash_logged: Option<&str>) {
+    if let Some(note) = &plan.note {
+        report.hash_mismatch = true;
+        if hash_logged != Some(note.as_str()) && hash_note.as_deref() != Some(note.as_str()) {
+            *hash_note = Some(note.clone());
+        }
+    }
 }
 
 /// A request the exact stage scores: which profile, and what enters its hashes besides tokens.
@@ -173,13 +184,10 @@ impl Router {
     /// The fingerprint of the hashing profile `pi` uses for `model` (0 without such a
     /// profile), and whether some replica hashes otherwise (into `report`).
     fn plan_fingerprint(&mut self, pi: usize, model: Option<&str>, report: &mut Report) -> u64 {
-        let Router { config, feed, plans, hash_note, generation, .. } = self;
+        let Router { config, feed, plans, hash_note, hash_logged, generation, .. } = self;
         let Some(p) = config.profile(pi) else { return 0 };
         let Some(plan) = plans.get((pi, p), model, feed.serving(), *generation) else { return 0 };
-        if let Some(note) = &plan.note {
-            report.hash_mismatch = true;
-            *hash_note = Some(note.clone());
-        }
+        note_plan(plan, report, hash_note, hash_logged.as_deref());
         plan.fingerprint
     }
 
@@ -395,16 +403,13 @@ impl Router {
     /// (replicas that hash otherwise score 0), or the fallback that applies: the replicas'
     /// hashing does not match ([`Fallback::HashMismatch`]) or cannot be done.
     fn exact(&mut self, req: ExactRequest<'_>, gw: &dyn GatewayState, report: &mut Report) -> Result<Scored, Fallback> {
-        let Router { config, feed, plans, hashers, scratch, hash_note, resets, generation, .. } = self;
+        let Router { config, feed, plans, hashers, scratch, hash_note, hash_logged, resets, generation, .. } = self;
         let Some(p) = config.profile(req.profile) else { return Err(Fallback::Hash) };
         let serving = feed.serving();
         let Some(plan) = plans.get((req.profile, p), req.model, serving, *generation) else {
             return Err(Fallback::Hash);
         };
-        if let Some(note) = &plan.note {
-            report.hash_mismatch = true;
-            *hash_note = Some(note.clone());
-        }
+        note_plan(plan, report, hash_note, hash_logged.as_deref());
         match plan.status {
             PlanStatus::Use => {}
             PlanStatus::Mismatch => return Err(Fallback::HashMismatch),

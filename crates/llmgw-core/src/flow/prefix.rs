@@ -21,6 +21,9 @@ pub struct Scratch {
     /// After [`prefix_scores`]: per replica, its leading run; `total` is the request's full
     /// blocks, hashed or not.
     pub scores: Scores,
+    /// After the exact stage: per replica, the leading run the index alone shows (before
+    /// speculative entries credit more).
+    pub index_leading: Vec<u32>,
     keys: Vec<BlockKey>,
     batch: Scores,
 }
@@ -37,7 +40,7 @@ pub fn prefix_scores(
     scratch: &mut Scratch,
 ) -> Result<(), HashError> {
     let full = extras.hashed_blocks(tokens.len(), block_size).ok_or(HashError::ZeroBlockSize)?;
-    let Scratch { hashes, scores, keys, batch: part } = scratch;
+    let Scratch { hashes, scores, keys, batch: part, .. } = scratch;
     hashes.clear();
     hashes.extend_from_slice(known.get(..full.min(known.len())).unwrap_or_default());
     keys.clear();
