@@ -30,6 +30,7 @@ pub mod ingest;
 pub mod jetstream;
 pub mod launch;
 pub mod load;
+pub mod native_tokenizer;
 pub mod seq;
 pub mod shutdown;
 pub mod vllm;
@@ -127,7 +128,24 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     };
     let feed_task =
         tokio::spawn(feed::serve(feed_listener, hub.clone(), cfg.feed.token.clone(), feed_tls, wait(rx.clone())));
-    let http_task = tokio::spawn(http::serve(http_listener, hub.clone(), wait(rx.clone())));
+    // The native tokenizer: models loaded (seconds for large vocabularies) off the runtime's
+    // threads, then its own listener.
+    let native = match &cfg.tokenizer {
+        Some(t) => {
+            let t = t.clone();
+            let listener = bind("tokenizer.listen", t.listen).await?;
+            let loaded = tokio::task::spawn_blocking(move || native_tokenizer::NativeTokenizers::load(&t))
+                .await
+                .map_err(|e| RunError::Thread(std::io::Error::other(e.to_string())))?;
+            let loaded = Arc::new(loaded);
+            info!(listen = %listener.local_addr().map_err(RunError::LocalAddr)?, models = loaded.models.len(), "native tokenizer listening");
+            let state = native_tokenizer::server::state(loaded.clone(), hub.clone());
+            Some((loaded, tokio::spawn(native_tokenizer::server::serve(listener, state, wait(rx.clone())))))
+        }
+        None => None,
+    };
+    let http_task =
+        tokio::spawn(http::serve(http_listener, hub.clone(), native.as_ref().map(|(n, _)| n.clone()), wait(rx.clone())));
     let mut background = vec![
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),
@@ -163,6 +181,9 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     }
     let _ = tokio::time::timeout(Duration::from_secs(3), feed_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(3), http_task).await;
+    if let Some((_, task)) = native {
+        let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+    }
     Ok(join_threads(threads).await?)
 }
 

@@ -147,16 +147,42 @@ fn launch(a: LaunchArgs) -> Result<(), String> {
     llmgw_agent::run_with(cfg, Some(spec)).map_err(|e| e.to_string())
 }
 
+/// Loads every native tokenizer model as `run` would: one line each, an error if any is refused.
+fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
+    let Some(t) = &cfg.tokenizer else { return Ok(()) };
+    let native = llmgw_agent::native_tokenizer::NativeTokenizers::load(t);
+    let mut refused = 0;
+    for m in &native.models {
+        match &m.tokenizer {
+            Ok(tok) => println!(
+                "tokenizer {}: loaded ({} bytes of tokenizer.json, chat template: {})",
+                m.label,
+                tok.file_bytes,
+                if tok.has_chat_template() { "yes" } else { "none" }
+            ),
+            Err(e) => {
+                refused += 1;
+                println!("tokenizer {}: refused: {e}", m.label);
+            }
+        }
+    }
+    if refused > 0 {
+        return Err(format!("{refused} native tokenizer model(s) refused"));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => prepare(a).and_then(|cfg| llmgw_agent::run(cfg).map_err(|e| e.to_string())),
         Command::Launch(a) => launch(a),
         Command::VllmArgs(a) => load(&a.config).map(|cfg| print!("{}", llmgw_agent::vllm::render(&cfg))),
-        Command::CheckConfig(a) => load(&a.config).map(|cfg| {
+        Command::CheckConfig(a) => load(&a.config).and_then(|cfg| {
             for e in cfg.engines() {
                 println!("{} id={} {} {}", e.label(), e.id, e.address, e.source_summary());
             }
+            check_tokenizers(&cfg)
         }),
         Command::Hash(a) => tools::hash(&a).map_err(|e| e.to_string()),
         Command::Decode(a) => tools::decode(&a).map_err(|e| e.to_string()),

@@ -29,6 +29,9 @@ pub struct Config {
     /// Events through NATS JetStream (replicas with `events = "jetstream"`, and `publish`).
     #[serde(default)]
     pub jetstream: Option<JetStreamConfig>,
+    /// The native tokenizer (`[tokenizer]`, see [`super::tokenizer`]).
+    #[serde(default)]
+    pub tokenizer: Option<super::tokenizer::TokenizerConfig>,
 }
 
 /// Where a replica's KV events come from.

@@ -25,13 +25,16 @@
 //! * [`file`]: the file's sections and fields, with their defaults.
 //! * [`validate`]: the checks serde cannot make (addresses, endpoints, uniqueness, listener
 //!   safety).
+//! * [`tokenizer`]: the native tokenizer's section.
 //! * [`engine`]: the engines a configuration describes (replica × data-parallel rank) and the
 //!   `tcp://host:port` endpoint rules they follow.
 
 mod engine;
 mod file;
+mod tokenizer;
 mod validate;
 
+pub use tokenizer::{TokenizerConfig, TokenizerModelConfig};
 pub use engine::{offset_port, parse_tcp, subject, EndpointError, EngineSpec, EventSource};
 pub use file::{
     Config, ConfigError, DiscoveryConfig, Events, FeedConfig, HashConfig, HttpConfig, JetStreamConfig, LoadConfig,

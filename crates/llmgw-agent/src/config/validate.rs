@@ -11,6 +11,9 @@ impl Config {
     /// Checks everything serde cannot: addresses, endpoints, uniqueness, listener safety.
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_hash("hash", &self.hash)?;
+        if let Some(t) = &self.tokenizer {
+            t.validate()?;
+        }
         let f = &self.feed;
         match (&f.tls_cert, &f.tls_key) {
             (Some(_), None) => return Err(err("feed.tls_key", "tls_cert needs tls_key")),
