@@ -52,6 +52,7 @@ use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 use decide::{decide, Deciding};
 use exact::{PromptBlocks, Scored, Scoring};
 use hash_plan::{HashPlan, Hashers, PlanStatus, Plans};
+use step::RetryCall;
 use triage::{approx_key, fallback_reason};
 
 /// Where a tokenizer call goes.
@@ -313,8 +314,10 @@ impl Router {
             TokenizerTarget::Nobody => return self.finish(model, Some(pi), None, &approx, why, gw, report),
         };
         let generation = self.generation;
+        let dedicated = self.config.profile(pi).and_then(|p| p.tokenizer_address.as_deref()) == Some(target.as_str());
+        let retry = dedicated.then(|| RetryCall { path: call.path, body: call.body.clone(), timeout_ms });
         let pending =
-            Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation, spec });
+            Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation, spec, retry });
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
         report.hash_mismatch = false;
@@ -330,6 +333,12 @@ impl Router {
                 return TokenizerTarget::At(a.to_owned());
             }
         }
+        self.replica_tokenizer(pi, model, gw)
+    }
+
+    /// The least-loaded healthy replica serving `model` whose tokenizer is not failing.
+    fn replica_tokenizer(&self, pi: usize, model: Option<&str>, gw: &dyn GatewayState) -> TokenizerTarget {
+        let p = self.config.profile(pi);
         let w = p.map_or(&self.default_weights, |p| &p.weights);
         let mut cands = candidates::candidates(self.feed.serving(), model, gw);
         if !cands.iter().any(|c| c.up) {
@@ -357,6 +366,9 @@ impl Router {
         let approx = || approx_key(Some(p), &[], pending.approx_bytes);
         let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
             Ok(answer) => answer,
+            Err(TokenizerFailure::Declined) if pending.retry.is_some() => {
+                return self.retry_on_replica(pending, gw, report);
+            }
             Err(f) => {
                 report.tokenizer_failure = Some(f);
                 return self.finish(model, Some(pending.profile), None, &approx, Some(Fallback::Tokenizer), gw, report);
@@ -397,6 +409,35 @@ impl Router {
             }
         }
         self.finish_scored(model, pending.profile, scored, &approx, gw, report)
+    }
+
+    /// The dedicated tokenizer declined `pending`'s call: the same call to a replica (once).
+    fn retry_on_replica(&mut self, mut pending: Pending, gw: &dyn GatewayState, mut report: Report) -> Step {
+        report.tokenizer_failure = Some(TokenizerFailure::Declined);
+        let model = pending.parsed.model.clone();
+        let approx_bytes = pending.approx_bytes;
+        let Some(call) = pending.retry.take() else {
+            let approx = || approx_key(Some(&pending.parsed), &[], approx_bytes);
+            return self.finish(model.as_deref(), Some(pending.profile), None, &approx, Some(Fallback::Tokenizer), gw, report);
+        };
+        match self.replica_tokenizer(pending.profile, model.as_deref(), gw) {
+            TokenizerTarget::At(target) => Step::Tokenize(Tokenize {
+                target,
+                path: call.path,
+                body: call.body,
+                timeout_ms: call.timeout_ms,
+                pending: Box::new(pending),
+                report,
+            }),
+            other => {
+                let why = match other {
+                    TokenizerTarget::CircuitOpen => Some(Fallback::Tokenizer),
+                    _ => None,
+                };
+                let approx = || approx_key(Some(&pending.parsed), &[], approx_bytes);
+                self.finish(model.as_deref(), Some(pending.profile), None, &approx, why, gw, report)
+            }
+        }
     }
 
     /// The exact stage for `req`: its hash plan, then its scores into the scratch space

@@ -84,6 +84,9 @@ pub enum TokenizerFailure {
     /// No call was made: every tokenizer the request could use failed recently (timed out,
     /// reset, answered 5xx or garbage) and is left alone for a while (the circuit breaker).
     CircuitOpen,
+    /// The dedicated tokenizer answered 421: not its request (the native tokenizer's media,
+    /// a model it does not hold or has switched off). The call goes to a replica instead.
+    Declined,
 }
 
 impl TokenizerFailure {
@@ -99,7 +102,7 @@ impl TokenizerFailure {
         )
     }
 
-    pub const ALL: [TokenizerFailure; 7] = [
+    pub const ALL: [TokenizerFailure; 8] = [
         TokenizerFailure::Timeout,
         TokenizerFailure::Unavailable,
         TokenizerFailure::Status,
@@ -107,6 +110,7 @@ impl TokenizerFailure {
         TokenizerFailure::BadResponse,
         TokenizerFailure::Dispatch,
         TokenizerFailure::CircuitOpen,
+        TokenizerFailure::Declined,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -118,6 +122,7 @@ impl TokenizerFailure {
             TokenizerFailure::BadResponse => "bad_response",
             TokenizerFailure::Dispatch => "dispatch",
             TokenizerFailure::CircuitOpen => "circuit_open",
+            TokenizerFailure::Declined => "declined",
         }
     }
 }

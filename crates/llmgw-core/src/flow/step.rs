@@ -138,6 +138,17 @@ pub struct Pending {
     pub(super) generation: u64,
     /// The hashing the cache tag was taken under (a reply hashed otherwise is not cached).
     pub(super) spec: u64,
+    /// The call, kept when it went to the dedicated tokenizer: if that declines (421), the
+    /// same call goes to a replica.
+    pub(super) retry: Option<RetryCall>,
+}
+
+/// A tokenizer call to repeat on a replica.
+#[derive(Debug)]
+pub(super) struct RetryCall {
+    pub(super) path: &'static str,
+    pub(super) body: Vec<u8>,
+    pub(super) timeout_ms: u32,
 }
 
 /// What to do next.

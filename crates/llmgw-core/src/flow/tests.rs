@@ -673,3 +673,33 @@ fn a_cache_salt_past_the_limit_is_neither_hashed_nor_cached() {
     assert_eq!(got.report.fallback, Some(Fallback::SaltTooLong));
     assert_eq!((r.tokenizer_cache().alias_bytes(), r.tokenizer_cache().len()), (0, 0));
 }
+
+#[test]
+fn a_call_the_dedicated_tokenizer_declines_goes_once_to_a_replica_without_striking_it() {
+    const T: &str = "127.0.0.1:9100";
+    let profile = format!(
+        r#""profiles":[{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0","tokenizer_address":"{T}"}}]}}"#
+    );
+    let mut r = router("", vec![], true);
+    r.reconfigure(Compiled::from_json(format!("{{{profile}").as_bytes(), None).unwrap());
+    let text = br#"{"model":"m","prompt":"hello"}"#;
+    let first = tokenize(r.on_body(&body(COMPLETIONS, text), &(), 0));
+    assert_eq!(first.target, T);
+    let declined = |r: &mut Router, pending: Pending| {
+        let read = || br#"{"error":{"message":"declined: media"}}"#.to_vec();
+        r.on_tokenizer_reply(pending, &TokenizerReply::Answered { status: Some(b"421"), body: &read }, &(), 0)
+    };
+    // Declined: the same call, now to the least-loaded replica; the decline is reported and
+    // does not count against the dedicated tokenizer's circuit.
+    let again = tokenize(declined(&mut r, *first.pending));
+    assert_eq!((again.target.as_str(), again.path), (A, first.path));
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.report.tokenizer_failure, Some(TokenizerFailure::Declined));
+    assert!(!TokenizerFailure::Declined.strikes());
+    // The replica's answer routes as any; a second decline falls back instead of looping.
+    assert!(matches!(answer(&mut r, *again.pending, &[1, 2, 3], 0), Step::Route(_)));
+    let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"other"}"#), &(), 0));
+    let again = tokenize(declined(&mut r, *call.pending));
+    let got = routed(declined(&mut r, *again.pending));
+    assert_eq!(got.report.fallback, Some(Fallback::Tokenizer));
+}

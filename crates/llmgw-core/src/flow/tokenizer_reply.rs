@@ -30,6 +30,7 @@ pub fn tokenizer_answer(reply: &TokenizerReply<'_>) -> Result<TokenizerAnswer, T
         }
         TokenizerReply::Answered { status: Some(b"504"), .. } => Err(TokenizerFailure::Timeout),
         TokenizerReply::Answered { status: Some(b"503"), .. } => Err(TokenizerFailure::Unavailable),
+        TokenizerReply::Answered { status: Some(b"421"), .. } => Err(TokenizerFailure::Declined),
         TokenizerReply::Answered { .. } => Err(TokenizerFailure::Status),
     }
 }
@@ -51,6 +52,7 @@ mod tests {
         assert_eq!(answered(b"504", b""), Err(TokenizerFailure::Timeout));
         assert_eq!(answered(b"503", b""), Err(TokenizerFailure::Unavailable));
         assert_eq!(answered(b"404", b""), Err(TokenizerFailure::Status));
+        assert_eq!(answered(b"421", b""), Err(TokenizerFailure::Declined));
         assert_eq!(answered(b"20", b""), Err(TokenizerFailure::Status));
         let never = || -> Vec<u8> { panic!("the body of a failed call is not read") };
         assert_eq!(
