@@ -4,9 +4,12 @@ Envoy must land where the filter says, whatever the client sends."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+
+import llmgw_testkit as kit
 
 from filter_support import Replica, chat_tokens, completion_tokens
 from llmgw_testkit import EnvoyAdmin, free_port, request, shipped_config, start_envoy, wait_until
@@ -460,6 +463,14 @@ def test_filter_avoids_a_replica_answering_5xx_then_tries_it_again(procs, envoy_
         feed.stop()
 
 
+def load_bench_vllm():
+    """bench/vllm.py as a module (its own name would be taken for the vllm package)."""
+    spec = importlib.util.spec_from_file_location("bench_vllm", kit.ROOT / "bench" / "vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def phases_of(line: str) -> dict[str, int]:
     """The filter's breakdown in an access log line: {"body_us": 12, ...}."""
     inner = line.split("llmgw_phases=[", 1)[1].split("]", 1)[0]
@@ -504,8 +515,12 @@ def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(pro
                    and count("llmgw_tokenizer_latency_us") == 1, timeout=5, what="phase histograms")
         # The gateway's time sums both requests' (one of them waited 50 ms on the tokenizer).
         assert gw.envoy.metric("llmgw_phase_gateway_us_sum") >= 50_000
-        summary = gw.envoy.get("/stats?filter=llmgw_phase_gateway_us&histogram_buckets=none")
-        assert "P50(" in summary, summary
+        # bench/vllm.py's reading of the same histograms (its report's phase table).
+        bench = load_bench_vllm()
+        phases = bench.parse_phases(gw.envoy.get(f"/stats?filter={bench.PHASE_FILTER}&histogram_buckets=none"))
+        assert list(phases) == list(bench.PHASES), phases
+        assert phases["tokenizer"][0] >= 50_000 and phases["gateway"][1] >= 50_000, phases
+        assert all(0 <= p50 <= p99 for p50, p99 in phases.values()), phases
         gw.assert_no_panic()
     finally:
         feed.stop()
