@@ -203,7 +203,8 @@ impl Request {
     /// request; the breakdown goes to the access log at the first chunk, or at the headers of
     /// an answer without a body.
     fn response_phase(&mut self, chunk: bool, end_of_stream: bool) {
-        if self.counted.is_none() {
+        // Nothing more once written: a stream's later chunks read no clock.
+        if self.counted.is_none() || self.phases.logged {
             return;
         }
         let now = self.host.now_ns();
