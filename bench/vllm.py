@@ -12,6 +12,8 @@ prefix caches are emptied (vLLM's /reset_prefix_cache, dev mode) and the router 
 fresh. Hit rate is read from the replicas' own counters (vllm:prefix_cache_hits_total /
 queries_total deltas); the oracle bound is the hit rate an infinite cache holding every earlier
 request's blocks would give, computed from the replicas' own tokenization of the workload.
+llmgw's time to first token is taken apart from its Envoy's phase histograms (p50 and p99 per
+phase, docs/src/operations.md) beside every router's TTFT at the client.
 
 Writes results/vllm/vllm.md, vllm.json and vllm.png. Everything listens on 127.0.0.1; every
 process started is stopped at exit, also on Ctrl-C."""
@@ -175,19 +177,45 @@ class Router:
             self.b.procs.stop(p)
         self.procs = []
 
-    def tokenizer_us(self) -> dict:
-        """llmgw: its tokenizer callouts' latency (µs), p50 and p99, from Envoy's histogram."""
+    def phases_us(self) -> dict:
+        """llmgw: where its time went (docs/src/operations.md, "Where a request's time goes"),
+        p50 and p99 per phase in µs from Envoy's histograms; the tokenizer's also as before."""
         if not self.name.startswith("llmgw") or self.envoy is None:
             return {}
         try:
-            text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter=llmgw_tokenizer_latency_us&histogram_buckets=none")
+            text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter={PHASE_FILTER}&histogram_buckets=none")
         except OSError:
             return {}
-        m = re.search(r"P50\(([0-9.na]+),([0-9.na]+)\).*?P99\(([0-9.na]+),([0-9.na]+)\)", text)
-        if not m:
-            return {}
-        num = lambda s: float(s) if s not in ("nan",) else float("nan")  # noqa: E731
-        return {"tokenizer_p50_us": num(m.group(2)), "tokenizer_p99_us": num(m.group(4))}
+        phases = parse_phases(text)
+        out: dict = {"phases_us": phases}
+        if "tokenizer" in phases:
+            out.update(tokenizer_p50_us=phases["tokenizer"][0], tokenizer_p99_us=phases["tokenizer"][1])
+        return out
+
+
+# llmgw's phase histograms, in request order: report name -> Envoy stat.
+PHASES = {"body": "llmgw_phase_body_us", "tokenizer": "llmgw_tokenizer_latency_us", "decision": "llmgw_decision_us",
+          "gateway": "llmgw_phase_gateway_us", "first_byte": "llmgw_phase_upstream_first_byte_us",
+          "first_chunk": "llmgw_phase_upstream_first_chunk_us"}
+PHASE_FILTER = r"^wasmcustom\.(" + "|".join(PHASES.values()) + r")$"
+_QUANTILES = re.compile(r"^wasmcustom\.(\w+): .*?P50\([^,]*,([^)]*)\).*?P99\([^,]*,([^)]*)\)")
+
+
+def parse_phases(stats_text: str) -> dict[str, tuple[float, float]]:
+    """Envoy's /stats text (histogram summaries: `name: P0(interval,cumulative) ...`) to
+    {phase: (p50 µs, p99 µs)} over the whole run; a phase with no recorded values is left out."""
+    by_stat = {v: k for k, v in PHASES.items()}
+    out = {}
+    for line in stats_text.splitlines():
+        m = _QUANTILES.match(line.strip())
+        if m and m.group(1) in by_stat:
+            try:
+                p50, p99 = float(m.group(2)), float(m.group(3))
+            except ValueError:
+                continue
+            if p50 == p50 and p99 == p99:  # not nan
+                out[by_stat[m.group(1)]] = (p50, p99)
+    return {k: out[k] for k in PHASES if k in out}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +303,7 @@ class Bench:
                     try:
                         router.start()
                         r = self.run_one(router, sessions[w], label)
-                        r.update(router.tokenizer_us())
+                        r.update(router.phases_us())
                     except (TimeoutError, OSError, RuntimeError) as e:
                         self.skipped[name] = f"{type(e).__name__}: {e} (log: {self.logdir})"
                         log(f"  {ROUTERS[name]}: could not run: {e}")
@@ -339,6 +367,42 @@ def targets(results: list[dict]) -> list[str]:
     return lines
 
 
+PHASE_TITLES = {"body": "body", "tokenizer": "tokenizer", "decision": "decision", "gateway": "gateway (headers → decision)",
+                "first_byte": "upstream first byte", "first_chunk": "upstream first chunk"}
+
+
+def phase_table(results: list[dict]) -> list[str]:
+    """Where llmgw's time to first token goes, beside every router's TTFT at the client: per
+    run and workload, each phase's p50 (p99) in ms from llmgw's Envoy; `rest` = TTFT p50 minus
+    the gateway's and the upstream first chunk's p50s (the client, Envoy's own forwarding; a
+    difference of medians, so approximate)."""
+    cols = list(PHASE_TITLES)
+    out = ["| run | workload | router | TTFT p50 (p99) | " + " | ".join(PHASE_TITLES.values()) + " | rest | vs fastest peer |",
+           "|---|---|---|---|" + "---|" * (len(cols) + 2)]
+    ours = ("llmgw", "llmgw-render")
+    for run in sorted({r["run"] for r in results}):
+        for w in WORKLOADS:
+            rows = [r for r in results if r["run"] == run and r["workload"] == w]
+            if not any(r["router"] in ours and r.get("phases_us") for r in rows):
+                continue
+            peers = [r for r in rows if r["router"] not in (*ours, "rr")]
+            fastest = min(peers, key=lambda r: r["ttft_p50"], default=None)
+            for name in ROUTERS:
+                r = next((r for r in rows if r["router"] == name), None)
+                if r is None:
+                    continue
+                ph = r.get("phases_us") or {}
+                cells = [f"{ph[c][0] / 1000:.2f} ({ph[c][1] / 1000:.2f})" if c in ph else "—" for c in cols]
+                rest = gap = "—"
+                if "gateway" in ph and "first_chunk" in ph:
+                    rest = f"{r['ttft_p50'] - (ph['gateway'][0] + ph['first_chunk'][0]) / 1000:.2f}"
+                if name in ours and fastest is not None:
+                    gap = f"{r['ttft_p50'] - fastest['ttft_p50']:+.2f} ms ({ROUTERS[fastest['router']]})"
+                out.append(f"| {run} | {w} | {ROUTERS[name]} | {r['ttft_p50']:.2f} ({r['ttft_p99']:.2f}) | "
+                           + " | ".join(cells) + f" | {rest} | {gap} |")
+    return out if len(out) > 2 else []
+
+
 def chart(results: list[dict], out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
@@ -386,6 +450,10 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
         md += ["", "**llmgw's tokenizer callout** (`llmgw_tokenizer_latency_us`, Envoy's histogram): " + "; ".join(
             f"run {r['run']} {r['workload']} {ROUTERS[r['router']]}: p50 {r['tokenizer_p50_us'] / 1000:.1f} ms, p99 {r['tokenizer_p99_us'] / 1000:.1f} ms "
             f"({r['tokenizer_p50_us'] / 1000 / r['ttft_p50'] * 100:.0f} % of TTFT p50)" for r in tok)]
+    phases = phase_table(results)
+    if phases:
+        md += ["", "**Where llmgw's time goes** (ms: p50 (p99) of each phase, Envoy's histograms over the run; the "
+               "phases in docs/src/operations.md; peers: their TTFT at the client only):", "", *phases]
     if skipped:
         md += ["", "**Not run:**", "", *[f"- {ROUTERS[n]}: {why}" for n, why in skipped.items()]]
     text = "\n".join(md) + "\n"

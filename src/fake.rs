@@ -58,6 +58,8 @@ pub struct FakeHost {
     pub stream_messages: RefCell<Vec<(u32, Vec<u8>, bool)>>,
     pub cancelled: RefCell<Vec<u32>>,
     metrics: RefCell<Vec<Metric>>,
+    /// Filter state the request set (`set_property`), by name.
+    pub properties: RefCell<HashMap<String, Vec<u8>>>,
     pub tick: Cell<Option<Duration>>,
     next_token: Cell<u32>,
 }
@@ -137,7 +139,13 @@ impl FakeHost {
     /// records stay.
     pub fn next_request(&self) {
         self.headers.borrow_mut().clear();
+        self.properties.borrow_mut().clear();
         self.buffers.borrow_mut().retain(|b, _| *b == 3);
+    }
+
+    /// The request's filter state `name` as text.
+    pub fn property(&self, name: &str) -> Option<String> {
+        self.properties.borrow().get(name).map(|v| String::from_utf8_lossy(v).into_owned())
     }
 
     /// A request header as the filter left it.
@@ -289,6 +297,10 @@ impl Host for FakeHost {
 
     fn cancel_grpc_stream(&self, token: u32) {
         self.cancelled.borrow_mut().push(token);
+    }
+
+    fn set_property(&self, name: &str, value: &[u8]) {
+        self.properties.borrow_mut().insert(name.to_owned(), value.to_vec());
     }
 
     fn define_metric(&self, kind: MetricType, name: &str) -> Option<u32> {

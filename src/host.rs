@@ -121,6 +121,11 @@ pub trait Host {
     fn send_grpc_stream_message(&self, token: u32, message: &[u8], end_stream: bool) -> Result<(), Status>;
     fn cancel_grpc_stream(&self, token: u32);
 
+    /// Writes the request's filter state `wasm.<name>` (Envoy's access log prints it with
+    /// `%FILTER_STATE(wasm.<name>:PLAIN)%`). Only from a request's context, once per name: the
+    /// SDK panics when Envoy refuses the write (no request, or a state it will not overwrite).
+    fn set_property(&self, name: &str, value: &[u8]);
+
     fn define_metric(&self, kind: MetricType, name: &str) -> Option<u32>;
     fn increment_metric(&self, id: u32, by: i64);
     fn record_metric(&self, id: u32, value: u64);
@@ -213,6 +218,10 @@ mod proxy {
 
         fn cancel_grpc_stream(&self, token: u32) {
             let _ = hostcalls::cancel_grpc_stream(token);
+        }
+
+        fn set_property(&self, name: &str, value: &[u8]) {
+            let _ = hostcalls::set_property(vec![name], Some(value));
         }
 
         fn define_metric(&self, kind: MetricType, name: &str) -> Option<u32> {

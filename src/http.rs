@@ -3,6 +3,7 @@
 //! call the tokenizer and hand its reply back), resume.
 
 use crate::host::{Buffer, Headers, Host, SharedKind};
+use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
 use llmgw_core::flow::{Body, Pending, Rejected, Step, TokenizerReply};
@@ -44,8 +45,8 @@ pub struct Request {
     /// Prefill tokens counted for it there until its first token.
     prefilling: u32,
     explain: Option<String>,
-    /// The filter's own time (parse, hash, score), without the tokenizer round trip.
-    busy_ns: u64,
+    /// Where its time went (`crate::phases`).
+    phases: Phases,
 }
 
 impl Request {
@@ -59,7 +60,7 @@ impl Request {
             in_flight_recorded: false,
             prefilling: 0,
             explain: None,
-            busy_ns: 0,
+            phases: Phases::default(),
         }
     }
 
@@ -76,6 +77,7 @@ impl Request {
         let Some(shared) = self.shared.clone() else { return self.pass() };
         let Ok(mut s) = shared.try_borrow_mut() else { return self.pass() };
         let t0 = self.host.now_ns();
+        self.phases.body(t0);
         let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
         let step = s.router.on_body(&Body { path: &self.path, bytes, too_large }, &in_flight, t0);
         self.act(&mut s, step, t0, false)
@@ -131,9 +133,12 @@ impl Request {
                 if s.router.config().explain_header {
                     headers.push((EXPLAIN_HEADER, Rejected::EXPLAIN));
                 }
-                self.host.send_http_response(r.status, &headers, &r.body);
                 self.phase = Phase::Done;
-                Action::Pause
+                // Decided before the answer goes out (the access log reads the breakdown).
+                self.record_busy(s, t0);
+                self.log_phases();
+                self.host.send_http_response(r.status, &headers, &r.body);
+                return Action::Pause;
             }
             Step::Tokenize(t) => {
                 // The decision so far; the call's round trip is not the filter's time.
@@ -181,10 +186,48 @@ impl Request {
         }
     }
 
+    /// The filter worked since `since_ns`; once decided, the phases up to the decision are
+    /// recorded.
     fn record_busy(&mut self, s: &Shared, since_ns: u64) {
-        self.busy_ns = self.busy_ns.saturating_add(self.host.now_ns().saturating_sub(since_ns));
+        let now = self.host.now_ns();
+        self.phases.busy(since_ns, now);
         if matches!(self.phase, Phase::Done) {
-            s.metrics.decision_us(self.busy_ns / 1_000);
+            self.phases.decided(now);
+            let b = self.phases.breakdown();
+            s.metrics.decision_us(b.decision_us.unwrap_or(0));
+            s.metrics.phases_decided(&b);
+        }
+    }
+
+    /// The response's first byte (`chunk`: false) or first body chunk (true) of a routed
+    /// request; the breakdown goes to the access log at the first chunk, or at the headers of
+    /// an answer without a body.
+    fn response_phase(&mut self, chunk: bool, end_of_stream: bool) {
+        // Nothing more once written: a stream's later chunks read no clock.
+        if self.counted.is_none() || self.phases.logged {
+            return;
+        }
+        let now = self.host.now_ns();
+        let first = if chunk { self.phases.first_chunk(now) } else { self.phases.first_byte(now) };
+        if first {
+            let b = self.phases.breakdown();
+            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
+                match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
+                    (true, Some(us), _) => s.metrics.phase_upstream_first_chunk_us(us),
+                    (false, _, Some(us)) => s.metrics.phase_upstream_first_byte_us(us),
+                    _ => {}
+                }
+            }
+        }
+        if chunk || end_of_stream {
+            self.log_phases();
+        }
+    }
+
+    /// Writes the breakdown for Envoy's access log, once.
+    fn log_phases(&mut self) {
+        if !std::mem::replace(&mut self.phases.logged, true) {
+            self.host.set_property(phases::PROPERTY, self.phases.breakdown().line().as_bytes());
         }
     }
 }
@@ -210,6 +253,7 @@ impl Context for Request {
         };
         let t0 = self.host.now_ns();
         s.metrics.tokenizer_latency_us(t0.saturating_sub(started_ns) / 1_000);
+        self.phases.tokenizer(started_ns, t0);
         // A reset or overflowed callout has no headers at all.
         let host = self.host.clone();
         let read_body = move || host.buffer(Buffer::CallResponse, body_size);
@@ -257,6 +301,7 @@ impl HttpContext for Request {
             .header(Headers::Request, ":path")
             .map(|v| String::from_utf8_lossy(&v).into_owned())
             .unwrap_or_default();
+        self.phases.headers(self.host.now_ns());
         if end_of_stream {
             return self.on_body(&[], false);
         }
@@ -295,6 +340,7 @@ impl HttpContext for Request {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // The replica's answer, or Envoy's when it could not reach it (503).
+        self.response_phase(false, end_of_stream);
         if let Some(addr) = &self.counted {
             let status = self.host.header(Headers::Response, ":status");
             if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
@@ -324,6 +370,7 @@ impl HttpContext for Request {
         // The first chunk of a stream carries its first token; nothing is buffered.
         if body_size > 0 || end_of_stream {
             self.first_token();
+            self.response_phase(body_size > 0, end_of_stream);
         }
         Action::Continue
     }

@@ -19,6 +19,7 @@ mod host;
 mod http;
 mod inflight;
 mod metrics;
+mod phases;
 mod shared_records;
 mod speculative;
 mod warm_view;

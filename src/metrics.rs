@@ -5,6 +5,7 @@
 //! by every VM; per-VM gauges carry a `vm` tag.
 
 use crate::host::{Host, SharedKind};
+use crate::phases::Breakdown;
 use llmgw_core::flow::{Fallback, Report, TokenizerFailure};
 use llmgw_core::policy::Outcome;
 use proxy_wasm::types::MetricType;
@@ -21,6 +22,10 @@ pub struct Metrics {
     matched_blocks: Option<u32>,
     tokenizer_us: Option<u32>,
     decision_us: Option<u32>,
+    phase_body_us: Option<u32>,
+    phase_gateway_us: Option<u32>,
+    phase_first_byte_us: Option<u32>,
+    phase_first_chunk_us: Option<u32>,
     feed_connects: Option<u32>,
     feed_disconnects: Option<u32>,
     feed_messages: Option<u32>,
@@ -67,6 +72,10 @@ impl Metrics {
             matched_blocks: h("llmgw_matched_blocks"),
             tokenizer_us: h("llmgw_tokenizer_latency_us"),
             decision_us: h("llmgw_decision_us"),
+            phase_body_us: h("llmgw_phase_body_us"),
+            phase_gateway_us: h("llmgw_phase_gateway_us"),
+            phase_first_byte_us: h("llmgw_phase_upstream_first_byte_us"),
+            phase_first_chunk_us: h("llmgw_phase_upstream_first_chunk_us"),
             feed_connects: c("llmgw_feed_connects_total"),
             feed_disconnects: c("llmgw_feed_disconnects_total"),
             feed_messages: c("llmgw_feed_messages_total"),
@@ -152,6 +161,27 @@ impl Metrics {
 
     pub fn decision_us(&self, us: u64) {
         self.record(self.decision_us, us);
+    }
+
+    /// A decided request's phases before the upstream request (the tokenizer's round trip and
+    /// the filter's own time are `llmgw_tokenizer_latency_us` and `llmgw_decision_us`).
+    pub fn phases_decided(&self, b: &Breakdown) {
+        if let Some(us) = b.body_us {
+            self.record(self.phase_body_us, us);
+        }
+        if let Some(us) = b.gateway_us {
+            self.record(self.phase_gateway_us, us);
+        }
+    }
+
+    /// The replica's first response byte (headers) after the decision.
+    pub fn phase_upstream_first_byte_us(&self, us: u64) {
+        self.record(self.phase_first_byte_us, us);
+    }
+
+    /// The replica's first response body chunk after the decision.
+    pub fn phase_upstream_first_chunk_us(&self, us: u64) {
+        self.record(self.phase_first_chunk_us, us);
     }
 
     pub fn feed_connect(&self) {

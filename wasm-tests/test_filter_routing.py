@@ -4,9 +4,12 @@ Envoy must land where the filter says, whatever the client sends."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+
+import llmgw_testkit as kit
 
 from filter_support import Replica, chat_tokens, completion_tokens
 from llmgw_testkit import EnvoyAdmin, free_port, request, shipped_config, start_envoy, wait_until
@@ -26,16 +29,33 @@ def filter_cfg(**profile) -> dict:
             "max_body_bytes": 33554432, "profiles": [p]}
 
 
+# The access log docs/src/operations.md shows: the filter's phases beside Envoy's upstream times.
+ACCESS_LOG = """          access_log:
+          - name: envoy.access_loggers.stdout
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
+              log_format:
+                text_format_source:
+                  inline_string: "%START_TIME% %REQ(:METHOD)% %REQ(:PATH)% %RESPONSE_CODE% %DURATION%ms us_tx_to_rx_us=%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)% llmgw_phases=[%FILTER_STATE(wasm.llmgw_phases:PLAIN)%]\\n"
+"""
+
+
 class Gateway:
-    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2):
+    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2, access_log=False):
         self.listen = free_port()
         self.admin = free_port()
         self.replicas = replicas
         self.feed = feed
         path = tmp_path / "envoy.yaml"
         # Stats flushed every 0.2 s: histograms reach /stats/prometheus on a flush.
-        path.write_text(shipped_config(wasm_path, self.listen, self.admin, feed.port, cfg, stats_flush_interval="0.2s"))
-        self.proc = start_envoy(procs, envoy_bin, path, concurrency=concurrency, log_level="info")
+        text = shipped_config(wasm_path, self.listen, self.admin, feed.port, cfg, stats_flush_interval="0.2s")
+        if access_log:
+            assert text.count("          stat_prefix: llmgw\n") == 1
+            text = text.replace("          stat_prefix: llmgw\n", "          stat_prefix: llmgw\n" + ACCESS_LOG)
+        path.write_text(text)
+        # Access log lines written out every 0.1 s (Envoy's default: 10 s).
+        args = ["--file-flush-interval-msec", "100"] if access_log else []
+        self.proc = start_envoy(procs, envoy_bin, path, concurrency=concurrency, log_level="info", args=args)
         self.envoy = EnvoyAdmin(self.admin)
         self.envoy.wait_ready(proc=self.proc)
         # Every VM that ticks (one per worker and the main thread's) subscribes and applies the
@@ -438,6 +458,69 @@ def test_filter_avoids_a_replica_answering_5xx_then_tries_it_again(procs, envoy_
         fleet[1].generate_status = 200
         wait_until(lambda: gw.served_by("/v1/completions", body)[0] == fleet[1].port, timeout=10,
                    what="the replica tried again", interval=0.2)
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
+
+
+def load_bench_vllm():
+    """bench/vllm.py as a module (its own name would be taken for the vllm package)."""
+    spec = importlib.util.spec_from_file_location("bench_vllm", kit.ROOT / "bench" / "vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def phases_of(line: str) -> dict[str, int]:
+    """The filter's breakdown in an access log line: {"body_us": 12, ...}."""
+    inner = line.split("llmgw_phases=[", 1)[1].split("]", 1)[0]
+    return {k: int(v) for k, v in (kv.split("=") for kv in inner.split())}
+
+
+def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(procs, envoy_bin, wasm_path, tmp_path,
+                                                                          feed_pb, fleet):
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = start_feed(feed_pb, fleet, {1: comp})
+    try:
+        # One worker, so the second request meets the first one's tokenization cache.
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(), concurrency=1, access_log=True)
+        # A tokenizer that takes 50 ms: the tokenizer phase and the gateway's time show it.
+        for r in fleet:
+            r.tokenize_delay = 0.05
+        port, _ = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": True})
+        assert port == fleet[1].port and tokenize_count(fleet) == 1
+        # The same prompt again: from the tokenization cache, no tokenizer phase.
+        port, _ = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": True})
+        assert port == fleet[1].port and tokenize_count(fleet) == 1
+
+        def lines():
+            log = gw.proc.log_path.read_text(errors="replace")
+            return [ln for ln in log.splitlines() if "POST /v1/completions 200" in ln]
+        wait_until(lambda: len(lines()) == 2, timeout=10, what="two access log lines")
+        called, cached = (phases_of(ln) for ln in lines())
+        assert set(called) == {"body_us", "tokenizer_us", "decision_us", "gateway_us", "upstream_first_byte_us",
+                               "upstream_first_chunk_us"}, called
+        assert 50_000 <= called["tokenizer_us"] < 1_000_000, called
+        assert called["gateway_us"] >= called["tokenizer_us"] + called["decision_us"], called
+        assert called["upstream_first_chunk_us"] >= called["upstream_first_byte_us"], called
+        assert "tokenizer_us" not in cached and cached["gateway_us"] < 50_000, cached
+        assert all(r.address not in ln for r in fleet for ln in lines()), "no replica address in the breakdown"
+
+        # The histograms: each phase once per request, the tokenizer's only for the call.
+        def count(name):
+            return gw.envoy.metric(f"{name}_count")
+        wait_until(lambda: all(count(n) == 2 for n in ("llmgw_phase_body_us", "llmgw_phase_gateway_us",
+                                                       "llmgw_phase_upstream_first_byte_us",
+                                                       "llmgw_phase_upstream_first_chunk_us", "llmgw_decision_us"))
+                   and count("llmgw_tokenizer_latency_us") == 1, timeout=5, what="phase histograms")
+        # The gateway's time sums both requests' (one of them waited 50 ms on the tokenizer).
+        assert gw.envoy.metric("llmgw_phase_gateway_us_sum") >= 50_000
+        # bench/vllm.py's reading of the same histograms (its report's phase table).
+        bench = load_bench_vllm()
+        phases = bench.parse_phases(gw.envoy.get(f"/stats?filter={bench.PHASE_FILTER}&histogram_buckets=none"))
+        assert list(phases) == list(bench.PHASES), phases
+        assert phases["tokenizer"][0] >= 50_000 and phases["gateway"][1] >= 50_000, phases
+        assert all(0 <= p50 <= p99 for p50, p99 in phases.values()), phases
         gw.assert_no_panic()
     finally:
         feed.stop()

@@ -344,3 +344,64 @@ fn a_data_parallel_engine_is_named_in_x_data_parallel_rank() {
     assert_eq!(e.dest().as_deref(), Some(B));
     assert_eq!(e.host.request_header("x-data-parallel-rank"), None);
 }
+
+#[test]
+fn each_phase_of_a_routed_request_is_recorded_and_written_for_the_access_log() {
+    let tokens: Vec<u32> = (0..24).collect();
+    let e = synced("", vec![], keys(&tokens), true);
+    let body = br#"{"model":"m","prompt":"hello"}"#;
+    let step = |us: u64| e.host.now_ns.set(e.host.now_ns.get() + us * 1_000);
+    // Headers, 200 µs of upload, a tokenizer call answered after 400 µs.
+    e.host.next_request();
+    e.host.set_header(Headers::Request, ":path", Some(COMPLETIONS));
+    e.host.set_buffer(Buffer::Request, body);
+    let mut ctx = e.root.request();
+    assert_eq!(ctx.on_http_request_headers(3, false), Action::Pause);
+    step(200);
+    assert_eq!(ctx.on_http_request_body(body.len(), true), Action::Pause);
+    step(400);
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.samples("llmgw_phase_body_us"), vec![200]);
+    assert_eq!(e.host.samples("llmgw_tokenizer_latency_us"), vec![400]);
+    assert_eq!(e.host.samples("llmgw_phase_gateway_us"), vec![600]);
+    assert_eq!(e.host.property("llmgw_phases"), None, "written once the answer starts");
+    // The replica's headers after 1 ms, its first chunk 2 ms later; a second chunk changes nothing.
+    step(1_000);
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    ctx.on_http_response_headers(2, false);
+    step(2_000);
+    ctx.on_http_response_body(10, false);
+    step(5_000);
+    ctx.on_http_response_body(10, true);
+    assert_eq!(e.host.samples("llmgw_phase_upstream_first_byte_us"), vec![1_000]);
+    assert_eq!(e.host.samples("llmgw_phase_upstream_first_chunk_us"), vec![3_000]);
+    assert_eq!(
+        e.host.property("llmgw_phases").as_deref(),
+        Some(
+            "body_us=200 tokenizer_us=400 decision_us=0 gateway_us=600 upstream_first_byte_us=1000 \
+             upstream_first_chunk_us=3000"
+        )
+    );
+    assert!(!e.host.property("llmgw_phases").unwrap().contains("127.0.0.1"), "no replica address");
+    ctx.on_log();
+
+    // The same body again: from the tokenization cache, no tokenizer phase; an answer without a
+    // body is written at its headers.
+    let (mut ctx, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Continue);
+    ctx.on_http_response_headers(2, true);
+    assert_eq!(e.host.samples("llmgw_tokenizer_latency_us").len(), 1);
+    assert_eq!(e.host.samples("llmgw_phase_gateway_us").len(), 2);
+    assert_eq!(
+        e.host.property("llmgw_phases").as_deref(),
+        Some("body_us=0 decision_us=0 gateway_us=0 upstream_first_byte_us=0")
+    );
+
+    // Answered 503 by the filter: the phases up to that answer.
+    let e = synced("", vec![], vec![], false);
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(e.host.property("llmgw_phases").as_deref(), Some("body_us=0 decision_us=0 gateway_us=0"));
+}
