@@ -12,6 +12,7 @@ pub mod model_files;
 pub mod piece_cache;
 pub mod py_format;
 pub mod template;
+pub mod tokenizer_class;
 pub mod wire;
 
 pub use error::{LoadError, RequestError};

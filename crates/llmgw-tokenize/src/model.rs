@@ -23,11 +23,19 @@ pub struct ModelOptions {
     pub content_format: Option<ContentFormat>,
     /// vLLM's `--default-chat-template-kwargs`.
     pub default_template_kwargs: serde_json::Map<String, Json>,
+    /// Serve a `tokenizer_class` whose `transformers` pipeline is not known to match its
+    /// tokenizer.json, trusting the check against the replicas to catch a difference.
+    pub trust_unverified_class: bool,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions { cache_bytes: 64 << 20, content_format: None, default_template_kwargs: Default::default() }
+        ModelOptions {
+            cache_bytes: 64 << 20,
+            content_format: None,
+            default_template_kwargs: Default::default(),
+            trust_unverified_class: false,
+        }
     }
 }
 
@@ -70,13 +78,6 @@ impl ModelTokenizer {
     /// Loads `dir`. A tokenizer or template this cannot serve exactly is refused here.
     pub fn load(dir: &Path, opts: &ModelOptions) -> Result<ModelTokenizer, LoadError> {
         let settings = read_settings(dir)?;
-        if let Some(class) = &settings.class {
-            if class.to_ascii_lowercase().contains("mistral") || class.to_ascii_lowercase().contains("tekken") {
-                return Err(LoadError::Refused(format!(
-                    "tokenizer_class {class}: vLLM tokenizes this family with mistral_common, not Hugging Face tokenizers"
-                )));
-            }
-        }
         if settings.split_special_tokens {
             return Err(LoadError::Refused("split_special_tokens is set".into()));
         }
@@ -84,7 +85,13 @@ impl ModelTokenizer {
         let file_bytes = json.len() as u64;
         let mut tokenizer = Tokenizer::from_bytes(&json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         drop(json);
-        prepare_like_transformers(&mut tokenizer, &settings)?;
+        let config: Json = read_bounded(&dir.join("config.json"))?
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(Json::Null);
+        let model_type = config.get("model_type").and_then(Json::as_str);
+        let pipeline = crate::tokenizer_class::pipeline(model_type, &settings, opts.trust_unverified_class)?;
+        crate::tokenizer_class::apply(&mut tokenizer, &pipeline)?;
+        prepare_like_transformers(&mut tokenizer, &settings, pipeline.honours_add_bos_eos())?;
         let compile = |t: &str| ChatTemplate::compile(t).map_err(LoadError::Template);
         let template = settings.template.as_deref().map(compile).transpose()?;
         let tool_template = match settings.named_templates.iter().find(|(n, _)| n == "tool_use") {
@@ -99,10 +106,7 @@ impl ModelTokenizer {
             .iter()
             .map(|(name, t)| ((*name).to_owned(), Value::from(t.content.clone())))
             .collect();
-        let max_model_len = read_bounded(&dir.join("config.json"))?
-            .and_then(|b| serde_json::from_slice::<Json>(&b).ok())
-            .and_then(|c| c.get("max_position_embeddings").and_then(Json::as_u64))
-            .unwrap_or(0);
+        let max_model_len = config.get("max_position_embeddings").and_then(Json::as_u64).unwrap_or(0);
         Ok(ModelTokenizer {
             encoder: Encoder::new(tokenizer, opts.cache_bytes),
             template,
@@ -166,17 +170,17 @@ impl ModelTokenizer {
         let mut extra = self.special.clone();
         let mut kwargs = self.default_kwargs.clone();
         if let Some(k) = &c.chat_template_kwargs {
-            for key in ["chat_template", "tokenize"] {
-                if k.contains_key(key) {
-                    return Err(RequestError::BadRequest(format!(
-                        "Found unexpected chat template kwargs from request: {{'{key}'}}"
-                    )));
-                }
+            if k.contains_key("chat_template") {
+                return Err(RequestError::Declined("a chat template given in chat_template_kwargs".into()));
             }
             kwargs.extend(k.iter().map(|(a, b)| (a.clone(), b.clone())));
         }
         for (k, v) in kwargs {
-            if matches!(k.as_str(), "add_generation_prompt" | "continue_final_message" | "tools" | "documents" | "conversation") {
+            // vLLM sets these itself (`tokenize` is ignored: it always tokenizes).
+            if matches!(
+                k.as_str(),
+                "add_generation_prompt" | "continue_final_message" | "tools" | "documents" | "conversation" | "tokenize"
+            ) {
                 continue;
             }
             if template.variables.contains(&k) || HF_BASE_PARAMS.contains(&k.as_str()) {
@@ -229,7 +233,7 @@ fn normalize_tools(tools: &[ToolWire]) -> Json {
 /// the named and extra special tokens added where the vocabulary lacks them, and the
 /// post-processor rebuilt from `add_bos_token`/`add_eos_token` when the config sets either or
 /// tokenizer.json has none.
-fn prepare_like_transformers(tok: &mut Tokenizer, s: &TokenizerSettings) -> Result<(), LoadError> {
+fn prepare_like_transformers(tok: &mut Tokenizer, s: &TokenizerSettings, bos_eos: bool) -> Result<(), LoadError> {
     tok.with_truncation(None).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
     tok.with_padding(None);
     let to_added = |t: &SpecialToken| {
@@ -250,13 +254,13 @@ fn prepare_like_transformers(tok: &mut Tokenizer, s: &TokenizerSettings) -> Resu
     if !missing.is_empty() {
         tok.add_special_tokens(missing).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
     }
-    let rebuild = s.add_bos.is_some() || s.add_eos.is_some() || tok.get_post_processor().is_none();
+    let rebuild = (bos_eos && (s.add_bos.is_some() || s.add_eos.is_some())) || tok.get_post_processor().is_none();
     if !rebuild {
         return Ok(());
     }
     let token = |name: &str| s.named(name).and_then(|t| tok.token_to_id(&t.content).map(|id| (t.content.clone(), id)));
-    let bos = token("bos_token").filter(|_| s.add_bos.unwrap_or(false));
-    let eos = token("eos_token").filter(|_| s.add_eos.unwrap_or(false));
+    let bos = token("bos_token").filter(|_| bos_eos && s.add_bos.unwrap_or(false));
+    let eos = token("eos_token").filter(|_| bos_eos && s.add_eos.unwrap_or(false));
     let mut single = String::new();
     let mut specials = Vec::new();
     if let Some((b, id)) = &bos {

@@ -45,6 +45,10 @@ pub struct TokenizerSettings {
     pub class: Option<String>,
     /// `split_special_tokens`.
     pub split_special_tokens: bool,
+    /// `legacy` (SentencePiece-style tokenizers), when set.
+    pub legacy: Option<bool>,
+    /// `add_prefix_space`, when set.
+    pub add_prefix_space: Option<bool>,
 }
 
 impl TokenizerSettings {
@@ -102,6 +106,8 @@ pub fn read_settings(dir: &Path) -> Result<TokenizerSettings, LoadError> {
     s.add_eos = json.get("add_eos_token").and_then(Json::as_bool);
     s.class = json.get("tokenizer_class").and_then(Json::as_str).map(str::to_owned);
     s.split_special_tokens = json.get("split_special_tokens").and_then(Json::as_bool).unwrap_or(false);
+    s.legacy = json.get("legacy").and_then(Json::as_bool);
+    s.add_prefix_space = json.get("add_prefix_space").and_then(Json::as_bool);
     read_templates(&json.get("chat_template").cloned().unwrap_or(Json::Null), &mut s).map_err(invalid)?;
     // A template file beside the config takes precedence, as in `transformers`.
     if let Some(bytes) = read_bounded(&dir.join("chat_template.jinja"))? {
