@@ -91,6 +91,16 @@ impl Encoder {
         let (Some(first), Some(last)) = (run.first(), run.last()) else { return Ok(()) };
         let base = first.0;
         let slice = text.get(base..last.1).ok_or("a cut point is not on a character boundary")?;
+        if run.len() == 1 {
+            // One piece: its ids need no sharing out, so no offsets either.
+            let enc = self.tokenizer.encode_fast(slice, false).map_err(|e| e.to_string())?;
+            let got = enc.get_ids();
+            self.cache.counters.misses.fetch_add(1, Ordering::Relaxed);
+            self.cache.counters.miss_tokens.fetch_add(got.len() as u64, Ordering::Relaxed);
+            ids.extend_from_slice(got);
+            self.cache.insert(first.2, got);
+            return Ok(());
+        }
         let enc = self.tokenizer.encode(slice, false).map_err(|e| e.to_string())?;
         let got = enc.get_ids();
         self.cache.counters.misses.fetch_add(run.len() as u64, Ordering::Relaxed);

@@ -64,6 +64,10 @@ pub struct TokenizerModelConfig {
     /// vLLM's `--default-chat-template-kwargs`.
     #[serde(default)]
     pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Serve a `tokenizer_class` whose `transformers` pipeline is not known to match its
+    /// tokenizer.json, trusting the check against the replicas to catch a difference.
+    #[serde(default)]
+    pub trust_unverified_class: bool,
 }
 
 fn default_listen() -> SocketAddr {

@@ -68,6 +68,7 @@ impl NativeTokenizers {
                     _ => None,
                 },
                 default_template_kwargs: m.default_chat_template_kwargs.clone(),
+                trust_unverified_class: m.trust_unverified_class,
             };
             let started = Instant::now();
             let tokenizer = ModelTokenizer::load(&m.dir, &opts).map(Arc::new).map_err(|e| e.to_string());
