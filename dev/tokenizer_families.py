@@ -413,6 +413,10 @@ def record(families: list[dict], cache: Path, vllm_bin: Path) -> None:
         try:
             server.wait_healthy()
             started = time.monotonic() - t
+            with urllib.request.urlopen(server.url + "/version", timeout=10) as r:
+                version = json.loads(r.read()).get("version")
+            if version != VLLM_VERSION:
+                raise Failure(f"the render server is vLLM {version}; fixtures are recorded with {VLLM_VERSION}")
             out_cases, errors = [], 0
             for case in cases_for(fam, dirs[name]):
                 if case.get("needs_template") and not fam["chat"]:
