@@ -428,8 +428,9 @@ def record(families: list[dict], cache: Path, vllm_bin: Path) -> None:
                     entry["tokens"] = body["tokens"]
                 else:
                     errors += 1
-                    entry["error"] = {"status": status, "message": body.get("error", {}).get("message", body.get("message"))
-                                      if isinstance(body.get("error"), dict) else body.get("message", json.dumps(body))}
+                    err = body.get("error")
+                    message = err.get("message") if isinstance(err, dict) else body.get("message", json.dumps(body))
+                    entry["error"] = {"status": status, "message": message}
                 out_cases.append(entry)
         finally:
             server.stop()
