@@ -294,12 +294,12 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // The replica's answer, or Envoy's when it could not reach it (503).
+        // The replica's answer, or Envoy's own (counted only when the replica caused it).
         if let Some(addr) = &self.counted {
             let status = self.host.header(Headers::Response, ":status");
             if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
             {
-                if let Err(k) = crate::health::observe(self.host.as_ref(), addr, code) {
+                if let Err(k) = crate::health::observe_response(self.host.as_ref(), addr, code) {
                     if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                         s.metrics.shared_update_failed([k]);
                     }

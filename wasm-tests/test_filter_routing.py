@@ -5,6 +5,7 @@ Envoy must land where the filter says, whatever the client sends."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -27,14 +28,15 @@ def filter_cfg(**profile) -> dict:
 
 
 class Gateway:
-    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2):
+    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2, edit=None):
         self.listen = free_port()
         self.admin = free_port()
         self.replicas = replicas
         self.feed = feed
         path = tmp_path / "envoy.yaml"
         # Stats flushed every 0.2 s: histograms reach /stats/prometheus on a flush.
-        path.write_text(shipped_config(wasm_path, self.listen, self.admin, feed.port, cfg, stats_flush_interval="0.2s"))
+        text = shipped_config(wasm_path, self.listen, self.admin, feed.port, cfg, stats_flush_interval="0.2s")
+        path.write_text(edit(text) if edit else text)
         self.proc = start_envoy(procs, envoy_bin, path, concurrency=concurrency, log_level="info")
         self.envoy = EnvoyAdmin(self.admin)
         self.envoy.wait_ready(proc=self.proc)
@@ -440,4 +442,59 @@ def test_filter_avoids_a_replica_answering_5xx_then_tries_it_again(procs, envoy_
                    what="the replica tried again", interval=0.2)
         gw.assert_no_panic()
     finally:
+        feed.stop()
+
+
+def test_filter_charges_a_replica_only_for_failures_it_caused(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    """Envoy's own replies are not the replica's. With the replicas' circuit breaker at one
+    request and a 2 s route timeout, a request the replica holding the prompt keeps makes Envoy
+    answer the next ones 503 itself (overflow) and the kept one 504 (route timeout): the replica
+    is still chosen for each (the decision header names it) and serves the next request. A
+    connect that fails (another replica gone) still gets it avoided."""
+    tokens = completion_tokens(PROMPT)
+    other = completion_tokens("An unrelated prompt, held by the replica that goes away.")
+    feed = start_feed(feed_pb, fleet, {1: block_keys(tokens, BLOCK), 2: block_keys(other, BLOCK)})
+
+    def edit(text: str) -> str:
+        for old, new in (("max_requests: 16384", "max_requests: 1"), ("timeout: 300s", "timeout: 2s")):
+            assert old in text, old
+            text = text.replace(old, new)
+        return text
+
+    holder = fleet[1]
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(), edit=edit)
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 2}
+        assert gw.served_by("/v1/completions", body)[0] == holder.port
+        chosen = f"outcome=exact; replica={holder.address};"
+        holder.released.clear()
+        seen = len(holder.requests)
+        kept: dict = {}
+        t = threading.Thread(target=lambda: kept.update(answer=gw.post("/v1/completions", body)))
+        t.start()
+        wait_until(lambda: len(holder.requests) == seen + 1, what="the kept request at its replica")
+        for _ in range(3):
+            status, hdrs, raw = gw.post("/v1/completions", body)
+            assert status == 503 and hdrs.get("x-llmgw-decision", "").startswith(chosen), (status, hdrs, raw[:200])
+        overflow = "cluster.llmgw_replicas.upstream_rq_active_overflow"
+        assert gw.envoy.stats(overflow).get(overflow) == 3
+        t.join(timeout=30)
+        assert kept["answer"][0] == 504, kept
+        holder.released.set()
+        port, hdrs = gw.served_by("/v1/completions", body)
+        assert port == holder.port, hdrs
+        # A replica gone (no connection to it yet): Envoy's 503 for the failed connect avoids it
+        # from the next request on (served: elsewhere).
+        gone = fleet[2]
+        gone.stop()
+        moved = {"model": MODEL, "prompt": other, "max_tokens": 2}
+        status, hdrs, _ = gw.post("/v1/completions", moved)
+        assert status == 503 and hdrs.get("x-llmgw-decision", "").startswith(
+            f"outcome=exact; replica={gone.address};"), hdrs
+        for _ in range(5):
+            port, hdrs = gw.served_by("/v1/completions", moved)
+            assert port != gone.port, hdrs
+        gw.assert_no_panic()
+    finally:
+        holder.released.set()
         feed.stop()
