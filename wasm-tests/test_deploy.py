@@ -252,6 +252,50 @@ def test_shipped_settings_agree(assembled):
     assert disc["port"] in [p["port"] for p in svc["spec"]["ports"]]
 
 
+def _inference_listener(b: dict) -> dict:
+    (lst,) = [x for x in b["static_resources"]["listeners"]
+              if any(f["name"] == deploy.WASM_FILTER for hcm in deploy.hcm_of(x) for f in hcm.get("http_filters", []))]
+    return lst
+
+
+def test_every_config_bounds_what_clients_can_hold(assembled):
+    """Gateway memory is bounded by configuration in every shipped config, whatever clients open:
+    HTTP/2 streams and windows, header and whole-request timeouts, a connection cap in front of
+    the inference listener, the overload manager resetting the largest streams and refusing
+    requests on heap pressure, explicit circuit breakers on the replicas' cluster, and the
+    filter's max_body_bytes below the listener's buffer (so that its own path for a larger body
+    runs instead of Envoy's 413)."""
+    local = yaml.safe_load(LOCAL.read_text())
+    for where, b in {"local": local, **assembled}.items():
+        lst = _inference_listener(b)
+        chains = lst.get("filter_chains", []) + ([lst["default_filter_chain"]] if "default_filter_chain" in lst else [])
+        for chain in chains:
+            first = chain["filters"][0]
+            assert first["name"] == "envoy.filters.network.connection_limit", (where, first["name"])
+            assert 0 < first["typed_config"]["max_connections"] <= 10000, where
+        (hcm,) = deploy.hcm_of(lst)
+        h2 = hcm.get("http2_protocol_options", {})
+        assert 0 < h2.get("max_concurrent_streams", 0) <= 100, (where, h2)
+        assert 0 < h2.get("initial_stream_window_size", 0) <= 65536, (where, h2)
+        assert 0 < h2.get("initial_connection_window_size", 0) <= 1 << 20, (where, h2)
+        assert hcm.get("request_headers_timeout") == "10s" and hcm.get("request_timeout") == "60s", where
+        om = b.get("overload_manager", {})
+        (heap,) = [m for m in om.get("resource_monitors", []) if m["name"] == "envoy.resource_monitors.fixed_heap"]
+        assert heap["typed_config"]["max_heap_size_bytes"] > 0, where
+        on_heap = {a["name"] for a in om.get("actions", [])
+                   if any(t["name"] == "envoy.resource_monitors.fixed_heap" for t in a["triggers"])}
+        assert {"envoy.overload_actions.reset_high_memory_stream",
+                "envoy.overload_actions.stop_accepting_requests"} <= on_heap, (where, on_heap)
+        assert om.get("buffer_factory_config", {}).get("minimum_account_to_track_power_of_two"), where
+        cb = deploy.cluster(b, "llmgw_replicas").get("circuit_breakers", {})
+        (t,) = cb.get("thresholds", [])
+        assert all(t.get(k, 0) > 1024 for k in ("max_connections", "max_pending_requests", "max_requests")), (where, t)
+        (per_host,) = cb.get("per_host_thresholds", [])
+        assert per_host.get("max_connections", 0) > 0, where
+        (cfg,) = deploy.wasm_configs(b)
+        assert cfg["max_body_bytes"] < lst["per_connection_buffer_limit_bytes"], where
+
+
 def test_agent_configurations_are_accepted_by_the_agent(tmp_path, agent_bin):
     for kind, text in _agent_tomls().items():
         path = tmp_path / f"{kind}.toml"

@@ -498,3 +498,31 @@ def test_filter_charges_a_replica_only_for_failures_it_caused(procs, envoy_bin, 
     finally:
         holder.released.set()
         feed.stop()
+
+
+def test_a_body_past_max_body_bytes_is_routed_by_its_head_not_refused(procs, envoy_bin, wasm_path, tmp_path, feed_pb,
+                                                                      fleet):
+    """The shipped max_body_bytes sits below the listener's buffer, so the filter's own path for a
+    larger body runs: routed by its leading bytes (fallback body_too_large) and streamed whole
+    to the replica, even past the buffer, where Envoy would otherwise answer 413."""
+    import re
+
+    from llmgw_testkit.envoy import SHIPPED
+
+    text = SHIPPED.read_text()
+    (max_body,) = {int(v) for v in re.findall(r'"max_body_bytes": (\d+)', text)}
+    (buffer,) = {int(v) for v in re.findall(r"per_connection_buffer_limit_bytes: (\d+)", text)}
+    feed = start_feed(feed_pb, fleet, {})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, {**filter_cfg(), "max_body_bytes": max_body})
+        for size in (max_body + 1024, buffer + (1 << 20)):
+            body = json.dumps({"model": MODEL, "prompt": "x" * size, "max_tokens": 2}).encode()
+            status, hdrs, raw = gw.post("/v1/completions", body)
+            assert status == 200, (size, status, raw[:200])
+            assert json.loads(raw)["bytes"] == len(body), size
+            assert hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
+        wait_until(lambda: gw.envoy.metric("llmgw_fallbacks_total", 'reason="body_too_large"') == 2,
+                   what="both bodies counted as too large")
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
