@@ -328,6 +328,70 @@ def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
     assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1])} <= ports
 
 
+def _selected(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admitted(policies: list[dict], pod_labels: dict, namespace: str, labels: dict, port: int) -> bool:
+    """Whether NetworkPolicies `policies` (of the replicas' namespace) let a pod (namespace,
+    labels) reach a replica pod (pod_labels) on `port`; a pod no policy selects is open."""
+    mine = [p for p in policies if _selected(p["spec"]["podSelector"], pod_labels)]
+    if not mine:
+        return True
+    for pol in mine:
+        home = pol["metadata"]["namespace"]
+        for rule in pol["spec"].get("ingress", []):
+            if not any(p.get("port") == port for p in rule.get("ports", [])):
+                continue
+            for peer in rule.get("from", []):
+                ns_ok = (_selected(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
+                         if "namespaceSelector" in peer else namespace == home)
+                if ns_ok and _selected(peer.get("podSelector", {}), labels):
+                    return True
+    return False
+
+
+def test_only_the_gateway_pods_reach_the_replicas():
+    """The replicas' event sockets carry every user's prompt tokens and their API must not be
+    called around the gateway: vllm.yaml's NetworkPolicy lets the gateway pods of every
+    deployment kind (where the agent and Envoy run) reach the API, publisher and replay ports,
+    and nothing else (another pod of the namespace, a pod elsewhere with the gateway's labels,
+    the replicas themselves); the Service advertises the API only."""
+    vllm = deploy.load("kubernetes/vllm.yaml")
+    dep = deploy.find(vllm, "Deployment", "vllm")
+    ns = dep["metadata"]["namespace"]
+    replica = dep["spec"]["template"]["metadata"]["labels"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    ports = sorted(p["containerPort"] for p in c["ports"])
+    kv = json.loads(c["args"][c["args"].index("--kv-events-config") + 1])
+    assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1]), 8000} == set(ports)
+    policies = [o for o in vllm if o["kind"] == "NetworkPolicy"]
+    assert [p["port"] for p in deploy.find(vllm, "Service", "vllm")["spec"]["ports"]] == [8000]
+    gateways = {}
+    for kind in ("kubernetes", "istio"):
+        g = deploy.find(deploy.load_kind(kind), "Deployment", "llmgw-gateway")
+        gateways[kind] = (g["metadata"]["namespace"], g["spec"]["template"]["metadata"]["labels"])
+    eg = deploy.load_kind("envoy-gateway")
+    gw = deploy.find(eg, "Gateway")
+    # The labels Envoy Gateway puts on a Gateway's proxy pods, in the namespace of its agent's
+    # ConfigMap (Envoy Gateway's own).
+    gateways["envoy-gateway"] = (deploy.find(eg, "ConfigMap", "llmgw-agent")["metadata"]["namespace"], {
+        "app.kubernetes.io/name": "envoy", "app.kubernetes.io/component": "proxy",
+        "app.kubernetes.io/managed-by": "envoy-gateway",
+        "gateway.envoyproxy.io/owning-gateway-name": gw["metadata"]["name"],
+        "gateway.envoyproxy.io/owning-gateway-namespace": gw["metadata"]["namespace"]})
+    for kind, (gns, labels) in gateways.items():
+        for port in ports:
+            assert _admitted(policies, replica, gns, labels, port), (kind, port)
+    strangers = {"another pod": (ns, {"app.kubernetes.io/name": "client"}),
+                 "the gateway's labels elsewhere": ("default", gateways["kubernetes"][1]),
+                 "Envoy Gateway's labels elsewhere": ("default", gateways["envoy-gateway"][1]),
+                 "a replica": (ns, replica)}
+    for who, (sns, labels) in strangers.items():
+        for port in ports:
+            assert not _admitted(policies, replica, sns, labels, port), (who, port)
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end: each assembled bootstrap in front of simulated replicas and the agent.
 
