@@ -46,6 +46,8 @@ pub struct Request {
     explain: Option<String>,
     /// The filter's own time (parse, hash, score), without the tokenizer round trip.
     busy_ns: u64,
+    /// Its body's room in the VM's body budget, until it is routed or answered.
+    held: Option<crate::body_budget::Held>,
 }
 
 impl Request {
@@ -60,6 +62,7 @@ impl Request {
             prefilling: 0,
             explain: None,
             busy_ns: 0,
+            held: None,
         }
     }
 
@@ -165,6 +168,9 @@ impl Request {
             }
         };
         self.record_busy(s, t0);
+        if matches!(self.phase, Phase::Done) {
+            self.held = None;
+        }
         action
     }
 
@@ -278,8 +284,11 @@ impl HttpContext for Request {
         if !end_of_stream {
             return Action::Pause;
         }
-        let body = self.host.buffer(Buffer::Request, body_size);
-        self.on_body(&body, false)
+        // Past the VM's body budget: routed by its leading bytes, without the copy.
+        self.held = crate::body_budget::admit(self.shared.as_ref(), body_size);
+        let read = if self.held.is_some() { body_size } else { HEAD_BYTES };
+        let body = self.host.buffer(Buffer::Request, read);
+        self.on_body(&body, self.held.is_none())
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -290,7 +299,9 @@ impl HttpContext for Request {
             Phase::Body => {}
         }
         let body = self.host.buffer(Buffer::Request, self.body_limit());
-        self.on_body(&body, false)
+        self.held = crate::body_budget::admit(self.shared.as_ref(), body.len());
+        let read = if self.held.is_some() { body.len() } else { HEAD_BYTES.min(body.len()) };
+        self.on_body(body.get(..read).unwrap_or_default(), self.held.is_none())
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
