@@ -58,7 +58,8 @@ pub struct FakeHost {
     pub stream_messages: RefCell<Vec<(u32, Vec<u8>, bool)>>,
     pub cancelled: RefCell<Vec<u32>>,
     metrics: RefCell<Vec<Metric>>,
-    /// Filter state the request set (`set_property`), by name.
+    /// Filter state the request set (`set_property`), by name, and Envoy's stream attributes
+    /// the filter reads, by dotted path (`response.code_details`).
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
     pub tick: Cell<Option<Duration>>,
     next_token: Cell<u32>,
@@ -141,6 +142,7 @@ impl FakeHost {
         self.headers.borrow_mut().clear();
         self.properties.borrow_mut().clear();
         self.buffers.borrow_mut().retain(|b, _| *b == 3);
+        self.properties.borrow_mut().clear();
     }
 
     /// The request's filter state `name` as text.
@@ -196,6 +198,14 @@ impl FakeHost {
         self.shared.borrow().get(key).map(|(v, _)| v.clone())
     }
 
+    /// How Envoy marks the response: `details` is `response.code_details` ("via_upstream" for a
+    /// replica's own answer), `flags` `response.flags`.
+    pub fn set_response_info(&self, details: &str, flags: u64) {
+        let mut p = self.properties.borrow_mut();
+        p.insert("response.code_details".to_owned(), details.as_bytes().to_vec());
+        p.insert("response.flags".to_owned(), flags.to_le_bytes().to_vec());
+    }
+
     pub fn last_call(&self) -> Option<Call> {
         self.calls.borrow().last().cloned()
     }
@@ -226,6 +236,10 @@ impl Host for FakeHost {
         let b = self.buffers.borrow();
         let v = b.get(&buf_id(which)).map(Vec::as_slice).unwrap_or_default();
         v.get(..max.min(v.len())).unwrap_or_default().to_vec()
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.properties.borrow().get(&path.join(".")).cloned()
     }
 
     fn dispatch_http_call(

@@ -1,6 +1,10 @@
 //! Passive health: a replica whose connects fail or that answers 5xx is avoided from the next
 //! request on, by every worker of this Envoy (proxy-wasm shared data, like the in-flight
-//! counts), then tried again. Each failure in a row doubles the time it is avoided (1 s up to
+//! counts), then tried again. Only what the replica caused counts: its own answer, or a connect
+//! that failed or a connection it reset or closed before answering. Envoy's own replies (a
+//! circuit breaker's overflow, the route's timeout, no healthy upstream, a local reset) leave
+//! the record alone: they say nothing about the replica, and a client could otherwise get a
+//! healthy replica avoided by filling Envoy's limits. Each failure in a row doubles the time it is avoided (1 s up to
 //! 30 s); the first answer below 500 clears it. The agent's health view (a replica down when its
 //! `/metrics` or its publisher is gone) takes seconds; this takes one request.
 //!
@@ -110,8 +114,57 @@ fn update(host: &dyn Host, key: &str, what: SharedKind, address: &str, failed: b
     }
 }
 
-/// The replica's answer (or Envoy's, when it could not connect): 5xx avoids it for a while,
-/// anything else clears it. `Err` when the record could not be updated.
+/// `response.code_details` of an answer the replica sent itself.
+const VIA_UPSTREAM: &[u8] = b"via_upstream";
+/// Envoy's response flags (`response.flags`, bit `1 << flag` of `StreamInfo::CoreResponseFlag`)
+/// that blame the replica for a reply Envoy made itself: UR (remote reset, 4), UF (connection
+/// failure, 5), UC (connection termination, 6), UPE (upstream protocol error, 23). Every other
+/// local reply (UO overflow, UT route timeout, UH no healthy upstream, LR local reset, ...) is
+/// Envoy's own.
+const REPLICA_FAULT_FLAGS: u64 = (1 << 4) | (1 << 5) | (1 << 6) | (1 << 23);
+
+/// Who a response to a routed request came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The replica answered with this status.
+    Replica(u32),
+    /// Envoy answered because the replica failed (connect failure, reset, closed, protocol error).
+    ReplicaFailed,
+    /// Envoy answered on its own (overflow, timeout, no healthy upstream, ...): not the replica's.
+    Envoy,
+}
+
+/// Where the response with `status` came from, by Envoy's stream info; a host that does not
+/// expose `response.code_details` gets the status counted as the replica's.
+pub fn origin(host: &dyn Host, status: u32) -> Origin {
+    let Some(details) = host.property(&["response", "code_details"]) else { return Origin::Replica(status) };
+    if details == VIA_UPSTREAM {
+        return Origin::Replica(status);
+    }
+    let flags = host
+        .property(&["response", "flags"])
+        .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+        .map_or(0, u64::from_le_bytes);
+    if flags & REPLICA_FAULT_FLAGS != 0 {
+        Origin::ReplicaFailed
+    } else {
+        Origin::Envoy
+    }
+}
+
+/// The response to a request routed to `address` (its headers, `status`): counted by where it
+/// came from ([`origin`]); Envoy's own replies change nothing. `Err` when the record could not
+/// be updated.
+pub fn observe_response(host: &dyn Host, address: &str, status: u32) -> Result<(), SharedKind> {
+    match origin(host, status) {
+        Origin::Replica(code) => observe(host, address, code),
+        Origin::ReplicaFailed => update(host, KEY, SharedKind::Health, address, true),
+        Origin::Envoy => Ok(()),
+    }
+}
+
+/// The replica's answer: 5xx avoids it for a while, anything else clears it. `Err` when the
+/// record could not be updated.
 pub fn observe(host: &dyn Host, address: &str, status: u32) -> Result<(), SharedKind> {
     update(host, KEY, SharedKind::Health, address, status >= 500)
 }
@@ -157,5 +210,50 @@ mod tests {
         }
         let until = records(&host.shared_value(KEY).unwrap()).next().unwrap().until;
         assert_eq!(until - host.now_ns.get(), MAX_NS);
+    }
+
+    /// Envoy's response flags, as bits.
+    const UO: u64 = 1 << 7;
+    const UT: u64 = 1 << 2;
+    const UH: u64 = 1 << 1;
+    const UF: u64 = 1 << 5;
+    const UR: u64 = 1 << 4;
+
+    #[test]
+    fn only_the_replicas_own_failures_count_not_envoys_local_replies() {
+        const A: &str = "10.0.0.1:8000";
+        let host = FakeHost::default();
+        host.now_ns.set(100);
+        // Envoy's own 503 (overflow, no healthy upstream) and 504 (route timeout): not counted.
+        for (details, flags, status) in [
+            ("upstream_reset_before_response_started{overflow}", UO, 503),
+            ("no_healthy_upstream", UH, 503),
+            ("upstream_response_timeout", UT, 504),
+        ] {
+            host.set_response_info(details, flags);
+            assert_eq!(origin(&host, status), Origin::Envoy, "{details}");
+            observe_response(&host, A, status).unwrap();
+            assert!(!Health::read(&host).avoided(A), "{details} charged to the replica");
+        }
+        // A connect that failed, or a reset before the answer: the replica's fault.
+        host.set_response_info("upstream_reset_before_response_started{remote_connection_failure}", UF);
+        observe_response(&host, A, 503).unwrap();
+        assert!(Health::read(&host).avoided(A));
+        // Envoy's own reply does not clear it either (it says nothing of the replica).
+        host.set_response_info("upstream_reset_before_response_started{overflow}", UO);
+        observe_response(&host, A, 503).unwrap();
+        assert!(Health::read(&host).avoided(A));
+        host.set_response_info("upstream_reset_before_response_started{remote_reset}", UR);
+        assert_eq!(origin(&host, 503), Origin::ReplicaFailed);
+        // The replica's own answers: 5xx counts, anything else clears.
+        host.set_response_info("via_upstream", 0);
+        assert_eq!(origin(&host, 500), Origin::Replica(500));
+        observe_response(&host, A, 200).unwrap();
+        assert!(!Health::read(&host).avoided(A));
+        observe_response(&host, A, 502).unwrap();
+        assert!(Health::read(&host).avoided(A));
+        // A host without the attributes: the status is the replica's, as before.
+        let bare = FakeHost::default();
+        assert_eq!(origin(&bare, 503), Origin::Replica(503));
     }
 }

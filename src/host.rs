@@ -101,6 +101,9 @@ pub trait Host {
     fn set_header(&self, map: Headers, name: &str, value: Option<&str>);
     /// Up to `max` bytes of a buffer from its start.
     fn buffer(&self, which: Buffer, max: usize) -> Vec<u8>;
+    /// One of Envoy's stream attributes (e.g. `["response", "code_details"]`), serialized as
+    /// Envoy gives it (a string as is, an integer as 8 little-endian bytes); `None` when absent.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 
     /// Starts an HTTP callout; the token identifies its response.
     fn dispatch_http_call(
@@ -176,6 +179,10 @@ mod proxy {
                 Buffer::PluginConfiguration => BufferType::PluginConfiguration,
             };
             hostcalls::get_buffer(t, 0, max).ok().flatten().unwrap_or_default()
+        }
+
+        fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+            hostcalls::get_property(path.to_vec()).ok().flatten()
         }
 
         fn dispatch_http_call(

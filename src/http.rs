@@ -47,6 +47,8 @@ pub struct Request {
     explain: Option<String>,
     /// Where its time went (`crate::phases`).
     phases: Phases,
+    /// Its body's room in the VM's body budget, until it is routed or answered.
+    held: Option<crate::body_budget::Held>,
 }
 
 impl Request {
@@ -61,6 +63,7 @@ impl Request {
             prefilling: 0,
             explain: None,
             phases: Phases::default(),
+            held: None,
         }
     }
 
@@ -170,6 +173,9 @@ impl Request {
             }
         };
         self.record_busy(s, t0);
+        if matches!(self.phase, Phase::Done) {
+            self.held = None;
+        }
         action
     }
 
@@ -323,8 +329,11 @@ impl HttpContext for Request {
         if !end_of_stream {
             return Action::Pause;
         }
-        let body = self.host.buffer(Buffer::Request, body_size);
-        self.on_body(&body, false)
+        // Past the VM's body budget: routed by its leading bytes, without the copy.
+        self.held = crate::body_budget::admit(self.shared.as_ref(), body_size);
+        let read = if self.held.is_some() { body_size } else { HEAD_BYTES };
+        let body = self.host.buffer(Buffer::Request, read);
+        self.on_body(&body, self.held.is_none())
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -335,17 +344,19 @@ impl HttpContext for Request {
             Phase::Body => {}
         }
         let body = self.host.buffer(Buffer::Request, self.body_limit());
-        self.on_body(&body, false)
+        self.held = crate::body_budget::admit(self.shared.as_ref(), body.len());
+        let read = if self.held.is_some() { body.len() } else { HEAD_BYTES.min(body.len()) };
+        self.on_body(body.get(..read).unwrap_or_default(), self.held.is_none())
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // The replica's answer, or Envoy's when it could not reach it (503).
+        // The replica's answer, or Envoy's own (counted only when the replica caused it).
         self.response_phase(false, end_of_stream);
         if let Some(addr) = &self.counted {
             let status = self.host.header(Headers::Response, ":status");
             if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
             {
-                if let Err(k) = crate::health::observe(self.host.as_ref(), addr, code) {
+                if let Err(k) = crate::health::observe_response(self.host.as_ref(), addr, code) {
                     if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                         s.metrics.shared_update_failed([k]);
                     }

@@ -12,6 +12,7 @@
 //! through [`host::Host`], so the glue is tested natively against a fake host. Nothing here may
 //! panic.
 
+mod body_budget;
 mod feed;
 mod gateway_state;
 mod health;

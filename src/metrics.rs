@@ -35,6 +35,7 @@ pub struct Metrics {
     hash_mismatches: Option<u32>,
     hybrid_unsupported: Option<u32>,
     speculative_dropped: Option<u32>,
+    body_budget_exhausted: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
     feed_connected: Cell<Option<Option<u32>>>,
@@ -85,6 +86,7 @@ impl Metrics {
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
             speculative_dropped: c("llmgw_speculative_dropped_total"),
+            body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
@@ -147,6 +149,11 @@ impl Metrics {
     }
 
     /// Unexpired speculative index entries the bound dropped.
+    /// A body routed by its leading bytes because the VM's body budget was spent.
+    pub fn body_budget_exhausted(&self) {
+        self.inc(self.body_budget_exhausted);
+    }
+
     pub fn speculative_dropped(&self, n: usize) {
         if let (Some(id), Ok(n)) = (self.speculative_dropped, i64::try_from(n)) {
             if n > 0 {

@@ -157,11 +157,11 @@ def proto_names(v, parent: str = ""):
 
 
 def proto_merge(base: dict, over: dict) -> dict:
-    """Protobuf MergeFrom on JSON: messages merge, repeated fields append, scalars replace
-    (what Istio's MERGE patches and bootstrap overrides, and Envoy Gateway's bootstrap Merge do)."""
+    """Protobuf MergeFrom on JSON: messages merge (an Any only with an Any of its type),
+    repeated fields append, scalars replace (what Istio's MERGE patches and bootstrap overrides, and Envoy Gateway's bootstrap Merge do)."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and "@type" not in v:
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and v.get("@type") == out[k].get("@type"):
             out[k] = proto_merge(out[k], v)
         elif isinstance(v, list) and isinstance(out.get(k), list):
             out[k] = out[k] + copy.deepcopy(v)
@@ -303,6 +303,20 @@ def _apply_envoyfilter(ef: dict, bootstrap: dict, pod_labels: dict) -> None:
                     if idx:
                         fl.insert(idx[0] + (op == "INSERT_AFTER"), copy.deepcopy(value))
                         hit += 1
+        elif p["applyTo"] == "NETWORK_FILTER" and op in ("MERGE", "INSERT_FIRST"):
+            fm = lm.get("filterChain", {}).get("filter", {})
+            for x in listeners:
+                for chain in list(x.get("filter_chains", [])) + ([x["default_filter_chain"]]
+                                                                  if "default_filter_chain" in x else []):
+                    fl = chain.get("filters", [])
+                    if op == "INSERT_FIRST":
+                        fl.insert(0, copy.deepcopy(value))
+                        hit += 1
+                        continue
+                    for j, f in enumerate(fl):
+                        if f["name"] == fm.get("name"):
+                            fl[j] = proto_merge(f, value)
+                            hit += 1
         elif p["applyTo"] == "HTTP_ROUTE" and op == "MERGE":
             rm = m.get("routeConfiguration", {})
             name = rm.get("vhost", {}).get("route", {}).get("name")

@@ -5,6 +5,7 @@ and the Envoy bootstrap are in the test kit (llmgw_testkit.vllm_hash, .feed, .en
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from llmgw_testkit.stub import StubHandler, StubServer
@@ -54,6 +55,9 @@ class Replica:
         self.tokenize_delay = 0.0
         # What the generation endpoints answer (e.g. 503: an engine that died behind its server).
         self.generate_status = 200
+        # Generation requests wait until this is set (cleared: they hang, like a busy engine).
+        self.released = threading.Event()
+        self.released.set()
         self.tokenize_calls: list[dict] = []
         self.requests: list[dict] = []
         replica = self
@@ -94,6 +98,7 @@ class Replica:
                         toks = completion_tokens(req.get("prompt", ""))
                     return self.reply(200, json.dumps({"request_id": "r", "token_ids": toks}).encode())
                 replica.requests.append({"path": self.path, "headers": dict(self.headers.items()), "size": len(raw)})
+                replica.released.wait(60)
                 if replica.generate_status != 200:
                     return self.reply(replica.generate_status, b'{"error":"engine dead"}')
                 stream = False

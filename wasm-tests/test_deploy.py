@@ -252,6 +252,50 @@ def test_shipped_settings_agree(assembled):
     assert disc["port"] in [p["port"] for p in svc["spec"]["ports"]]
 
 
+def _inference_listener(b: dict) -> dict:
+    (lst,) = [x for x in b["static_resources"]["listeners"]
+              if any(f["name"] == deploy.WASM_FILTER for hcm in deploy.hcm_of(x) for f in hcm.get("http_filters", []))]
+    return lst
+
+
+def test_every_config_bounds_what_clients_can_hold(assembled):
+    """Gateway memory is bounded by configuration in every shipped config, whatever clients open:
+    HTTP/2 streams and windows, header and whole-request timeouts, a connection cap in front of
+    the inference listener, the overload manager resetting the largest streams and refusing
+    requests on heap pressure, explicit circuit breakers on the replicas' cluster, and the
+    filter's max_body_bytes below the listener's buffer (so that its own path for a larger body
+    runs instead of Envoy's 413)."""
+    local = yaml.safe_load(LOCAL.read_text())
+    for where, b in {"local": local, **assembled}.items():
+        lst = _inference_listener(b)
+        chains = lst.get("filter_chains", []) + ([lst["default_filter_chain"]] if "default_filter_chain" in lst else [])
+        for chain in chains:
+            first = chain["filters"][0]
+            assert first["name"] == "envoy.filters.network.connection_limit", (where, first["name"])
+            assert 0 < first["typed_config"]["max_connections"] <= 10000, where
+        (hcm,) = deploy.hcm_of(lst)
+        h2 = hcm.get("http2_protocol_options", {})
+        assert 0 < h2.get("max_concurrent_streams", 0) <= 100, (where, h2)
+        assert 0 < h2.get("initial_stream_window_size", 0) <= 65536, (where, h2)
+        assert 0 < h2.get("initial_connection_window_size", 0) <= 1 << 20, (where, h2)
+        assert hcm.get("request_headers_timeout") == "10s" and hcm.get("request_timeout") == "60s", where
+        om = b.get("overload_manager", {})
+        (heap,) = [m for m in om.get("resource_monitors", []) if m["name"] == "envoy.resource_monitors.fixed_heap"]
+        assert heap["typed_config"]["max_heap_size_bytes"] > 0, where
+        on_heap = {a["name"] for a in om.get("actions", [])
+                   if any(t["name"] == "envoy.resource_monitors.fixed_heap" for t in a["triggers"])}
+        assert {"envoy.overload_actions.reset_high_memory_stream",
+                "envoy.overload_actions.stop_accepting_requests"} <= on_heap, (where, on_heap)
+        assert om.get("buffer_factory_config", {}).get("minimum_account_to_track_power_of_two"), where
+        cb = deploy.cluster(b, "llmgw_replicas").get("circuit_breakers", {})
+        (t,) = cb.get("thresholds", [])
+        assert all(t.get(k, 0) > 1024 for k in ("max_connections", "max_pending_requests", "max_requests")), (where, t)
+        (per_host,) = cb.get("per_host_thresholds", [])
+        assert per_host.get("max_connections", 0) > 0, where
+        (cfg,) = deploy.wasm_configs(b)
+        assert cfg["max_body_bytes"] < lst["per_connection_buffer_limit_bytes"], where
+
+
 def test_agent_configurations_are_accepted_by_the_agent(tmp_path, agent_bin):
     for kind, text in _agent_tomls().items():
         path = tmp_path / f"{kind}.toml"
@@ -282,6 +326,70 @@ def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
     kv = json.loads(printed[printed.index("--kv-events-config") + 1])
     ports = {p["containerPort"] for p in c["ports"]}
     assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1])} <= ports
+
+
+def _selected(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admitted(policies: list[dict], pod_labels: dict, namespace: str, labels: dict, port: int) -> bool:
+    """Whether NetworkPolicies `policies` (of the replicas' namespace) let a pod (namespace,
+    labels) reach a replica pod (pod_labels) on `port`; a pod no policy selects is open."""
+    mine = [p for p in policies if _selected(p["spec"]["podSelector"], pod_labels)]
+    if not mine:
+        return True
+    for pol in mine:
+        home = pol["metadata"]["namespace"]
+        for rule in pol["spec"].get("ingress", []):
+            if not any(p.get("port") == port for p in rule.get("ports", [])):
+                continue
+            for peer in rule.get("from", []):
+                ns_ok = (_selected(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
+                         if "namespaceSelector" in peer else namespace == home)
+                if ns_ok and _selected(peer.get("podSelector", {}), labels):
+                    return True
+    return False
+
+
+def test_only_the_gateway_pods_reach_the_replicas():
+    """The replicas' event sockets carry every user's prompt tokens and their API must not be
+    called around the gateway: vllm.yaml's NetworkPolicy lets the gateway pods of every
+    deployment kind (where the agent and Envoy run) reach the API, publisher and replay ports,
+    and nothing else (another pod of the namespace, a pod elsewhere with the gateway's labels,
+    the replicas themselves); the Service advertises the API only."""
+    vllm = deploy.load("kubernetes/vllm.yaml")
+    dep = deploy.find(vllm, "Deployment", "vllm")
+    ns = dep["metadata"]["namespace"]
+    replica = dep["spec"]["template"]["metadata"]["labels"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    ports = sorted(p["containerPort"] for p in c["ports"])
+    kv = json.loads(c["args"][c["args"].index("--kv-events-config") + 1])
+    assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1]), 8000} == set(ports)
+    policies = [o for o in vllm if o["kind"] == "NetworkPolicy"]
+    assert [p["port"] for p in deploy.find(vllm, "Service", "vllm")["spec"]["ports"]] == [8000]
+    gateways = {}
+    for kind in ("kubernetes", "istio"):
+        g = deploy.find(deploy.load_kind(kind), "Deployment", "llmgw-gateway")
+        gateways[kind] = (g["metadata"]["namespace"], g["spec"]["template"]["metadata"]["labels"])
+    eg = deploy.load_kind("envoy-gateway")
+    gw = deploy.find(eg, "Gateway")
+    # The labels Envoy Gateway puts on a Gateway's proxy pods, in the namespace of its agent's
+    # ConfigMap (Envoy Gateway's own).
+    gateways["envoy-gateway"] = (deploy.find(eg, "ConfigMap", "llmgw-agent")["metadata"]["namespace"], {
+        "app.kubernetes.io/name": "envoy", "app.kubernetes.io/component": "proxy",
+        "app.kubernetes.io/managed-by": "envoy-gateway",
+        "gateway.envoyproxy.io/owning-gateway-name": gw["metadata"]["name"],
+        "gateway.envoyproxy.io/owning-gateway-namespace": gw["metadata"]["namespace"]})
+    for kind, (gns, labels) in gateways.items():
+        for port in ports:
+            assert _admitted(policies, replica, gns, labels, port), (kind, port)
+    strangers = {"another pod": (ns, {"app.kubernetes.io/name": "client"}),
+                 "the gateway's labels elsewhere": ("default", gateways["kubernetes"][1]),
+                 "Envoy Gateway's labels elsewhere": ("default", gateways["envoy-gateway"][1]),
+                 "a replica": (ns, replica)}
+    for who, (sns, labels) in strangers.items():
+        for port in ports:
+            assert not _admitted(policies, replica, sns, labels, port), (who, port)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -339,6 +339,14 @@ def test_tokenizer_slower_than_its_timeout(fleet):
 # 6. Envoy listener reload under load (file-based LDS, changed on disk by atomic rename)
 
 
+def hcm_of(listener: dict) -> dict:
+    """The HTTP connection manager of a listener's (one) filter chain: the connection limit
+    comes before it."""
+    (hcm,) = [f["typed_config"] for f in listener["filter_chains"][0]["filters"]
+              if f["name"] == "envoy.filters.network.http_connection_manager"]
+    return hcm
+
+
 def lds_bootstrap(shipped: str, lds_dir: Path) -> tuple[str, dict]:
     """The shipped bootstrap with its listener moved into a file-based LDS source in lds_dir;
     returns (bootstrap YAML, the listener)."""
@@ -355,7 +363,7 @@ def write_lds(lds_dir: Path, listener: dict, version: int, filter_change: bool =
     `filter_change` the filter's configuration differs too), written next to lds.yaml and
     renamed over it: Envoy sees one complete file or the other."""
     listener = json.loads(json.dumps(listener))
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = hcm_of(listener)
     hcm["route_config"]["response_headers_to_add"] = [
         {"header": {"key": "x-fault-listener-version", "value": str(version)},
          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
@@ -425,7 +433,7 @@ def with_reload_backoff(config: str, base_interval: str | None) -> str:
     """The bootstrap with the wasm filter's reload_config backoff at `base_interval` (the shipped
     configuration sets 0.01s; None: no reload_config, Envoy's default of 1 s)."""
     doc = yaml.safe_load(config)
-    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = hcm_of(doc["static_resources"]["listeners"][0])
     (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
     cfg = wasm["typed_config"]["config"]
     if base_interval is None:
@@ -527,7 +535,7 @@ def test_a_worker_whose_filter_failed_never_sends_a_client_where_it_asks(procs, 
         fl = new_fleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin)
         doc = yaml.safe_load(with_reload_backoff(
             fl.shipped(wasm), None))
-        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm = hcm_of(doc["static_resources"]["listeners"][0])
         (wasm_filter,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
         wasm_filter["typed_config"]["config"]["failure_policy"] = policy
         fl.start_envoy(wasm, config=yaml.safe_dump(doc, sort_keys=False))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 
 import pytest
 
@@ -41,7 +42,8 @@ ACCESS_LOG = """          access_log:
 
 
 class Gateway:
-    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2, access_log=False):
+    def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2, access_log=False,
+                 edit=None):
         self.listen = free_port()
         self.admin = free_port()
         self.replicas = replicas
@@ -52,7 +54,7 @@ class Gateway:
         if access_log:
             assert text.count("          stat_prefix: llmgw\n") == 1
             text = text.replace("          stat_prefix: llmgw\n", "          stat_prefix: llmgw\n" + ACCESS_LOG)
-        path.write_text(text)
+        path.write_text(edit(text) if edit else text)
         # Access log lines written out every 0.1 s (Envoy's default: 10 s).
         args = ["--file-flush-interval-msec", "100"] if access_log else []
         self.proc = start_envoy(procs, envoy_bin, path, concurrency=concurrency, log_level="info", args=args)
@@ -521,6 +523,89 @@ def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(pro
         assert list(phases) == list(bench.PHASES), phases
         assert phases["tokenizer"][0] >= 50_000 and phases["gateway"][1] >= 50_000, phases
         assert all(0 <= p50 <= p99 for p50, p99 in phases.values()), phases
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
+
+
+def test_filter_charges_a_replica_only_for_failures_it_caused(procs, envoy_bin, wasm_path, tmp_path, feed_pb, fleet):
+    """Envoy's own replies are not the replica's. With the replicas' circuit breaker at one
+    request and a 2 s route timeout, a request the replica holding the prompt keeps makes Envoy
+    answer the next ones 503 itself (overflow) and the kept one 504 (route timeout): the replica
+    is still chosen for each (the decision header names it) and serves the next request. A
+    connect that fails (another replica gone) still gets it avoided."""
+    tokens = completion_tokens(PROMPT)
+    other = completion_tokens("An unrelated prompt, held by the replica that goes away.")
+    feed = start_feed(feed_pb, fleet, {1: block_keys(tokens, BLOCK), 2: block_keys(other, BLOCK)})
+
+    def edit(text: str) -> str:
+        for old, new in (("max_requests: 16384", "max_requests: 1"), ("timeout: 300s", "timeout: 2s")):
+            assert old in text, old
+            text = text.replace(old, new)
+        return text
+
+    holder = fleet[1]
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(), edit=edit)
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 2}
+        assert gw.served_by("/v1/completions", body)[0] == holder.port
+        chosen = f"outcome=exact; replica={holder.address};"
+        holder.released.clear()
+        seen = len(holder.requests)
+        kept: dict = {}
+        t = threading.Thread(target=lambda: kept.update(answer=gw.post("/v1/completions", body)))
+        t.start()
+        wait_until(lambda: len(holder.requests) == seen + 1, what="the kept request at its replica")
+        for _ in range(3):
+            status, hdrs, raw = gw.post("/v1/completions", body)
+            assert status == 503 and hdrs.get("x-llmgw-decision", "").startswith(chosen), (status, hdrs, raw[:200])
+        overflow = "cluster.llmgw_replicas.upstream_rq_active_overflow"
+        assert gw.envoy.stats(overflow).get(overflow) == 3
+        t.join(timeout=30)
+        assert kept["answer"][0] == 504, kept
+        holder.released.set()
+        port, hdrs = gw.served_by("/v1/completions", body)
+        assert port == holder.port, hdrs
+        # A replica gone (no connection to it yet): Envoy's 503 for the failed connect avoids it
+        # from the next request on (served: elsewhere).
+        gone = fleet[2]
+        gone.stop()
+        moved = {"model": MODEL, "prompt": other, "max_tokens": 2}
+        status, hdrs, _ = gw.post("/v1/completions", moved)
+        assert status == 503 and hdrs.get("x-llmgw-decision", "").startswith(
+            f"outcome=exact; replica={gone.address};"), hdrs
+        for _ in range(5):
+            port, hdrs = gw.served_by("/v1/completions", moved)
+            assert port != gone.port, hdrs
+        gw.assert_no_panic()
+    finally:
+        holder.released.set()
+        feed.stop()
+
+
+def test_a_body_past_max_body_bytes_is_routed_by_its_head_not_refused(procs, envoy_bin, wasm_path, tmp_path, feed_pb,
+                                                                      fleet):
+    """The shipped max_body_bytes sits below the listener's buffer, so the filter's own path for a
+    larger body runs: routed by its leading bytes (fallback body_too_large) and streamed whole
+    to the replica, even past the buffer, where Envoy would otherwise answer 413."""
+    import re
+
+    from llmgw_testkit.envoy import SHIPPED
+
+    text = SHIPPED.read_text()
+    (max_body,) = {int(v) for v in re.findall(r'"max_body_bytes": (\d+)', text)}
+    (buffer,) = {int(v) for v in re.findall(r"per_connection_buffer_limit_bytes: (\d+)", text)}
+    feed = start_feed(feed_pb, fleet, {})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, {**filter_cfg(), "max_body_bytes": max_body})
+        for size in (max_body + 1024, buffer + (1 << 20)):
+            body = json.dumps({"model": MODEL, "prompt": "x" * size, "max_tokens": 2}).encode()
+            status, hdrs, raw = gw.post("/v1/completions", body)
+            assert status == 200, (size, status, raw[:200])
+            assert json.loads(raw)["bytes"] == len(body), size
+            assert hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
+        wait_until(lambda: gw.envoy.metric("llmgw_fallbacks_total", 'reason="body_too_large"') == 2,
+                   what="both bodies counted as too large")
         gw.assert_no_panic()
     finally:
         feed.stop()

@@ -405,3 +405,30 @@ fn each_phase_of_a_routed_request_is_recorded_and_written_for_the_access_log() {
     assert_eq!(action, Action::Pause);
     assert_eq!(e.host.property("llmgw_phases").as_deref(), Some("body_us=0 decision_us=0 gateway_us=0"));
 }
+
+#[test]
+fn a_body_past_the_vms_body_budget_is_routed_by_its_head_until_the_held_one_is_routed() {
+    let tokens: Vec<u32> = (0..24).collect();
+    let body = br#"{"model":"m","prompt":"hello, a prompt that is tokenized by a call"}"#;
+    // Room for one such body (counted twice) while it waits for its tokenizer call.
+    let budget = 2 * body.len() + 10;
+    let e = synced(&format!(r#""body_budget_bytes":{budget},"tokenizer_cache_bytes":0,"#), vec![], keys(&tokens), true);
+    let (mut first, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Pause, "read whole, waiting for its call");
+    assert_eq!(crate::body_budget::held(), 2 * body.len());
+    // A second one meanwhile: not copied, routed by its leading bytes at once, counted.
+    let (_second, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.host.calls.borrow().len(), 1, "no call for the second");
+    assert!(e.dest().is_some());
+    assert_eq!(e.counter("llmgw_body_budget_exhausted_total"), 1);
+    assert_eq!(e.counter("llmgw_fallbacks_total.reason.body_too_large"), 1);
+    // The first one routed: its room is given back, and the next body is read whole again.
+    e.answer(&mut first, Some("200"), &tokenize_answer(&tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(crate::body_budget::held(), 0);
+    let (_third, action) = e.request(COMPLETIONS, body);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(e.host.calls.borrow().len(), 2);
+    assert_eq!(e.counter("llmgw_body_budget_exhausted_total"), 1);
+}

@@ -86,6 +86,8 @@ pub struct Compiled {
     pub index_stale_ns: u64,
     pub destination_header: String,
     pub max_body_bytes: usize,
+    /// Bytes of request bodies one VM holds at once (see `FilterConfig::body_budget_bytes`).
+    pub body_budget_bytes: usize,
     pub max_cache_salt_bytes: usize,
     pub explain_header: bool,
     pub metrics: bool,
@@ -146,6 +148,7 @@ impl Compiled {
             index_stale_ns: u64::from(cfg.index_stale_ms).saturating_mul(1_000_000),
             destination_header: cfg.destination_header,
             max_body_bytes: usize::try_from(cfg.max_body_bytes).unwrap_or(usize::MAX),
+            body_budget_bytes: usize::try_from(cfg.body_budget_bytes).unwrap_or(usize::MAX),
             max_cache_salt_bytes: usize::try_from(cfg.max_cache_salt_bytes).unwrap_or(usize::MAX),
             explain_header: cfg.explain_header,
             metrics: cfg.metrics,
@@ -193,6 +196,7 @@ mod tests {
         assert_eq!((any.default_spec.algo, any.default_spec.block_size), (HashAlgo::Sha256Cbor, 16));
         assert_eq!(c.tokenizer_cache_ttl_ns, 60_000_000_000);
         assert_eq!(c.max_body_bytes, 32 << 20);
+        assert_eq!(c.body_budget_bytes, 128 << 20);
         let only = Compiled::from_json(br#"{"profiles":[{"name":"a","models":["m1"]}]}"#, None).unwrap();
         assert_eq!(only.profile_for("m2"), None);
     }

@@ -38,6 +38,9 @@ fn default_agent_cluster() -> String {
 fn default_body_limit() -> u64 {
     32 * 1024 * 1024
 }
+fn default_body_budget() -> u64 {
+    128 * 1024 * 1024
+}
 /// A field that is present (its value may be `null`), as opposed to absent (`None`).
 fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
     Option::<String>::deserialize(d).map(Some)
@@ -181,6 +184,11 @@ pub struct FilterConfig {
     pub destination_header: String,
     #[serde(default = "default_body_limit")]
     pub max_body_bytes: u64,
+    /// Bytes of request bodies one VM holds at once (each counted twice: its copy, then its
+    /// parsed prompt and tokenizer call while it waits): a body past it is routed by its leading
+    /// bytes as if it were past `max_body_bytes` (`llmgw_body_budget_exhausted_total`).
+    #[serde(default = "default_body_budget")]
+    pub body_budget_bytes: u64,
     /// A request whose `cache_salt` is longer is routed by the fallbacks
     /// (`reason="salt_too_long"`): its salt is neither hashed nor cached.
     #[serde(default = "default_max_salt")]
@@ -244,6 +252,9 @@ impl FilterConfig {
         }
         if self.max_body_bytes == 0 {
             return bad("max_body_bytes".into(), "must be positive");
+        }
+        if self.body_budget_bytes == 0 {
+            return bad("body_budget_bytes".into(), "must be positive");
         }
         if self.tokenizer_cache_bytes > 1 << 32 {
             return bad("tokenizer_cache_bytes".into(), "must be at most 4 GiB (it is allocated in every VM)");
