@@ -46,6 +46,7 @@ ROUTERS = {
     "rr": "Envoy round-robin",
     "llmgw": "llmgw (KV events)",
     "llmgw-render": "llmgw, tokenizer: vllm launch render",
+    "llmgw-native": "llmgw, native tokenizer (agent)",
     "sglang": "sglang-router cache_aware",
     "smg": "SMG cache_aware",
     "vllm-ca": "vllm-router cache_aware",
@@ -146,15 +147,24 @@ class Router:
             text = kit.lb_config(self.port, admin, [r.port for r in reps], "ROUND_ROBIN")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-rr", text, admin, feed=False)
             self.procs.append(proc)
-        elif self.name in ("llmgw", "llmgw-render"):
+        elif self.name in ("llmgw", "llmgw-render", "llmgw-native"):
+            sections = {}
+            if self.name == "llmgw-native":
+                # The agent's native tokenizer beside Envoy, on the model's own tokenizer files.
+                self.tokenizer_port = kit.free_port()
+                sections["tokenizer"] = {"listen": f"127.0.0.1:{self.tokenizer_port}",
+                                         "models": [{"names": [MODEL], "dir": str(a.model_dir)}]}
             agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name="agent",
-                              hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}).wait_ready()
+                              hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}, **sections).wait_ready()
+            self.agent = agent
             self.procs.append(agent.proc)
             kit.wait_until(lambda: all(x["up"] and x["connected"] for x in agent.replicas()), 60,
                            "the agent to see every replica up and its publisher connected")
             profile = {"name": "bench", "block_size": BLOCK, "kv_events": True, **json.loads(a.llmgw_profile)}
             if self.name == "llmgw-render":
                 profile["tokenizer_address"] = f"127.0.0.1:{b.render.port}"
+            if self.name == "llmgw-native":
+                profile["tokenizer_address"] = f"127.0.0.1:{self.tokenizer_port}"
             cfg = kit.filter_config(profile, explain_header=True)
             text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_interval="0.5s")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
@@ -188,9 +198,23 @@ class Router:
             return {}
         phases = parse_phases(text)
         out: dict = {"phases_us": phases}
+        if self.name == "llmgw-native":
+            # What the native tokenizer did: answered, checked against a replica, differed.
+            try:
+                metrics = self.agent.metrics()
+            except OSError:
+                metrics = ""
+            out["native"] = {k: native_metric(metrics, f"llmgw_native_tokenizer_{k}_total")
+                             for k in ("answered", "declined", "verified", "mismatches", "cache_hit_tokens", "cache_miss_tokens")}
         if "tokenizer" in phases:
             out.update(tokenizer_p50_us=phases["tokenizer"][0], tokenizer_p99_us=phases["tokenizer"][1])
         return out
+
+
+def native_metric(text: str, name: str) -> float:
+    """The sum of a counter's samples in Prometheus text (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 # llmgw's phase histograms, in request order: report name -> Envoy stat.
@@ -450,6 +474,13 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
         md += ["", "**llmgw's tokenizer callout** (`llmgw_tokenizer_latency_us`, Envoy's histogram): " + "; ".join(
             f"run {r['run']} {r['workload']} {ROUTERS[r['router']]}: p50 {r['tokenizer_p50_us'] / 1000:.1f} ms, p99 {r['tokenizer_p99_us'] / 1000:.1f} ms "
             f"({r['tokenizer_p50_us'] / 1000 / r['ttft_p50'] * 100:.0f} % of TTFT p50)" for r in tok)]
+    native = [r for r in results if r.get("native")]
+    if native:
+        md += ["", "**The native tokenizer** (agent metrics): " + "; ".join(
+            f"run {r['run']} {r['workload']}: answered {r['native']['answered']:.0f}, declined {r['native']['declined']:.0f}, "
+            f"checked against a replica {r['native']['verified']:.0f}, mismatches {r['native']['mismatches']:.0f}, "
+            f"piece-cache tokens {r['native']['cache_hit_tokens']:.0f} hit / {r['native']['cache_miss_tokens']:.0f} tokenized"
+            for r in native)]
     phases = phase_table(results)
     if phases:
         md += ["", "**Where llmgw's time goes** (ms: p50 (p99) of each phase, Envoy's histograms over the run; the "
