@@ -29,6 +29,9 @@ enum Command {
     VllmArgs(ConfigArgs),
     /// Check a configuration file and print the engines it describes.
     CheckConfig(ConfigArgs),
+    /// Check a configuration against the running replicas: each native tokenizer model's
+    /// tokens against each configured replica's /tokenize. Exits non-zero on a difference.
+    Doctor(ConfigArgs),
     /// Hash token ids (a JSON array on stdin) into vLLM block hashes.
     Hash(tools::HashArgs),
     /// Decode one KVEventBatch payload (msgpack on stdin) into JSON.
@@ -151,7 +154,7 @@ fn launch(a: LaunchArgs) -> Result<(), String> {
 fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
     let Some(t) = &cfg.tokenizer else { return Ok(()) };
     let native = llmgw_agent::native_tokenizer::NativeTokenizers::load(t);
-    let mut refused = 0;
+    let mut refused = 0usize;
     for m in &native.models {
         match &m.tokenizer {
             Ok(tok) => println!(
@@ -161,13 +164,26 @@ fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
                 if tok.has_chat_template() { "yes" } else { "none" }
             ),
             Err(e) => {
-                refused += 1;
+                refused = refused.saturating_add(1);
                 println!("tokenizer {}: refused: {e}", m.label);
             }
         }
     }
     if refused > 0 {
         return Err(format!("{refused} native tokenizer model(s) refused"));
+    }
+    Ok(())
+}
+
+fn doctor(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let findings = rt.block_on(llmgw_agent::doctor::tokenizers(cfg));
+    let bad = findings.iter().filter(|f| !f.ok).count();
+    for f in &findings {
+        println!("{} {}", if f.ok { "ok  " } else { "FAIL" }, f.line);
+    }
+    if bad > 0 {
+        return Err(format!("{bad} check(s) failed"));
     }
     Ok(())
 }
@@ -184,6 +200,7 @@ fn main() -> ExitCode {
             }
             check_tokenizers(&cfg)
         }),
+        Command::Doctor(a) => load(&a.config).and_then(|cfg| doctor(&cfg)),
         Command::Hash(a) => tools::hash(&a).map_err(|e| e.to_string()),
         Command::Decode(a) => tools::decode(&a).map_err(|e| e.to_string()),
         Command::Replay(a) => tools::replay(&a).map_err(|e| e.to_string()),
