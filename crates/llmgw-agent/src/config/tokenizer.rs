@@ -13,7 +13,6 @@
 //! dir = "/models/llama-3.1-8b-instruct"          # tokenizer.json, tokenizer_config.json, …
 //! ```
 
-use super::file::{err, ConfigError};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -91,12 +90,17 @@ fn default_verify_in_flight() -> usize {
 fn default_verify_timeout() -> u64 {
     5_000
 }
+fn err(field: impl Into<String>, message: impl Into<String>) -> (String, String) {
+    (field.into(), message.into())
+}
+
 fn default_content_format() -> String {
     "auto".into()
 }
 
 impl TokenizerConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks the section; an error names the field and what is wrong with it.
+    pub fn validate(&self) -> Result<(), (String, String)> {
         if !self.listen.ip().is_loopback() && !self.allow_non_loopback {
             return Err(err(
                 "tokenizer.listen",
@@ -125,5 +129,27 @@ impl TokenizerConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(toml_text: &str) -> Result<(), (String, String)> {
+        let cfg: TokenizerConfig = toml::from_str(toml_text).unwrap();
+        cfg.validate()
+    }
+
+    #[test]
+    fn a_listener_off_loopback_a_bad_share_and_a_name_served_twice_are_refused_by_field() {
+        let model = "[[models]]\nnames = [\"m\"]\ndir = \"/t\"\n";
+        assert!(parse(model).is_ok());
+        assert_eq!(parse(&format!("listen = \"0.0.0.0:8095\"\n{model}")).unwrap_err().0, "tokenizer.listen");
+        assert!(parse(&format!("listen = \"0.0.0.0:8095\"\nallow_non_loopback = true\n{model}")).is_ok());
+        assert_eq!(parse(&format!("verify_fraction = 1.5\n{model}")).unwrap_err().0, "tokenizer.verify_fraction");
+        assert_eq!(parse(&format!("{model}{model}")).unwrap_err().0, "tokenizer.models[1].names");
+        let bad_format = format!("{model}content_format = \"text\"\n");
+        assert_eq!(parse(&bad_format).unwrap_err().0, "tokenizer.models[0].content_format");
     }
 }

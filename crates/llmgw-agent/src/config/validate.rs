@@ -12,7 +12,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_hash("hash", &self.hash)?;
         if let Some(t) = &self.tokenizer {
-            t.validate()?;
+            t.validate().map_err(|(field, message)| err(field, message))?;
         }
         let f = &self.feed;
         match (&f.tls_cert, &f.tls_key) {
