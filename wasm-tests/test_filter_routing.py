@@ -598,7 +598,8 @@ def test_a_body_past_max_body_bytes_is_routed_by_its_head_not_refused(procs, env
     feed = start_feed(feed_pb, fleet, {})
     try:
         gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, {**filter_cfg(), "max_body_bytes": max_body})
-        for size in (max_body + 1024, buffer + (1 << 20)):
+        # Between max_body_bytes and the buffer: always the filter's path.
+        for size in (max_body + 1024, (max_body + buffer) // 2):
             body = json.dumps({"model": MODEL, "prompt": "x" * size, "max_tokens": 2}).encode()
             status, hdrs, raw = gw.post("/v1/completions", body)
             assert status == 200, (size, status, raw[:200])
@@ -606,6 +607,14 @@ def test_a_body_past_max_body_bytes_is_routed_by_its_head_not_refused(procs, env
             assert hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
         wait_until(lambda: gw.envoy.metric("llmgw_fallbacks_total", 'reason="body_too_large"') == 2,
                    what="both bodies counted as too large")
+        # Past the buffer it depends on how much Envoy reads before the filter has seen
+        # max_body_bytes: streamed whole when the reads are small, Envoy's 413 when one read
+        # overfills the buffer (seen on a loaded machine). Never anything else.
+        body = json.dumps({"model": MODEL, "prompt": "x" * (buffer + (1 << 20)), "max_tokens": 2}).encode()
+        status, _, raw = gw.post("/v1/completions", body)
+        assert status in (200, 413), (status, raw[:200])
+        if status == 200:
+            assert json.loads(raw)["bytes"] == len(body)
         gw.assert_no_panic()
     finally:
         feed.stop()
