@@ -274,7 +274,8 @@ impl Context for Request {
         // The tokenizer's circuit breaker: a timeout, reset, 5xx or garbage leaves it alone for
         // a while; a good answer clears it.
         let failure = step.report().tokenizer_failure;
-        if failure.is_none_or(|f| f.strikes()) {
+        let request_caused = step.report().tokenizer_failure_request_caused;
+        if failure.is_none_or(|f| f.strikes() && !request_caused) {
             if let Err(k) = crate::health::observe_tokenizer(self.host.as_ref(), &target, failure.is_some()) {
                 s.metrics.shared_update_failed([k]);
             }

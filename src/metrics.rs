@@ -33,6 +33,7 @@ pub struct Metrics {
     tokenizer_cache_hits: Option<u32>,
     tokenizer_cache_misses: Option<u32>,
     hash_mismatches: Option<u32>,
+    tokenizer_failures_request_caused: Option<u32>,
     hybrid_unsupported: Option<u32>,
     speculative_dropped: Option<u32>,
     body_budget_exhausted: Option<u32>,
@@ -84,6 +85,7 @@ impl Metrics {
             tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
+            tokenizer_failures_request_caused: c("llmgw_tokenizer_failures_request_caused_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
             speculative_dropped: c("llmgw_speculative_dropped_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
@@ -123,6 +125,9 @@ impl Metrics {
         }
         if let Some(f) = r.tokenizer_failure {
             self.labelled(&self.tokenizer_failures, f);
+            if r.tokenizer_failure_request_caused {
+                self.inc(self.tokenizer_failures_request_caused);
+            }
         }
         if let Some(o) = r.outcome {
             self.labelled(&self.outcomes, o);

@@ -72,6 +72,33 @@ fn a_tokenizer_that_times_out_is_left_alone_by_every_worker_then_tried_again() {
 }
 
 #[test]
+fn tokenizer_failures_a_request_causes_are_charged_to_it_not_to_the_tokenizer() {
+    // Media the tokenizer must fetch (a URL that never answers) and a huge prompt: their
+    // timeouts are the request's doing. As many as there are replicas, and more, leave every
+    // tokenizer in use; an ordinary request's timeout still opens the circuit.
+    let image = br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://203.0.113.1/never.png"}}]}]}"#;
+    let huge = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(llmgw_core::flow::STRIKE_MAX_CALL_BYTES + 1));
+    let e = synced("", vec![], vec![], true);
+    e.host.now_ns.set(1_000_000_000);
+    let target = |e: &Env| e.host.last_call().unwrap().header(":authority").map(str::to_owned);
+    for (i, body) in [&image[..], huge.as_bytes(), &image[..], huge.as_bytes()].into_iter().enumerate() {
+        let path = if i % 2 == 0 { "/v1/chat/completions" } else { COMPLETIONS };
+        let (mut ctx, _) = e.request(path, body);
+        assert_eq!(target(&e).as_deref(), Some(A), "call {i}: A is still in use");
+        e.answer(&mut ctx, Some("504"), b"");
+        ctx.on_log();
+    }
+    assert_eq!(e.counter("llmgw_tokenizer_failures_request_caused_total"), 4);
+    assert_eq!(e.counter("llmgw_tokenizer_failures_total.reason.timeout"), 4);
+    let (mut ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#);
+    assert_eq!(target(&e).as_deref(), Some(A));
+    e.answer(&mut ctx, Some("504"), b"");
+    ctx.on_log();
+    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hello again"}"#);
+    assert_eq!(target(&e).as_deref(), Some(B), "an ordinary request's timeout strikes A");
+}
+
+#[test]
 fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
     use crate::host::CAS_RETRIES;
     const IN_FLIGHT: &str = "llmgw.inflight.v2";

@@ -64,6 +64,10 @@ enum TokenizerTarget {
     Nobody,
 }
 
+/// A tokenizer call body past this size (about 250,000 tokens of text) that fails is charged
+/// to its request, not to the tokenizer's circuit breaker.
+pub const STRIKE_MAX_CALL_BYTES: usize = 1 << 20;
+
 /// One VM's routing state: the compiled configuration, the feed's view of the fleet, the hash
 /// plans and hashers, recent tokenizations and scratch buffers. Nothing in it describes the
 /// request being decided: the stages pass that along.
@@ -316,6 +320,7 @@ impl Router {
         let generation = self.generation;
         let dedicated = self.config.profile(pi).and_then(|p| p.tokenizer_address.as_deref()) == Some(target.as_str());
         let retry = dedicated.then(|| RetryCall { path: call.path, body: call.body.clone(), timeout_ms });
+        let call_bytes = call.body.len();
         let pending = Box::new(Pending {
             profile: pi,
             parsed,
@@ -325,6 +330,7 @@ impl Router {
             generation,
             spec,
             retry,
+            call_bytes,
         });
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
@@ -379,6 +385,10 @@ impl Router {
             }
             Err(f) => {
                 report.tokenizer_failure = Some(f);
+                // A call the request makes hard (media the tokenizer must fetch and bound, a
+                // huge prompt) fails for the request's sake: it must not open the circuit for
+                // everyone.
+                report.tokenizer_failure_request_caused = p.multimodal() || pending.call_bytes > STRIKE_MAX_CALL_BYTES;
                 return self.finish(model, Some(pending.profile), None, &approx, Some(Fallback::Tokenizer), gw, report);
             }
         };

@@ -28,6 +28,10 @@ pub struct Report {
     /// A tokenization-cache lookup, when one was made.
     pub tokenizer_cache: Option<CacheLookup>,
     pub tokenizer_failure: Option<TokenizerFailure>,
+    /// The tokenizer failure is the request's doing, not the tokenizer's (a multimodal call,
+    /// whose media the tokenizer fetches and bounds, or a call body past
+    /// [`super::STRIKE_MAX_CALL_BYTES`]): it does not count towards the tokenizer's circuit.
+    pub tokenizer_failure_request_caused: bool,
     /// Some replica serving the model hashes otherwise than the request was hashed (see
     /// [`super::Router::take_hash_note`] for which and how): its blocks were not credited.
     pub hash_mismatch: bool,
@@ -141,6 +145,8 @@ pub struct Pending {
     /// The call, kept when it went to the dedicated tokenizer: if that declines (421), the
     /// same call goes to a replica.
     pub(super) retry: Option<RetryCall>,
+    /// The call's body size (a failure of a very large call is charged to the request).
+    pub(super) call_bytes: usize,
 }
 
 /// A tokenizer call to repeat on a replica.

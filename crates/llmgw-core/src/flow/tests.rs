@@ -131,6 +131,7 @@ fn token_ids_held_by_a_replica_route_there_exactly() {
             matched_blocks: Some(8),
             tokenizer_cache: None,
             tokenizer_failure: None,
+            tokenizer_failure_request_caused: false,
             hash_mismatch: false,
             hybrid_unsupported: false,
         }
