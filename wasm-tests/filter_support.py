@@ -53,6 +53,9 @@ class Replica:
         self.address = f"127.0.0.1:{port}"
         self.tokenize_status = tokenize_status
         self.tokenize_delay = 0.0
+        # Tokenizer calls whose body holds this marker wait this long (a media URL that hangs).
+        self.slow_marker: bytes | None = None
+        self.slow_delay = 0.0
         # What the generation endpoints answer (e.g. 503: an engine that died behind its server).
         self.generate_status = 200
         # Generation requests wait until this is set (cleared: they hang, like a busy engine).
@@ -69,6 +72,9 @@ class Replica:
             def do_POST(self):
                 n = int(self.headers.get("content-length") or 0)
                 raw = self.rfile.read(n)
+                if replica.slow_marker and replica.slow_marker in raw and (
+                        self.path == "/tokenize" or self.path.endswith("/render")):
+                    time.sleep(replica.slow_delay)
                 if self.path == "/tokenize":
                     try:
                         req = json.loads(raw)

@@ -618,3 +618,34 @@ def test_a_body_past_max_body_bytes_is_routed_by_its_head_not_refused(procs, env
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+def test_hostile_media_requests_do_not_open_the_tokenizer_circuit_for_everyone(procs, envoy_bin, wasm_path, tmp_path,
+                                                                              feed_pb, fleet):
+    """Chats whose image URL never answers make every replica's render time out. They are
+    charged to themselves: twice as many of them as there are replicas, then an ordinary
+    prompt is still tokenized and routed exactly (without the fix: the circuit is open for
+    everyone and it falls back)."""
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = start_feed(feed_pb, fleet, {1: comp})
+    for r in fleet:
+        r.slow_marker, r.slow_delay = b"never.png", 1.0
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(tokenizer_timeout_ms=150))
+        hostile = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "describe"},
+            {"type": "image_url", "image_url": {"url": "http://203.0.113.1/never.png"}}]}]}
+        for _ in range(2 * len(fleet)):
+            status, hdrs, _ = gw.post("/v1/chat/completions", hostile)
+            assert status == 200
+            assert hdrs["x-llmgw-decision"].startswith("outcome=approx"), hdrs
+        assert gw.envoy.metric("llmgw_tokenizer_failures_total", 'reason="timeout"') == 2 * len(fleet)
+        assert gw.envoy.metric("llmgw_tokenizer_failures_request_caused_total") == 2 * len(fleet)
+        calls = tokenize_count(fleet)
+        port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT})
+        assert port == fleet[1].port and hdrs["x-llmgw-decision"].startswith("outcome=exact"), hdrs
+        assert tokenize_count(fleet) == calls + 1
+        assert gw.envoy.metric("llmgw_tokenizer_failures_total", 'reason="circuit_open"') == 0
+        gw.assert_no_panic()
+    finally:
+        feed.stop()
