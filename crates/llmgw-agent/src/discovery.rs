@@ -198,7 +198,13 @@ struct Found {
 }
 
 /// Keeps one discovery entry's replicas in step with DNS until the task is dropped.
-pub async fn run(cfg: Config, idx: usize, hub: Arc<Hub>, ctx: zmq::Context, stop: Arc<AtomicBool>) {
+pub async fn run(
+    cfg: Config,
+    idx: usize,
+    hub: Arc<Hub>,
+    contexts: Arc<crate::zmq_contexts::ContextPool>,
+    stop: Arc<AtomicBool>,
+) {
     let Some(d) = cfg.discovery.get(idx).cloned() else { return };
     let mut found: BTreeMap<IpAddr, Found> = BTreeMap::new();
     let mut t = tokio::time::interval(Duration::from_millis(d.refresh_ms));
@@ -262,7 +268,9 @@ pub async fn run(cfg: Config, idx: usize, hub: Arc<Hub>, ctx: zmq::Context, stop
                 };
                 let Some(spec) = hub.state().engines.get(e).map(|x| x.spec.clone()) else { continue };
                 info!(replica = %spec.label(), endpoint = %spec.endpoint, "discovered engine");
-                if let Err(err) = Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), ctx.clone(), stop.clone()) {
+                if let Err(err) =
+                    Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), contexts.next(), stop.clone())
+                {
                     warn!(error = %err, "cannot start engine thread");
                 }
                 if cfg.load.enabled && spec.metrics_url.is_some() {

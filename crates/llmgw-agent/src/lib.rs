@@ -35,6 +35,7 @@ pub mod native_tokenizer;
 pub mod seq;
 pub mod shutdown;
 pub mod vllm;
+pub mod zmq_contexts;
 pub mod zmqsub;
 
 use config::{Config, EventSource};
@@ -106,19 +107,14 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     );
 
     let stop = Arc::new(AtomicBool::new(false));
-    let ctx = zmq::Context::new();
-    let mut threads = Vec::new();
     // A libzmq context holds at most 1,023 sockets (ZMQ_MAX_SOCKETS, which the zmq crate cannot
     // raise without unsafe code) and an engine uses up to four (SUB, its monitor pair, a replay
     // DEALER): past about 250 engines a context refuses sockets ("Too many open files"). Each
-    // group of engines gets a context of its own.
-    const ENGINES_PER_CONTEXT: usize = 200;
-    let mut group_ctx = ctx.clone();
-    for (i, spec) in engines.iter().filter(|e| e.source == EventSource::Zmq).enumerate() {
-        if i > 0 && i % ENGINES_PER_CONTEXT == 0 {
-            group_ctx = zmq::Context::new();
-        }
-        let t = zmqsub::Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), group_ctx.clone(), stop.clone())
+    // group of engines, configured or discovered, gets a context of its own.
+    let contexts = Arc::new(zmq_contexts::ContextPool::new(zmq_contexts::ENGINES_PER_CONTEXT));
+    let mut threads = Vec::new();
+    for spec in engines.iter().filter(|e| e.source == EventSource::Zmq) {
+        let t = zmqsub::Engine::spawn(spec.clone(), hub.clone(), cfg.zmq.clone(), contexts.next(), stop.clone())
             .map_err(RunError::Thread)?;
         threads.push(t);
     }
@@ -159,7 +155,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         background.push(tokio::spawn(jetstream::consume::consume(cfg.clone(), hub.clone(), stop.clone())));
     }
     for i in 0..cfg.discovery.len() {
-        background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), ctx.clone(), stop.clone())));
+        background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), contexts.clone(), stop.clone())));
     }
     if cfg.load.enabled {
         for spec in &engines {
