@@ -145,6 +145,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         http_listener,
         hub.clone(),
         native.as_ref().map(|(n, _)| n.clone()),
+        cfg.http.debug_token.clone(),
         wait(rx.clone()),
     ));
     let mut background = vec![

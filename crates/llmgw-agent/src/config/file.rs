@@ -176,6 +176,10 @@ pub struct FeedConfig {
 pub struct HttpConfig {
     #[serde(default = "default_http_listen")]
     pub listen: SocketAddr,
+    /// `/debug/replicas` (every engine's block keys) answers loopback clients only, unless this
+    /// token is set and the request carries it as `Authorization: Bearer TOKEN`.
+    #[serde(default)]
+    pub debug_token: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -391,7 +395,7 @@ impl Default for FeedConfig {
 }
 impl Default for HttpConfig {
     fn default() -> Self {
-        Self { listen: default_http_listen() }
+        Self { listen: default_http_listen(), debug_token: None }
     }
 }
 impl HashConfig {

@@ -1,32 +1,55 @@
 //! Observability over HTTP: `/metrics` (Prometheus text), `/healthz`, `/debug/replicas`.
 //!
 //! [`exposition`] renders the hub state for the two read endpoints; the native tokenizer adds
-//! its own metrics when it runs.
+//! its own metrics when it runs. `/debug/replicas` lists every engine's block keys (with a
+//! known seed, a prompt-membership oracle): it answers loopback clients, or a client presenting
+//! `http.debug_token`, one request at a time (others get 429).
 
 pub mod exposition;
 
 use crate::hub::Hub;
 use crate::native_tokenizer::NativeTokenizers;
-use axum::extract::State;
-use axum::http::header;
-use axum::response::IntoResponse;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use std::net::SocketAddr;
 use std::sync::Arc;
+use subtle::ConstantTimeEq;
+use tokio::sync::Semaphore;
 
 /// What the endpoints read.
 #[derive(Clone)]
 pub struct HttpState {
     pub hub: Arc<Hub>,
     pub native: Option<Arc<NativeTokenizers>>,
+    /// The token a non-loopback client must present for `/debug/replicas`.
+    pub debug_token: Option<String>,
+    /// One `/debug/replicas` at a time (each copies every engine's keys).
+    pub debug: Arc<Semaphore>,
 }
 
-pub fn router(hub: Arc<Hub>, native: Option<Arc<NativeTokenizers>>) -> Router {
+pub fn router(hub: Arc<Hub>, native: Option<Arc<NativeTokenizers>>, debug_token: Option<String>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/debug/replicas", get(replicas))
-        .with_state(HttpState { hub, native })
+        .with_state(HttpState { hub, native, debug_token, debug: Arc::new(Semaphore::new(1)) })
+}
+
+/// Whether a `/debug/replicas` request from `peer` with `headers` may be answered.
+fn debug_allowed(peer: &SocketAddr, headers: &HeaderMap, token: Option<&str>) -> bool {
+    if peer.ip().is_loopback() {
+        return true;
+    }
+    let Some(token) = token.filter(|t| !t.is_empty()) else { return false };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    bool::from(given.as_bytes().ct_eq(token.as_bytes()))
 }
 
 /// Runs `f` with the hub lock on a blocking thread: the lock is a blocking mutex, and the
@@ -47,18 +70,53 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn replicas(State(st): State<HttpState>) -> impl IntoResponse {
+async fn replicas(
+    State(st): State<HttpState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if !debug_allowed(&peer, &headers, st.debug_token.as_deref()) {
+        return (StatusCode::FORBIDDEN, "/debug/replicas answers loopback clients or the http.debug_token\n")
+            .into_response();
+    }
+    let Ok(_permit) = st.debug.clone().try_acquire_owned() else {
+        return (StatusCode::TOO_MANY_REQUESTS, "one /debug/replicas at a time\n").into_response();
+    };
     // Copies under the lock, sorts and renders after it (on the blocking thread too: sorting
     // 100k keys an engine is not for the runtime's threads).
     let hub = st.hub;
     Json(tokio::task::spawn_blocking(move || exposition::debug_replicas(&hub)).await.unwrap_or_default())
+        .into_response()
 }
 
 pub async fn serve(
     listener: tokio::net::TcpListener,
     hub: Arc<Hub>,
     native: Option<Arc<NativeTokenizers>>,
+    debug_token: Option<String>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(hub, native)).with_graceful_shutdown(shutdown).await
+    let app = router(hub, native, debug_token).into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_debug_endpoint_answers_loopback_or_the_token_only() {
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let pod: SocketAddr = "10.0.0.7:5000".parse().unwrap();
+        let mut with = HeaderMap::new();
+        with.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+        let mut wrong = HeaderMap::new();
+        wrong.insert(header::AUTHORIZATION, "Bearer s3cre".parse().unwrap());
+        assert!(debug_allowed(&local, &HeaderMap::new(), None));
+        assert!(!debug_allowed(&pod, &HeaderMap::new(), None));
+        assert!(!debug_allowed(&pod, &with, None));
+        assert!(!debug_allowed(&pod, &with, Some("")));
+        assert!(debug_allowed(&pod, &with, Some("s3cret")));
+        assert!(!debug_allowed(&pod, &wrong, Some("s3cret")));
+    }
 }
