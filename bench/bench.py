@@ -172,6 +172,14 @@ class Router:
         try:
             if self.policy in ("approx", "exact"):
                 out.update(self.envoy.decisions())
+                # The rates the filter learned, per replica (gauges llmgw_rates_*{replica}).
+                rates: dict = {}
+                for k, v in self.envoy.stats("llmgw_rates_").items():
+                    m = re.search(r"llmgw_rates_(\w+?)\.replica\.(\w+)", k)
+                    if m:
+                        rates.setdefault(m.group(2), {})[m.group(1)] = int(v)
+                if rates:
+                    out["learned_rates"] = rates
             elif self.policy == "vllm-kv":
                 text = kit.get_text(f"http://127.0.0.1:{self.prom}/metrics")
                 for res, v in re.findall(r'vllm_router_kv_placement_lookups_total\{result="(\w+)"\} ([0-9.]+)', text):
