@@ -54,6 +54,8 @@ class Replica:
         self.tokenize_delay = 0.0
         # What the generation endpoints answer (e.g. 503: an engine that died behind its server).
         self.generate_status = 200
+        # Seconds before a generation endpoint answers (a replica slow to its first token).
+        self.generate_delay = 0.0
         self.tokenize_calls: list[dict] = []
         self.requests: list[dict] = []
         replica = self
@@ -94,6 +96,8 @@ class Replica:
                         toks = completion_tokens(req.get("prompt", ""))
                     return self.reply(200, json.dumps({"request_id": "r", "token_ids": toks}).encode())
                 replica.requests.append({"path": self.path, "headers": dict(self.headers.items()), "size": len(raw)})
+                if replica.generate_delay:
+                    time.sleep(replica.generate_delay)
                 if replica.generate_status != 200:
                     return self.reply(replica.generate_status, b'{"error":"engine dead"}')
                 stream = False

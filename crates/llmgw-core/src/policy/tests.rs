@@ -371,3 +371,37 @@ fn a_replica_learned_to_be_slow_loses_to_one_computing_more() {
     off.ttft.learning.enabled = false;
     assert_eq!(ttft(&c, &held, 1600, 7, &off).winner, Some(1));
 }
+
+#[test]
+fn the_tie_margin_is_in_requests_at_the_learned_rate() {
+    use super::rates::Rates;
+    // Two holders of the whole prompt, on a fleet learned to cost 2 ms a request.
+    let fast = Rates {
+        base_us: 0.0,
+        prefill_us_per_token: 30.0,
+        queued_us_per_token: 0.0,
+        request_us: 2_000.0,
+        observations: 80,
+    };
+    let both = scores(&[50, 50, 0, 0], 50);
+    let w = Weights::default();
+    for p in 0..50u32 {
+        let key = stable_hash(format!("prompt {p}").as_bytes());
+        let mut c = fleet(4);
+        for x in c.iter_mut() {
+            x.rates = Some(fast);
+        }
+        let idle = ttft(&c, &both, 800, key, &w).winner.unwrap();
+        let other = 1 - idle;
+        // One request more on the chosen holder is within the tie: the same holder.
+        c[idle].running = 1;
+        assert_eq!(ttft(&c, &both, 800, key, &w).winner, Some(idle), "prompt {p}");
+        // Two more cost 4 ms, past 1.1 requests' worth (2.2 ms): the other holder.
+        c[idle].running = 2;
+        assert_eq!(ttft(&c, &both, 800, key, &w).winner, Some(other), "prompt {p}");
+        // A fixed margin of 45 ms (the old default) would have kept it.
+        let mut fixed = Weights::default();
+        fixed.ttft.tie_us = 45_000.0;
+        assert_eq!(ttft(&c, &both, 800, key, &fixed).winner, Some(idle), "prompt {p}");
+    }
+}

@@ -5,8 +5,9 @@
 //! `uncached` is the request's prompt tokens past the leading blocks that replica holds,
 //! `queued` the prefill tokens of requests this Envoy sent there that have not produced a first
 //! token yet, and `requests = max(in-flight, running + waiting) + waiting` (engine-reported, so
-//! other gateways' requests count too); the lowest wins, predictions within `tie_us` being
-//! equal.
+//! other gateways' requests count too), with the rates learned for that replica
+//! ([`super::rates`]) or the profile's; the lowest wins, predictions within the tie margin
+//! (`tie_requests` requests' worth) being equal.
 
 use super::candidate::Candidate;
 use super::contest::{Contest, HolderPolicy, Pick, Work};
@@ -26,7 +27,12 @@ pub struct TtftWeights {
     /// tokens together, the step lasting longer for each), 0 when the engine computes prefills
     /// side by side (the simulator).
     pub queued_prefill: f64,
-    /// Predictions within this many µs are equal: the prompt's rendezvous order picks.
+    /// Predictions within `tie_requests` × the per-request rate (the larger of the two
+    /// replicas'), and at least `tie_us`, are equal: the replica holding more, then the prompt's
+    /// rendezvous order picks. In requests, the margin keeps its meaning whatever the fleet's
+    /// speed: gateways that see one request more or less on a replica still agree, and load
+    /// beyond that is weighed by the time it costs.
+    pub tie_requests: f64,
     pub tie_us: f64,
     /// Rates learned per replica from observed times to first token, with the rates above as
     /// their prior ([`super::rates`]).
@@ -39,7 +45,8 @@ impl Default for TtftWeights {
             prefill_us_per_token: 100.0,
             request_us: 20_000.0,
             queued_prefill: 1.0,
-            tie_us: 45_000.0,
+            tie_requests: 1.1,
+            tie_us: 0.0,
             learning: Learning::default(),
         }
     }
@@ -52,6 +59,7 @@ impl TtftWeights {
             ("request_us", self.request_us),
             ("queued_prefill", self.queued_prefill),
             ("tie_us", self.tie_us),
+            ("tie_requests", self.tie_requests),
             ("rates_prior_weight", self.learning.prior_weight),
         ])?;
         if self.learning.memory.is_finite() && self.learning.memory >= 1.0 {
@@ -108,10 +116,12 @@ impl HolderPolicy for TtftWeights {
             let Some(c) = contest.cands.get(i) else { return f64::INFINITY };
             self.predicted_us(c, uncached(i))
         };
-        // Lower is better; predictions within `tie_us` are equal.
+        let request_us = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.rates(c).request_us);
+        // Lower is better; predictions within the tie margin are equal.
         let (best, second) = contest.best_two(|a, b| {
             let (pa, pb) = (predicted(a), predicted(b));
-            if (pa - pb).abs() <= self.tie_us {
+            let tie = self.tie_us.max(self.tie_requests * request_us(a).max(request_us(b)));
+            if (pa - pb).abs() <= tie {
                 std::cmp::Ordering::Equal
             } else {
                 pb.total_cmp(&pa)
