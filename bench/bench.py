@@ -172,6 +172,14 @@ class Router:
         try:
             if self.policy in ("approx", "exact"):
                 out.update(self.envoy.decisions())
+                # The rates the filter learned, per replica (gauges llmgw_rates_*{replica}).
+                rates: dict = {}
+                for k, v in self.envoy.stats("llmgw_rates_").items():
+                    m = re.search(r"llmgw_rates_(\w+?)\.replica\.(\w+)", k)
+                    if m:
+                        rates.setdefault(m.group(2), {})[m.group(1)] = int(v)
+                if rates:
+                    out["learned_rates"] = rates
             elif self.policy == "vllm-kv":
                 text = kit.get_text(f"http://127.0.0.1:{self.prom}/metrics")
                 for res, v in re.findall(r'vllm_router_kv_placement_lookups_total\{result="(\w+)"\} ([0-9.]+)', text):
@@ -500,6 +508,25 @@ def setup_line(a: dict) -> str:
             + ". Timings share 2 cores with everything else on the machine: compare policies within one run.")
 
 
+def learned_rates(results: list[dict], header: list[str]) -> list[str]:
+    """The rates llmgw learned in each run, beside the simulator's own prefill cost."""
+    m = re.search(r"prefill (\d+) tok/s", " ".join(header))
+    true_us = 1e6 / float(m.group(1)) if m else None
+    lines = []
+    for r in results:
+        rates = (r.get("router_stats") or {}).get("learned_rates") or {}
+        if not rates:
+            continue
+        def mean(k):
+            return sum(v.get(k, 0) for v in rates.values()) / len(rates)
+        sim = f" (the simulator's: {true_us:.0f})" if true_us else ""
+        lines.append(f"- {r['workload']} c={r['concurrency']} {r['label']}: prefill {mean('prefill_ns_per_token') / 1000:.0f} µs "
+                     f"per token{sim}, queued prefill {mean('queued_ns_per_token') / 1000:.0f} µs per token, "
+                     f"{mean('request_us') / 1000:.1f} ms per request, base {mean('base_us') / 1000:.1f} ms; "
+                     f"{mean('observations'):.0f} observations per replica")
+    return lines
+
+
 def report(out: Path, header: list[str], results: list[dict], skipped: dict, command: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tgt = targets(results)
@@ -511,6 +538,9 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, com
           tables(results)]
     if tgt:
         md += ["\n**Targets** (shared-prefix workload, 4 replicas):\n", *tgt]
+    learned = learned_rates(results, header)
+    if learned:
+        md += ["\n**Rates llmgw learned** (mean over replicas, from its `llmgw_rates_*` gauges):\n", *learned]
     if skipped:
         md += ["\n**Not run:**\n", *[f"- {POLICIES[p]}: {why}" for p, why in skipped.items()]]
     text = "\n".join(md) + "\n"

@@ -75,6 +75,12 @@ impl FeedClient {
         let bytes = u64::try_from(feed.index.memory_bytes()).unwrap_or(u64::MAX);
         let refused = u64::try_from(feed.refused().len()).unwrap_or(u64::MAX);
         s.metrics.feed_state(self.connected, feed.index.entries(), bytes, refused);
+        let learned = crate::rates::Learned::read(s.host.as_ref());
+        for r in &feed.replicas {
+            if let Some(rates) = learned.of(&r.address) {
+                s.metrics.learned_rates(&r.address, &rates);
+            }
+        }
         let cfg = s.router.config();
         let idle_ns = u64::from(cfg.feed_idle_timeout_ms).saturating_mul(MS);
         if self.stream.is_some() && now.saturating_sub(self.last_activity_ns) > idle_ns {

@@ -1,18 +1,22 @@
 //! What the router asks the gateway, read once per decision from this Envoy's shared data: the
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
-//! avoided (`crate::health`) and the speculative index entries (`crate::speculative`).
+//! avoided (`crate::health`), the speculative index entries (`crate::speculative`) and the
+//! rates learned per replica (`crate::rates`).
 
 use crate::health::Health;
 use crate::host::Host;
 use crate::inflight::Counts;
+use crate::rates::Learned;
 use crate::speculative::Entries;
-use llmgw_core::flow::{InFlightCounts, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit};
+use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit};
+use llmgw_core::policy::rates::Rates;
 
 pub struct Snapshot {
     counts: Counts,
     health: Health,
     tokenizers: Health,
     speculative: Entries,
+    rates: Learned,
 }
 
 impl Snapshot {
@@ -22,6 +26,7 @@ impl Snapshot {
             health: Health::read(host),
             tokenizers: Health::read_tokenizers(host),
             speculative: Entries::read(host),
+            rates: Learned::read(host),
         }
     }
 }
@@ -49,5 +54,11 @@ impl ReplicaAvoidance for Snapshot {
 impl SpeculativeEntries for Snapshot {
     fn speculative(&self, keys: &[u64], out: &mut Vec<SpeculativeHit>) {
         self.speculative.lookup(keys, out);
+    }
+}
+
+impl LearnedRates for Snapshot {
+    fn learned_rates(&self, address: &str) -> Option<Rates> {
+        self.rates.of(address)
     }
 }

@@ -52,15 +52,18 @@ pub enum SharedKind {
     TokenizerHealth,
     /// Speculative index entries (`crate::speculative`).
     Speculative,
+    /// Rates learned from observed times to first token (`crate::rates`).
+    Rates,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 5] = [
+    pub const ALL: [SharedKind; 6] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
         SharedKind::TokenizerHealth,
         SharedKind::Speculative,
+        SharedKind::Rates,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -70,6 +73,7 @@ impl SharedKind {
             SharedKind::Health => "health",
             SharedKind::TokenizerHealth => "tokenizer_health",
             SharedKind::Speculative => "speculative",
+            SharedKind::Rates => "rates",
         }
     }
 }

@@ -7,6 +7,7 @@ use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
 use llmgw_core::flow::{Body, Pending, Rejected, Step, TokenizerReply};
+use llmgw_core::policy::rates::Basis;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
@@ -49,6 +50,9 @@ pub struct Request {
     phases: Phases,
     /// Its body's room in the VM's body budget, until it is routed or answered.
     held: Option<crate::body_budget::Held>,
+    /// What the prediction for its replica rested on, while its observed time to first token
+    /// can still be learned (a streamed 200 answer's first chunk; `crate::rates`).
+    learning: Option<Box<Basis>>,
 }
 
 impl Request {
@@ -64,6 +68,7 @@ impl Request {
             explain: None,
             phases: Phases::default(),
             held: None,
+            learning: None,
         }
     }
 
@@ -124,6 +129,7 @@ impl Request {
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));
                 }
+                self.learning = r.decision.basis.filter(|b| b.learning.enabled);
                 self.counted = Some(r.address);
                 self.phase = Phase::Done;
                 if resuming {
@@ -219,7 +225,15 @@ impl Request {
             let b = self.phases.breakdown();
             if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                 match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
-                    (true, Some(us), _) => s.metrics.phase_upstream_first_chunk_us(us),
+                    (true, Some(us), _) => {
+                        s.metrics.phase_upstream_first_chunk_us(us);
+                        // The replica's observed time to first token teaches its rates.
+                        if let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) {
+                            if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
+                                s.metrics.shared_update_failed([k]);
+                            }
+                        }
+                    }
                     (false, _, Some(us)) => s.metrics.phase_upstream_first_byte_us(us),
                     _ => {}
                 }
@@ -355,8 +369,9 @@ impl HttpContext for Request {
         self.response_phase(false, end_of_stream);
         if let Some(addr) = &self.counted {
             let status = self.host.header(Headers::Response, ":status");
-            if let Some(code) = status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok())
-            {
+            let code: Option<u32> =
+                status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok());
+            if let Some(code) = code {
                 if let Err(k) = crate::health::observe_response(self.host.as_ref(), addr, code) {
                     if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                         s.metrics.shared_update_failed([k]);
@@ -370,6 +385,10 @@ impl HttpContext for Request {
             });
             if end_of_stream || !streamed {
                 self.first_token();
+            }
+            // Only a stream's first chunk is its first token; an error teaches nothing.
+            if end_of_stream || !streamed || code != Some(200) {
+                self.learning = None;
             }
         }
         if let Some(e) = self.explain.take() {

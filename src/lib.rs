@@ -21,6 +21,7 @@ mod http;
 mod inflight;
 mod metrics;
 mod phases;
+mod rates;
 mod shared_records;
 mod speculative;
 mod warm_view;

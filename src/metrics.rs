@@ -7,10 +7,21 @@
 use crate::host::{Host, SharedKind};
 use crate::phases::Breakdown;
 use llmgw_core::flow::{Fallback, Report, TokenizerFailure};
+use llmgw_core::policy::rates::Rates;
 use llmgw_core::policy::Outcome;
 use proxy_wasm::types::MetricType;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
+
+/// The per-replica gauges of learned rates, in the order [`Metrics::learned_rates`] sets them.
+const RATE_GAUGES: [&str; 5] = [
+    "llmgw_rates_base_us",
+    "llmgw_rates_prefill_ns_per_token",
+    "llmgw_rates_queued_ns_per_token",
+    "llmgw_rates_request_us",
+    "llmgw_rates_observations",
+];
 
 /// Metric ids of one VM (`None` where the host refused to define one).
 pub struct Metrics {
@@ -44,6 +55,8 @@ pub struct Metrics {
     index_bytes: Cell<Option<Option<u32>>>,
     destinations_refused: Cell<Option<Option<u32>>>,
     vm_memory: Cell<Option<Option<u32>>>,
+    /// Per-replica gauges of the learned rates, defined when a replica's first are.
+    rates: RefCell<HashMap<String, [Option<u32>; 5]>>,
     vm_tag: String,
     enabled: bool,
 }
@@ -94,6 +107,7 @@ impl Metrics {
             index_bytes: Cell::new(None),
             destinations_refused: Cell::new(None),
             vm_memory: Cell::new(None),
+            rates: RefCell::new(HashMap::new()),
             vm_tag: vm_tag.to_owned(),
             enabled,
             host,
@@ -218,6 +232,33 @@ impl Metrics {
         let id = self.host.define_metric(MetricType::Gauge, &format!("{name}.vm.{}", self.vm_tag));
         cell.set(Some(id));
         id
+    }
+
+    /// The rates learned for the replica at `address` (gauges shared by every VM, which all
+    /// read the same shared records): base and per request in µs, per token in ns.
+    pub fn learned_rates(&self, address: &str, r: &Rates) {
+        if !self.enabled {
+            return;
+        }
+        let mut gauges = self.rates.borrow_mut();
+        if !gauges.contains_key(address) && gauges.len() >= crate::rates::MAX_RECORDS {
+            return;
+        }
+        let ids = *gauges.entry(address.to_owned()).or_insert_with(|| {
+            let tag: String = address.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+            RATE_GAUGES.map(|name| self.host.define_metric(MetricType::Gauge, &format!("{name}.replica.{tag}")))
+        });
+        let values = [
+            r.base_us,
+            r.prefill_us_per_token * 1000.0,
+            r.queued_us_per_token * 1000.0,
+            r.request_us,
+            f64::from(r.observations),
+        ];
+        for (id, v) in ids.into_iter().zip(values) {
+            // Saturating float-to-integer conversion; NaN gives 0.
+            self.record(id, v.max(0.0) as u64);
+        }
     }
 
     /// `index_blocks`: (block, replica) entries of the serving index; `index_bytes`: its tables;

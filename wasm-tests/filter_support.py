@@ -61,6 +61,8 @@ class Replica:
         # Generation requests wait until this is set (cleared: they hang, like a busy engine).
         self.released = threading.Event()
         self.released.set()
+        # Seconds before a generation endpoint answers (a replica slow to its first token).
+        self.generate_delay = 0.0
         self.tokenize_calls: list[dict] = []
         self.requests: list[dict] = []
         replica = self
@@ -105,6 +107,8 @@ class Replica:
                     return self.reply(200, json.dumps({"request_id": "r", "token_ids": toks}).encode())
                 replica.requests.append({"path": self.path, "headers": dict(self.headers.items()), "size": len(raw)})
                 replica.released.wait(60)
+                if replica.generate_delay:
+                    time.sleep(replica.generate_delay)
                 if replica.generate_status != 200:
                     return self.reply(replica.generate_status, b'{"error":"engine dead"}')
                 stream = False

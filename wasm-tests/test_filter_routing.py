@@ -649,3 +649,42 @@ def test_hostile_media_requests_do_not_open_the_tokenizer_circuit_for_everyone(p
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+def test_filter_learns_a_replica_slow_to_its_first_token_and_routes_around_it(procs, envoy_bin, wasm_path, tmp_path,
+                                                                             feed_pb, fleet):
+    # Replica 1 holds the prompt's blocks but takes 80 ms to its first token; the others answer
+    # at once. At the profile's rates the holder wins (nothing to compute there); the streams'
+    # first chunks teach the filter its time, and the requests move to a replica that answers
+    # sooner although it computes the whole prompt.
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = start_feed(feed_pb, fleet, {1: comp})
+    try:
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg(), concurrency=2)
+        fleet[1].generate_delay = 0.08
+        served, headers = [], []
+        for _ in range(20):
+            port, hdrs = gw.served_by("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": True})
+            served.append(port)
+            headers.append(hdrs.get("x-llmgw-decision", ""))
+        assert served[0] == fleet[1].port and "rates=profile" in headers[0], headers[0]
+        assert fleet[1].port not in served[-5:], (served, headers)
+        assert any("rates=learned/" in h for h in headers), headers
+        # The gauges show what was learned of replica 1: its rates predict most of its 80 ms for
+        # this prompt (the tokens past its last full block, perhaps a request of the other
+        # worker still finishing there), from the first observation on (the profile's rates
+        # weigh one).
+        tag = fleet[1].address.replace(".", "_").replace(":", "_")
+
+        def gauge(name):
+            full = f"llmgw_rates_{name}.replica.{tag}"
+            return gw.envoy.stats(full).get(f"wasmcustom.{full}", 0)
+        wait_until(lambda: gauge("observations") > 0, timeout=5, what="rate gauges")
+        n = len(completion_tokens(PROMPT))
+        uncached = n - n // BLOCK * BLOCK
+        idle = gauge("base_us") + gauge("prefill_ns_per_token") * uncached / 1000
+        rates = {k: gauge(k) for k in ("base_us", "prefill_ns_per_token", "request_us", "observations")}
+        assert 30_000 <= idle + gauge("request_us") and idle <= 160_000, (uncached, rates)
+        gw.assert_no_panic()
+    finally:
+        feed.stop()

@@ -66,7 +66,10 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
 fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before_any_event() {
     // 400 tokens (100 blocks of 4) nobody holds; the burst shares the first 160 (40 blocks).
     let prompt = |tail: u32| -> Vec<u32> { (0..160).chain(tail..tail + 240).collect() };
-    let e1 = synced("", vec![], vec![], true);
+    // The rates below are said here, and not learned, because the test depends on them.
+    let rates = r#""weights":{"prefill_us_per_token":200,"request_us":40000,"learn_rates":false}"#;
+    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{rates}}}"#));
+    let e1 = synced_with(&cfg, vec![], vec![], true);
     let mut e2 = second_vm(&e1, vec![], vec![]);
     let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &prompt(1000)));
     let first = e1.dest().unwrap();
@@ -131,9 +134,10 @@ fn prefill_tokens_count_on_every_worker_until_the_first_token_and_steer_the_next
     let mut t2: Vec<u32> = (0..40).collect();
     t2.extend(1000..1360);
     let held = keys(&t1)[..10].to_vec();
-    // All of the queued prefill counts (`queued_prefill` 1, the default; said here because
-    // the test depends on it).
-    let cfg = config("").replace(r#""seed":"0"}"#, r#""seed":"0","weights":{"queued_prefill":1}}"#);
+    // All of the queued prefill counts (`queued_prefill` 1, the default), at 200 µs a token and
+    // 40 ms a request, not learned: said here because the test depends on them.
+    let weights = r#""weights":{"queued_prefill":1,"prefill_us_per_token":200,"request_us":40000,"learn_rates":false}"#;
+    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{weights}}}"#));
     let e1 = synced_with(&cfg, vec![], held.clone(), true);
     // A second worker VM of the same Envoy (same shared data), with the same feed.
     let e2 = second_vm(&e1, vec![], held);

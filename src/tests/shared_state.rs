@@ -170,17 +170,27 @@ fn the_manual_lists_every_metric_and_label_value_the_filter_defines() {
     let start = manual.find("### Metrics (Envoy `/stats/prometheus`)").expect("the metrics section");
     let section = &manual[start..];
     let section = &section[..section.find("\n## ").unwrap_or(section.len())];
-    // Every metric, the per-VM gauges too (defined on the first tick, which `synced` gives).
-    let e = synced("", vec![], vec![], true);
+    // Every metric, the per-VM gauges too (defined on the first tick, which `synced` gives),
+    // and the per-replica gauges of learned rates (defined at the tick after a replica's first
+    // observation).
+    let tokens: Vec<u32> = (0..32).collect();
+    let mut e = synced("", vec![], keys(&tokens), true);
+    let (mut c, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    c.on_http_response_headers(2, false);
+    c.on_http_response_body(64, false);
+    e.root.on_tick();
     let names = e.host.metric_names();
     assert!(names.iter().any(|n| n.starts_with("llmgw_destinations_refused.vm.")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("llmgw_rates_request_us.replica.")), "{names:?}");
     for name in names {
         let mut parts = name.split('.');
         let base = parts.next().unwrap();
         match (parts.next(), parts.next()) {
             (None, _) => assert!(section.contains(&format!("`{base}`")), "{base} not in the manual"),
-            (Some("vm"), Some(_)) => {
-                assert!(section.contains(&format!("`{base}{{vm=…}}`")), "{name} not in the manual")
+            (Some(tag @ ("vm" | "replica")), Some(_)) => {
+                assert!(section.contains(&format!("`{base}{{{tag}=…}}`")), "{name} not in the manual")
             }
             (Some(tag), Some(value)) => {
                 let open = format!("`{base}{{{tag}=\"");
@@ -192,4 +202,55 @@ fn the_manual_lists_every_metric_and_label_value_the_filter_defines() {
             _ => panic!("unexpected metric name {name}"),
         }
     }
+}
+
+#[test]
+fn a_streams_first_chunk_teaches_its_replicas_rates_to_every_worker() {
+    // B holds all 8 blocks of a 32-token prompt; requests go there, each streamed, its first
+    // chunk 10 ms after the decision.
+    let tokens: Vec<u32> = (0..32).collect();
+    let e1 = synced("", vec![], keys(&tokens), true);
+    let mut e2 = second_vm(&e1, vec![], keys(&tokens));
+    let stream = |e: &Env, first_chunk_ms: u64, status: &str| {
+        let (mut c, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+        assert_eq!(e.dest().as_deref(), Some(B));
+        e.host.set_header(Headers::Response, ":status", Some(status));
+        e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+        c.on_http_response_headers(2, false);
+        let explain = e.host.response_header("x-llmgw-decision").unwrap();
+        e.host.now_ns.set(e.host.now_ns.get() + first_chunk_ms * 1_000_000);
+        c.on_http_response_body(64, false);
+        c.on_http_response_body(64, true);
+        c.on_log();
+        explain
+    };
+    // Nothing learned yet: the profile's rates.
+    assert!(stream(&e1, 10, "200").ends_with("; rates=profile"));
+    // An error's first chunk teaches nothing.
+    let h = stream(&e2, 900, "429");
+    assert!(h.contains("rates=learned/1 "), "{h}");
+    // The other worker sees what the first learned, and adds to it.
+    for _ in 0..20 {
+        stream(&e2, 10, "200");
+    }
+    let h = stream(&e1, 10, "200");
+    assert!(h.contains("; rates=learned/21 base_ms="), "{h}");
+    // Nothing to compute there and nothing queued: the base is the whole of it, about 10 ms.
+    let base: f64 = h.split("base_ms=").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!((base - 10.0).abs() < 1.0, "{h}");
+    // The gauges, on the next tick, every VM the same.
+    e2.root.on_tick();
+    let tag = B.replace(['.', ':'], "_");
+    assert_eq!(e2.host.gauge(&format!("llmgw_rates_observations.replica.{tag}")), Some(22));
+    let base_us = e2.host.gauge(&format!("llmgw_rates_base_us.replica.{tag}")).unwrap();
+    assert!((9_000..11_000).contains(&base_us), "{base_us}");
+    // Not streamed: the headers come after the whole answer, which teaches nothing.
+    let (mut c, _) = e1.request(COMPLETIONS, &tokens_body("m", &tokens));
+    e1.host.set_header(Headers::Response, "content-type", Some("application/json"));
+    c.on_http_response_headers(2, false);
+    e1.host.now_ns.set(e1.host.now_ns.get() + 5_000_000_000);
+    c.on_http_response_body(64, true);
+    c.on_log();
+    e2.root.on_tick();
+    assert_eq!(e2.host.gauge(&format!("llmgw_rates_observations.replica.{tag}")), Some(22));
 }

@@ -3,6 +3,7 @@
 //! takes its part's default ([`crate::policy`] holds the parts, their defaults and their
 //! validation).
 
+use crate::policy::rates::Learning;
 use crate::policy::{FallbackWeights, Limits, PolicyMode, ScoreWeights, TtftWeights, Weights};
 use serde::Deserialize;
 
@@ -16,6 +17,10 @@ pub struct WeightsConfig {
     pub request_us: Option<f64>,
     pub queued_prefill: Option<f64>,
     pub tie_us: Option<f64>,
+    pub tie_requests: Option<f64>,
+    pub learn_rates: Option<bool>,
+    pub rates_prior_weight: Option<f64>,
+    pub rates_memory: Option<f64>,
     // `score` policy.
     pub prefix: Option<f64>,
     pub load: Option<f64>,
@@ -45,6 +50,12 @@ impl WeightsConfig {
                 request_us: self.request_us.unwrap_or(t.request_us),
                 queued_prefill: self.queued_prefill.unwrap_or(t.queued_prefill),
                 tie_us: self.tie_us.unwrap_or(t.tie_us),
+                tie_requests: self.tie_requests.unwrap_or(t.tie_requests),
+                learning: Learning {
+                    enabled: self.learn_rates.unwrap_or(t.learning.enabled),
+                    prior_weight: self.rates_prior_weight.unwrap_or(t.learning.prior_weight),
+                    memory: self.rates_memory.unwrap_or(t.learning.memory),
+                },
             },
             score: ScoreWeights {
                 prefix: self.prefix.unwrap_or(s.prefix),

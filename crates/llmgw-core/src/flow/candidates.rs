@@ -37,6 +37,7 @@ fn candidates_avoiding<'a>(
                 waiting: load.map_or(0, |l| l.waiting),
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
                 dp_rank: r.dp_rank,
+                rates: gw.learned_rates(&r.address),
             }
         })
         .collect()

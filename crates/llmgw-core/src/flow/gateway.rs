@@ -3,6 +3,7 @@
 //! them in Envoy's shared data (every worker sees them); `()` knows nothing.
 
 use super::speculative::Hit;
+use crate::policy::rates::Rates;
 
 /// The requests this gateway has sent to a replica and not yet finished.
 pub trait InFlightCounts {
@@ -34,10 +35,18 @@ pub trait SpeculativeEntries {
     fn speculative(&self, _keys: &[u64], _out: &mut Vec<Hit>) {}
 }
 
-/// Everything the router asks the gateway.
-pub trait GatewayState: InFlightCounts + ReplicaAvoidance + SpeculativeEntries {}
+/// Rates learned from the replicas' observed times to first token (see
+/// [`crate::policy::rates`]).
+pub trait LearnedRates {
+    fn learned_rates(&self, _address: &str) -> Option<Rates> {
+        None
+    }
+}
 
-impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries> GatewayState for T {}
+/// Everything the router asks the gateway.
+pub trait GatewayState: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates {}
+
+impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates> GatewayState for T {}
 
 /// Nothing in flight, nothing avoided, no speculative entries.
 impl InFlightCounts for () {
@@ -47,3 +56,4 @@ impl InFlightCounts for () {
 }
 impl ReplicaAvoidance for () {}
 impl SpeculativeEntries for () {}
+impl LearnedRates for () {}

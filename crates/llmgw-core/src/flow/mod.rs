@@ -31,7 +31,7 @@ mod step;
 mod tokenizer_reply;
 mod triage;
 
-pub use gateway::{GatewayState, InFlightCounts, ReplicaAvoidance, SpeculativeEntries};
+pub use gateway::{GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{Fallback, TokenizerFailure};

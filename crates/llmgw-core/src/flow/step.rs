@@ -82,7 +82,8 @@ pub struct Routed {
 
 impl Routed {
     /// The explain header's value: with the `ttft` policy, the winner's predicted time to first
-    /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`).
+    /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), and the rates
+    /// the winner's prediction used (`rates=profile`, or `rates=learned/N …`).
     pub fn explain(&self, vm: &str) -> String {
         let d = &self.decision;
         let mut out =
@@ -95,6 +96,9 @@ impl Routed {
             out.push_str(&format!("; predicted_ms={:.1}; prefill_tokens={}", us as f64 / 1000.0, self.prefill_tokens));
             if let (Some(addr), Some((_, r))) = (&self.runner_up, d.runner_up) {
                 out.push_str(&format!("; runner_up={addr} {:.1}", r as f64 / 1000.0));
+            }
+            if let Some(b) = &d.basis {
+                out.push_str(&format!("; {}", b.rates.explain()));
             }
         }
         out

@@ -137,11 +137,11 @@ fn token_ids_held_by_a_replica_route_there_exactly() {
         }
     );
     // The predicted times to first token: nothing to compute on B; A would compute all 32
-    // tokens (6.4 ms at 200 µs a token).
+    // tokens (3.2 ms at the profile's 100 µs a token; nothing learned yet).
     assert_eq!(
         got.explain("vm1"),
         format!(
-            "outcome=exact; replica={B}; matched=8/8; vm=vm1; predicted_ms=0.0; prefill_tokens=0; runner_up={A} 6.4"
+            "outcome=exact; replica={B}; matched=8/8; vm=vm1; predicted_ms=0.0; prefill_tokens=0; runner_up={A} 3.2; rates=profile"
         )
     );
 }
@@ -158,6 +158,7 @@ fn a_text_prompt_is_tokenized_on_the_least_loaded_replica_then_scored() {
     }
     impl ReplicaAvoidance for Busy {}
     impl SpeculativeEntries for Busy {}
+    impl LearnedRates for Busy {}
     let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &Busy, 0));
     assert_eq!((call.target.as_str(), call.path, call.timeout_ms), (B, "/tokenize", 500));
     assert!(String::from_utf8_lossy(&call.body).contains(r#""prompt":"hello""#));
@@ -636,6 +637,7 @@ fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one()
         }
     }
     impl SpeculativeEntries for Failing {}
+    impl LearnedRates for Failing {}
     let text = br#"{"model":"m","prompt":"hello"}"#;
     let mut r = router("", vec![], true);
     // Equal loads: A first; A failing: B.

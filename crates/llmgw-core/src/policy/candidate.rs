@@ -1,5 +1,6 @@
 //! One replica as a policy sees it: its address and rank, whether it is up, and its load.
 
+use super::rates::Rates;
 use crate::index::ReplicaId;
 use crate::stable_hash::{mix64, stable_hash};
 
@@ -21,6 +22,8 @@ pub struct Candidate<'a> {
     /// The engine's data-parallel rank when the replica behind `address` runs several (its
     /// ranks share the address; the rank tells them apart).
     pub dp_rank: Option<u32>,
+    /// Rates learned for this replica from its observed times to first token, when any.
+    pub rates: Option<Rates>,
 }
 
 impl Candidate<'_> {

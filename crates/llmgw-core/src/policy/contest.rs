@@ -2,6 +2,7 @@
 //! decide it.
 
 use super::candidate::Candidate;
+use super::rates::Basis;
 use crate::index::Scores;
 
 /// The prompt a decision is about: its token count and the block size the index counts in
@@ -60,11 +61,13 @@ impl Contest<'_, '_> {
 
 /// What a holder policy chose: the winner (an index into the candidates) and, for a policy that
 /// predicts times to first token, the winner's prediction and the runner-up's (µs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Pick {
     pub winner: usize,
     pub predicted_us: Option<u64>,
     pub runner_up: Option<(usize, u64)>,
+    /// What the winner's prediction was made of, and the rates it used.
+    pub basis: Option<Box<Basis>>,
 }
 
 /// How replicas in contest for a request whose blocks the index knows are compared.

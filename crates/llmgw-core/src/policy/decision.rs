@@ -1,5 +1,7 @@
 //! What a decision says: where the request goes and how that was decided.
 
+use super::rates::Basis;
+
 /// How a decision was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -34,7 +36,7 @@ impl Outcome {
 }
 
 /// The choice: `winner` indexes the candidate slice.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     pub winner: Option<usize>,
     pub outcome: Outcome,
@@ -45,10 +47,13 @@ pub struct Decision {
     /// runner-up's (its index and prediction), for the explain header.
     pub predicted_us: Option<u64>,
     pub runner_up: Option<(usize, u64)>,
+    /// What the winner's prediction was made of and the rates it used: the observed time to
+    /// first token is learned against it.
+    pub basis: Option<Box<Basis>>,
 }
 
 impl Decision {
     pub(super) fn new(winner: Option<usize>, outcome: Outcome, matched: u32, total: u32) -> Decision {
-        Decision { winner, outcome, matched, total, predicted_us: None, runner_up: None }
+        Decision { winner, outcome, matched, total, predicted_us: None, runner_up: None, basis: None }
     }
 }

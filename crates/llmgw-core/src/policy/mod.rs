@@ -19,6 +19,7 @@ mod contest;
 mod decision;
 pub mod fallback;
 pub mod limits;
+pub mod rates;
 pub mod score;
 pub mod ttft;
 mod validation;
@@ -84,6 +85,7 @@ pub fn decide_lazy(
                 return Decision {
                     predicted_us: p.predicted_us,
                     runner_up: p.runner_up,
+                    basis: p.basis,
                     ..Decision::new(Some(p.winner), outcome, matched, s.total)
                 };
             }

@@ -15,6 +15,7 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             running: 0,
             waiting: 0,
             kv_usage: 0.0,
+            rates: None,
         })
         .collect()
 }
@@ -26,7 +27,7 @@ fn score() -> Weights {
 
 /// A decision without its predicted figures.
 fn bare(d: Decision) -> Decision {
-    Decision { predicted_us: None, runner_up: None, ..d }
+    Decision { predicted_us: None, runner_up: None, basis: None, ..d }
 }
 
 fn scores(leading: &[u32], total: u32) -> Scores {
@@ -233,13 +234,21 @@ fn a_hot_prefix_spills_past_the_holders_bound_and_a_cold_one_stays() {
     assert_eq!(decide(&c, Some(&held), Some(key), &unbounded).outcome, Outcome::Exact);
 }
 
+/// The `ttft` policy at 200 µs per prompt token and 40 ms per request.
+fn rated() -> Weights {
+    let mut w = Weights::default();
+    w.ttft.prefill_us_per_token = 200.0;
+    w.ttft.request_us = 40_000.0;
+    w
+}
+
 fn ttft(c: &[Candidate<'_>], s: &Scores, tokens: u64, key: u64, w: &Weights) -> Decision {
     decide_lazy(c, Some(s), Some(Work { tokens, block_size: 16 }), || Some(key), w)
 }
 
 #[test]
 fn the_lowest_predicted_time_to_first_token_wins() {
-    let w = Weights::default();
+    let w = rated();
     assert_eq!(w.policy, PolicyMode::Ttft);
     // 1,600 prompt tokens (100 blocks of 16); replica 1 holds 80 leading blocks, replica 0 20.
     let held = scores(&[20, 80, 0], 100);
@@ -254,9 +263,9 @@ fn the_lowest_predicted_time_to_first_token_wins() {
     // 320 ms). By default (1, as vLLM computes a step's tokens together) all of it counts
     // (704 ms); at 0 only the request does (104 ms).
     assert_eq!(w.ttft.queued_prefill, 1.0);
-    let mut half = Weights::default();
+    let mut half = rated();
     half.ttft.queued_prefill = 0.5;
-    let mut none = Weights::default();
+    let mut none = rated();
     none.ttft.queued_prefill = 0.0;
     let mut c = fleet(3);
     c[1].in_flight = 1;
@@ -332,4 +341,67 @@ fn load_fallback_without_prompt() {
     c[2].in_flight = 2;
     assert_eq!(decide(&c, None, None, &w), Decision::new(Some(1), Outcome::Load, 0, 0));
     assert_eq!(least_loaded(&c, &w.limits), Some(1));
+}
+
+#[test]
+fn a_replica_learned_to_be_slow_loses_to_one_computing_more() {
+    use super::rates::Rates;
+    // Replica 1 holds 80 of 100 blocks; replica 0 holds 20. At the profile's rates 1 wins.
+    let held = scores(&[20, 80, 0], 100);
+    let w = rated();
+    assert_eq!(ttft(&fleet(3), &held, 1600, 7, &w).winner, Some(1));
+    // Learned: replica 1 computes a token ten times slower than the profile says.
+    let slow = Rates {
+        base_us: 0.0,
+        prefill_us_per_token: 2_000.0,
+        queued_us_per_token: 2_000.0,
+        request_us: 40_000.0,
+        observations: 60,
+    };
+    let mut c = fleet(3);
+    c[1].rates = Some(slow);
+    let d = ttft(&c, &held, 1600, 7, &w);
+    assert_eq!(d.winner, Some(0));
+    // The decision carries what its prediction was made of.
+    let b = d.basis.unwrap();
+    assert_eq!((b.features.uncached, b.features.requests, b.rates.observations), (1280, 0, 0));
+    assert_eq!(b.prior.prefill_us_per_token, 200.0);
+    // With learning off, the profile's rates decide.
+    let mut off = rated();
+    off.ttft.learning.enabled = false;
+    assert_eq!(ttft(&c, &held, 1600, 7, &off).winner, Some(1));
+}
+
+#[test]
+fn the_tie_margin_is_in_requests_at_the_learned_rate() {
+    use super::rates::Rates;
+    // Two holders of the whole prompt, on a fleet learned to cost 2 ms a request.
+    let fast = Rates {
+        base_us: 0.0,
+        prefill_us_per_token: 30.0,
+        queued_us_per_token: 0.0,
+        request_us: 2_000.0,
+        observations: 80,
+    };
+    let both = scores(&[50, 50, 0, 0], 50);
+    let w = Weights::default();
+    for p in 0..50u32 {
+        let key = stable_hash(format!("prompt {p}").as_bytes());
+        let mut c = fleet(4);
+        for x in c.iter_mut() {
+            x.rates = Some(fast);
+        }
+        let idle = ttft(&c, &both, 800, key, &w).winner.unwrap();
+        let other = 1 - idle;
+        // One request more on the chosen holder is within the tie: the same holder.
+        c[idle].running = 1;
+        assert_eq!(ttft(&c, &both, 800, key, &w).winner, Some(idle), "prompt {p}");
+        // Two more cost 4 ms, past 1.1 requests' worth (2.2 ms): the other holder.
+        c[idle].running = 2;
+        assert_eq!(ttft(&c, &both, 800, key, &w).winner, Some(other), "prompt {p}");
+        // A fixed margin of 45 ms (the old default) would have kept it.
+        let mut fixed = Weights::default();
+        fixed.ttft.tie_us = 45_000.0;
+        assert_eq!(ttft(&c, &both, 800, key, &fixed).winner, Some(idle), "prompt {p}");
+    }
 }

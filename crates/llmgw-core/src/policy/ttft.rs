@@ -5,11 +5,13 @@
 //! `uncached` is the request's prompt tokens past the leading blocks that replica holds,
 //! `queued` the prefill tokens of requests this Envoy sent there that have not produced a first
 //! token yet, and `requests = max(in-flight, running + waiting) + waiting` (engine-reported, so
-//! other gateways' requests count too); the lowest wins, predictions within `tie_us` being
-//! equal.
+//! other gateways' requests count too), with the rates learned for that replica
+//! ([`super::rates`]) or the profile's; the lowest wins, predictions within the tie margin
+//! (`tie_requests` requests' worth) being equal.
 
 use super::candidate::Candidate;
 use super::contest::{Contest, HolderPolicy, Pick, Work};
+use super::rates::{Basis, Features, Learning, Rates};
 use super::validation::{non_negative, InvalidWeight};
 
 /// The `ttft` policy's rates.
@@ -25,13 +27,28 @@ pub struct TtftWeights {
     /// tokens together, the step lasting longer for each), 0 when the engine computes prefills
     /// side by side (the simulator).
     pub queued_prefill: f64,
-    /// Predictions within this many µs are equal: the prompt's rendezvous order picks.
+    /// Predictions within `tie_requests` × the per-request rate (the larger of the two
+    /// replicas'), and at least `tie_us`, are equal: the replica holding more, then the prompt's
+    /// rendezvous order picks. In requests, the margin keeps its meaning whatever the fleet's
+    /// speed: gateways that see one request more or less on a replica still agree, and load
+    /// beyond that is weighed by the time it costs.
+    pub tie_requests: f64,
     pub tie_us: f64,
+    /// Rates learned per replica from observed times to first token, with the rates above as
+    /// their prior ([`super::rates`]).
+    pub learning: Learning,
 }
 
 impl Default for TtftWeights {
     fn default() -> Self {
-        TtftWeights { prefill_us_per_token: 200.0, request_us: 40_000.0, queued_prefill: 1.0, tie_us: 45_000.0 }
+        TtftWeights {
+            prefill_us_per_token: 100.0,
+            request_us: 20_000.0,
+            queued_prefill: 1.0,
+            tie_requests: 1.1,
+            tie_us: 0.0,
+            learning: Learning::default(),
+        }
     }
 }
 
@@ -42,14 +59,44 @@ impl TtftWeights {
             ("request_us", self.request_us),
             ("queued_prefill", self.queued_prefill),
             ("tie_us", self.tie_us),
-        ])
+            ("tie_requests", self.tie_requests),
+            ("rates_prior_weight", self.learning.prior_weight),
+        ])?;
+        if self.learning.memory.is_finite() && self.learning.memory >= 1.0 {
+            Ok(())
+        } else {
+            Err(InvalidWeight { field: "rates_memory", message: "must be a finite number ≥ 1" })
+        }
+    }
+
+    /// The profile's rates: what learning starts from, and what predicts without it.
+    pub fn prior(&self) -> Rates {
+        Rates {
+            base_us: 0.0,
+            prefill_us_per_token: self.prefill_us_per_token,
+            queued_us_per_token: self.queued_prefill * self.prefill_us_per_token,
+            request_us: self.request_us,
+            observations: 0,
+        }
+    }
+
+    /// The rates predicting for `c`: learned for it, or the profile's.
+    pub fn rates(&self, c: &Candidate<'_>) -> Rates {
+        match c.rates {
+            Some(r) if self.learning.enabled => r,
+            _ => self.prior(),
+        }
+    }
+
+    /// What the prediction on `c` of a request computing `uncached` prompt tokens is made of.
+    pub fn features(c: &Candidate<'_>, uncached: u64) -> Features {
+        Features { uncached, queued_tokens: c.pending_tokens, requests: c.queued_requests() }
     }
 
     /// Predicted time to first token on `c` (µs) of a request computing `uncached` prompt
     /// tokens.
     pub fn predicted_us(&self, c: &Candidate<'_>, uncached: u64) -> f64 {
-        let tokens = uncached as f64 + self.queued_prefill * c.pending_tokens as f64;
-        self.prefill_us_per_token * tokens + self.request_us * c.queued_requests() as f64
+        self.rates(c).predict(&Self::features(c, uncached))
     }
 }
 
@@ -61,15 +108,20 @@ impl HolderPolicy for TtftWeights {
     fn pick(&self, contest: &Contest<'_, '_>) -> Option<Pick> {
         let s = contest.scores;
         let work = contest.work.unwrap_or(Work { tokens: u64::from(s.total).saturating_mul(16), block_size: 16 });
+        let uncached = |i: usize| {
+            let cached = u64::from(contest.leading(i)).saturating_mul(work.block_size);
+            work.tokens.saturating_sub(cached)
+        };
         let predicted = |i: usize| -> f64 {
             let Some(c) = contest.cands.get(i) else { return f64::INFINITY };
-            let cached = u64::from(contest.leading(i)).saturating_mul(work.block_size);
-            self.predicted_us(c, work.tokens.saturating_sub(cached))
+            self.predicted_us(c, uncached(i))
         };
-        // Lower is better; predictions within `tie_us` are equal.
+        let request_us = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.rates(c).request_us);
+        // Lower is better; predictions within the tie margin are equal.
         let (best, second) = contest.best_two(|a, b| {
             let (pa, pb) = (predicted(a), predicted(b));
-            if (pa - pb).abs() <= self.tie_us {
+            let tie = self.tie_us.max(self.tie_requests * request_us(a).max(request_us(b)));
+            if (pa - pb).abs() <= tie {
                 std::cmp::Ordering::Equal
             } else {
                 pb.total_cmp(&pa)
@@ -79,6 +131,14 @@ impl HolderPolicy for TtftWeights {
             winner: b,
             predicted_us: Some(predicted(b) as u64),
             runner_up: second.map(|r| (r, predicted(r) as u64)),
+            basis: contest.cands.get(b).map(|c| {
+                Box::new(Basis {
+                    features: Self::features(c, uncached(b)),
+                    rates: self.rates(c),
+                    prior: self.prior(),
+                    learning: self.learning,
+                })
+            }),
         })
     }
 }
