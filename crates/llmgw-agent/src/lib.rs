@@ -144,8 +144,12 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         }
         None => None,
     };
-    let http_task =
-        tokio::spawn(http::serve(http_listener, hub.clone(), native.as_ref().map(|(n, _)| n.clone()), wait(rx.clone())));
+    let http_task = tokio::spawn(http::serve(
+        http_listener,
+        hub.clone(),
+        native.as_ref().map(|(n, _)| n.clone()),
+        wait(rx.clone()),
+    ));
     let mut background = vec![
         tokio::spawn(feed::heartbeats(hub.clone(), Duration::from_secs_f64(cfg.feed.heartbeat_secs))),
         tokio::spawn(parity_watch(hub.clone(), cfg.parity.warn_mismatch_ratio, cfg.parity.min_verified)),

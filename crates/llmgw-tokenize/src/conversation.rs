@@ -263,7 +263,8 @@ pub fn detect_content_format(template: &str) -> ContentFormat {
     while let Some(at) = rest.find("{%") {
         let tail = rest.get(at.saturating_add(2)..).unwrap_or_default();
         let end = tail.find("%}").unwrap_or(tail.len());
-        let inner = tail.get(..end).unwrap_or_default().trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let inner =
+            tail.get(..end).unwrap_or_default().trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
         if let Some(spec) = inner.strip_prefix("for ") {
             if let Some((_, iter)) = spec.split_once(" in ") {
                 let iter = iter.split(" if ").next().unwrap_or_default();
@@ -291,7 +292,10 @@ mod tests {
     #[test]
     fn text_parts_are_joined_or_kept_by_content_format() {
         let m = json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]);
-        assert_eq!(conversation(&m, ContentFormat::String, true).unwrap(), vec![json!({"role": "user", "content": "a\nb"})]);
+        assert_eq!(
+            conversation(&m, ContentFormat::String, true).unwrap(),
+            vec![json!({"role": "user", "content": "a\nb"})]
+        );
         let m = json!([{"role": "user", "content": "a"}]);
         assert_eq!(
             conversation(&m, ContentFormat::OpenAi, true).unwrap(),
@@ -303,7 +307,10 @@ mod tests {
     fn media_parts_are_declined_and_malformed_messages_refused() {
         let m = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
         assert!(matches!(conversation(&m, ContentFormat::String, true), Err(RequestError::Declined(_))));
-        assert!(matches!(conversation(&json!([{"content": "x"}]), ContentFormat::String, true), Err(RequestError::BadRequest(_))));
+        assert!(matches!(
+            conversation(&json!([{"content": "x"}]), ContentFormat::String, true),
+            Err(RequestError::BadRequest(_))
+        ));
         assert!(matches!(conversation(&json!([]), ContentFormat::String, true), Err(RequestError::BadRequest(_))));
     }
 
@@ -329,7 +336,9 @@ mod tests {
     fn content_format_is_detected_from_loops_over_content() {
         assert_eq!(detect_content_format("{% for m in messages %}{{ m.content }}{% endfor %}"), ContentFormat::String);
         assert_eq!(
-            detect_content_format("{% for m in messages %}{%- for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"),
+            detect_content_format(
+                "{% for m in messages %}{%- for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"
+            ),
             ContentFormat::OpenAi
         );
     }

@@ -35,7 +35,10 @@ impl Encoder {
     /// The same ids as [`Encoder::encode_uncached`], from cached pieces where it can.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
         if text.len() > MAX_TEXT_BYTES {
-            return Err(format!("the prompt is {} bytes, more than the {MAX_TEXT_BYTES} this tokenizer takes", text.len()));
+            return Err(format!(
+                "the prompt is {} bytes, more than the {MAX_TEXT_BYTES} this tokenizer takes",
+                text.len()
+            ));
         }
         let cuts = self.cut_points(text);
         let mut ids: Vec<u32> = Vec::new();
@@ -66,10 +69,8 @@ impl Encoder {
             return Ok(ids);
         }
         let tokens = ids.iter().map(|&id| Token::new(id, String::new(), (0, 0))).collect();
-        let processed = self
-            .tokenizer
-            .post_process(Encoding::from_tokens(tokens, 0), None, true)
-            .map_err(|e| e.to_string())?;
+        let processed =
+            self.tokenizer.post_process(Encoding::from_tokens(tokens, 0), None, true).map_err(|e| e.to_string())?;
         Ok(processed.get_ids().to_vec())
     }
 
@@ -113,7 +114,8 @@ impl Encoder {
         let offsets = enc.get_offsets();
         for (i, &(s, e)) in offsets.iter().enumerate() {
             let at = if e > s { s } else { s.saturating_sub(1) };
-            while run.get(piece).is_some_and(|p| at.saturating_add(base) >= p.1) && piece.saturating_add(1) < run.len() {
+            while run.get(piece).is_some_and(|p| at.saturating_add(base) >= p.1) && piece.saturating_add(1) < run.len()
+            {
                 if let (Some(p), Some(share)) = (run.get(piece), got.get(from..i)) {
                     self.cache.insert(p.2, share);
                 }

@@ -85,9 +85,8 @@ impl ModelTokenizer {
         let file_bytes = json.len() as u64;
         let mut tokenizer = Tokenizer::from_bytes(&json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         drop(json);
-        let config: Json = read_bounded(&dir.join("config.json"))?
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or(Json::Null);
+        let config: Json =
+            read_bounded(&dir.join("config.json"))?.and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or(Json::Null);
         let model_type = config.get("model_type").and_then(Json::as_str);
         let pipeline = crate::tokenizer_class::pipeline(model_type, &settings, opts.trust_unverified_class)?;
         crate::tokenizer_class::apply(&mut tokenizer, &pipeline)?;
@@ -101,11 +100,8 @@ impl ModelTokenizer {
         let source = template.as_ref().map(|t| t.source.as_str()).unwrap_or_default();
         let content_format = opts.content_format.unwrap_or_else(|| detect_content_format(source));
         let developer_role = supports_developer_role(source);
-        let special = settings
-            .named
-            .iter()
-            .map(|(name, t)| ((*name).to_owned(), Value::from(t.content.clone())))
-            .collect();
+        let special =
+            settings.named.iter().map(|(name, t)| ((*name).to_owned(), Value::from(t.content.clone()))).collect();
         let max_model_len = config.get("max_position_embeddings").and_then(Json::as_u64).unwrap_or(0);
         Ok(ModelTokenizer {
             encoder: Encoder::new(tokenizer, opts.cache_bytes),
@@ -179,7 +175,12 @@ impl ModelTokenizer {
             // vLLM sets these itself (`tokenize` is ignored: it always tokenizes).
             if matches!(
                 k.as_str(),
-                "add_generation_prompt" | "continue_final_message" | "tools" | "documents" | "conversation" | "tokenize"
+                "add_generation_prompt"
+                    | "continue_final_message"
+                    | "tools"
+                    | "documents"
+                    | "conversation"
+                    | "tokenize"
             ) {
                 continue;
             }

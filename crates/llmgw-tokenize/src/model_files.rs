@@ -84,19 +84,24 @@ pub fn read_settings(dir: &Path) -> Result<TokenizerSettings, LoadError> {
     let mut s = TokenizerSettings::default();
     for name in NAMED_SPECIAL {
         if let Some(t) = json.get(name).filter(|v| !v.is_null()) {
-            s.named.push((name, special_token(t).ok_or_else(|| invalid(format!("`{name}` is neither a string nor a token object")))?));
+            s.named.push((
+                name,
+                special_token(t).ok_or_else(|| invalid(format!("`{name}` is neither a string nor a token object")))?,
+            ));
         }
     }
     for key in ["additional_special_tokens", "extra_special_tokens"] {
         match json.get(key) {
             Some(Json::Array(items)) => {
                 for t in items {
-                    s.extra.push(special_token(t).ok_or_else(|| invalid(format!("an entry of `{key}` is not a token")))?);
+                    s.extra
+                        .push(special_token(t).ok_or_else(|| invalid(format!("an entry of `{key}` is not a token")))?);
                 }
             }
             Some(Json::Object(map)) => {
                 for t in map.values() {
-                    s.extra.push(special_token(t).ok_or_else(|| invalid(format!("an entry of `{key}` is not a token")))?);
+                    s.extra
+                        .push(special_token(t).ok_or_else(|| invalid(format!("an entry of `{key}` is not a token")))?);
                 }
             }
             _ => {}
@@ -111,10 +116,10 @@ pub fn read_settings(dir: &Path) -> Result<TokenizerSettings, LoadError> {
     read_templates(&json.get("chat_template").cloned().unwrap_or(Json::Null), &mut s).map_err(invalid)?;
     // A template file beside the config takes precedence, as in `transformers`.
     if let Some(bytes) = read_bounded(&dir.join("chat_template.jinja"))? {
-        s.template = Some(String::from_utf8(bytes).map_err(|_| LoadError::Invalid {
-            file: "chat_template.jinja".into(),
-            reason: "not UTF-8".into(),
-        })?);
+        s.template = Some(
+            String::from_utf8(bytes)
+                .map_err(|_| LoadError::Invalid { file: "chat_template.jinja".into(), reason: "not UTF-8".into() })?,
+        );
     } else if let Some(bytes) = read_bounded(&dir.join("chat_template.json"))? {
         let j: Json = serde_json::from_slice(&bytes)
             .map_err(|e| LoadError::Invalid { file: "chat_template.json".into(), reason: e.to_string() })?;

@@ -267,13 +267,17 @@ mod tests {
     #[test]
     fn json_dumps_writes_what_python_writes() {
         let d = JsonStyle::default();
-        assert_eq!(json_dumps(&v(r#"{"b": [1, 2.5, "é\n"], "a": null, "c": true}"#), &d).ok(),
-            Some(r#"{"b": [1, 2.5, "é\n"], "a": null, "c": true}"#.to_owned()));
+        assert_eq!(
+            json_dumps(&v(r#"{"b": [1, 2.5, "é\n"], "a": null, "c": true}"#), &d).ok(),
+            Some(r#"{"b": [1, 2.5, "é\n"], "a": null, "c": true}"#.to_owned())
+        );
         let sorted = JsonStyle { sort_keys: true, ..JsonStyle::default() };
         assert_eq!(json_dumps(&v(r#"{"b": 1, "a": 2}"#), &sorted).ok(), Some(r#"{"a": 2, "b": 1}"#.to_owned()));
         let indented = JsonStyle { indent: Some("  ".into()), ..JsonStyle::default() };
-        assert_eq!(json_dumps(&v(r#"{"a": [1], "b": {}}"#), &indented).ok(),
-            Some("{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}".to_owned()));
+        assert_eq!(
+            json_dumps(&v(r#"{"a": [1], "b": {}}"#), &indented).ok(),
+            Some("{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}".to_owned())
+        );
         assert_eq!(json_dumps(&v("1e-5"), &d).ok(), Some("1e-05".to_owned()));
         assert_eq!(json_dumps(&v("3.0"), &d).ok(), Some("3.0".to_owned()));
     }

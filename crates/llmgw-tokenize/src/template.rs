@@ -117,8 +117,12 @@ fn tag_final_message(messages: &Value) -> Result<(Value, String), String> {
             let part = parts
                 .iter_mut()
                 .rev()
-                .find_map(|p| p.get_mut("text").and_then(|t| if let serde_json::Value::String(s) = t { Some(s) } else { None }))
-                .ok_or("continue_final_message is set but we could not find any text to continue in the final message!")?;
+                .find_map(|p| {
+                    p.get_mut("text").and_then(|t| if let serde_json::Value::String(s) = t { Some(s) } else { None })
+                })
+                .ok_or(
+                    "continue_final_message is set but we could not find any text to continue in the final message!",
+                )?;
             let t = part.clone();
             part.push_str(CONTINUE_TAG);
             t
@@ -158,7 +162,11 @@ fn without_generation_tags(source: &str) -> String {
         let tag = tail.get(..end.saturating_add(2)).unwrap_or(tail);
         let inner = tag.get(2..tag.len().saturating_sub(2)).unwrap_or_default();
         let lead = if inner.starts_with(['-', '+']) { inner.get(..1).unwrap_or_default() } else { "" };
-        let trail = if inner.ends_with(['-', '+']) { inner.get(inner.len().saturating_sub(1)..).unwrap_or_default() } else { "" };
+        let trail = if inner.ends_with(['-', '+']) {
+            inner.get(inner.len().saturating_sub(1)..).unwrap_or_default()
+        } else {
+            ""
+        };
         let word = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
         match word {
             "generation" => out.push_str(&format!("{{%{lead} if true {trail}%}}")),
@@ -221,8 +229,20 @@ fn strftime_now(format: String) -> Result<String, Error> {
 
 /// Python's `strftime` for the C-locale directives; an unknown directive is kept as written.
 pub fn strftime(t: &time::OffsetDateTime, format: &str) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let month = MONTHS.get(usize::from(u8::from(t.month())).saturating_sub(1)).copied().unwrap_or("");
     let day = DAYS.get(usize::from(t.weekday().number_days_from_monday())).copied().unwrap_or("");
@@ -276,7 +296,13 @@ mod tests {
 
     fn render(t: &str, m: &str, gen: bool, cont: bool) -> Result<String, String> {
         let tmpl = ChatTemplate::compile(t).unwrap();
-        tmpl.render(RenderArgs { messages: msgs(m), tools: None, add_generation_prompt: gen, continue_final_message: cont, extra: &[] })
+        tmpl.render(RenderArgs {
+            messages: msgs(m),
+            tools: None,
+            add_generation_prompt: gen,
+            continue_final_message: cont,
+            extra: &[],
+        })
     }
 
     #[test]
@@ -303,7 +329,9 @@ mod tests {
     #[test]
     fn continue_final_message_cuts_after_the_final_content() {
         let t = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}";
-        let out = render(t, r#"[{"role":"user","content":"q"},{"role":"assistant","content":"The answer is"}]"#, false, true).unwrap();
+        let out =
+            render(t, r#"[{"role":"user","content":"q"},{"role":"assistant","content":"The answer is"}]"#, false, true)
+                .unwrap();
         assert_eq!(out, "<user>q</s>\n<assistant>The answer is");
     }
 

@@ -13,12 +13,50 @@ use tokenizers::{NormalizerWrapper, Tokenizer};
 /// Model types `transformers` 5 loads with its generic backend whatever their config's class
 /// says (its `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`).
 const GENERIC_BACKEND_MODEL_TYPES: [&str; 44] = [
-    "arctic", "chameleon", "chatlm", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_vl",
-    "deepseek_vl_hybrid", "deepseek_vl_v2", "deepseek_ocr", "deepseek_ocr2", "unlimited_ocr", "ernie4_5",
-    "ernie4_5_moe", "fuyu", "h2ovl_chat", "hyperclovax", "hyperclovax_vlm", "hyperclovax_vision_v2", "internlm2",
-    "jamba", "janus", "llava", "llava_next", "minicpm3", "minicpmv", "minimax_m2", "modernbert", "molmo", "molmo2",
-    "nemotron", "opencua", "openvla", "paddleocr_vl", "phi3", "phi3_v", "phimoe", "qwen2", "qwen3_5", "qwen3_5_moe",
-    "qwen3_5_moe_text", "step3p5", "smolvlm",
+    "arctic",
+    "chameleon",
+    "chatlm",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "deepseek_v4",
+    "deepseek_vl",
+    "deepseek_vl_hybrid",
+    "deepseek_vl_v2",
+    "deepseek_ocr",
+    "deepseek_ocr2",
+    "unlimited_ocr",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "fuyu",
+    "h2ovl_chat",
+    "hyperclovax",
+    "hyperclovax_vlm",
+    "hyperclovax_vision_v2",
+    "internlm2",
+    "jamba",
+    "janus",
+    "llava",
+    "llava_next",
+    "minicpm3",
+    "minicpmv",
+    "minimax_m2",
+    "modernbert",
+    "molmo",
+    "molmo2",
+    "nemotron",
+    "opencua",
+    "openvla",
+    "paddleocr_vl",
+    "phi3",
+    "phi3_v",
+    "phimoe",
+    "qwen2",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "step3p5",
+    "smolvlm",
 ];
 
 /// Classes whose `transformers` 5 pipeline equals a current tokenizer.json of their family
@@ -45,7 +83,11 @@ impl Pipeline {
 }
 
 /// The pipeline for a model of `model_type` (config.json) with these settings.
-pub fn pipeline(model_type: Option<&str>, s: &TokenizerSettings, trust_unverified: bool) -> Result<Pipeline, LoadError> {
+pub fn pipeline(
+    model_type: Option<&str>,
+    s: &TokenizerSettings,
+    trust_unverified: bool,
+) -> Result<Pipeline, LoadError> {
     if model_type.is_some_and(|t| GENERIC_BACKEND_MODEL_TYPES.contains(&t)) {
         return Ok(Pipeline::GenericBackend);
     }

@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 fn fixtures() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/exactness");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "json")).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "json")).collect()
+        })
         .unwrap_or_default();
     files.sort();
     files
@@ -56,7 +58,8 @@ fn every_family_answers_as_vllm_does_cold_and_warm() {
                     (Some(want), Ok(ids)) => {
                         let want: Vec<u32> = serde_json::from_value(want.clone()).unwrap();
                         if want != ids {
-                            let at = want.iter().zip(&ids).position(|(a, b)| a != b).unwrap_or(want.len().min(ids.len()));
+                            let at =
+                                want.iter().zip(&ids).position(|(a, b)| a != b).unwrap_or(want.len().min(ids.len()));
                             failures.push(format!(
                                 "{family}/{name} ({pass}): differs at token {at}: vLLM {:?} native {:?}",
                                 want.get(at..at + 8),
@@ -65,7 +68,10 @@ fn every_family_answers_as_vllm_does_cold_and_warm() {
                         }
                     }
                     (Some(_), Err(e)) => failures.push(format!("{family}/{name} ({pass}): vLLM answered, native: {e}")),
-                    (None, Ok(_)) => failures.push(format!("{family}/{name} ({pass}): vLLM refused it ({}), native answered", case["error"])),
+                    (None, Ok(_)) => failures.push(format!(
+                        "{family}/{name} ({pass}): vLLM refused it ({}), native answered",
+                        case["error"]
+                    )),
                     (None, Err(_)) => {}
                 }
             }

@@ -34,9 +34,9 @@ mod file;
 mod tokenizer;
 mod validate;
 
-pub use tokenizer::{TokenizerConfig, TokenizerModelConfig};
 pub use engine::{offset_port, parse_tcp, subject, EndpointError, EngineSpec, EventSource};
 pub use file::{
     Config, ConfigError, DiscoveryConfig, Events, FeedConfig, HashConfig, HttpConfig, JetStreamConfig, LoadConfig,
     Mode, ParityConfig, ReplicaConfig, Sources, ZmqConfig,
 };
+pub use tokenizer::{TokenizerConfig, TokenizerModelConfig};

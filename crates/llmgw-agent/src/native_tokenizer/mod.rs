@@ -82,7 +82,9 @@ impl NativeTokenizers {
                     load_ms = started.elapsed().as_millis() as u64,
                     "native tokenizer loaded"
                 ),
-                Err(e) => error!(model = %label, dir = %m.dir.display(), error = %e, "native tokenizer refused this model; its requests go to the replicas"),
+                Err(e) => {
+                    error!(model = %label, dir = %m.dir.display(), error = %e, "native tokenizer refused this model; its requests go to the replicas")
+                }
             }
             for n in &m.names {
                 by_name.insert(n.clone(), i);
@@ -126,29 +128,107 @@ impl NativeTokenizers {
         };
         let c = |f: fn(&ModelCounters) -> &AtomicU64| move |m: &NativeModel| f(&m.counters).load(Ordering::Relaxed);
         let cache = |f: fn(&llmgw_tokenize::piece_cache::CacheCounters) -> &AtomicU64| {
-            move |m: &NativeModel| m.tokenizer.as_ref().map_or(0, |t| f(&t.encoder.cache.counters).load(Ordering::Relaxed))
+            move |m: &NativeModel| {
+                m.tokenizer.as_ref().map_or(0, |t| f(&t.encoder.cache.counters).load(Ordering::Relaxed))
+            }
         };
-        family("llmgw_native_tokenizer_up", "gauge", "1 while the model is loaded and trusted; 0 when refused at load or switched off after a mismatch", &|m| {
-            u64::from(m.tokenizer.is_ok() && !m.disabled.load(Ordering::Relaxed))
-        });
+        family(
+            "llmgw_native_tokenizer_up",
+            "gauge",
+            "1 while the model is loaded and trusted; 0 when refused at load or switched off after a mismatch",
+            &|m| u64::from(m.tokenizer.is_ok() && !m.disabled.load(Ordering::Relaxed)),
+        );
         family("llmgw_native_tokenizer_answered_total", "counter", "Requests answered natively", &c(|c| &c.answered));
-        family("llmgw_native_tokenizer_answered_tokens_total", "counter", "Tokens in native answers", &c(|c| &c.answered_tokens));
-        family("llmgw_native_tokenizer_busy_microseconds_total", "counter", "Time spent tokenizing natively", &c(|c| &c.busy_us));
-        family("llmgw_native_tokenizer_declined_total", "counter", "Requests declined to the replicas (media, a request's own template, a refused model, an error)", &c(|c| &c.declined));
-        family("llmgw_native_tokenizer_disabled_total", "counter", "Requests declined because the model was switched off after a mismatch", &c(|c| &c.disabled));
-        family("llmgw_native_tokenizer_verified_total", "counter", "Native answers checked against a replica's /tokenize", &c(|c| &c.verified));
-        family("llmgw_native_tokenizer_mismatches_total", "counter", "Checks whose tokens differed from the replica's (the model is switched off at the first)", &c(|c| &c.mismatches));
-        family("llmgw_native_tokenizer_verify_skipped_total", "counter", "Checks skipped: too many in flight", &c(|c| &c.verify_skipped));
-        family("llmgw_native_tokenizer_verify_errors_total", "counter", "Checks whose replica call failed or answered an error", &c(|c| &c.verify_errors));
-        family("llmgw_native_tokenizer_cache_hits_total", "counter", "Prompt pieces found in the piece cache", &cache(|c| &c.hits));
-        family("llmgw_native_tokenizer_cache_misses_total", "counter", "Prompt pieces tokenized (not in the piece cache)", &cache(|c| &c.misses));
-        family("llmgw_native_tokenizer_cache_hit_tokens_total", "counter", "Tokens taken from the piece cache", &cache(|c| &c.hit_tokens));
-        family("llmgw_native_tokenizer_cache_miss_tokens_total", "counter", "Tokens the tokenizer model produced", &cache(|c| &c.miss_tokens));
-        family("llmgw_native_tokenizer_cache_evictions_total", "counter", "Pieces evicted from the piece cache", &cache(|c| &c.evictions));
-        family("llmgw_native_tokenizer_cache_too_large_total", "counter", "Pieces not cached: one alone over an eighth of the budget", &cache(|c| &c.too_large));
-        family("llmgw_native_tokenizer_cache_bytes", "gauge", "Bytes held by the piece cache (bounded by tokenizer.cache_bytes)", &|m| {
-            m.tokenizer.as_ref().map_or(0, |t| t.encoder.cache.usage().0 as u64)
-        });
+        family(
+            "llmgw_native_tokenizer_answered_tokens_total",
+            "counter",
+            "Tokens in native answers",
+            &c(|c| &c.answered_tokens),
+        );
+        family(
+            "llmgw_native_tokenizer_busy_microseconds_total",
+            "counter",
+            "Time spent tokenizing natively",
+            &c(|c| &c.busy_us),
+        );
+        family(
+            "llmgw_native_tokenizer_declined_total",
+            "counter",
+            "Requests declined to the replicas (media, a request's own template, a refused model, an error)",
+            &c(|c| &c.declined),
+        );
+        family(
+            "llmgw_native_tokenizer_disabled_total",
+            "counter",
+            "Requests declined because the model was switched off after a mismatch",
+            &c(|c| &c.disabled),
+        );
+        family(
+            "llmgw_native_tokenizer_verified_total",
+            "counter",
+            "Native answers checked against a replica's /tokenize",
+            &c(|c| &c.verified),
+        );
+        family(
+            "llmgw_native_tokenizer_mismatches_total",
+            "counter",
+            "Checks whose tokens differed from the replica's (the model is switched off at the first)",
+            &c(|c| &c.mismatches),
+        );
+        family(
+            "llmgw_native_tokenizer_verify_skipped_total",
+            "counter",
+            "Checks skipped: too many in flight",
+            &c(|c| &c.verify_skipped),
+        );
+        family(
+            "llmgw_native_tokenizer_verify_errors_total",
+            "counter",
+            "Checks whose replica call failed or answered an error",
+            &c(|c| &c.verify_errors),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_hits_total",
+            "counter",
+            "Prompt pieces found in the piece cache",
+            &cache(|c| &c.hits),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_misses_total",
+            "counter",
+            "Prompt pieces tokenized (not in the piece cache)",
+            &cache(|c| &c.misses),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_hit_tokens_total",
+            "counter",
+            "Tokens taken from the piece cache",
+            &cache(|c| &c.hit_tokens),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_miss_tokens_total",
+            "counter",
+            "Tokens the tokenizer model produced",
+            &cache(|c| &c.miss_tokens),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_evictions_total",
+            "counter",
+            "Pieces evicted from the piece cache",
+            &cache(|c| &c.evictions),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_too_large_total",
+            "counter",
+            "Pieces not cached: one alone over an eighth of the budget",
+            &cache(|c| &c.too_large),
+        );
+        family(
+            "llmgw_native_tokenizer_cache_bytes",
+            "gauge",
+            "Bytes held by the piece cache (bounded by tokenizer.cache_bytes)",
+            &|m| m.tokenizer.as_ref().map_or(0, |t| t.encoder.cache.usage().0 as u64),
+        );
         out
     }
 }

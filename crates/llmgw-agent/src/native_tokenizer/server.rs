@@ -85,8 +85,8 @@ async fn tokenize(State(st): State<ServerState>, body: Bytes) -> Response {
         return decline(Some(&model), "shutting down");
     };
     let started = Instant::now();
-    let result = tokio::task::spawn_blocking(move || tokenizer.tokenize(&req).map(|ids| (ids, tokenizer.max_model_len)))
-        .await;
+    let result =
+        tokio::task::spawn_blocking(move || tokenizer.tokenize(&req).map(|ids| (ids, tokenizer.max_model_len))).await;
     let elapsed = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
     model.counters.busy_us.fetch_add(elapsed, Ordering::Relaxed);
     let (ids, max_model_len) = match result {

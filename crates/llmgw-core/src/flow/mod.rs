@@ -316,8 +316,16 @@ impl Router {
         let generation = self.generation;
         let dedicated = self.config.profile(pi).and_then(|p| p.tokenizer_address.as_deref()) == Some(target.as_str());
         let retry = dedicated.then(|| RetryCall { path: call.path, body: call.body.clone(), timeout_ms });
-        let pending =
-            Box::new(Pending { profile: pi, parsed, approx_bytes: nbytes, cache_tag, raw_tag, generation, spec, retry });
+        let pending = Box::new(Pending {
+            profile: pi,
+            parsed,
+            approx_bytes: nbytes,
+            cache_tag,
+            raw_tag,
+            generation,
+            spec,
+            retry,
+        });
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
         report.hash_mismatch = false;
@@ -418,7 +426,15 @@ impl Router {
         let approx_bytes = pending.approx_bytes;
         let Some(call) = pending.retry.take() else {
             let approx = || approx_key(Some(&pending.parsed), &[], approx_bytes);
-            return self.finish(model.as_deref(), Some(pending.profile), None, &approx, Some(Fallback::Tokenizer), gw, report);
+            return self.finish(
+                model.as_deref(),
+                Some(pending.profile),
+                None,
+                &approx,
+                Some(Fallback::Tokenizer),
+                gw,
+                report,
+            );
         };
         match self.replica_tokenizer(pending.profile, model.as_deref(), gw) {
             TokenizerTarget::At(target) => Step::Tokenize(Tokenize {
