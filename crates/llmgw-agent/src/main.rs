@@ -151,7 +151,7 @@ fn launch(a: LaunchArgs) -> Result<(), String> {
 fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
     let Some(t) = &cfg.tokenizer else { return Ok(()) };
     let native = llmgw_agent::native_tokenizer::NativeTokenizers::load(t);
-    let mut refused = 0;
+    let mut refused: usize = 0;
     for m in &native.models {
         match &m.tokenizer {
             Ok(tok) => println!(
@@ -161,7 +161,7 @@ fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
                 if tok.has_chat_template() { "yes" } else { "none" }
             ),
             Err(e) => {
-                refused += 1;
+                refused = refused.saturating_add(1);
                 println!("tokenizer {}: refused: {e}", m.label);
             }
         }

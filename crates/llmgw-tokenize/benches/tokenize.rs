@@ -8,6 +8,14 @@
 //! the conversation's earlier turns (chat) went through once, as a conversation's next turn or a
 //! shared system prompt meets it.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use llmgw_tokenize::{ModelOptions, ModelTokenizer, TokenizeRequest};
 use std::path::PathBuf;

@@ -20,7 +20,7 @@ pub fn chosen(n: u64, first: u64, fraction: f64) -> bool {
         return false;
     }
     let every = (1.0 / fraction).round().max(1.0) as u64;
-    n.saturating_sub(first) % every == 0
+    n.saturating_sub(first).is_multiple_of(every)
 }
 
 /// Asks a replica serving `model` to tokenize `body` and compares, in the background. Skipped
@@ -39,7 +39,7 @@ pub fn spawn_check(st: &ServerState, model: Arc<NativeModel>, body: Bytes, nativ
             .filter(|e| e.spec.models.is_empty() || e.spec.models.iter().any(|m| names.contains(m)))
             .map(|e| e.spec.address.clone())
             .collect();
-        serving.get(usize::try_from(n).unwrap_or(0) % serving.len().max(1)).cloned()
+        usize::try_from(n).unwrap_or(0).checked_rem(serving.len()).and_then(|i| serving.get(i)).cloned()
     };
     let Some(address) = address else {
         model.counters.verify_errors.fetch_add(1, Ordering::Relaxed);
