@@ -13,7 +13,6 @@
 //! dir = "/models/llama-3.1-8b-instruct"          # tokenizer.json, tokenizer_config.json, …
 //! ```
 
-use super::file::{err, ConfigError};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -93,37 +92,4 @@ fn default_verify_timeout() -> u64 {
 }
 fn default_content_format() -> String {
     "auto".into()
-}
-
-impl TokenizerConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if !self.listen.ip().is_loopback() && !self.allow_non_loopback {
-            return Err(err(
-                "tokenizer.listen",
-                format!("{} is not a loopback address; set tokenizer.allow_non_loopback = true to serve prompts off this host", self.listen),
-            ));
-        }
-        if !(0.0..=1.0).contains(&self.verify_fraction) {
-            return Err(err("tokenizer.verify_fraction", "must be between 0 and 1"));
-        }
-        if self.max_body_bytes == 0 {
-            return Err(err("tokenizer.max_body_bytes", "must be positive"));
-        }
-        let mut seen = std::collections::BTreeSet::new();
-        for (i, m) in self.models.iter().enumerate() {
-            let f = |k: &str| format!("tokenizer.models[{i}].{k}");
-            if m.names.is_empty() {
-                return Err(err(f("names"), "must name at least one model"));
-            }
-            for n in &m.names {
-                if !seen.insert(n.clone()) {
-                    return Err(err(f("names"), format!("{n} is named by two models")));
-                }
-            }
-            if !matches!(m.content_format.as_str(), "auto" | "string" | "openai") {
-                return Err(err(f("content_format"), "must be \"auto\", \"string\" or \"openai\""));
-            }
-        }
-        Ok(())
-    }
 }

@@ -3,6 +3,7 @@
 
 use super::engine::{is_loopback_host, offset_port, parse_tcp};
 use super::file::{err, Config, ConfigError, Events, HashConfig, JetStreamConfig, Mode, Sources};
+use super::tokenizer::TokenizerConfig;
 use llmgw_core::hash::BlockHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -12,7 +13,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_hash("hash", &self.hash)?;
         if let Some(t) = &self.tokenizer {
-            t.validate()?;
+            check_tokenizer(t)?;
         }
         let f = &self.feed;
         match (&f.tls_cert, &f.tls_key) {
@@ -256,6 +257,41 @@ fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
     let max = llmgw_core::hash::MAX_LOOKAHEAD;
     if usize::try_from(h.lookahead_tokens).map_or(true, |l| l > max) {
         return Err(err(format!("{field}.lookahead_tokens"), format!("must be at most {max}")));
+    }
+    Ok(())
+}
+
+/// The `[tokenizer]` section's checks.
+fn check_tokenizer(t: &TokenizerConfig) -> Result<(), ConfigError> {
+    if !t.listen.ip().is_loopback() && !t.allow_non_loopback {
+        return Err(err(
+            "tokenizer.listen",
+            format!(
+                "{} is not a loopback address; set tokenizer.allow_non_loopback = true to serve prompts off this host",
+                t.listen
+            ),
+        ));
+    }
+    if !(0.0..=1.0).contains(&t.verify_fraction) {
+        return Err(err("tokenizer.verify_fraction", "must be between 0 and 1"));
+    }
+    if t.max_body_bytes == 0 {
+        return Err(err("tokenizer.max_body_bytes", "must be positive"));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, m) in t.models.iter().enumerate() {
+        let f = |k: &str| format!("tokenizer.models[{i}].{k}");
+        if m.names.is_empty() {
+            return Err(err(f("names"), "must name at least one model"));
+        }
+        for n in &m.names {
+            if !seen.insert(n.clone()) {
+                return Err(err(f("names"), format!("{n} is named by two models")));
+            }
+        }
+        if !matches!(m.content_format.as_str(), "auto" | "string" | "openai") {
+            return Err(err(f("content_format"), "must be \"auto\", \"string\" or \"openai\""));
+        }
     }
     Ok(())
 }

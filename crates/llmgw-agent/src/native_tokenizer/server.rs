@@ -99,7 +99,7 @@ async fn tokenize(State(st): State<ServerState>, body: Bytes) -> Response {
     let answer = TokenizeAnswer { count: ids.len(), max_model_len, tokens: ids, token_strs: None };
     let text = serde_json::to_string(&answer).unwrap_or_default();
     if verify::chosen(n, st.native.config.verify_first, st.native.config.verify_fraction) {
-        verify::spawn_check(&st, model, body, answer.tokens, n);
+        verify::spawn_check(&st.checks, &st.native, &st.hub, model, body, answer.tokens, n);
     }
     ([(header::CONTENT_TYPE, "application/json")], text).into_response()
 }

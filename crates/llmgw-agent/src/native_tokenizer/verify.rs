@@ -3,12 +3,13 @@
 //! the first difference switches the model off (its requests are declined to the replicas
 //! from then on), counted, with both token lists logged once.
 
-use super::server::ServerState;
-use super::NativeModel;
+use super::{NativeModel, NativeTokenizers};
+use crate::hub::Hub;
 use axum::body::Bytes;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tracing::{error, warn};
 
 /// Whether the `n`th answer (from 0) is checked.
@@ -25,14 +26,23 @@ pub fn chosen(n: u64, first: u64, fraction: f64) -> bool {
 
 /// Asks a replica serving `model` to tokenize `body` and compares, in the background. Skipped
 /// (and counted) when `max_verify_in_flight` checks are already out.
-pub fn spawn_check(st: &ServerState, model: Arc<NativeModel>, body: Bytes, native: Vec<u32>, n: u64) {
-    let Ok(permit) = st.checks.clone().try_acquire_owned() else {
+/// `checks` bounds the checks in flight; the replica is one of `hub`'s serving the model.
+pub fn spawn_check(
+    checks: &Arc<Semaphore>,
+    tokenizers: &NativeTokenizers,
+    hub: &Hub,
+    model: Arc<NativeModel>,
+    body: Bytes,
+    native: Vec<u32>,
+    n: u64,
+) {
+    let Ok(permit) = checks.clone().try_acquire_owned() else {
         model.counters.verify_skipped.fetch_add(1, Ordering::Relaxed);
         return;
     };
-    let names = st.native.names_of(&model);
+    let names = tokenizers.names_of(&model);
     let address = {
-        let hub = st.hub.state();
+        let hub = hub.state();
         let serving: Vec<String> = hub
             .live()
             .filter(|e| (e.up || e.http_ok) && e.spec.dp_rank == 0)
@@ -45,7 +55,7 @@ pub fn spawn_check(st: &ServerState, model: Arc<NativeModel>, body: Bytes, nativ
         model.counters.verify_errors.fetch_add(1, Ordering::Relaxed);
         return;
     };
-    let timeout = Duration::from_millis(st.native.config.verify_timeout_ms);
+    let timeout = Duration::from_millis(tokenizers.config.verify_timeout_ms);
     tokio::spawn(async move {
         let _permit = permit;
         let url = format!("http://{address}/tokenize");
