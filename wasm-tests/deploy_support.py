@@ -525,12 +525,22 @@ AGENT_FEED_PORT = 7070
 # Onto loopback.
 
 
-def localize(bootstrap: dict, wasm: Path, ports: dict[int, int], admin: int, agent: int, closed: int) -> dict:
+def localize(bootstrap: dict, wasm: Path, ports: dict[int, int], admin: int, agent: int, closed: int,
+             tokenizer: int | None = None) -> dict:
     """The bootstrap with every listener on 127.0.0.1 (its port mapped through `ports`, which
     must name each), the admin API on `admin`, the agent's cluster on `agent`, Envoy's own admin
     cluster (if any) on `admin`, every other static endpoint on the closed port `closed` (nothing
-    leaves loopback), and llmgw.wasm read from `wasm`."""
+    leaves loopback), the filter profiles' `tokenizer_address` on `tokenizer` (None: `closed`),
+    and llmgw.wasm read from `wasm`."""
     b = copy.deepcopy(bootstrap)
+    for f in http_filters(b):
+        if f["name"] == WASM_FILTER:
+            value = f["typed_config"]["config"]["configuration"]
+            cfg = json.loads(value["value"])
+            for p in cfg["profiles"]:
+                if "tokenizer_address" in p:
+                    p["tokenizer_address"] = f"127.0.0.1:{closed if tokenizer is None else tokenizer}"
+            value["value"] = json.dumps(cfg)
     old_admin = b["admin"]["address"]["socket_address"]["port_value"]
     b["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
     for lst in b["static_resources"]["listeners"]:

@@ -217,11 +217,18 @@ def test_shipped_settings_agree(assembled):
     import tomllib
 
     local = yaml.safe_load(LOCAL.read_text())
-    configs = {"local": deploy.wasm_configs(local)}
-    configs.update({k: deploy.wasm_configs(b) for k, b in assembled.items()})
-    reference = configs["local"][0]
-    for where, cfgs in configs.items():
-        assert cfgs == [reference], f"{where}'s filter configuration differs from envoy/llmgw-local.yaml's"
+    (reference,) = deploy.wasm_configs(local)
+    agents = {k: tomllib.loads(t) for k, t in _agent_tomls().items()}
+    # In the pods the filter's tokenizer calls go to the agent's native tokenizer beside it;
+    # otherwise their filter configuration is the local one.
+    tokenizer = agents["kubernetes"]["tokenizer"]["listen"]
+    assert tokenizer.startswith("127.0.0.1:"), "the native tokenizer stays on loopback"
+    assert "tokenizer_address" not in reference["profiles"][0]
+    in_pods = copy.deepcopy(reference)
+    in_pods["profiles"][0]["tokenizer_address"] = tokenizer
+    for where, b in assembled.items():
+        assert deploy.wasm_configs(b) == [in_pods], \
+            f"{where}'s filter configuration is not envoy/llmgw-local.yaml's with tokenizer_address {tokenizer}"
     header = reference["destination_header"]
     for where, b in {"local": local, **assembled}.items():
         # Every ORIGINAL_DST cluster reads the header the filter sets, and Envoy removes exactly it.
@@ -231,7 +238,6 @@ def test_shipped_settings_agree(assembled):
         removed = [m["remove"] for f in deploy.http_filters(b) if f["name"] == deploy.HEADER_MUTATION
                    for m in f["typed_config"]["mutations"]["request_mutations"] if "remove" in m]
         assert removed == [header], where
-    agents = {k: tomllib.loads(t) for k, t in _agent_tomls().items()}
     assert set(agents) == set(KINDS), agents.keys()
     agent = agents["kubernetes"]
     assert all(a == agent for a in agents.values()), "the agent configurations differ"
@@ -250,6 +256,134 @@ def test_shipped_settings_agree(assembled):
     assert svc["spec"]["clusterIP"] == "None"
     assert disc["dns"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
     assert disc["port"] in [p["port"] for p in svc["spec"]["ports"]]
+    # The native tokenizer serves the model the replicas serve, under the same name.
+    (model,) = agent["tokenizer"]["models"]
+    assert model["names"] == disc["models"] == [deploy.find(vllm, "Deployment", "vllm")["spec"]["template"]["spec"]
+                                                ["containers"][0]["args"][0]]
+
+
+def _pod(kind: str) -> tuple[list[dict], dict]:
+    """The gateway pod's init containers and containers (Envoy Gateway: the EnvoyProxy's
+    additions), and its volumes by name."""
+    objs = deploy.load_kind(kind)
+    if kind == "envoy-gateway":
+        dep = deploy.find(objs, "EnvoyProxy")["spec"]["provider"]["kubernetes"]["envoyDeployment"]
+        spec = dep["patch"]["value"]["spec"]["template"]["spec"]
+        containers = dep["initContainers"] + spec["containers"]
+        volumes = dep["pod"]["volumes"]
+    else:
+        spec = deploy.find(objs, "Deployment", "llmgw-gateway")["spec"]["template"]["spec"]
+        containers = spec["initContainers"] + spec["containers"]
+        volumes = spec["volumes"]
+    return containers, {v["name"]: v for v in volumes}
+
+
+def _mount(container: dict, path: str) -> dict | None:
+    """The volume mount of `container` that holds `path`."""
+    for m in container.get("volumeMounts", []):
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/"):
+            return m
+    return None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_tokenizer_files_reach_the_agent_read_only(kind):
+    """Each gateway pod: an init container fetches the model's tokenizer files into a volume the
+    agent mounts read-only where its [tokenizer] section reads them, with the fetch script and
+    the model named the same in every kind."""
+    import tomllib
+
+    containers, volumes = _pod(kind)
+    by_name = {c["name"]: c for c in containers}
+    text = _agent_tomls()[kind]
+    (model,) = tomllib.loads(text)["tokenizer"]["models"]
+    agent_mount = _mount(by_name["llmgw-agent"], model["dir"])
+    assert agent_mount and agent_mount.get("readOnly") is True, (kind, by_name["llmgw-agent"]["volumeMounts"])
+    assert "emptyDir" in volumes[agent_mount["name"]], volumes[agent_mount["name"]]
+    fetch = by_name["tokenizer-files"]
+    fill = _mount(fetch, model["dir"])
+    assert fill and fill["name"] == agent_mount["name"] and not fill.get("readOnly"), fetch["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in fetch["env"]}
+    assert env["MODEL_REPO"] == model["names"][0]
+    assert model["dir"] == f"{fill['mountPath'].rstrip('/')}/{env['MODEL_REPO']}"
+    # The script it runs is the ConfigMap's fetch-tokenizer.sh, the same in every kind.
+    (script_path,) = [a for a in fetch["command"] if a.endswith(".sh")]
+    config_mount = _mount(fetch, script_path)
+    cm = next(o for o in deploy.load_kind(kind) if o["kind"] == "ConfigMap"
+              and o["metadata"]["name"] == volumes[config_mount["name"]]["configMap"]["name"])
+    script = cm["data"][script_path[len(config_mount["mountPath"].rstrip("/")) + 1:]]
+    reference = deploy.find(deploy.load_kind("kubernetes"), "ConfigMap", "llmgw-gateway")["data"]["fetch-tokenizer.sh"]
+    assert script == reference
+
+
+FAKE_CURL = """#!/bin/sh
+# curl as fetch-tokenizer.sh calls it, serving files from $HUB/<path after huggingface.co/>.
+out=""; url=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o) out=$2; shift 2 ;;
+    -H|--retry|--max-time) shift 2 ;;
+    -*) shift ;;
+    *) url=$1; shift ;;
+  esac
+done
+echo "$url" >> "$HUB/requests"
+src="$HUB/${url#https://huggingface.co/}"
+[ -f "$src" ] || exit 22
+cp "$src" "$out"
+"""
+
+
+def test_the_fetch_script_fills_the_volume_or_leaves_it_empty(tmp_path):
+    """fetch-tokenizer.sh (with a stand-in curl): the files of the repository and revision named,
+    the optional chat template only when the repository has one, and on a failed download no
+    directory at all (the agent then declines the model) and still exit 0 (the pod starts)."""
+    script = deploy.find(deploy.load_kind("kubernetes"), "ConfigMap", "llmgw-gateway")["data"]["fetch-tokenizer.sh"]
+    (tmp_path / "fetch.sh").write_text(script)
+    bin_dir, hub, vol = tmp_path / "bin", tmp_path / "hub", tmp_path / "vol"
+    bin_dir.mkdir()
+    (bin_dir / "curl").write_text(FAKE_CURL)
+    (bin_dir / "curl").chmod(0o755)
+    repo = hub / "org/model/resolve/rev1"
+    repo.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (repo / name).write_text(f"{name} of rev1")
+
+    def run(model: str) -> subprocess.CompletedProcess:
+        vol.mkdir(exist_ok=True)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HUB": str(hub), "TOKENIZERS_DIR": str(vol),
+               "MODEL_REPO": model, "MODEL_REVISION": "rev1"}
+        return subprocess.run(["sh", str(tmp_path / "fetch.sh")], env=env, capture_output=True, text=True, timeout=30)
+
+    r = run("org/model")
+    assert r.returncode == 0, r.stderr
+    got = vol / "org/model"
+    assert sorted(p.name for p in got.iterdir()) == ["tokenizer.json", "tokenizer_config.json"], r.stdout + r.stderr
+    assert (got / "tokenizer.json").read_text() == "tokenizer.json of rev1"
+    assert [p.name for p in vol.iterdir()] == ["org"], "no temporary directory left behind"
+    # Filled already (a restarted container): nothing fetched again.
+    before = (hub / "requests").read_text()
+    assert run("org/model").returncode == 0 and (hub / "requests").read_text() == before
+    # A repository with its template in a file of its own.
+    (hub / "org/other/resolve/rev1").mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (hub / "org/other/resolve/rev1" / name).write_text(name)
+    assert run("org/other").returncode == 0
+    assert (vol / "org/other/chat_template.jinja").read_text() == "chat_template.jinja"
+    # Nothing to fetch: no directory, exit 0, and it says why.
+    r = run("org/missing")
+    assert r.returncode == 0 and not (vol / "org/missing").exists(), r
+    assert "not fetched" in r.stderr
+    assert sorted(p.name for p in vol.iterdir()) == ["org"]
+
+
+# A tokenizer the native tokenizer loads, standing in for the model's files in the pods' volume.
+STAND_IN_TOKENIZER = {
+    "version": "1.0", "truncation": None, "padding": None,
+    "added_tokens": [{"id": 0, "content": "<unk>", "single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False, "special": True}],
+    "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hello": 1}, "unk_token": "<unk>"}}
 
 
 def _inference_listener(b: dict) -> dict:
@@ -297,11 +431,24 @@ def test_every_config_bounds_what_clients_can_hold(assembled):
 
 
 def test_agent_configurations_are_accepted_by_the_agent(tmp_path, agent_bin):
+    import tomllib
+
+    stand_in = tmp_path / "tokenizer"
+    stand_in.mkdir()
+    (stand_in / "tokenizer.json").write_text(json.dumps(STAND_IN_TOKENIZER))
+    (stand_in / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "unk_token": "<unk>"}))
     for kind, text in _agent_tomls().items():
+        (model,) = tomllib.loads(text)["tokenizer"]["models"]
         path = tmp_path / f"{kind}.toml"
+        # As shipped, the model directory is the pod's volume: not here, so refused.
         path.write_text(text)
         r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
-        assert r.returncode == 0, f"{kind}: {r.stdout}{r.stderr}"
+        assert r.returncode != 0 and f"tokenizer {model['names'][0]}: refused" in r.stdout, f"{kind}: {r.stdout}{r.stderr}"
+        assert text.count(json.dumps(model["dir"])) == 1
+        path.write_text(text.replace(json.dumps(model["dir"]), json.dumps(str(stand_in))))
+        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0 and f"tokenizer {model['names'][0]}: loaded" in r.stdout, f"{kind}: {r.stdout}{r.stderr}"
 
 
 def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
@@ -427,10 +574,10 @@ def canary():
     c.stop()
 
 
-def _start(procs, tmp_path, envoy_bin, wasm_path, bootstrap, agent_port):
+def _start(procs, tmp_path, envoy_bin, wasm_path, bootstrap, agent_port, tokenizer_port=None):
     ports = {p: kit.free_port() for p in deploy.listener_ports(bootstrap)}
     admin, closed = kit.free_port(), kit.free_port()
-    local = deploy.localize(bootstrap, wasm_path, ports, admin, agent_port, closed)
+    local = deploy.localize(bootstrap, wasm_path, ports, admin, agent_port, closed, tokenizer_port)
     path = deploy.write(local, tmp_path / "envoy.json")
     proc = kit.start_envoy(procs, envoy_bin, path, "envoy")
     api = kit.EnvoyAdmin(admin)
@@ -451,7 +598,9 @@ def _post(port, path, body, headers=None):
 @pytest.fixture
 def fleet(procs, tmp_path, agent_bin, sim_bin):
     sims = new_sims(3)
-    agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL)
+    # The agent's native tokenizer (the pods' tokenizer_address) holds no model here: it declines
+    # every call, and the filter asks a replica in the same request.
+    agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL, tokenizer={"listen": f"127.0.0.1:{kit.free_port()}"})
     for s in sims:
         procs.start(sim_command(sim_bin, s, MODEL, blocks=256, seed="0", decode_ms=1), s["name"])
     for s in sims:
@@ -466,7 +615,8 @@ SYSTEM = {"role": "system", "content": " ".join(f"rule{i}" for i in range(200))}
 def test_deployed_config_routes_exactly_and_ignores_a_clients_destination_and_envoy_headers(kind, assembled, fleet, canary, procs,
                                                                           tmp_path, envoy_bin, wasm_path):
     sims, agent = fleet
-    ports, envoy = _start(procs, tmp_path, envoy_bin, wasm_path, assembled[kind], agent.feed)
+    tokenizer_port = int(agent.sections["tokenizer"]["listen"].rsplit(":", 1)[1])
+    ports, envoy = _start(procs, tmp_path, envoy_bin, wasm_path, assembled[kind], agent.feed, tokenizer_port)
     envoy.wait_feed(60)
     listen = ports[next(lst["address"]["socket_address"]["port_value"]
                         for lst in assembled[kind]["static_resources"]["listeners"]
@@ -485,6 +635,9 @@ def test_deployed_config_routes_exactly_and_ignores_a_clients_destination_and_en
     assert status == 200 and again == served_by, f"follow-up went to {again}, its prefix is on {served_by}"
     # The decision is exact, and Prometheus sees it with its label.
     assert envoy.metric("llmgw_prefix_decisions_total", 'outcome="exact"') == exact_before + 1
+    # Both calls went to the agent's native tokenizer first (declined), then to a replica.
+    assert envoy.metric("llmgw_tokenizer_failures_total", 'reason="declined"') == 2
+    assert envoy.metric("llmgw_fallbacks_total", 'reason="tokenizer"') == 0
     # Each VM's linear memory reaches Prometheus as a gauge with its vm label.
     assert envoy.metric("llmgw_vm_memory_bytes", 'vm="') > 0
     assert canary.hits == []

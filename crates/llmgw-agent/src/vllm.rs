@@ -65,15 +65,17 @@ pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig) -> VllmArgs {
 }
 
 fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>, topic: &str) -> VllmArgs {
-    let mut kv = json!({
-        "enable_kv_cache_events": true,
-        "publisher": "zmq",
-        "endpoint": endpoint,
-        "topic": topic,
-    });
-    if let (Some(rep), Some(obj)) = (replay, kv.as_object_mut()) {
-        obj.insert("replay_endpoint".into(), json!(rep));
+    // Keys in sorted order whatever serde_json's features (the tokenizer crate turns on
+    // `preserve_order`): the printed flags are compared with the shipped manifests.
+    let mut obj = std::collections::BTreeMap::new();
+    obj.insert("enable_kv_cache_events", json!(true));
+    obj.insert("publisher", json!("zmq"));
+    obj.insert("endpoint", json!(endpoint));
+    obj.insert("topic", json!(topic));
+    if let Some(rep) = replay {
+        obj.insert("replay_endpoint", json!(rep));
     }
+    let kv = json!(obj);
     let mut env = Vec::new();
     if let Some(seed) = &hash.seed {
         env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
@@ -170,6 +172,12 @@ endpoint = "tcp://127.0.0.1:6100"
         assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
         assert_eq!(kv["topic"], "kv-events");
         assert_eq!(kv["enable_kv_cache_events"], true);
+        // Printed with its keys sorted (what the shipped manifests hold), also in a build where
+        // serde_json preserves insertion order.
+        assert_eq!(
+            a.args[6],
+            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kv-events"}"#
+        );
         let b = for_replica(&cfg, &cfg.replicas[1]);
         let kv: serde_json::Value = serde_json::from_str(&b.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://127.0.0.1:6000");

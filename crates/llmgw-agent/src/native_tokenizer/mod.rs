@@ -236,3 +236,29 @@ impl NativeTokenizers {
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_manual_lists_every_native_tokenizer_metric() {
+        let manual = include_str!("../../../../docs/src/operations.md");
+        let start = manual.find("### The native tokenizer (agent metrics)").expect("the native tokenizer's section");
+        let section = &manual[start..];
+        let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+        let cfg = crate::config::Config::parse("[tokenizer]\n").unwrap();
+        let native = NativeTokenizers::load(cfg.tokenizer.as_ref().unwrap());
+        let text = native.metrics_text();
+        let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).collect();
+        assert!(names.len() > 10, "{names:?}");
+        for line in names {
+            let name = line.split(' ').next().unwrap();
+            let short = name.trim_start_matches("llmgw_native_tokenizer");
+            assert!(
+                section.contains(&format!("`{name}`")) || section.contains(&format!("`{short}`")),
+                "{name} is not in docs/src/operations.md"
+            );
+        }
+    }
+}
