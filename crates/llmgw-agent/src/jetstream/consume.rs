@@ -38,7 +38,7 @@ struct StreamHoldsAll;
 
 impl Replay<Option<EventBatch>> for StreamHoldsAll {
     fn replay(&mut self, _: u64, _: u64, _: &mut dyn FnMut(u64, &Option<EventBatch>) -> bool) -> FillOutcome {
-        FillOutcome::Replayed { complete: false, batches: 0, skipped: Vec::new() }
+        FillOutcome::Replayed { complete: false, batches: 0, skipped: Vec::new(), tail_from: None }
     }
 }
 
