@@ -65,15 +65,18 @@ pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig) -> VllmArgs {
 }
 
 fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>, topic: &str) -> VllmArgs {
-    let mut kv = json!({
-        "enable_kv_cache_events": true,
-        "publisher": "zmq",
-        "endpoint": endpoint,
-        "topic": topic,
-    });
-    if let (Some(rep), Some(obj)) = (replay, kv.as_object_mut()) {
-        obj.insert("replay_endpoint".into(), json!(rep));
+    // Keys in sorted order whatever serde_json's features (`preserve_order` is on in a workspace
+    // build), so that the printed flags are the same in every build and match the manifests.
+    let mut kv: std::collections::BTreeMap<&str, serde_json::Value> = std::collections::BTreeMap::from([
+        ("enable_kv_cache_events", json!(true)),
+        ("publisher", json!("zmq")),
+        ("endpoint", json!(endpoint)),
+        ("topic", json!(topic)),
+    ]);
+    if let Some(rep) = replay {
+        kv.insert("replay_endpoint", json!(rep));
     }
+    let kv = json!(kv);
     let mut env = Vec::new();
     if let Some(seed) = &hash.seed {
         env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
@@ -170,6 +173,11 @@ endpoint = "tcp://127.0.0.1:6100"
         assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
         assert_eq!(kv["topic"], "kv-events");
         assert_eq!(kv["enable_kv_cache_events"], true);
+        // The same text in every build (the manifests hold it).
+        assert_eq!(
+            a.args[6],
+            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kv-events"}"#
+        );
         let b = for_replica(&cfg, &cfg.replicas[1]);
         let kv: serde_json::Value = serde_json::from_str(&b.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://127.0.0.1:6000");
