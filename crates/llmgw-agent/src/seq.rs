@@ -123,15 +123,23 @@ pub enum FillStep {
 }
 
 /// Checks replayed batches against the range `from..until`.
+///
+/// A replay buffer keeps only the last batches (vLLM's `buffer_steps`): its first batch may
+/// come after `from`. That first batch is still taken (the range is then covered from it on,
+/// see [`Fill::late_start`]); a hole after it ends the fill.
 #[derive(Debug, Clone)]
 pub struct Fill {
     next: u64,
     until: u64,
+    /// The first batch taken, when it came after the start of the range.
+    late_start: Option<u64>,
+    /// Whether a batch was taken.
+    started: bool,
 }
 
 impl Fill {
     pub fn new(from: u64, until: u64) -> Self {
-        Self { next: from, until }
+        Self { next: from, until, late_start: None, started: false }
     }
 
     pub fn step(&mut self, seq: u64) -> FillStep {
@@ -140,17 +148,34 @@ impl Fill {
         }
         if seq < self.next {
             FillStep::Skip
-        } else if seq == self.next {
-            self.next = self.next.saturating_add(1);
+        } else if seq == self.next || !self.started {
+            if seq >= self.until {
+                return FillStep::Hole;
+            }
+            if seq != self.next {
+                self.late_start = Some(seq);
+            }
+            self.started = true;
+            self.next = seq.saturating_add(1);
             FillStep::Apply
         } else {
             FillStep::Hole
         }
     }
 
+    /// Whether the range was covered up to its end (from its start, or from a late start).
+    pub fn reached_end(&self) -> bool {
+        self.next >= self.until
+    }
+
     /// Whether every batch of the range was applied.
     pub fn complete(&self) -> bool {
-        self.next >= self.until
+        self.reached_end() && self.late_start.is_none()
+    }
+
+    /// The first batch taken when the source no longer held the start of the range.
+    pub fn late_start(&self) -> Option<u64> {
+        self.late_start
     }
 
     /// Batches still missing.
@@ -255,9 +280,19 @@ mod tests {
         assert_eq!(f.step(5), FillStep::Hole);
         assert!(!f.complete());
         assert_eq!(f.missing(), 2);
-        // The replay buffer no longer holds the start of the range.
+        // The replay buffer no longer holds the start of the range: its batches are taken,
+        // the range is covered from the first one on.
         let mut f = Fill::new(0, 10);
-        assert_eq!(f.step(4), FillStep::Hole);
+        assert_eq!(f.step(4), FillStep::Apply);
+        assert_eq!(f.late_start(), Some(4));
+        assert_eq!((5..10).map(|s| f.step(s)).filter(|s| *s == FillStep::Apply).count(), 5);
+        assert!(f.reached_end() && !f.complete());
+        // A hole after a late start still ends the fill; a first batch past the range is none of it.
+        let mut f = Fill::new(0, 10);
+        assert_eq!(f.step(4), FillStep::Apply);
+        assert_eq!(f.step(6), FillStep::Hole);
+        assert!(!f.reached_end());
+        assert_eq!(Fill::new(0, 10).step(10), FillStep::Hole);
         // The replay ended early.
         let mut f = Fill::new(0, 3);
         f.step(0);

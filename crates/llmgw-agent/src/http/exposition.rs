@@ -45,6 +45,7 @@ struct EngineCopy {
     /// At most [`DEBUG_KEYS`], in no order.
     keys: Vec<BlockKey>,
     last_seq: Option<u64>,
+    incomplete_from: Option<u64>,
     last_event_age_secs: Option<f64>,
     stats: MirrorStats,
     counters: EngineCounters,
@@ -66,6 +67,7 @@ impl DebugCopy {
                 blocks: e.mirror.len(),
                 keys: e.mirror.some_keys(DEBUG_KEYS),
                 last_seq: e.last_seq,
+                incomplete_from: e.incomplete_from,
                 last_event_age_secs: e.last_event.map(|t| now.saturating_duration_since(t).as_secs_f64()),
                 stats: e.mirror.stats().clone(),
                 counters: e.counters.clone(),
@@ -98,6 +100,7 @@ impl EngineCopy {
             blocks,
             mut keys,
             last_seq,
+            incomplete_from,
             last_event_age_secs,
             stats: s,
             counters: c,
@@ -120,6 +123,9 @@ impl EngineCopy {
             "blocks": blocks,
             "block_keys": keys,
             "last_seq": last_seq,
+            // Blocks stored before this batch are unknown (`null`: the mirror is complete).
+            "incomplete_from": incomplete_from,
+            "incomplete_starts": c.incomplete_starts,
             "last_event_age_secs": last_event_age_secs,
             "hash": {
                 "algo": spec.hash.algo.name(),
@@ -287,6 +293,19 @@ pub fn metrics_text(st: &HubState) -> String {
         st.live().filter_map(|e| e.mirror.stats().parity.match_ratio().map(|r| (lbl(e), r))).collect();
     counter("parity_match_ratio", "Share of verified blocks whose hash matched.", "gauge", ratio);
     counter("blocks", "Blocks held per engine.", "gauge", per(&|e| e.mirror.len() as u64));
+    counter(
+        "engine_incomplete",
+        "1 while the mirror lacks blocks the engine stored before the agent could see them (its replay \
+         buffer no longer held them, or a gap could not be filled).",
+        "gauge",
+        per(&|e| u64::from(e.incomplete_from.is_some())),
+    );
+    counter(
+        "incomplete_starts_total",
+        "Times an engine's mirror (re)started without the engine's earlier batches.",
+        "counter",
+        per(&|e| e.counters.incomplete_starts),
+    );
     counter("replica_up", "1 when the replica is up.", "gauge", per(&|e| u64::from(e.up)));
     counter(
         "publisher_connected",
@@ -406,6 +425,7 @@ mod tests {
                 "models": [], "endpoint": format!("tcp://127.0.0.1:{}", 5000 + id), "mode": "connect",
                 "up": true, "http_ok": true, "publisher_ok": true, "connected": false,
                 "blocks": keys.len(), "block_keys": keys, "last_seq": last_seq, "last_event_age_secs": null,
+                "incomplete_from": null, "incomplete_starts": 0,
                 "hash": {"algo": "sha256_cbor", "seed": null, "block_size": 16, "lookahead_tokens": 0},
                 "lookahead_tokens_seen": null,
                 "parity": {"matched": 0, "mismatched": 0, "unverifiable": if keys.is_empty() { 0 } else { 4 },

@@ -34,6 +34,9 @@ pub struct EngineCounters {
     pub disconnects: u64,
     pub connects: u64,
     pub block_limit_hits: u64,
+    /// Times the mirror (re)started without the engine's earlier batches (see
+    /// [`EngineState::incomplete_from`]).
+    pub incomplete_starts: u64,
 }
 
 /// Who judges a replica's health.
@@ -54,6 +57,10 @@ pub struct EngineState {
     pub publisher_ok: bool,
     pub connected: bool,
     pub last_seq: Option<u64>,
+    /// `Some(s)`: the mirror holds what the engine's batches from `s` on did, but not the
+    /// blocks stored before (its replay buffer no longer held them, or a gap could not be
+    /// filled); cleared by batch 0 of an engine or by a mirror clear (`AllBlocksCleared`).
+    pub incomplete_from: Option<u64>,
     pub last_event: Option<Instant>,
     pub load: Option<ReplicaLoad>,
     pub counters: EngineCounters,
@@ -107,6 +114,7 @@ impl EngineState {
             publisher_ok: true,
             connected: false,
             last_seq: None,
+            incomplete_from: None,
             last_event: None,
             load: None,
             counters: EngineCounters::default(),
@@ -242,7 +250,12 @@ impl HubState {
             return;
         }
         let groups_before = e.mirror.groups_version();
+        let clears_before = e.mirror.stats().clears;
         e.mirror.apply(batch, &mut changes);
+        // The engine's first batch, or a clear of its whole cache: nothing before it matters.
+        if seq == 0 || e.mirror.stats().clears != clears_before {
+            e.incomplete_from = None;
+        }
         e.counters.applied = e.counters.applied.saturating_add(1);
         let over = e.mirror.len() > max_blocks;
         // Only several groups change how the filters score (hybrid models).
@@ -265,6 +278,7 @@ impl HubState {
                 e.counters.block_limit_hits = e.counters.block_limit_hits.saturating_add(1);
             }
             self.reset(engine, "block_limit");
+            self.mark_incomplete(engine, seq.saturating_add(1));
         }
     }
 
@@ -279,6 +293,14 @@ impl HubState {
         *c = c.saturating_add(1);
         let id = e.spec.id;
         self.publish(Body::Reset(ReplicaReset { replica: id, reason: reason.to_owned() }));
+    }
+
+    /// Marks an engine's mirror as holding only what its batches from `from` on did.
+    pub fn mark_incomplete(&mut self, engine: usize, from: u64) {
+        if let Some(e) = self.engine(engine) {
+            e.incomplete_from = Some(from);
+            e.counters.incomplete_starts = e.counters.incomplete_starts.saturating_add(1);
+        }
     }
 
     pub fn count_gap(&mut self, engine: usize) {

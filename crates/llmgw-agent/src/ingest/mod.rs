@@ -32,7 +32,9 @@ pub enum FillOutcome {
     /// The source has no way to fetch missed batches.
     NoReplay,
     /// Missed batches were asked for; `skipped` names the replies that could not be read.
-    Replayed { complete: bool, batches: u64, skipped: Vec<&'static str> },
+    /// `tail_from`: the source no longer held the start of the range, but held it from this
+    /// batch to its end (all of those were applied; `complete` is false).
+    Replayed { complete: bool, batches: u64, skipped: Vec<&'static str>, tail_from: Option<u64> },
 }
 
 /// A fill: why, which range, how it ended.
@@ -67,6 +69,9 @@ pub trait Sink<P: ?Sized> {
     fn disconnected(&mut self, engine: usize, still_connected: bool);
     /// The sequence asks for a fill: before anything is fetched (`reset`: the mirror is stale).
     fn fill_needed(&mut self, engine: usize, cause: Cause, reset: bool);
+    /// The source no longer holds the batches `from..first` of a fill: called before batch
+    /// `first`, the first it does hold, is applied (the batches before it are lost for good).
+    fn fill_starts_late(&mut self, _engine: usize, _cause: Cause, _from: u64, _first: u64) {}
     /// How the fill went (after the replayed batches were applied).
     fn fill_ended(&mut self, engine: usize, fill: Fill);
     /// One batch, live or replayed, in sequence order; false when the sink takes no more.
@@ -122,7 +127,13 @@ impl Ingest {
             let outcome = if from >= until {
                 FillOutcome::Restarted
             } else {
-                replay.replay(from, until, &mut |s, p| sink.apply(engine, s, p))
+                let mut first = true;
+                replay.replay(from, until, &mut |s, p| {
+                    if std::mem::take(&mut first) && s > from {
+                        sink.fill_starts_late(engine, cause, from, s);
+                    }
+                    sink.apply(engine, s, p)
+                })
             };
             sink.fill_ended(engine, Fill { cause, from, until, outcome });
         }
@@ -175,6 +186,9 @@ mod tests {
         fn fill_needed(&mut self, e: usize, cause: Cause, reset: bool) {
             self.0.push(format!("fill {e} {} reset={reset}", cause.as_str()));
         }
+        fn fill_starts_late(&mut self, e: usize, cause: Cause, from: u64, first: u64) {
+            self.0.push(format!("late {e} {} {from}..{first}", cause.as_str()));
+        }
         fn fill_ended(&mut self, e: usize, f: Fill) {
             self.0.push(format!("filled {e} {}..{} {:?}", f.from, f.until, f.outcome));
         }
@@ -196,7 +210,8 @@ mod tests {
                     break;
                 }
             }
-            FillOutcome::Replayed { complete: n == until - from, batches: n, skipped: vec![] }
+            let tail_from = self.0.iter().map(|(s, _)| *s).find(|s| (from..until).contains(s)).filter(|s| *s > from);
+            FillOutcome::Replayed { complete: n == until - from, batches: n, skipped: vec![], tail_from }
         }
     }
 
@@ -214,8 +229,23 @@ mod tests {
             "fill 0 gap reset=false",
             "apply 0 1 11",
             "apply 0 2 12",
-            "filled 0 1..3 Replayed { complete: true, batches: 2, skipped: [] }",
+            "filled 0 1..3 Replayed { complete: true, batches: 2, skipped: [], tail_from: None }",
             "apply 0 3 13",
+        ];
+        assert_eq!(sink.0, want);
+    }
+
+    #[test]
+    fn a_replay_buffer_that_lost_the_start_still_gives_what_it_holds() {
+        let (mut ingest, mut sink, mut held) = (Ingest::new(), Log::default(), Held(vec![(3, 13), (4, 14)]));
+        assert!(ingest.handle(batch(0, 5, &15), &mut held, &mut sink));
+        let want = [
+            "fill 0 initial reset=false",
+            "late 0 initial 0..3",
+            "apply 0 3 13",
+            "apply 0 4 14",
+            "filled 0 0..5 Replayed { complete: false, batches: 2, skipped: [], tail_from: Some(3) }",
+            "apply 0 5 15",
         ];
         assert_eq!(sink.0, want);
     }

@@ -109,30 +109,47 @@ impl<A: HubAccess> HubSink<A> {
         });
     }
 
+    /// A gap whose start the replay buffer no longer holds: the mirror's state before the gap
+    /// cannot be brought forward, so it is dropped before the batches the buffer holds apply.
+    /// (After any other cause the mirror starts clean already.)
+    fn fill_starts_late(&mut self, engine: usize, cause: Cause) {
+        if cause == Cause::Gap {
+            self.reset(engine, "gap_unrepaired");
+        }
+    }
+
     fn fill_ended(&mut self, engine: usize, fill: Fill) {
         let Fill { cause, from, until, outcome } = fill;
         let label = self.label(engine);
-        let complete = match outcome {
+        let (complete, tail_from) = match outcome {
             FillOutcome::Restarted => {
                 info!(replica = %label, cause = cause.as_str(), "sequence restarted at 0");
                 return;
             }
-            FillOutcome::NoReplay => false,
-            FillOutcome::Replayed { complete, batches, skipped } => {
+            FillOutcome::NoReplay => (false, None),
+            FillOutcome::Replayed { complete, batches, skipped, tail_from } => {
                 self.state.with(|st| {
                     for reason in skipped {
                         st.skipped(engine, reason);
                     }
                     st.count_replay(engine, complete, batches);
                 });
-                complete
+                (complete, tail_from)
             }
         };
         if complete {
             info!(replica = %label, cause = cause.as_str(), from, until, "missing batches replayed");
+        } else if let Some(first) = tail_from {
+            warn!(replica = %label, cause = cause.as_str(), lacks = %format!("{from}..{first}"), kept = %format!("{first}..{until}"),
+                "replay buffer no longer holds the first missing batches; applied those it holds; \
+                 engine incomplete: blocks stored before batch {first} and still cached are unknown until stored again");
+            self.state.with(|st| st.mark_incomplete(engine, first));
         } else {
-            warn!(replica = %label, cause = cause.as_str(), from, until, "missing batches could not be replayed; mirror reset");
+            warn!(replica = %label, cause = cause.as_str(), from, until,
+                "missing batches could not be replayed; mirror reset; \
+                 engine incomplete: blocks stored before batch {until} and still cached are unknown until stored again");
             self.reset(engine, &format!("{}_unrepaired", cause.as_str()));
+            self.state.with(|st| st.mark_incomplete(engine, until));
         }
     }
 }
@@ -156,6 +173,9 @@ macro_rules! hub_sink_common {
         }
         fn fill_needed(&mut self, engine: usize, cause: Cause, reset: bool) {
             HubSink::fill_needed(self, engine, cause, reset);
+        }
+        fn fill_starts_late(&mut self, engine: usize, cause: Cause, _from: u64, _first: u64) {
+            HubSink::fill_starts_late(self, engine, cause);
         }
         fn fill_ended(&mut self, engine: usize, fill: Fill) {
             HubSink::fill_ended(self, engine, fill);
@@ -187,5 +207,106 @@ impl<A: HubAccess> Sink<Option<EventBatch>> for HubSink<A> {
     fn apply(&mut self, engine: usize, seq: u64, batch: &Option<EventBatch>) -> bool {
         self.apply_decoded(engine, seq, batch.as_ref());
         true
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+    use crate::hub::fixtures::{batch, hub, stored};
+    use crate::ingest::{Ingest, Replay, SourceEvent};
+    use llmgw_core::wire::WireEvent;
+
+    /// A replay buffer holding only some batches (vLLM's keeps the last `buffer_steps`).
+    struct Held(Vec<(u64, Option<EventBatch>)>);
+
+    impl Replay<Option<EventBatch>> for Held {
+        fn replay(
+            &mut self,
+            from: u64,
+            until: u64,
+            apply: &mut dyn FnMut(u64, &Option<EventBatch>) -> bool,
+        ) -> FillOutcome {
+            let mut fill = crate::seq::Fill::new(from, until);
+            let mut n = 0;
+            for (s, b) in &self.0 {
+                if fill.step(*s) == crate::seq::FillStep::Apply {
+                    n += 1;
+                    apply(*s, b);
+                }
+            }
+            let tail_from = fill.late_start().filter(|_| fill.reached_end());
+            FillOutcome::Replayed { complete: fill.complete(), batches: n, skipped: vec![], tail_from }
+        }
+    }
+
+    fn keys(h: &Arc<Hub>) -> Vec<u64> {
+        let mut k: Vec<u64> = h.state().engines[0].mirror.some_keys(64).into_iter().map(|k| k.0).collect();
+        k.sort_unstable();
+        k
+    }
+
+    fn live(ingest: &mut Ingest, held: &mut Held, sink: &mut HubSink<Arc<Hub>>, seq: u64, hashes: Vec<u64>) {
+        let b = Some(batch(vec![stored(hashes)]));
+        ingest.handle(SourceEvent::Batch { engine: 0, seq, payload: &b }, held, sink);
+    }
+
+    #[test]
+    fn a_late_start_keeps_what_the_replay_buffer_holds_and_marks_the_engine_incomplete() {
+        let h = hub(1, 64);
+        let mut sink = HubSink::new(h.clone(), "up", "down");
+        let mut ingest = Ingest::new();
+        // Batches 0..=4 stored 10..=14; the buffer holds only 3 and 4.
+        let mut held = Held((3..5).map(|s| (s, Some(batch(vec![stored(vec![10 + s])])))).collect());
+        live(&mut ingest, &mut held, &mut sink, 5, vec![15]);
+        assert_eq!(keys(&h), [13, 14, 15]);
+        let st = h.state();
+        let e = &st.engines[0];
+        assert_eq!(e.incomplete_from, Some(3));
+        assert_eq!(e.counters.incomplete_starts, 1);
+        assert!(e.counters.resets.is_empty(), "{:?}", e.counters.resets);
+        assert_eq!(
+            (e.counters.replays_complete, e.counters.replays_incomplete, e.counters.replayed_batches),
+            (0, 1, 2)
+        );
+    }
+
+    #[test]
+    fn a_gap_the_buffer_lost_the_start_of_resets_then_keeps_what_it_holds() {
+        let h = hub(1, 64);
+        let mut sink = HubSink::new(h.clone(), "up", "down");
+        let mut ingest = Ingest::new();
+        let mut held = Held((5..7).map(|s| (s, Some(batch(vec![stored(vec![10 + s])])))).collect());
+        live(&mut ingest, &mut held, &mut sink, 0, vec![10]);
+        live(&mut ingest, &mut held, &mut sink, 7, vec![17]);
+        assert_eq!(keys(&h), [15, 16, 17]);
+        let st = h.state();
+        assert_eq!(st.engines[0].incomplete_from, Some(5));
+        assert_eq!(st.engines[0].counters.resets.get("gap_unrepaired"), Some(&1));
+    }
+
+    #[test]
+    fn an_unfillable_start_resets_and_a_clear_or_a_new_engine_makes_the_mirror_complete() {
+        let h = hub(1, 64);
+        let mut sink = HubSink::new(h.clone(), "up", "down");
+        let mut ingest = Ingest::new();
+        // A hole after the buffer's first batch: nothing can be trusted but the live batch.
+        let mut held = Held(vec![(1, Some(batch(vec![stored(vec![11])]))), (3, None)]);
+        live(&mut ingest, &mut held, &mut sink, 4, vec![14]);
+        assert_eq!(keys(&h), [14]);
+        assert_eq!(h.state().engines[0].incomplete_from, Some(4));
+        assert_eq!(h.state().engines[0].counters.resets.get("initial_unrepaired"), Some(&1));
+        // The engine's cache cleared: what the mirror holds from here on is all it holds.
+        let cleared = Some(batch(vec![WireEvent::AllBlocksCleared, stored(vec![20])]));
+        ingest.handle(SourceEvent::Batch { engine: 0, seq: 5, payload: &cleared }, &mut held, &mut sink);
+        assert_eq!(h.state().engines[0].incomplete_from, None);
+        // Incomplete again, then a restarted engine (sequence back to 0) starts complete.
+        live(&mut ingest, &mut Held(vec![]), &mut sink, 9, vec![29]);
+        assert_eq!(h.state().engines[0].incomplete_from, Some(9));
+        live(&mut ingest, &mut held, &mut sink, 0, vec![30]);
+        assert_eq!(keys(&h), [30]);
+        assert_eq!(h.state().engines[0].incomplete_from, None);
+        assert_eq!(h.state().engines[0].counters.incomplete_starts, 2);
     }
 }

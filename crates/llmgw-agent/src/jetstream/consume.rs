@@ -38,7 +38,7 @@ struct StreamHoldsAll;
 
 impl Replay<Option<EventBatch>> for StreamHoldsAll {
     fn replay(&mut self, _: u64, _: u64, _: &mut dyn FnMut(u64, &Option<EventBatch>) -> bool) -> FillOutcome {
-        FillOutcome::Replayed { complete: false, batches: 0, skipped: Vec::new() }
+        FillOutcome::Replayed { complete: false, batches: 0, skipped: Vec::new(), tail_from: None }
     }
 }
 
@@ -456,5 +456,8 @@ mod tests {
         ingest.on_message(&mut st, &subj, Some("5"), &payload(vec![1, 2]));
         assert_eq!(st.engines[0].mirror.len(), 2);
         assert_eq!(st.engines[0].counters.resets.get("initial_unrepaired"), Some(&1));
+        // It says so: blocks stored before batch 5 are unknown.
+        assert_eq!(st.engines[0].incomplete_from, Some(5));
+        assert_eq!(st.engines[0].counters.incomplete_starts, 1);
     }
 }

@@ -75,18 +75,19 @@ pub fn replay_dealer(ctx: &zmq::Context, cfg: &ZmqConfig, endpoint: &str) -> Res
 /// Asks a replay socket for the batches from `from` and hands those in `from..until` to
 /// `batch` in order (it returns false to stop); `bad` hears of frames it cannot read
 /// (`bad_replay_frames`, `bad_seq`) and of a `timeout`. Returns whether the whole range came,
-/// and how many batches were handed on.
+/// how many batches were handed on, and the first batch when the buffer no longer held the
+/// start of the range but covered it from that batch to its end.
 fn replay_range(
     d: &zmq::Socket,
     from: u64,
     until: u64,
     batch: &mut dyn FnMut(u64, &[u8]) -> bool,
     bad: &mut dyn FnMut(&'static str),
-) -> Result<(bool, u64), zmq::Error> {
+) -> Result<(bool, u64, Option<u64>), zmq::Error> {
     d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
     let mut fill = Fill::new(from, until);
     let mut handed: u64 = 0;
-    while !fill.complete() {
+    while !fill.reached_end() {
         let frames = match d.recv_multipart(0) {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) => {
@@ -117,7 +118,8 @@ fn replay_range(
             FillStep::Done | FillStep::Hole => break,
         }
     }
-    Ok((fill.complete(), handed))
+    let tail_from = fill.late_start().filter(|_| fill.reached_end());
+    Ok((fill.complete(), handed, tail_from))
 }
 
 /// Asks a replay socket whether it holds batch `seq` with this digest: `Some(same)` once it
@@ -172,11 +174,11 @@ impl Replay<[u8]> for ZmqReplay {
         };
         let r =
             replay_dealer(&self.ctx, &self.cfg, endpoint).and_then(|d| replay_range(&d, from, until, apply, &mut bad));
-        let (complete, batches) = r.unwrap_or_else(|e| {
+        let (complete, batches, tail_from) = r.unwrap_or_else(|e| {
             warn!(replica = %self.label, error = %e, "replay socket failed");
-            (false, 0)
+            (false, 0, None)
         });
-        FillOutcome::Replayed { complete, batches, skipped }
+        FillOutcome::Replayed { complete, batches, skipped, tail_from }
     }
 }
 

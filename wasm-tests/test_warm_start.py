@@ -1,0 +1,155 @@
+"""An agent that starts after an engine's replay buffer rolled past its early batches: it keeps
+what the buffer still holds (not an empty mirror), says which engine is incomplete, and holds
+exactly the blocks those batches left in the engine's cache. The simulator stands in for vLLM
+(its replay buffer is `--buffer-steps` batches, as vLLM's `buffer_steps`)."""
+
+import json
+import time
+
+import msgpack
+import zmq
+
+from llmgw_testkit import free_port, wait_port, wait_until
+from llmgw_testkit import get_text as get
+from llmgw_testkit import post_json as post
+
+BUFFER_STEPS = 4
+
+
+class Recorder:
+    """A SUB of its own on the simulator's publisher: every batch by sequence number."""
+
+    def __init__(self, kv: int):
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.connect(f"tcp://127.0.0.1:{kv}")
+        self.batches: dict[int, list] = {}
+
+    def drain(self, until_seq: int | None = None, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if until_seq is not None and until_seq in self.batches:
+                return
+            if self.sub.poll(100):
+                _, seq, payload = self.sub.recv_multipart()
+                self.batches[int.from_bytes(seq, "big")] = msgpack.unpackb(payload, raw=False)[1]
+            elif until_seq is None:
+                return
+        raise AssertionError(f"batch {until_seq} never arrived; have {sorted(self.batches)[-5:]}")
+
+    def last(self) -> int:
+        return max(self.batches)
+
+    def keys_from(self, first: int) -> set[int]:
+        """The blocks the batches from `first` on leave cached (stores minus removals)."""
+        held: dict[int, int] = {}
+        for s in sorted(self.batches):
+            if s < first:
+                continue
+            for ev in self.batches[s]:
+                if ev["type"] == "BlockStored":
+                    for h in ev["block_hashes"]:
+                        held[h] = held.get(h, 0) + 1
+                elif ev["type"] == "BlockRemoved":
+                    for h in ev["block_hashes"]:
+                        if held.get(h, 0) > 1:
+                            held[h] -= 1
+                        else:
+                            held.pop(h, None)
+                elif ev["type"] == "AllBlocksCleared":
+                    held.clear()
+        return set(held)
+
+    def close(self):
+        self.sub.close()
+
+
+def replay_seqs(replay: int) -> list[int]:
+    """The sequence numbers the simulator's replay buffer holds (asked from 0, over DEALER)."""
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"tcp://127.0.0.1:{replay}")
+    try:
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert d.poll(5000), "no replay answer"
+            frames = d.recv_multipart()
+            if frames[1] == b"" and frames[2] == b"\xff" * 8:
+                return seqs
+            seqs.append(int.from_bytes(frames[2], "big"))
+    finally:
+        d.close()
+
+
+def prompt(tag: str) -> str:
+    return f"{tag} " + " ".join(f"word{i}" for i in range(69))  # 4 full blocks of 16
+
+
+def test_agent_started_after_the_replay_buffer_rolled_keeps_what_it_holds(procs, sim_bin, start_agent):
+    port, kv, replay = free_port(), free_port(), free_port()
+    procs.start([sim_bin, "--port", port, "--name", "r0", "--model", "m", "--blocks", "4096",
+                 "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{kv}",
+                 "--replay-endpoint", f"tcp://127.0.0.1:{replay}", "--decode-ms", "1",
+                 "--buffer-steps", BUFFER_STEPS], "sim")
+    wait_port(port)
+    url = f"http://127.0.0.1:{port}"
+    rec = Recorder(kv)
+    try:
+        # PUB/SUB drops what is sent before a subscription is live: prime until the recorder hears.
+        attempt = 0
+        while not rec.batches:
+            assert attempt < 100, "the recorder never received a batch"
+            post(f"{url}/v1/completions", {"model": "m", "prompt": prompt(f"warm{attempt}"), "max_tokens": 2})
+            rec.drain()
+            attempt += 1
+        # Early traffic, with no agent: the replay buffer rolls far past the first batches.
+        for i in range(12):
+            post(f"{url}/v1/completions", {"model": "m", "prompt": prompt(f"early{i}"), "max_tokens": 2})
+        early = set(json.loads(get(f"{url}/sim/blocks"))["keys"])
+        # Every early batch published and recorded: the recorder and the replay buffer agree.
+        wait_until(lambda: (rec.drain(), rec.last() == replay_seqs(replay)[-1])[1], 10, "early batches recorded")
+        last_early = rec.last()
+        held = replay_seqs(replay)
+        assert len(held) == BUFFER_STEPS and held[0] > 0 and held[-1] == last_early, held
+
+        agent = start_agent([{"name": "r0", "address": f"127.0.0.1:{port}", "models": ["m"], "mode": "connect",
+                              "endpoint": f"tcp://[::ffff:127.0.0.1]:{kv}", "topic": "kv-events",
+                              "replay_endpoint": f"tcp://127.0.0.1:{replay}"}])
+        agent.wait_for("r0", lambda r: r["connected"], "publisher connected")
+        # New traffic: the first batch the agent hears makes it ask the replay socket for 0 on.
+        n = 0
+
+        def heard():
+            nonlocal n
+            post(f"{url}/v1/completions", {"model": "m", "prompt": prompt(f"late{n}"), "max_tokens": 2})
+            n += 1
+            rec.drain()
+            try:
+                agent.wait_for("r0", lambda r: r["last_seq"] == rec.last(), "caught up", timeout=2)
+                return True
+            except AssertionError:  # that batch went out before the subscription reached the sim
+                return False
+        wait_until(heard, 20, "the agent hears a live batch", interval=0.1)
+        r = agent.replica("r0")
+
+        first = r["incomplete_from"]
+        # It kept the batches the buffer held when it asked, including ones from before it started.
+        assert first is not None and 0 < first <= last_early, (r, last_early)
+        want = rec.keys_from(first)
+        assert set(r["block_keys"]) == want
+        assert want & early, "no block from before the agent started is held"
+        # Exactly the engine's cache, less what only the batches the buffer lost stored.
+        cache = set(json.loads(get(f"{url}/sim/blocks"))["keys"])
+        assert want <= cache and cache - want == early - want
+        assert r["resets"] == {}, r["resets"]
+        assert r["replays"]["incomplete"] == 1 and r["replays"]["batches"] == BUFFER_STEPS - 1
+        assert r["incomplete_starts"] == 1
+        m = agent.metrics()
+        assert 'llmgw_agent_engine_incomplete{replica="r0",dp_rank="0"} 1' in m
+        assert 'llmgw_agent_incomplete_starts_total{replica="r0",dp_rank="0"} 1' in m
+        lines = [l for l in agent.log().splitlines() if "engine incomplete" in l]
+        assert len(lines) == 1 and "r0" in lines[0] and f"batch {first}" in lines[0], lines
+    finally:
+        rec.close()
