@@ -1,4 +1,7 @@
-//! The native tokenizer's HTTP face: `POST /tokenize` as vLLM answers it. Whatever it does not
+//! The native tokenizer's HTTP face: `POST /tokenize` as vLLM answers it, and the render
+//! endpoints (`/v1/chat/completions/render`, `/v1/completions/render`) for text, answering
+//! their token ids (`token_ids`; the sampling parameters and the rest of vLLM's render answer are
+//! left out: the filter reads the ids). Whatever it does not
 //! answer natively — a model it does not hold or refused or switched off, media, a request's
 //! own template, anything it could not parse or render — gets `421 Misdirected Request`, which
 //! the filter takes as "ask a replica" (never as a tokenizer failure): the native tokenizer
@@ -34,8 +37,8 @@ pub fn router(state: ServerState) -> Router {
     let limit = state.native.config.max_body_bytes;
     Router::new()
         .route("/tokenize", post(tokenize))
-        .route("/v1/completions/render", post(decline_render))
-        .route("/v1/chat/completions/render", post(decline_render))
+        .route("/v1/completions/render", post(render_completion))
+        .route("/v1/chat/completions/render", post(render_chat))
         .route("/health", get(|| async { "ok\n" }))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -61,15 +64,52 @@ fn decline(model: Option<&NativeModel>, why: &str) -> Response {
     (StatusCode::MISDIRECTED_REQUEST, [(header::CONTENT_TYPE, "application/json")], text).into_response()
 }
 
-async fn decline_render() -> Response {
-    decline(None, "render requests are answered by the replicas")
+/// Which endpoint a request came to: the answer's shape and the replica path it is checked on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Tokenize,
+    ChatRender,
+    CompletionRender,
 }
 
-async fn tokenize(State(st): State<ServerState>, body: Bytes) -> Response {
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Tokenize => "/tokenize",
+            Endpoint::ChatRender => "/v1/chat/completions/render",
+            Endpoint::CompletionRender => "/v1/completions/render",
+        }
+    }
+}
+
+async fn tokenize(st: State<ServerState>, body: Bytes) -> Response {
+    answer(st, body, Endpoint::Tokenize).await
+}
+
+async fn render_chat(st: State<ServerState>, body: Bytes) -> Response {
+    answer(st, body, Endpoint::ChatRender).await
+}
+
+async fn render_completion(st: State<ServerState>, body: Bytes) -> Response {
+    answer(st, body, Endpoint::CompletionRender).await
+}
+
+async fn answer(State(st): State<ServerState>, body: Bytes, endpoint: Endpoint) -> Response {
     let req: TokenizeRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return decline(None, &format!("unparsed request: {e}")),
     };
+    // A render body is a generation request of its own kind: a chat's messages, or one prompt
+    // string (a list of prompts or token ids goes to the replicas).
+    let fits = matches!(
+        (endpoint, &req),
+        (Endpoint::Tokenize, _)
+            | (Endpoint::ChatRender, TokenizeRequest::Chat(_))
+            | (Endpoint::CompletionRender, TokenizeRequest::Completion(_))
+    );
+    if !fits {
+        return decline(None, "a render body of another kind");
+    }
     let Some(model) = st.native.model(req.model()).cloned() else {
         return decline(None, "no native tokenizer for this model");
     };
@@ -96,10 +136,25 @@ async fn tokenize(State(st): State<ServerState>, body: Bytes) -> Response {
     };
     let n = model.counters.answered.fetch_add(1, Ordering::Relaxed);
     model.counters.answered_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
-    let answer = TokenizeAnswer { count: ids.len(), max_model_len, tokens: ids, token_strs: None };
-    let text = serde_json::to_string(&answer).unwrap_or_default();
+    let text = match endpoint {
+        Endpoint::Tokenize => serde_json::to_string(&TokenizeAnswer {
+            count: ids.len(),
+            max_model_len,
+            tokens: ids.clone(),
+            token_strs: None,
+        }),
+        Endpoint::ChatRender => serde_json::to_string(
+            &serde_json::json!({"request_id": "llmgw-native", "token_ids": ids, "features": null}),
+        ),
+        // vLLM answers a completion render with a list, one entry per prompt.
+        Endpoint::CompletionRender => serde_json::to_string(
+            &serde_json::json!([{"request_id": "llmgw-native", "token_ids": ids, "features": null}]),
+        ),
+    }
+    .unwrap_or_default();
     if verify::chosen(n, st.native.config.verify_first, st.native.config.verify_fraction) {
-        verify::spawn_check(&st.native, &st.hub, &st.checks, model, body, answer.tokens, n);
+        let check = verify::Check { model, body, native: ids, n, path: endpoint.path() };
+        verify::spawn_check(&st.native, &st.hub, &st.checks, check);
     }
     ([(header::CONTENT_TYPE, "application/json")], text).into_response()
 }

@@ -24,17 +24,22 @@ pub fn chosen(n: u64, first: u64, fraction: f64) -> bool {
     n.saturating_sub(first).is_multiple_of(every)
 }
 
-/// Asks a replica serving `model` to tokenize `body` and compares, in the background. Skipped
-/// (and counted) when `max_verify_in_flight` checks are already out.
-pub fn spawn_check(
-    tokenizers: &NativeTokenizers,
-    hub: &Hub,
-    checks: &Arc<Semaphore>,
-    model: Arc<NativeModel>,
-    body: Bytes,
-    native: Vec<u32>,
-    n: u64,
-) {
+/// One native answer to check.
+pub struct Check {
+    pub model: Arc<NativeModel>,
+    /// The request's body, sent to the replica unchanged.
+    pub body: Bytes,
+    pub native: Vec<u32>,
+    /// Which answer of the model it was (spreads the checks over the replicas).
+    pub n: u64,
+    /// The endpoint it came to, asked of the replica too.
+    pub path: &'static str,
+}
+
+/// Asks a replica serving the model to answer the same request and compares, in the
+/// background. Skipped (and counted) when `max_verify_in_flight` checks are already out.
+pub fn spawn_check(tokenizers: &NativeTokenizers, hub: &Hub, checks: &Arc<Semaphore>, check: Check) {
+    let Check { model, body, native, n, path } = check;
     let Ok(permit) = checks.clone().try_acquire_owned() else {
         model.counters.verify_skipped.fetch_add(1, Ordering::Relaxed);
         return;
@@ -57,7 +62,7 @@ pub fn spawn_check(
     let timeout = Duration::from_millis(tokenizers.config.verify_timeout_ms);
     tokio::spawn(async move {
         let _permit = permit;
-        let url = format!("http://{address}/tokenize");
+        let url = format!("http://{address}{path}");
         let reply = match crate::http_client::post_json(&url, &body, timeout).await {
             Ok(text) => text,
             Err(e) => {
@@ -89,17 +94,26 @@ pub fn spawn_check(
     });
 }
 
+/// The token ids of a replica's answer: `/tokenize`'s `tokens`, a render answer's `token_ids`
+/// (a completion render's first entry).
 fn tokens_of(body: &str) -> Option<Vec<u32>> {
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        tokens: Vec<u32>,
-    }
-    serde_json::from_str::<Answer>(body).ok().map(|a| a.tokens)
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let v = if let serde_json::Value::Array(items) = v { items.into_iter().next()? } else { v };
+    let ids = v.get("tokens").or_else(|| v.get("token_ids"))?.as_array()?;
+    ids.iter().map(|x| x.as_u64().and_then(|i| u32::try_from(i).ok())).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::chosen;
+
+    #[test]
+    fn a_replicas_ids_are_read_from_tokenize_and_render_answers() {
+        assert_eq!(super::tokens_of(r#"{"count":2,"tokens":[5,6]}"#), Some(vec![5, 6]));
+        assert_eq!(super::tokens_of(r#"{"request_id":"x","token_ids":[7]}"#), Some(vec![7]));
+        assert_eq!(super::tokens_of(r#"[{"request_id":"x","token_ids":[8,9]}]"#), Some(vec![8, 9]));
+        assert_eq!(super::tokens_of(r#"{"error":"no"}"#), None);
+    }
 
     #[test]
     fn the_first_answers_and_then_a_share_are_checked() {
