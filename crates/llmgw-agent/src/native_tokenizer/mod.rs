@@ -166,7 +166,7 @@ impl NativeTokenizers {
         family(
             "llmgw_native_tokenizer_verified_total",
             "counter",
-            "Native answers checked against a replica's /tokenize",
+            "Native answers checked against a replica's answer to the same request",
             &c(|c| &c.verified),
         );
         family(
