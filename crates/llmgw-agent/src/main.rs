@@ -9,8 +9,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// `--version`: the crate's version and the commit it was built from (see `build_commit.rs`).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("LLMGW_GIT_COMMIT"), ")");
+
 #[derive(Parser)]
-#[command(name = "llmgw-agent", version, about = "llmgw agent: vLLM KV-cache mirror and parity tools")]
+#[command(name = "llmgw-agent", version = VERSION, about = "llmgw agent: vLLM KV-cache mirror and parity tools")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
