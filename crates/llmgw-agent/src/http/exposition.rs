@@ -287,6 +287,12 @@ pub fn metrics_text(st: &HubState) -> String {
         st.live().filter_map(|e| e.mirror.stats().parity.match_ratio().map(|r| (lbl(e), r))).collect();
     counter("parity_match_ratio", "Share of verified blocks whose hash matched.", "gauge", ratio);
     counter("blocks", "Blocks held per engine.", "gauge", per(&|e| e.mirror.len() as u64));
+    counter(
+        "block_limit",
+        "Blocks one engine may hold (zmq.max_blocks_per_engine); past it its mirror is reset.",
+        "gauge",
+        vec![(String::new(), st.max_blocks as f64)],
+    );
     counter("replica_up", "1 when the replica is up.", "gauge", per(&|e| u64::from(e.up)));
     counter(
         "publisher_connected",
@@ -370,6 +376,7 @@ mod tests {
         assert!(text.contains("llmgw_agent_blocks{replica=\"r1\",dp_rank=\"0\"} 2"), "{text}");
         assert!(text.contains("llmgw_agent_events_skipped_total{replica=\"r0\",dp_rank=\"0\",reason=\"malformed\"} 1"));
         assert!(text.contains("llmgw_agent_subscribers 0"));
+        assert!(text.contains("llmgw_agent_block_limit 1073741824\n"), "{text}");
         h.state().discovery_refused.count(Refused::ForeignHost);
         h.state().discovery_refused.count(Refused::ForeignHost);
         h.state().discovery_refused.count(Refused::Unparseable);
