@@ -65,15 +65,17 @@ pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig) -> VllmArgs {
 }
 
 fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>, topic: &str) -> VllmArgs {
-    let mut kv = json!({
-        "enable_kv_cache_events": true,
-        "publisher": "zmq",
-        "endpoint": endpoint,
-        "topic": topic,
-    });
-    if let (Some(rep), Some(obj)) = (replay, kv.as_object_mut()) {
-        obj.insert("replay_endpoint".into(), json!(rep));
+    // Keys in sorted order whatever serde_json's map keeps (another crate of the build may turn
+    // on its preserve_order): the manifests hold this text as printed.
+    let mut kv = std::collections::BTreeMap::new();
+    kv.insert("enable_kv_cache_events", json!(true));
+    kv.insert("publisher", json!("zmq"));
+    kv.insert("endpoint", json!(endpoint));
+    kv.insert("topic", json!(topic));
+    if let Some(rep) = replay {
+        kv.insert("replay_endpoint", json!(rep));
     }
+    let kv = serde_json::to_string(&kv).unwrap_or_default();
     let mut env = Vec::new();
     if let Some(seed) = &hash.seed {
         env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
@@ -85,7 +87,7 @@ fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>
         "--block-size".to_owned(),
         hash.block_size.to_string(),
         "--kv-events-config".to_owned(),
-        kv.to_string(),
+        kv,
     ];
     VllmArgs { replica: name.to_owned(), env, args }
 }
@@ -165,6 +167,11 @@ endpoint = "tcp://127.0.0.1:6100"
             a.args[..5],
             ["--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor", "--block-size", "16"]
         );
+        // Sorted keys, as the manifests hold it, whether or not serde_json preserves order.
+        assert_eq!(
+            a.args[6],
+            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kv-events"}"#
+        );
         let kv: serde_json::Value = serde_json::from_str(&a.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://*:5557");
         assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
@@ -205,6 +212,11 @@ topic = "t"
         let a = for_discovery(&cfg, &cfg.discovery[0]);
         assert_eq!(a.env, vec![("PYTHONHASHSEED".to_owned(), "7".to_owned())]);
         assert_eq!(a.args[4], "32");
+        // Sorted keys, as the manifests hold it, whether or not serde_json preserves order.
+        assert_eq!(
+            a.args[6],
+            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":""}"#
+        );
         let kv: serde_json::Value = serde_json::from_str(&a.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://*:5557");
         assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
