@@ -4,7 +4,8 @@
 #   setup  Rust targets and components, Envoy and the test requirements in .venv
 #   build  native binaries (release) and dist/llmgw.wasm
 #   wasm   dist/llmgw.wasm only
-#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation, end-to-end tests
+#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation, the alerting rules
+#          (metric names; promtool test rules, installing Debian's prometheus package), end-to-end tests
 #   e2e    the end-to-end tests (wasm-tests/) only; arguments go to pytest, e.g. `./build.sh e2e -k test_sim`
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
@@ -133,8 +134,40 @@ run_tests() {
   setup_envoy
   log "Envoy $ENVOY_VERSION: validate configs with llmgw.wasm loaded"
   PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
+  observability
   run_e2e
   log "all tests passed"
+}
+
+# Prometheus's promtool, from Debian's prometheus package (apt-get, as root or through sudo -n,
+# once). Returns non-zero when it is missing and cannot be installed here.
+setup_promtool() {
+  command -v promtool >/dev/null && return 0
+  local sudo=""
+  [ "$(id -u)" = 0 ] || { sudo -n true 2>/dev/null && sudo="sudo -n"; } || return 1
+  command -v apt-get >/dev/null || return 1
+  log "installing promtool (Debian's prometheus package, apt-get)"
+  $sudo apt-get install -y -q prometheus >/dev/null 2>&1 ||
+    { $sudo apt-get update -q >/dev/null 2>&1 && $sudo apt-get install -y -q prometheus >/dev/null 2>&1; } || return 1
+  command -v promtool >/dev/null
+}
+
+# The alerting rules and the dashboard (observability/): every metric they name is one the
+# project defines, and the rules' unit tests pass under promtool. Without promtool (no apt-get,
+# not root) the unit tests are skipped with a warning, or fail with LLMGW_REQUIRE_PROMTOOL=1.
+observability() {
+  log "observability: metric names in the alerting rules and the dashboard"
+  "$VENV/bin/python" observability/check_metrics.py
+  if setup_promtool; then
+    log "observability: promtool test rules ($(promtool --version 2>&1 | head -1))"
+    promtool check rules observability/prometheus/llmgw-alerts.yaml >/dev/null
+    promtool test rules observability/prometheus/llmgw-alerts.test.yaml
+  elif [ "${LLMGW_REQUIRE_PROMTOOL:-0}" = 1 ]; then
+    echo "promtool not found and not installable here (apt-get install prometheus)" >&2
+    exit 1
+  else
+    printf '\033[1;31m==> SKIPPED: the alerting rules unit tests: promtool not found and not installable here (apt-get install prometheus); LLMGW_REQUIRE_PROMTOOL=1 makes this an error\033[0m\n' >&2
+  fi
 }
 
 MDBOOK_VERSION=0.5.4

@@ -1,5 +1,7 @@
 //! A minimal plain-HTTP client: load scraping reads each replica's `/metrics` with it,
 //! discovery its `/kv_event_sources`, and the native tokenizer's check posts to its `/tokenize`.
+//! HTTP/1.0 (a body read to the connection's end), except [`get_http11`] for servers that
+//! refuse 1.0 (Envoy's admin answers it 426).
 
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,15 +27,35 @@ pub enum HttpError {
 
 /// GET `url` (plain http) and return the body of a 200 response.
 pub async fn get(url: &str, timeout: Duration) -> Result<String, HttpError> {
-    request(url, None, timeout).await
+    request(url, None, timeout, false).await
+}
+
+/// GET `url` as HTTP/1.1 (`Connection: close`, a chunked body decoded) and return the body of
+/// a 200 response.
+pub async fn get_http11(url: &str, timeout: Duration) -> Result<String, HttpError> {
+    request(url, None, timeout, true).await
 }
 
 /// POST a JSON `body` to `url` (plain http) and return the body of a 200 response.
 pub async fn post_json(url: &str, body: &[u8], timeout: Duration) -> Result<String, HttpError> {
-    request(url, Some(body), timeout).await
+    request(url, Some(body), timeout, false).await
 }
 
-async fn request(url: &str, body: Option<&[u8]>, timeout: Duration) -> Result<String, HttpError> {
+/// A chunked body's data (RFC 9112 7.1); `None` if it is cut short or malformed.
+fn dechunk(mut rest: &str) -> Option<String> {
+    let mut out = String::new();
+    loop {
+        let (size_line, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size_line.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.push_str(after.get(..size)?);
+        rest = after.get(size..)?.strip_prefix("\r\n")?;
+    }
+}
+
+async fn request(url: &str, body: Option<&[u8]>, timeout: Duration, http11: bool) -> Result<String, HttpError> {
     let rest = url.strip_prefix("http://").ok_or(HttpError::UnsupportedUrl)?;
     let (hostport, path) = match rest.find('/') {
         Some(i) => (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")),
@@ -42,6 +64,9 @@ async fn request(url: &str, body: Option<&[u8]>, timeout: Duration) -> Result<St
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(hostport).await?;
         let req = match body {
+            None if http11 => format!(
+                "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nAccept: text/plain\r\nUser-Agent: llmgw-agent\r\nConnection: close\r\n\r\n"
+            ),
             None => format!(
                 "GET {path} HTTP/1.0\r\nHost: {hostport}\r\nAccept: text/plain\r\nUser-Agent: llmgw-agent\r\n\r\n"
             ),
@@ -65,5 +90,27 @@ async fn request(url: &str, body: Option<&[u8]>, timeout: Duration) -> Result<St
     if status.split_whitespace().nth(1) != Some("200") {
         return Err(HttpError::Status(status.to_owned()));
     }
+    let chunked = head.lines().skip(1).any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.to_ascii_lowercase().contains("chunked")
+        })
+    });
+    if chunked {
+        return dechunk(body).ok_or(HttpError::Malformed);
+    }
     Ok(body.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dechunk;
+
+    #[test]
+    fn chunked_bodies_are_joined_and_cut_ones_refused() {
+        assert_eq!(dechunk("5\r\nhello\r\n7;x=y\r\n, world\r\n0\r\n\r\n").as_deref(), Some("hello, world"));
+        assert_eq!(dechunk("0\r\n\r\n").as_deref(), Some(""));
+        assert_eq!(dechunk("5\r\nhel"), None);
+        assert_eq!(dechunk("zz\r\nhello\r\n0\r\n"), None);
+        assert_eq!(dechunk("5\r\nhello"), None);
+    }
 }

@@ -12,7 +12,7 @@
 //! * [`hub`]: mirrors, feed subscribers, snapshots and counters.
 //! * [`counters`]: the discovery's and the JetStream consumer's counters the hub keeps.
 //! * [`feed`]: the `llmgw.feed.v1.Feed/Subscribe` gRPC service.
-//! * [`http`]: `/metrics`, `/healthz`, `/debug/replicas`.
+//! * [`http`]: `/metrics`, `/healthz`, `/readyz`, `/debug/replicas`.
 //! * [`load`]: scraping each replica's `/metrics` for load and liveness.
 //! * [`http_client`]: the plain-HTTP GET that load scraping and discovery use.
 //! * [`vllm`]: the vLLM flags and environment matching the agent's configuration.
@@ -146,6 +146,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         hub.clone(),
         native.as_ref().map(|(n, _)| n.clone()),
         cfg.http.debug_token.clone(),
+        http::readiness::Readiness::from_config(&cfg),
         wait(rx.clone()),
     ));
     let mut background = vec![

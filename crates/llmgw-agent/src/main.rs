@@ -9,8 +9,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// `--version`: the crate's version and the commit it was built from (see `build_commit.rs`).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("LLMGW_GIT_COMMIT"), ")");
+
 #[derive(Parser)]
-#[command(name = "llmgw-agent", version, about = "llmgw agent: vLLM KV-cache mirror and parity tools")]
+#[command(name = "llmgw-agent", version = VERSION, about = "llmgw agent: vLLM KV-cache mirror and parity tools")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,9 +32,11 @@ enum Command {
     VllmArgs(ConfigArgs),
     /// Check a configuration file and print the engines it describes.
     CheckConfig(ConfigArgs),
-    /// Check a configuration against the running replicas: each native tokenizer model's
-    /// tokens against each configured replica's /tokenize. Exits non-zero on a difference.
-    Doctor(ConfigArgs),
+    /// Check a configuration against the running fleet, one line per check with the fix: each
+    /// replica's /health and /v1/models, discovery (DNS, /kv_event_sources), each native
+    /// tokenizer model against each replica's /tokenize, and Envoy's clusters given its admin.
+    /// Exits non-zero if any check fails.
+    Doctor(DoctorArgs),
     /// Hash token ids (a JSON array on stdin) into vLLM block hashes.
     Hash(tools::HashArgs),
     /// Decode one KVEventBatch payload (msgpack on stdin) into JSON.
@@ -56,6 +61,16 @@ struct PublishArgs {
     /// Log filter level: error, warn, info, debug.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
+}
+
+#[derive(Args)]
+struct DoctorArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    config: PathBuf,
+    /// Envoy's admin address (http://HOST:PORT): checks the clusters the filter needs.
+    #[arg(long)]
+    envoy_admin: Option<String>,
 }
 
 #[derive(Args)]
@@ -175,9 +190,18 @@ fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
     Ok(())
 }
 
-fn doctor(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
+fn doctor(cfg: &llmgw_agent::config::Config, envoy_admin: Option<&str>) -> Result<(), String> {
+    use llmgw_agent::doctor;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
-    let findings = rt.block_on(llmgw_agent::doctor::tokenizers(cfg));
+    let findings = rt.block_on(async {
+        let mut all = doctor::replicas(cfg).await;
+        all.extend(doctor::discovery(cfg).await);
+        all.extend(doctor::tokenizers(cfg).await);
+        if let Some(admin) = envoy_admin {
+            all.extend(doctor::envoy(admin).await);
+        }
+        all
+    });
     let bad = findings.iter().filter(|f| !f.ok).count();
     for f in &findings {
         println!("{} {}", if f.ok { "ok  " } else { "FAIL" }, f.line);
@@ -200,7 +224,7 @@ fn main() -> ExitCode {
             }
             check_tokenizers(&cfg)
         }),
-        Command::Doctor(a) => load(&a.config).and_then(|cfg| doctor(&cfg)),
+        Command::Doctor(a) => load(&a.config).and_then(|cfg| doctor(&cfg, a.envoy_admin.as_deref())),
         Command::Hash(a) => tools::hash(&a).map_err(|e| e.to_string()),
         Command::Decode(a) => tools::decode(&a).map_err(|e| e.to_string()),
         Command::Replay(a) => tools::replay(&a).map_err(|e| e.to_string()),

@@ -306,6 +306,12 @@ pub fn metrics_text(st: &HubState) -> String {
         "counter",
         per(&|e| e.counters.incomplete_starts),
     );
+    counter(
+        "block_limit",
+        "Blocks one engine may hold (zmq.max_blocks_per_engine); past it its mirror is reset.",
+        "gauge",
+        vec![(String::new(), st.max_blocks as f64)],
+    );
     counter("replica_up", "1 when the replica is up.", "gauge", per(&|e| u64::from(e.up)));
     counter(
         "publisher_connected",
@@ -389,6 +395,7 @@ mod tests {
         assert!(text.contains("llmgw_agent_blocks{replica=\"r1\",dp_rank=\"0\"} 2"), "{text}");
         assert!(text.contains("llmgw_agent_events_skipped_total{replica=\"r0\",dp_rank=\"0\",reason=\"malformed\"} 1"));
         assert!(text.contains("llmgw_agent_subscribers 0"));
+        assert!(text.contains("llmgw_agent_block_limit 1073741824\n"), "{text}");
         h.state().discovery_refused.count(Refused::ForeignHost);
         h.state().discovery_refused.count(Refused::ForeignHost);
         h.state().discovery_refused.count(Refused::Unparseable);

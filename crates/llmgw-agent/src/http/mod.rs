@@ -1,4 +1,5 @@
-//! Observability over HTTP: `/metrics` (Prometheus text), `/healthz`, `/debug/replicas`.
+//! Observability over HTTP: `/metrics` (Prometheus text), `/healthz` (liveness), `/readyz`
+//! (readiness, see [`readiness`]), `/debug/replicas`.
 //!
 //! [`exposition`] renders the hub state for the two read endpoints; the native tokenizer adds
 //! its own metrics when it runs. `/debug/replicas` lists every engine's block keys (with a
@@ -6,6 +7,7 @@
 //! `http.debug_token`, one request at a time (others get 429).
 
 pub mod exposition;
+pub mod readiness;
 
 use crate::hub::Hub;
 use crate::native_tokenizer::NativeTokenizers;
@@ -28,14 +30,27 @@ pub struct HttpState {
     pub debug_token: Option<String>,
     /// One `/debug/replicas` at a time (each copies every engine's keys).
     pub debug: Arc<Semaphore>,
+    pub readiness: Arc<readiness::Readiness>,
 }
 
-pub fn router(hub: Arc<Hub>, native: Option<Arc<NativeTokenizers>>, debug_token: Option<String>) -> Router {
+pub fn router(
+    hub: Arc<Hub>,
+    native: Option<Arc<NativeTokenizers>>,
+    debug_token: Option<String>,
+    readiness: readiness::Readiness,
+) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/debug/replicas", get(replicas))
-        .with_state(HttpState { hub, native, debug_token, debug: Arc::new(Semaphore::new(1)) })
+        .with_state(HttpState {
+            hub,
+            native,
+            debug_token,
+            debug: Arc::new(Semaphore::new(1)),
+            readiness: Arc::new(readiness),
+        })
 }
 
 /// Whether a `/debug/replicas` request from `peer` with `headers` may be answered.
@@ -70,6 +85,24 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// 200 "ready" when [`readiness::problems`] finds none, else 503 with one line per problem.
+async fn readyz(State(st): State<HttpState>) -> (StatusCode, String) {
+    let views = with_state(st.hub, readiness::EngineView::of).await;
+    let Some(views) = views else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready: the hub could not be read\n".to_owned());
+    };
+    let problems = readiness::problems(&st.readiness, &views);
+    if problems.is_empty() {
+        return (StatusCode::OK, "ready\n".to_owned());
+    }
+    let mut body = String::from("not ready:\n");
+    for p in problems {
+        body.push_str(&p);
+        body.push('\n');
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, body)
+}
+
 async fn replicas(
     State(st): State<HttpState>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -94,9 +127,10 @@ pub async fn serve(
     hub: Arc<Hub>,
     native: Option<Arc<NativeTokenizers>>,
     debug_token: Option<String>,
+    readiness: readiness::Readiness,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(hub, native, debug_token).into_make_service_with_connect_info::<SocketAddr>();
+    let app = router(hub, native, debug_token, readiness).into_make_service_with_connect_info::<SocketAddr>();
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
