@@ -122,4 +122,3 @@ impl ReplicaAvoidance for Counts {
 
 impl SpeculativeEntries for Counts {}
 impl LearnedRates for Counts {}
-impl LearnedRates for Counts {}
