@@ -76,10 +76,17 @@ impl StreamIngest {
     }
 
     /// The engines whose rebuild was asked for since the last call; their sequence positions
-    /// are forgotten.
-    pub fn take_rebuilds(&mut self) -> Vec<usize> {
+    /// are forgotten and their mirrors cleared in `hub` (messages may have reached the clean
+    /// mirror before the flag was seen; the catch-up applies each once).
+    pub fn take_rebuilds(&mut self, hub: &Hub) -> Vec<usize> {
         let asked: Vec<usize> =
             self.rebuild.iter().filter(|(_, f)| f.swap(false, Ordering::SeqCst)).map(|(i, _)| *i).collect();
+        if !asked.is_empty() {
+            let mut st = hub.state();
+            for &i in &asked {
+                st.reset(i, "rebuild");
+            }
+        }
         for &i in &asked {
             self.ingest.forget(i);
         }
@@ -227,7 +234,7 @@ async fn session(
         mark(&mut st, &engines, Some(true), Some(true));
     }
     // Replicas that came up with clean mirrors (the broker back): read again for them.
-    if ask_rebuilds(ingest, pos) {
+    if ask_rebuilds(ingest, pos, hub) {
         return Ok(());
     }
     *lost_since = None;
@@ -268,14 +275,14 @@ async fn session(
                         return Err(JetStreamError::Replaced { stream: cfg.stream.clone(), why });
                     }
                 }
-                if ask_rebuilds(ingest, pos) {
+                if ask_rebuilds(ingest, pos, hub) {
                     return Ok(());
                 }
                 continue;
             }
         };
         let Some(chunk) = chunk else { break };
-        if ask_rebuilds(ingest, pos) {
+        if ask_rebuilds(ingest, pos, hub) {
             return Ok(());
         }
         // Decoded before the hub lock is taken, as on the ZMQ path.
@@ -318,8 +325,8 @@ async fn stream_replaced(
 
 /// Takes the hub's rebuild requests: true when they need the stream read again from its start
 /// (nothing to do before anything was applied: the first read starts there anyway).
-fn ask_rebuilds(ingest: &mut StreamIngest, pos: &mut Position) -> bool {
-    let asked = ingest.take_rebuilds();
+fn ask_rebuilds(ingest: &mut StreamIngest, pos: &mut Position, hub: &Hub) -> bool {
+    let asked = ingest.take_rebuilds(hub);
     let Some(last) = pos.last else { return false };
     if asked.is_empty() {
         return false;
@@ -415,21 +422,48 @@ mod tests {
         let mut pos = Position::default();
         // Before anything was applied the first read starts at the stream's start anyway.
         hub.state().engines[0].rebuild.store(true, Ordering::SeqCst);
-        assert!(!ask_rebuilds(&mut ingest, &mut pos));
+        assert!(!ask_rebuilds(&mut ingest, &mut pos, &hub));
         assert!(pos.catch_up.is_none());
         pos.last = Some(41);
-        assert!(!ask_rebuilds(&mut ingest, &mut pos));
+        assert!(!ask_rebuilds(&mut ingest, &mut pos, &hub));
         // The replica came back up (its mirror clean): read again up to 41, for engine 0 only.
         let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
         ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
         hub.state().set_health(0, Health::Publisher, false, "test");
         hub.state().set_health(0, Health::Publisher, true, "test");
-        assert!(ask_rebuilds(&mut ingest, &mut pos));
+        assert!(ask_rebuilds(&mut ingest, &mut pos, &hub));
         assert_eq!(pos.catch_up, Some((41, HashSet::from([0]))));
         // Its sequence position was forgotten: batch 0 read again applies without a reset.
         ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
         assert!(!hub.state().engines[0].counters.resets.contains_key("restart"));
         assert_eq!(hub.state().engines[0].mirror.len(), 1);
+    }
+
+    #[test]
+    fn a_batch_that_reached_the_clean_mirror_before_the_rebuild_is_not_counted_twice() {
+        let (hub, mut ingest) = setup();
+        ingest.watch(&hub);
+        let mut pos = Position { last: Some(0), ..Position::default() };
+        let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
+        let removal = |hashes: Vec<u64>| {
+            let w =
+                WireBatch { ts: 1.0, events: vec![crate::hub::fixtures::removed(hashes)], data_parallel_rank: None };
+            encode_batch(&w, Encoding::Tagged, HashForm::Int)
+        };
+        ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
+        // Down (its blocks leave), up again (a rebuild asked for); batch 1 reaches the clean
+        // mirror before the consumer takes the request.
+        hub.state().set_health(0, Health::Publisher, false, "test");
+        hub.state().set_health(0, Health::Publisher, true, "test");
+        ingest.on_message(&mut hub.state(), &subj, Some("1"), &payload(vec![2]));
+        pos.last = Some(1);
+        assert!(ask_rebuilds(&mut ingest, &mut pos, &hub));
+        // The catch-up reads 0 and 1 again; then the engine removes block 2 once.
+        ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![1]));
+        ingest.on_message(&mut hub.state(), &subj, Some("1"), &payload(vec![2]));
+        ingest.on_message(&mut hub.state(), &subj, Some("2"), &removal(vec![2]));
+        assert_eq!(hub.state().engines[0].mirror.len(), 1, "block 2 is gone, not held by a second count");
+        assert_eq!(hub.state().engines[0].counters.resets.get("rebuild"), Some(&1));
     }
 
     #[test]

@@ -153,6 +153,10 @@ impl Engine {
                 self.on_connected();
             }
             if self.rebuild.swap(false, Ordering::SeqCst) {
+                // Batches may have reached the clean mirror before the flag was seen: clear it
+                // now, so the replay from the start applies each batch once (a batch applied
+                // twice leaves a block its one removal never takes away).
+                self.sink.reset(self.idx, "rebuild");
                 self.ingest.forget(self.idx);
             }
             if sub_ready {
