@@ -40,16 +40,6 @@ fn corpus(model: &str) -> Vec<serde_json::Value> {
     ]
 }
 
-fn tokens_of(body: &str) -> Option<Vec<u32>> {
-    serde_json::from_str::<serde_json::Value>(body)
-        .ok()?
-        .get("tokens")?
-        .as_array()?
-        .iter()
-        .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
-        .collect()
-}
-
 /// Checks every native tokenizer model against the configured replicas serving it.
 pub async fn tokenizers(cfg: &Config) -> Vec<Finding> {
     let mut out = Vec::new();
@@ -96,7 +86,10 @@ pub async fn tokenizers(cfg: &Config) -> Vec<Finding> {
                 let replica_ids = crate::http_client::post_json(&url, text.as_bytes(), Duration::from_secs(10))
                     .await
                     .map_err(|e| e.to_string())
-                    .and_then(|b| tokens_of(&b).ok_or_else(|| "no token ids in its answer".to_owned()));
+                    .and_then(|b| {
+                        crate::native_tokenizer::verify::tokens_of(&b)
+                            .ok_or_else(|| "no token ids in its answer".to_owned())
+                    });
                 match (native_ids, replica_ids) {
                     (Ok(a), Ok(b)) if a == b => equal = equal.saturating_add(1),
                     (Ok(a), Ok(b)) => {

@@ -136,22 +136,27 @@ async fn answer(State(st): State<ServerState>, body: Bytes, endpoint: Endpoint) 
     };
     let n = model.counters.answered.fetch_add(1, Ordering::Relaxed);
     model.counters.answered_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
-    let text = match endpoint {
-        Endpoint::Tokenize => serde_json::to_string(&TokenizeAnswer {
-            count: ids.len(),
-            max_model_len,
-            tokens: ids.clone(),
-            token_strs: None,
-        }),
-        Endpoint::ChatRender => serde_json::to_string(
-            &serde_json::json!({"request_id": "llmgw-native", "token_ids": ids, "features": null}),
+    // The ids go into the answer and, once it is written, to the check: never copied.
+    let (text, ids) = match endpoint {
+        Endpoint::Tokenize => {
+            let answer = TokenizeAnswer { count: ids.len(), max_model_len, tokens: ids, token_strs: None };
+            (serde_json::to_string(&answer), answer.tokens)
+        }
+        Endpoint::ChatRender => (
+            serde_json::to_string(
+                &serde_json::json!({"request_id": "llmgw-native", "token_ids": ids, "features": null}),
+            ),
+            ids,
         ),
         // vLLM answers a completion render with a list, one entry per prompt.
-        Endpoint::CompletionRender => serde_json::to_string(
-            &serde_json::json!([{"request_id": "llmgw-native", "token_ids": ids, "features": null}]),
+        Endpoint::CompletionRender => (
+            serde_json::to_string(
+                &serde_json::json!([{"request_id": "llmgw-native", "token_ids": ids, "features": null}]),
+            ),
+            ids,
         ),
-    }
-    .unwrap_or_default();
+    };
+    let text = text.unwrap_or_default();
     if verify::chosen(n, st.native.config.verify_first, st.native.config.verify_fraction) {
         let check = verify::Check { model, body, native: ids, n, path: endpoint.path() };
         verify::spawn_check(&st.native, &st.hub, &st.checks, check);

@@ -96,7 +96,7 @@ pub fn spawn_check(tokenizers: &NativeTokenizers, hub: &Hub, checks: &Arc<Semaph
 
 /// The token ids of a replica's answer: `/tokenize`'s `tokens`, a render answer's `token_ids`
 /// (a completion render's first entry).
-fn tokens_of(body: &str) -> Option<Vec<u32>> {
+pub fn tokens_of(body: &str) -> Option<Vec<u32>> {
     let v: serde_json::Value = serde_json::from_str(body).ok()?;
     let v = if let serde_json::Value::Array(items) = v { items.into_iter().next()? } else { v };
     let ids = v.get("tokens").or_else(|| v.get("token_ids"))?.as_array()?;

@@ -43,11 +43,11 @@ pub use tokenizer_reply::{tokenizer_answer, tokenizer_tokens, TokenizerReply};
 
 pub use crate::fleet::replica_key;
 
-use crate::config::{Compiled, DEFAULT_APPROX_PREFIX_BYTES};
+use crate::config::{Compiled, TokenizerEndpoint, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{Applied, FeedError, FeedMessage, FeedView};
 use crate::hash::{BlockHash, MmFeature, RequestExtras};
 use crate::policy::{self, Weights};
-use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAnswer, TokenizerCall};
+use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAnswer, TokenizerCall, TOKENIZE_PATH};
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 use decide::{decide, Deciding};
 use exact::{PromptBlocks, Scored, Scoring};
@@ -319,7 +319,11 @@ impl Router {
         };
         let generation = self.generation;
         let dedicated = self.config.profile(pi).and_then(|p| p.tokenizer_address.as_deref()) == Some(target.as_str());
-        let retry = dedicated.then(|| RetryCall { path: call.path, body: call.body.clone(), timeout_ms });
+        let retry = dedicated.then(|| RetryCall {
+            path: call.path,
+            body: (call.path != TOKENIZE_PATH).then(|| call.body.clone()),
+            timeout_ms,
+        });
         let call_bytes = call.body.len();
         let pending = Box::new(Pending {
             profile: pi,
@@ -434,7 +438,15 @@ impl Router {
         report.tokenizer_failure = Some(TokenizerFailure::Declined);
         let model = pending.parsed.model.clone();
         let approx_bytes = pending.approx_bytes;
-        let Some(call) = pending.retry.take() else {
+        // The call again: a render call's kept body, or the /tokenize body written anew.
+        let retry = pending.retry.take().and_then(|c| {
+            let body = match c.body {
+                Some(b) => b,
+                None => pending.parsed.tokenizer_call(TokenizerEndpoint::Tokenize, &[])?.body,
+            };
+            Some((c.path, body, c.timeout_ms))
+        });
+        let Some((path, body, timeout_ms)) = retry else {
             let approx = || approx_key(Some(&pending.parsed), &[], approx_bytes);
             return self.finish(
                 model.as_deref(),
@@ -447,14 +459,9 @@ impl Router {
             );
         };
         match self.replica_tokenizer(pending.profile, model.as_deref(), gw) {
-            TokenizerTarget::At(target) => Step::Tokenize(Tokenize {
-                target,
-                path: call.path,
-                body: call.body,
-                timeout_ms: call.timeout_ms,
-                pending: Box::new(pending),
-                report,
-            }),
+            TokenizerTarget::At(target) => {
+                Step::Tokenize(Tokenize { target, path, body, timeout_ms, pending: Box::new(pending), report })
+            }
             other => {
                 let why = match other {
                     TokenizerTarget::CircuitOpen => Some(Fallback::Tokenizer),

@@ -153,11 +153,13 @@ pub struct Pending {
     pub(super) call_bytes: usize,
 }
 
-/// A tokenizer call to repeat on a replica.
+/// A tokenizer call to repeat on a replica. A `/tokenize` body is written again from the
+/// parsed request when needed (no copy per request); a render body is the request's own bytes,
+/// which the pending call does not keep, so it is kept here.
 #[derive(Debug)]
 pub(super) struct RetryCall {
     pub(super) path: &'static str,
-    pub(super) body: Vec<u8>,
+    pub(super) body: Option<Vec<u8>>,
     pub(super) timeout_ms: u32,
 }
 

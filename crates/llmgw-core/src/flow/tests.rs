@@ -705,4 +705,10 @@ fn a_call_the_dedicated_tokenizer_declines_goes_once_to_a_replica_without_striki
     let again = tokenize(declined(&mut r, *call.pending));
     let got = routed(declined(&mut r, *again.pending));
     assert_eq!(got.report.fallback, Some(Fallback::Tokenizer));
+    // A render call (a chat with an image) goes again with the request's own body.
+    let chat = br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/i.png"}}]}]}"#;
+    let first = tokenize(r.on_body(&body("/v1/chat/completions", chat), &(), 0));
+    assert_eq!((first.target.as_str(), first.path), (T, "/v1/chat/completions/render"));
+    let again = tokenize(declined(&mut r, *first.pending));
+    assert_eq!((again.target.as_str(), again.path, again.body.as_slice()), (A, first.path, &chat[..]));
 }

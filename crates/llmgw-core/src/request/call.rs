@@ -11,6 +11,9 @@
 use super::parsed::{ApiKind, ParsedRequest, Prompt, RawJson};
 use crate::config::TokenizerEndpoint;
 
+/// vLLM's tokenize endpoint.
+pub const TOKENIZE_PATH: &str = "/tokenize";
+
 /// A tokenizer call to make on a replica.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenizerCall {
@@ -95,7 +98,7 @@ impl ParsedRequest {
             Prompt::Tokens(_) | Prompt::None => return None,
         }
         body.push(b'}');
-        Some(TokenizerCall { path: "/tokenize", body })
+        Some(TokenizerCall { path: TOKENIZE_PATH, body })
     }
 }
 

@@ -23,5 +23,5 @@ mod parsed;
 
 pub use answer::{parse_tokenizer_answer, parse_tokenizer_response, TokenizerAnswer, MAX_MM_IDENTIFIER, MAX_MM_ITEMS};
 pub use body::parse_request;
-pub use call::TokenizerCall;
+pub use call::{TokenizerCall, TOKENIZE_PATH};
 pub use parsed::{ApiKind, ParsedRequest, Prompt, RawJson, RequestError};
