@@ -24,6 +24,21 @@ pub const DEFAULT: &[&str] = &[
     "fe80::/10",
 ];
 
+/// Cloud instance-metadata and host-agent addresses, never routed to whatever the allowlist
+/// says (no replica serves there, and a forged replica table naming one would hand clients'
+/// requests, or the filter's tokenizer calls, to the node's credentials service): AWS
+/// (169.254.169.254, its IPv6 `fd00:ec2::254` inside the default unique-local range, ECS's
+/// 169.254.170.2), Google Cloud's IPv6 `fd20:ce::254`, Alibaba Cloud's 100.100.100.200 (inside
+/// the default carrier-grade NAT range), Azure's 168.63.129.16.
+pub const NEVER: &[&str] = &[
+    "169.254.169.254/32",
+    "169.254.170.2/32",
+    "fd00:ec2::254/128",
+    "fd20:ce::254/128",
+    "100.100.100.200/32",
+    "168.63.129.16/32",
+];
+
 /// At most this many entries (each destination is checked against every one).
 pub const MAX_ENTRIES: usize = 256;
 
@@ -37,6 +52,8 @@ struct Entry {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Allowlist {
     entries: Vec<Entry>,
+    /// [`NEVER`], compiled.
+    never: Vec<IpNet>,
 }
 
 fn parse_ports(s: &str) -> Result<(u16, u16), String> {
@@ -102,7 +119,8 @@ impl Allowlist {
             .enumerate()
             .map(|(i, e)| parse_entry(e.as_ref()).map_err(|m| (i, m)))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Allowlist { entries })
+        let never = NEVER.iter().filter_map(|n| parse_net(n).ok()).collect();
+        Ok(Allowlist { entries, never })
     }
 
     /// The default networks ([`DEFAULT`]).
@@ -114,6 +132,9 @@ impl Allowlist {
     /// is not a literal socket address (a host name, garbage) is refused.
     pub fn allows(&self, address: &str) -> bool {
         let Some((ip, port)) = socket(address) else { return false };
+        if self.never.iter().any(|n| n.contains(&ip)) {
+            return false;
+        }
         self.entries.iter().any(|e| e.net.contains(&ip) && e.ports.0 <= port && port <= e.ports.1)
     }
 }
@@ -152,6 +173,27 @@ mod tests {
         for no in ["8.8.8.8:53", "169.254.169.254:80", "[2606:4700::1]:443", "172.32.0.1:8000"] {
             assert!(!a.allows(no), "{no}");
         }
+    }
+
+    #[test]
+    fn cloud_metadata_addresses_are_never_routed_to_whatever_the_list_allows() {
+        let everything = list(&["0.0.0.0/0", "::/0"]);
+        assert!(everything.allows("8.8.8.8:53") && everything.allows("[2606:4700::1]:443"));
+        for no in [
+            "169.254.169.254:80",
+            "[fd00:ec2::254]:80",
+            "[::ffff:169.254.169.254]:80",
+            "[fd20:ce::254]:80",
+            "100.100.100.200:80",
+            "168.63.129.16:80",
+            "169.254.170.2:80",
+        ] {
+            assert!(!everything.allows(no), "{no}");
+            assert!(!Allowlist::default_networks().allows(no), "{no}");
+        }
+        // Their neighbours in the default ranges stay routable.
+        let d = Allowlist::default_networks();
+        assert!(d.allows("[fd00:ec2::253]:8000") && d.allows("100.100.100.201:8000"));
     }
 
     #[test]
