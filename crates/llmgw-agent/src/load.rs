@@ -14,6 +14,9 @@ pub struct Load {
     pub running: f64,
     pub waiting: f64,
     pub kv_cache_usage: f64,
+    /// The blocks its KV cache holds (`vllm:cache_config_info`'s `num_gpu_blocks` plus
+    /// `num_cpu_blocks`), when the page says.
+    pub cache_blocks: Option<u64>,
 }
 
 /// Parses vLLM's Prometheus text. Series with an `engine` label other than `rank` are left
@@ -50,6 +53,12 @@ pub fn parse_load(text: &str, rank: u32) -> Load {
             "vllm:num_requests_running" => l.running += value,
             "vllm:num_requests_waiting" => l.waiting += value,
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => l.kv_cache_usage = l.kv_cache_usage.max(value),
+            "vllm:cache_config_info" => {
+                let blocks = |k| label(labels, k).and_then(|v| v.parse::<u64>().ok());
+                if let Some(gpu) = blocks("num_gpu_blocks") {
+                    l.cache_blocks = Some(gpu.saturating_add(blocks("num_cpu_blocks").unwrap_or(0)));
+                }
+            }
             _ => {}
         }
     }
@@ -96,6 +105,9 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
                 }
                 let l = parse_load(&body, spec.dp_rank);
                 let mut st = hub.state();
+                if let Some(blocks) = l.cache_blocks {
+                    st.set_engine_blocks(idx, blocks);
+                }
                 if st.set_health(idx, Health::Http, true, "reachable") {
                     info!(replica = %spec.label(), "replica up; mirror starts clean");
                 }
@@ -157,11 +169,29 @@ vllm:num_requests_running_other 99
 
     #[test]
     fn parses_per_rank() {
-        assert_eq!(parse_load(PAGE, 0), Load { running: 3.0, waiting: 2.0, kv_cache_usage: 0.25 });
-        assert_eq!(parse_load(PAGE, 1), Load { running: 5.0, waiting: 0.0, kv_cache_usage: 0.5 });
+        let load = |running, waiting, kv_cache_usage| Load { running, waiting, kv_cache_usage, cache_blocks: None };
+        assert_eq!(parse_load(PAGE, 0), load(3.0, 2.0, 0.25));
+        assert_eq!(parse_load(PAGE, 1), load(5.0, 0.0, 0.5));
         let unlabelled = "vllm:num_requests_running 4\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.1\n";
-        assert_eq!(parse_load(unlabelled, 0), Load { running: 4.0, waiting: 1.0, kv_cache_usage: 0.1 });
+        assert_eq!(parse_load(unlabelled, 0), load(4.0, 1.0, 0.1));
         assert_eq!(parse_load("garbage{\n{}\nvllm:num_requests_running{x=\"1\"} NaN\n", 0), Load::default());
+    }
+
+    /// vLLM 0.33's `vllm:cache_config_info` (every CacheConfig field as a label, `str()` of its
+    /// value, one series per engine) gives each rank's KV-cache size.
+    #[test]
+    fn the_kv_cache_size_comes_from_cache_config_info_per_rank() {
+        let page = concat!(
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n",
+            "# TYPE vllm:cache_config_info gauge\n",
+            "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",",
+            "num_cpu_blocks=\"None\",num_gpu_blocks=\"27834\",prefix_caching_hash_algo=\"sha256_cbor\"} 1.0\n",
+            "vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_cpu_blocks=\"1000\",num_gpu_blocks=\"500\"} 1.0\n",
+        );
+        assert_eq!(parse_load(page, 0).cache_blocks, Some(27834));
+        assert_eq!(parse_load(page, 1).cache_blocks, Some(1500));
+        assert_eq!(parse_load(PAGE, 0).cache_blocks, None);
+        assert_eq!(parse_load("vllm:cache_config_info{num_gpu_blocks=\"None\"} 1.0\n", 0).cache_blocks, None);
     }
 
     /// After an agent (re)start a replica that never answers is down at its first failed

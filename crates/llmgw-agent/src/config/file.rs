@@ -65,6 +65,12 @@ pub struct JetStreamConfig {
     /// The broker's authorization token.
     #[serde(default)]
     pub token: Option<String>,
+    /// A NATS user and its password, in place of `token`: with a user per publisher, the
+    /// broker's permissions let each replica publish on its own subject only.
+    #[serde(default)]
+    pub user: Option<String>,
+    #[serde(default)]
+    pub password: Option<String>,
     /// CA (PEM) the broker's certificate is checked against; setting it requires TLS.
     #[serde(default)]
     pub tls_ca: Option<std::path::PathBuf>,
@@ -81,6 +87,10 @@ pub struct JetStreamConfig {
     /// Keep the stream in the broker's memory instead of on its disk.
     #[serde(default)]
     pub memory_storage: bool,
+    /// Bytes of batches the consumer may have asked for and not yet applied: the pull batch is
+    /// this over the broker's `max_payload` (at most 500 messages, at least 1).
+    #[serde(default = "default_queued_bytes")]
+    pub max_queued_bytes: i64,
 }
 
 /// Where a discovered replica's event endpoints come from.
@@ -228,6 +238,25 @@ pub struct ZmqConfig {
     /// gap). vLLM's largest batches are well under 1 MiB per 100,000 prompt tokens.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: i64,
+    /// Bytes one engine's receive queue may hold: libzmq queues whole messages and counts them,
+    /// so the queue is bounded to this over `max_message_bytes` messages (and `rcvhwm`).
+    /// Messages past it are dropped by libzmq and come back as a gap (`gaps_total`), filled from
+    /// the replay socket.
+    #[serde(default = "default_queued_bytes")]
+    pub max_queued_bytes: i64,
+}
+
+impl ZmqConfig {
+    /// The SUB socket's high-water mark: `rcvhwm` (0: no count limit), within the byte bound.
+    pub fn receive_hwm(&self) -> i32 {
+        let by_bytes = self.max_queued_bytes.checked_div(self.max_message_bytes.max(1)).unwrap_or(1).max(1);
+        let by_bytes = i32::try_from(by_bytes).unwrap_or(i32::MAX);
+        if self.rcvhwm > 0 {
+            self.rcvhwm.min(by_bytes)
+        } else {
+            by_bytes
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -350,7 +379,10 @@ fn default_max_blocks() -> usize {
     16 << 20
 }
 fn default_max_message_bytes() -> i64 {
-    16 << 20
+    4 << 20
+}
+fn default_queued_bytes() -> i64 {
+    1 << 30
 }
 fn default_true() -> bool {
     true
@@ -423,6 +455,7 @@ impl Default for ZmqConfig {
             replay_timeout_ms: default_replay_timeout(),
             max_blocks_per_engine: default_max_blocks(),
             max_message_bytes: default_max_message_bytes(),
+            max_queued_bytes: default_queued_bytes(),
             down_after_disconnect_ms: default_publisher_down(),
             verify_on_reconnect: true,
         }

@@ -55,6 +55,9 @@ impl Config {
         if self.zmq.max_message_bytes < 1024 {
             return Err(err("zmq.max_message_bytes", "must be at least 1024"));
         }
+        if self.zmq.max_queued_bytes < self.zmq.max_message_bytes {
+            return Err(err("zmq.max_queued_bytes", "must be at least zmq.max_message_bytes"));
+        }
         if self.zmq.reconnect_ivl_max_ms < 0 {
             return Err(err("zmq.reconnect_ivl_max_ms", "must be >= 0"));
         }
@@ -217,15 +220,27 @@ fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
         Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => h,
         _ => return Err(err("jetstream.url", format!("{:?}: needs host:port", js.url))),
     };
+    match (&js.user, &js.password) {
+        (Some(u), Some(p)) if !u.is_empty() && !p.is_empty() => {
+            if js.token.is_some() {
+                return Err(err("jetstream.user", "a token or a user and password, not both"));
+            }
+        }
+        (None, None) => {}
+        _ => return Err(err("jetstream.user", "a user needs a password and a password a user, both non-empty")),
+    }
     // Off loopback the events (which name every cached block) travel encrypted and to an
     // authenticated broker only.
     if !is_loopback_host(host) {
         if !tls && js.tls_ca.is_none() {
             return Err(err("jetstream.url", "a broker off loopback needs TLS (tls://host:port or tls_ca)"));
         }
-        if js.token.as_deref().unwrap_or("").is_empty() {
-            return Err(err("jetstream.token", "a broker off loopback needs a token"));
+        if js.token.as_deref().unwrap_or("").is_empty() && js.user.is_none() {
+            return Err(err("jetstream.token", "a broker off loopback needs a token or a user and password"));
         }
+    }
+    if js.max_queued_bytes < 1 << 20 {
+        return Err(err("jetstream.max_queued_bytes", "must be at least 1 MiB"));
     }
     let name_ok = !js.stream.is_empty() && js.stream.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     if !name_ok {
@@ -332,5 +347,38 @@ mod tests {
         }
         let ok = format!("[jetstream]\nurl = \"tls://10.0.0.9:4222\"\ntoken = \"t\"\n{OK}");
         assert!(Config::parse(&ok).is_ok());
+    }
+
+    #[test]
+    fn a_publisher_may_bring_its_own_user_and_password_instead_of_the_token() {
+        let js = "[jetstream]\nurl = \"tls://10.0.0.9:4222\"\n";
+        let ok = format!("{js}user = \"pub-a\"\npassword = \"s\"\n{OK}");
+        let cfg = Config::parse(&ok).unwrap();
+        assert_eq!(cfg.jetstream.as_ref().and_then(|j| j.user.as_deref()), Some("pub-a"));
+        for (extra, field) in [
+            ("user = \"pub-a\"\n", "jetstream.user"),
+            ("password = \"s\"\n", "jetstream.user"),
+            ("user = \"\"\npassword = \"s\"\n", "jetstream.user"),
+            ("token = \"t\"\nuser = \"pub-a\"\npassword = \"s\"\n", "jetstream.user"),
+            ("token = \"t\"\nmax_queued_bytes = 1024\n", "jetstream.max_queued_bytes"),
+        ] {
+            assert_eq!(error_of(&format!("{js}{extra}{OK}")).field, field, "{extra}");
+        }
+    }
+
+    #[test]
+    fn the_receive_queue_is_bounded_in_bytes_whatever_the_message_count_limit() {
+        let cfg = Config::parse(OK).unwrap();
+        // Defaults: 1 GiB over 4 MiB messages.
+        assert_eq!(cfg.zmq.receive_hwm(), 256);
+        let mut z = cfg.zmq.clone();
+        z.rcvhwm = 100;
+        assert_eq!(z.receive_hwm(), 100);
+        z.rcvhwm = 0;
+        z.max_message_bytes = 16 << 20;
+        z.max_queued_bytes = 64 << 20;
+        assert_eq!(z.receive_hwm(), 4);
+        let e = error_of(&format!("[zmq]\nmax_message_bytes = 2097152\nmax_queued_bytes = 1048576\n{OK}"));
+        assert_eq!(e.field, "zmq.max_queued_bytes", "{e}");
     }
 }

@@ -312,6 +312,14 @@ pub fn metrics_text(st: &HubState) -> String {
         "gauge",
         vec![(String::new(), st.max_blocks as f64)],
     );
+    let max_blocks = u64::try_from(st.max_blocks).unwrap_or(u64::MAX);
+    counter(
+        "engine_block_limit",
+        "Blocks this engine's mirror may hold: twice its KV cache (vllm:cache_config_info) when \
+         known, within block_limit.",
+        "gauge",
+        per(&|e| e.block_limit.and_then(|l| u64::try_from(l).ok()).map_or(max_blocks, |l| l.min(max_blocks))),
+    );
     counter("replica_up", "1 when the replica is up.", "gauge", per(&|e| u64::from(e.up)));
     counter(
         "publisher_connected",

@@ -75,7 +75,15 @@ pub struct EngineState {
     pub stop: Arc<AtomicBool>,
     /// Set when the engine thread must forget its sequence position and rebuild by replay.
     pub rebuild: Arc<AtomicBool>,
+    /// Blocks its mirror may hold, from the engine's own KV-cache size (`/metrics`), when
+    /// known; `zmq.max_blocks_per_engine` bounds it too.
+    pub block_limit: Option<usize>,
 }
+
+/// An engine's mirror may hold this many times the blocks its KV cache has.
+pub const BLOCK_LIMIT_FACTOR: u64 = 2;
+/// The least block limit an engine's reported size sets.
+pub const MIN_BLOCK_LIMIT: u64 = 4096;
 
 /// Replica ids a filter can address (its index keys replicas by u16).
 pub const MAX_ENGINES: usize = 1 << 16;
@@ -121,6 +129,7 @@ impl EngineState {
             parity_warned: false,
             lookahead_warned: None,
             rebuild: Arc::new(AtomicBool::new(false)),
+            block_limit: None,
             gone: false,
             stop: Arc::new(AtomicBool::new(false)),
         }
@@ -257,7 +266,7 @@ impl HubState {
             e.incomplete_from = None;
         }
         e.counters.applied = e.counters.applied.saturating_add(1);
-        let over = e.mirror.len() > max_blocks;
+        let over = e.mirror.len() > e.block_limit.map_or(max_blocks, |l| l.min(max_blocks));
         // Only several groups change how the filters score (hybrid models).
         let groups_changed = e.mirror.groups_version() != groups_before && e.mirror.groups().len() > 1;
         let id = e.spec.id;
@@ -356,6 +365,16 @@ impl HubState {
         let table = self.table();
         self.publish(Body::Replicas(table));
         true
+    }
+
+    /// The engine's KV cache holds `blocks` blocks (GPU and CPU, from its `/metrics`): its
+    /// mirror may hold [`BLOCK_LIMIT_FACTOR`] times that (removals trail stores within a batch
+    /// and across a publisher's lag), never fewer than [`MIN_BLOCK_LIMIT`].
+    pub fn set_engine_blocks(&mut self, engine: usize, blocks: u64) {
+        if let Some(e) = self.engine(engine) {
+            let limit = blocks.saturating_mul(BLOCK_LIMIT_FACTOR).max(MIN_BLOCK_LIMIT);
+            e.block_limit = Some(usize::try_from(limit).unwrap_or(usize::MAX));
+        }
     }
 
     pub fn set_load(&mut self, engine: usize, load: ReplicaLoad) {
@@ -722,5 +741,31 @@ mod tests {
         assert_eq!(st.engines[0].mirror.len(), 0);
         assert_eq!(st.engines[0].counters.block_limit_hits, 1);
         assert_eq!(st.engines[0].counters.resets.get("block_limit"), Some(&1));
+    }
+
+    #[test]
+    fn an_engine_that_reports_its_cache_size_is_held_to_twice_it() {
+        let cfg =
+            Config::parse("[[replicas]]\nname = \"r\"\naddress = \"127.0.0.1:1\"\nendpoint = \"tcp://127.0.0.1:2\"\n")
+                .unwrap();
+        let h = Hub::new(cfg.engines(), 64, 1 << 24);
+        // 3,000 blocks of KV cache: 6,000 at most in its mirror (the configured 16 Mi is no bound).
+        h.state().set_engine_blocks(0, 3000);
+        h.state().apply(0, 0, &batch(vec![stored((1..=6000).collect())]));
+        assert_eq!(h.state().engines[0].mirror.len(), 6000);
+        h.state().apply(0, 1, &batch(vec![stored((6001..=6001).collect())]));
+        let st = h.state();
+        assert_eq!(st.engines[0].mirror.len(), 0);
+        assert_eq!(st.engines[0].counters.block_limit_hits, 1);
+        drop(st);
+        // A tiny reported cache still leaves room for MIN_BLOCK_LIMIT blocks; the configured
+        // limit stays the ceiling.
+        let h = Hub::new(cfg.engines(), 64, 5000);
+        h.state().set_engine_blocks(0, 10);
+        h.state().apply(0, 0, &batch(vec![stored((1..=4096).collect())]));
+        assert_eq!(h.state().engines[0].mirror.len(), 4096);
+        h.state().set_engine_blocks(0, 1 << 40);
+        h.state().apply(0, 1, &batch(vec![stored((4097..=5001).collect())]));
+        assert_eq!(h.state().engines[0].counters.block_limit_hits, 1);
     }
 }

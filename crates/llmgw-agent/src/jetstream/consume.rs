@@ -218,10 +218,12 @@ async fn session(
         (None, Some(start_sequence)) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
         _ => consumer::DeliverPolicy::All,
     };
+    let max_batch = pull_batch(cfg.max_queued_bytes, client.server_info().max_payload);
     let c = stream
         .create_consumer(consumer::pull::OrderedConfig {
             filter_subject: format!("{}.>", cfg.subject_prefix),
             deliver_policy,
+            max_batch,
             ..Default::default()
         })
         .await
@@ -238,7 +240,7 @@ async fn session(
         return Ok(());
     }
     *lost_since = None;
-    info!(url = %cfg.url, stream = %cfg.stream, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
+    info!(url = %cfg.url, stream = %cfg.stream, pull_batch = max_batch, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
     // The client reconnects by itself and the message stream then just waits: the connection's
     // state, looked at every 100 ms, says when the broker has been away too long.
     let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -306,6 +308,14 @@ async fn session(
     Err(JetStreamError::Ended)
 }
 
+/// The most messages one pull asks for: as many of the broker's largest (`max_payload`) as
+/// `max_queued_bytes` holds, within the client's own batch (500) and at least 1. What the
+/// consumer holds unapplied stays within the bytes; the rest waits in the stream.
+fn pull_batch(max_queued_bytes: i64, max_payload: usize) -> i64 {
+    let payload = i64::try_from(max_payload).unwrap_or(i64::MAX).max(1);
+    max_queued_bytes.checked_div(payload).unwrap_or(1).clamp(1, 500)
+}
+
 /// Whether the stream was deleted, recreated or emptied behind the consumer's back (a broker
 /// restarted with memory storage, a store wiped): the ordered consumer would wait on it forever.
 async fn stream_replaced(
@@ -365,6 +375,17 @@ mod tests {
             hub.state().set_health(e.id as usize, Health::Publisher, true, "test");
         }
         (hub, StreamIngest::new(&engines))
+    }
+
+    #[test]
+    fn a_pull_asks_for_no_more_bytes_than_the_queue_holds() {
+        // 1 GiB over the broker's default 1 MiB payload: the client's own batch (500) binds.
+        assert_eq!(pull_batch(1 << 30, 1 << 20), 500);
+        // 256 MiB over 8 MiB messages: 32 messages in flight at most, 256 MiB.
+        assert_eq!(pull_batch(256 << 20, 8 << 20), 32);
+        // A payload past the whole queue still reads one message at a time.
+        assert_eq!(pull_batch(1 << 20, 64 << 20), 1);
+        assert_eq!(pull_batch(1 << 20, 0), 500);
     }
 
     #[test]

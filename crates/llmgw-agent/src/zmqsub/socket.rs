@@ -31,7 +31,7 @@ fn replay_item(frames: &[Vec<u8>]) -> Option<(&[u8], &[u8])> {
 /// not yet bound or connected (a monitor must be set up before: see [`attach`]).
 pub fn sub_socket(ctx: &zmq::Context, cfg: &ZmqConfig, spec: &EngineSpec) -> Result<zmq::Socket, zmq::Error> {
     let sub = ctx.socket(zmq::SUB)?;
-    sub.set_rcvhwm(cfg.rcvhwm)?;
+    sub.set_rcvhwm(cfg.receive_hwm())?;
     sub.set_maxmsgsize(cfg.max_message_bytes)?;
     sub.set_linger(0)?;
     sub.set_reconnect_ivl(100)?;
