@@ -396,9 +396,9 @@ def test_every_config_bounds_what_clients_can_hold(assembled):
     """Gateway memory is bounded by configuration in every shipped config, whatever clients open:
     HTTP/2 streams and windows, header and whole-request timeouts, a connection cap in front of
     the inference listener, the overload manager resetting the largest streams and refusing
-    requests on heap pressure, explicit circuit breakers on the replicas' cluster, and the
-    filter's max_body_bytes below the listener's buffer (so that its own path for a larger body
-    runs instead of Envoy's 413)."""
+    requests on heap pressure, explicit circuit breakers on the replicas' and the tokenizers'
+    clusters, and the filter's max_body_bytes below the listener's buffer (so that its own path
+    for a larger body runs instead of Envoy's 413)."""
     local = yaml.safe_load(LOCAL.read_text())
     for where, b in {"local": local, **assembled}.items():
         lst = _inference_listener(b)
@@ -421,11 +421,13 @@ def test_every_config_bounds_what_clients_can_hold(assembled):
         assert {"envoy.overload_actions.reset_high_memory_stream",
                 "envoy.overload_actions.stop_accepting_requests"} <= on_heap, (where, on_heap)
         assert om.get("buffer_factory_config", {}).get("minimum_account_to_track_power_of_two"), where
-        cb = deploy.cluster(b, "llmgw_replicas").get("circuit_breakers", {})
-        (t,) = cb.get("thresholds", [])
-        assert all(t.get(k, 0) > 1024 for k in ("max_connections", "max_pending_requests", "max_requests")), (where, t)
-        (per_host,) = cb.get("per_host_thresholds", [])
-        assert per_host.get("max_connections", 0) > 0, where
+        for cluster in ("llmgw_replicas", "llmgw_tokenizer"):
+            cb = deploy.cluster(b, cluster).get("circuit_breakers", {})
+            (t,) = cb.get("thresholds", [])
+            limits = ("max_connections", "max_pending_requests", "max_requests")
+            assert all(t.get(k, 0) > 1024 for k in limits), (where, cluster, t)
+            (per_host,) = cb.get("per_host_thresholds", [])
+            assert per_host.get("max_connections", 0) > 0, (where, cluster)
         (cfg,) = deploy.wasm_configs(b)
         assert cfg["max_body_bytes"] < lst["per_connection_buffer_limit_bytes"], where
 
@@ -454,7 +456,8 @@ def test_agent_configurations_are_accepted_by_the_agent(tmp_path, agent_bin):
 def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
     """vllm.yaml's command line holds exactly what `llmgw-agent vllm-args` prints for the
     shipped agent configuration: prefix caching, algorithm, block size, the KV-events config
-    with the publisher and replay bound on all interfaces, and PYTHONHASHSEED."""
+    with the publisher and replay bound on all interfaces, and PYTHONHASHSEED; and it narrows
+    the hosts the replicas fetch media from."""
     path = tmp_path / "agent.toml"
     path.write_text(_agent_tomls()["kubernetes"])
     out = subprocess.run([str(agent_bin), "vllm-args", "--config", str(path)], capture_output=True, text=True, check=True)
@@ -467,7 +470,10 @@ def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["vllm", "serve"] and c["args"][0] == model
     args = c["args"][1:]
-    flags = [a for a in args if not a.startswith(("--host=", "--port="))]
+    # Listening address and the media allowlist are deployment policy, not the agent's to print.
+    flags = [a for a in args if not a.startswith(("--host=", "--port=", "--allowed-media-domains="))]
+    media = [a.split("=", 1)[1] for a in args if a.startswith("--allowed-media-domains=")]
+    assert len(media) == 1 and media[0], f"vllm.yaml: replicas fetch media from any host: {args}"
     assert flags == printed, f"vllm.yaml: {flags}\nvllm-args: {printed}"
     assert {e["name"]: e["value"] for e in c["env"]} == env
     kv = json.loads(printed[printed.index("--kv-events-config") + 1])
