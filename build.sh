@@ -10,7 +10,8 @@
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
-#          benchmarks; `bench tokenizer`: the native tokenizer (criterion); `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
+#          benchmarks; `bench tokenizer`: the native tokenizer (criterion); `bench decision`: the filter's
+#          decision with shared records filled (criterion); `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench soak`: an hour of churning traffic with agent and replica
 #          restarts, memory sampled every minute; `bench vllm`: 3 real vllm serve replicas behind every
@@ -255,6 +256,7 @@ setup_peers() {
 bench() {
   # ./build.sh bench core [criterion args]  core benchmarks (cargo bench -p llmgw-core --bench core --bench flow)
   # ./build.sh bench tokenizer [criterion args]  the native tokenizer, with and without its piece cache
+  # ./build.sh bench decision [criterion args]  the filter's decision with the shared records filled and empty
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
   # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
   # ./build.sh bench vllm [vllm.py args]  3 real vllm serve replicas behind every router (bench/vllm.py --help)
@@ -313,6 +315,12 @@ bench() {
     log "criterion benchmarks (native tokenizer, Llama 3.1's tokenizer)"
     LLMGW_BENCH_TOKENIZER="$ROOT/.cache/tokenizer-families/models/llama3" \
       cargo bench -p llmgw-tokenize --bench tokenize -- "$@"
+    return
+  fi
+  if [ "${1:-}" = decision ]; then
+    shift
+    log "criterion benchmark (the filter's decision, shared records filled against empty)"
+    cargo bench -p llmgw --features bench-internals --bench decision -- "$@"
     return
   fi
   if [ "${1:-}" = core ]; then

@@ -17,8 +17,7 @@
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
-use std::collections::HashSet;
+use crate::shared_records::{address_id, decode, encode, FieldReader, IdSet, SharedRecord};
 
 const KEY: &str = "llmgw.health";
 const TOKENIZER_KEY: &str = "llmgw.tokenizer_health";
@@ -56,7 +55,7 @@ fn records(v: &[u8]) -> impl Iterator<Item = Avoidance> + '_ {
 /// lookup costs the same whatever the number of records).
 #[derive(Default)]
 pub struct Health {
-    avoided: HashSet<u64>,
+    avoided: IdSet,
 }
 
 impl Health {

@@ -13,8 +13,7 @@
 //! are dropped by the next write: counts return to zero instead of drifting.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
-use std::collections::{HashMap, HashSet};
+use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, SharedRecord};
 
 /// (Versioned: the records grew a token count; a VM of an older build keeps its own key.)
 const KEY: &str = "llmgw.inflight.v2";
@@ -139,7 +138,7 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
 /// The in-flight records summed per address over the live VMs, read once per decision: a
 /// lookup costs the same whatever the number of records and VMs.
 pub struct Counts {
-    by_address: HashMap<u64, (u32, u64)>,
+    by_address: IdMap<(u32, u64)>,
 }
 
 impl Counts {
@@ -151,9 +150,11 @@ impl Counts {
     }
 
     fn summed(records: &[u8], live: &[u32]) -> Counts {
-        let live: HashSet<u32> = live.iter().copied().collect();
-        let mut by_address: HashMap<u64, (u32, u64)> = HashMap::new();
-        for r in decode::<Record>(records).filter(|r| live.contains(&r.vm)) {
+        // The live VMs are few (a VM per worker thread): a sorted list searched by halves.
+        let mut live = live.to_vec();
+        live.sort_unstable();
+        let mut by_address: IdMap<(u32, u64)> = IdMap::default();
+        for r in decode::<Record>(records).filter(|r| live.binary_search(&r.vm).is_ok()) {
             let (n, t) = by_address.entry(r.id).or_default();
             *n = n.saturating_add(r.requests);
             *t = t.saturating_add(u64::from(r.tokens));

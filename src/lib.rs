@@ -26,7 +26,10 @@ mod shared_records;
 mod speculative;
 mod warm_view;
 
-#[cfg(test)]
+#[cfg(feature = "bench-internals")]
+pub mod bench_support;
+#[cfg(any(test, feature = "bench-internals"))]
+#[allow(dead_code)]
 mod fake;
 #[cfg(test)]
 mod tests;

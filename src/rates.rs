@@ -11,9 +11,8 @@
 //! longest ago goes first): 46 KiB at most.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
+use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, SharedRecord};
 use llmgw_core::policy::rates::{Basis, Estimator, Rates, N, TRI};
-use std::collections::HashMap;
 
 const KEY: &str = "llmgw.rates";
 /// At most this many replicas' rates are kept.
@@ -77,7 +76,7 @@ impl SharedRecord for Record {
 /// The learned rates, read once per decision, by address id.
 #[derive(Default)]
 pub struct Learned {
-    by_address: HashMap<u64, Rates>,
+    by_address: IdMap<Rates>,
 }
 
 impl Learned {

@@ -1,0 +1,133 @@
+//! BENCHMARKS ONLY (feature `bench-internals`, never in llmgw.wasm): one decision as a worker VM
+//! makes it — the gateway's shared records read once ([`crate::gateway_state::Snapshot`]), then
+//! the router's decision over a token-id prompt — against a fake host whose shared data is
+//! empty or filled as a busy gateway's is (every replica with requests in flight from every VM,
+//! replica and tokenizer health records, learned rates, a full speculative table). Used by
+//! `benches/decision.rs`.
+
+use crate::fake::FakeHost;
+use crate::gateway_state::Snapshot;
+use crate::inflight::{self, VmId};
+use crate::{health, rates, speculative};
+use llmgw_core::config::Compiled;
+use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
+use llmgw_core::flow::{Body, Router, Speculation, Step};
+use llmgw_core::policy::rates::{Basis, Features, Learning, Rates};
+
+/// A router over `replicas` replicas and a host whose shared records are empty, or filled as
+/// `vms` worker VMs routing to every replica leave them.
+pub struct Decision {
+    host: FakeHost,
+    router: Router,
+    body: Vec<u8>,
+}
+
+fn address(id: u32) -> String {
+    format!("10.{}.{}.1:8000", id / 256, id % 256)
+}
+
+impl Decision {
+    /// `held`: the block keys of the prompt, held by replica 3. Errors name what could not be
+    /// set up.
+    pub fn new(replicas: u32, vms: u32, filled: bool, tokens: &[u32], held: &[u64]) -> Result<Decision, String> {
+        let json = br#"{"profiles":[{"name":"p","models":["m"],"kv_events":true,"seed":"0"}]}"#;
+        let compiled = Compiled::from_json(json, None).map_err(|e| format!("{e:?}"))?;
+        let mut router = Router::new(compiled, 7);
+        let table = (0..replicas)
+            .map(|id| Replica {
+                id,
+                name: format!("r{id}"),
+                address: address(id),
+                models: vec![],
+                up: true,
+                dp_rank: 0,
+                hash: None,
+                dp_size: 0,
+                kv_groups: vec![],
+            })
+            .collect();
+        router.feed.begin_subscription();
+        let msgs = [
+            Msg::Replicas(ReplicaTable { replicas: table }),
+            Msg::Snapshot(SnapshotChunk { replica: 3, first: true, blocks: held.to_vec() }),
+            Msg::SnapshotComplete(SnapshotComplete {}),
+        ];
+        for (seq, body) in (0u64..).zip(msgs) {
+            router.feed.apply(&FeedMessage { seq, body: Some(body) }).map_err(|e| format!("{e:?}"))?;
+        }
+        let host = FakeHost::new();
+        if filled {
+            fill(&host, replicas, vms)?;
+        }
+        let body = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#).into_bytes();
+        Ok(Decision { host, router, body })
+    }
+
+    /// One decision: the shared records read, the router's step. `true` when it routed.
+    pub fn decide(&mut self) -> bool {
+        let now = self.host.now_ns.get();
+        let gw = Snapshot::read(&self.host);
+        let step =
+            self.router.on_body(&Body { path: "/v1/completions", bytes: &self.body, too_large: false }, &gw, now);
+        matches!(step, Step::Route(_))
+    }
+
+    /// The shared records' total size in bytes.
+    pub fn shared_bytes(&self) -> usize {
+        [
+            "llmgw.inflight.v2",
+            "llmgw.inflight.vms",
+            "llmgw.health",
+            "llmgw.tokenizer_health",
+            "llmgw.speculative",
+            "llmgw.rates",
+        ]
+        .iter()
+        .filter_map(|k| self.host.shared_value(k))
+        .map(|v| v.len())
+        .sum()
+    }
+}
+
+/// Every VM has a request in flight to every replica; every replica has a health and a
+/// tokenizer-health record (answered after failing: the records are read, nothing is
+/// avoided), learned rates (up to the rates table's bound) and a full speculative table.
+fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
+    for vm in 0..vms {
+        for id in 0..replicas {
+            inflight::increment(host, VmId(vm), &address(id), 100);
+        }
+    }
+    let prior = Rates {
+        base_us: 0.0,
+        prefill_us_per_token: 100.0,
+        queued_us_per_token: 100.0,
+        request_us: 20_000.0,
+        observations: 0,
+    };
+    let basis = Basis {
+        features: Features { uncached: 100, queued_tokens: 0, requests: 1 },
+        rates: prior,
+        prior,
+        learning: Learning::default(),
+    };
+    for id in 0..replicas {
+        let a = address(id);
+        health::observe(host, &a, 503).map_err(|k| k.as_str().to_string())?;
+        health::observe_tokenizer(host, &a, true).map_err(|k| k.as_str().to_string())?;
+        rates::observe(host, &a, &basis, 12_000).map_err(|k| k.as_str().to_string())?;
+    }
+    // Avoidance spans run out: every record is read, none avoids.
+    host.now_ns.set(host.now_ns.get().saturating_add(health::MAX_NS));
+    for vm in 0..vms {
+        inflight::heartbeat(host, VmId(vm), host.now_ns.get()).ok_or("heartbeat")?;
+    }
+    let per_replica =
+        u64::try_from(speculative::MAX_RECORDS).unwrap_or(0).checked_div(u64::from(replicas)).unwrap_or(0);
+    for id in 0..u64::from(replicas) {
+        let keys = (0..per_replica.max(1)).map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id).collect();
+        speculative::record(host, &Speculation { replica: id, keys, reset_ns: 0 })
+            .map_err(|k| k.as_str().to_string())?;
+    }
+    Ok(())
+}
