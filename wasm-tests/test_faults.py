@@ -4,11 +4,17 @@ concurrency counts every request: sent, failed (non-2xx or connection error), an
 the filter sent it to (its x-llmgw-decision header). Each test prints one line
 `FAULT <name>: sent N, failed F, recovery …` and asserts the issue's target for its fault:
 
+- 200 partial HTTP/2 streams on one connection: at most 100 held (the rest refused, or the
+  connection closed); a request beside them answered as quickly as before them
+- 1,100 slow requests in flight (past Envoy's default cap of 1,024 for all replicas): none
+  refused by Envoy, and a follow-up whose prompt one replica holds goes there
 - agent SIGKILL and restart: 0 failed; every VM's index equal to the agent's within 1 s of its return
 - replica SIGKILL: nothing sent to it 1 s after the kill; the only failures are requests to it
 - engine restart (sequence back to 0): 0 failed; the agent's mirror equals the engine's cache after
 - publisher gap, replayable and not: 0 failed; filled by replay, or the engine's mirror reset
   (never a block the engine does not hold)
+- a replica's /metrics down then up (its mirror dropped, then rebuilt by replay while live
+  batches arrive, with evictions after): 0 failed; the mirror equals the engine's cache after
 - tokenizer slower than its timeout: every request answered, p99 within the timeout + a margin
 - Envoy listener reload (file-based LDS, atomic rename) under load: >= 99.99 % success
 - a wasm VM crash (the test-only fault-injection build): no failure beyond the requests in
@@ -290,6 +296,206 @@ def test_publisher_gap(fleet, replayable):
         outcome = (f"mirror reset; holds {len(fl.agent.keys(sim['name']))} of the engine's "
                    f"{len(fl.sim_keys(sim))} blocks, none it does not")
     report(name, recs, f"seen {t_seen - t_gap:.3f} s after the first dropped batch; {outcome}")
+    assert not failed(recs), failed(recs)[:5]
+
+
+# ---------------------------------------------------------------------------------------------
+# 0. one client holding many partial HTTP/2 streams
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _literal(name: str, value: str) -> bytes:
+    """An HPACK literal header field without indexing, new name, no Huffman (short strings)."""
+    n, v = name.encode(), value.encode()
+    assert len(n) < 127 and len(v) < 127
+    return b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+
+
+def _read_frames(sock, until: float) -> tuple[list[tuple[int, int, int, bytes]], bool]:
+    """The frames the server sends until `until` (monotonic) or it closes, (type, flags, stream,
+    payload) each, and whether it closed the connection."""
+    import socket as socketlib
+    buf, frames, closed = b"", [], False
+    while time.monotonic() < until:
+        sock.settimeout(max(0.01, until - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except (socketlib.timeout, TimeoutError):
+            break
+        except ConnectionResetError:
+            closed = True
+            break
+        if not chunk:
+            closed = True
+            break
+        buf += chunk
+        while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+            n = int.from_bytes(buf[:3], "big")
+            frames.append((buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF, buf[9:9 + n]))
+            buf = buf[9 + n:]
+    return frames, closed
+
+
+PARTIAL_STREAMS = 200
+
+
+def test_partial_http2_streams_are_capped_per_connection_and_others_are_served(fleet):
+    """One h2c connection opens 200 request streams, each with a part of its body and never the
+    end: Envoy holds at most the configured 100 (it refuses the rest), and a request from
+    another client beside them is answered as quickly as before them."""
+    import socket as socketlib
+    fl = fleet
+    control = {"model": MODEL, "messages": [{"role": "user", "content": "control request"}], "max_tokens": 1}
+
+    def timed() -> float:
+        t = time.monotonic()
+        kit.post_json(f"http://127.0.0.1:{fl.listen}/v1/chat/completions", control)
+        return time.monotonic() - t
+
+    timed()
+    before = sorted(timed() for _ in range(5))[2]
+    h2_streams = "http.llmgw.downstream_rq_http2_total"
+    opened_before = fl.envoy.stats(h2_streams).get(h2_streams, 0)
+    sock = socketlib.create_connection(("127.0.0.1", fl.listen), timeout=5)
+    try:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0))
+        # Envoy's SETTINGS (max concurrent streams) and its connection window come first.
+        frames, _ = _read_frames(sock, time.monotonic() + 2)
+        settings = [p for t, f, s, p in frames if t == 4 and not f & 1]
+        advertised = {int.from_bytes(p[i:i + 2], "big"): int.from_bytes(p[i + 2:i + 6], "big")
+                      for p in settings for i in range(0, len(p), 6)}
+        sock.sendall(_frame(4, 1, 0))  # SETTINGS ACK
+        block = b"".join(_literal(k, v) for k, v in [
+            (":method", "POST"), (":scheme", "http"), (":path", "/v1/chat/completions"),
+            (":authority", f"127.0.0.1:{fl.listen}"), ("content-type", "application/json")])
+        part = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "' + b"x" * 200
+        out = b""
+        for i in range(PARTIAL_STREAMS):
+            stream = 2 * i + 1
+            out += _frame(1, 0x4, stream, block) + _frame(0, 0, stream, part)
+        sock.sendall(out)
+        frames, closed = _read_frames(sock, time.monotonic() + 2)
+        refused = {s for t, f, s, p in frames if t == 3}
+        goaway = [p for t, f, s, p in frames if t == 7]
+        opened = fl.envoy.stats(h2_streams).get(h2_streams, 0) - opened_before
+        # Beside the held streams, another client's request.
+        during = sorted(timed() for _ in range(5))[2]
+    finally:
+        sock.close()
+    print(f"FAULT {PARTIAL_STREAMS} partial h2 streams: max_concurrent_streams advertised "
+          f"{advertised.get(3)}; Envoy opened {opened} streams, refused {len(refused)}, goaway {bool(goaway)}, "
+          f"connection closed {closed}; control request median {before * 1000:.1f} ms before, "
+          f"{during * 1000:.1f} ms beside them")
+    assert advertised.get(3) == 100, advertised
+    # Envoy never held more than the 100 it advertised: past them it refuses the streams or
+    # closes the connection (with every stream on it).
+    assert opened <= 100, opened
+    assert closed or goaway or len(refused) >= PARTIAL_STREAMS - 100, (closed, goaway, len(refused))
+    assert during <= before + 0.5, (before, during)
+
+
+def _h2_requests(port: int, path: str, bodies: list[bytes]):
+    """One h2c connection sending each body as a whole request (END_STREAM), answers left
+    unread: the requests stay in flight while the socket is open. Returns the socket."""
+    import socket as socketlib
+    sock = socketlib.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0))
+    _read_frames(sock, time.monotonic() + 1)
+    sock.sendall(_frame(4, 1, 0))
+    block = b"".join(_literal(k, v) for k, v in [
+        (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", f"127.0.0.1:{port}"),
+        ("content-type", "application/json")])
+    sock.sendall(b"".join(_frame(1, 0x4, 2 * i + 1, block) + _frame(0, 0x1, 2 * i + 1, b)
+                          for i, b in enumerate(bodies)))
+    return sock
+
+
+SLOW_STREAMS = 1100
+
+
+def test_more_slow_streams_than_envoys_default_cap_leave_the_holder_chosen(procs, tmp_path, agent_bin, sim_bin,
+                                                                           envoy_bin, wasm_path):
+    """1,100 slow requests in flight through Envoy (past the 1,024 Envoy allows all replicas
+    together by default): none is refused by Envoy's circuit breakers, and a follow-up whose
+    prompt one replica holds still goes there."""
+    # Every request runs at once (no queue at the replicas): the slow ones generate for minutes,
+    # the follow-up's first token comes at once.
+    fl = SimFleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, N_SIMS, blocks=65536, decode_ms=1,
+                  buffer_steps=2_000_000, profile={"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS},
+                  sim_flags={"max_batch": 2 * SLOW_STREAMS})
+    fl.start_envoy(wasm_path)
+    held = list(range(1000, 1000 + 2048))
+    first = {"model": MODEL, "prompt": held, "max_tokens": 1}
+    status, hdrs, _ = kit.request("POST", f"http://127.0.0.1:{fl.listen}/v1/completions",
+                                  json.dumps(first).encode(), {"content-type": "application/json"})
+    assert status == 200, status
+    holder = kit.parse_decision(hdrs.get("x-llmgw-decision")).replica
+    holder_sim = next(s for s in fl.sims if fl.addr(s) == holder)
+    wait_until(lambda: fl.agent.replica(holder_sim["name"])["blocks"] >= len(held) // 16, 10, "the holder's blocks")
+    # 11 connections of 100 streams each (the listener's limit per connection), every request
+    # a new prompt generating for seconds.
+    socks = []
+    try:
+        for c in range(SLOW_STREAMS // 100):
+            bodies = [json.dumps({"model": MODEL, "prompt": [7, c, i] + list(range(40)), "max_tokens": 4000}).encode()
+                      for i in range(100)]
+            socks.append(_h2_requests(fl.listen, "/v1/completions", bodies))
+        # Envoy's default breakers would hold this at 1,024 (the rest pending, then refused).
+        active = "cluster.llmgw_replicas.upstream_rq_active"
+        wait_until(lambda: fl.envoy.stats(active).get(active, 0) >= SLOW_STREAMS, 60,
+                   "every slow request in flight to the replicas")
+        status, hdrs, _ = kit.request("POST", f"http://127.0.0.1:{fl.listen}/v1/completions",
+                                      json.dumps({**first, "prompt": held + [5, 6, 7]}).encode(),
+                                      {"content-type": "application/json"})
+        overflow = fl.envoy.stats("cluster.llmgw_replicas.upstream_rq_pending_overflow")
+    finally:
+        for sock in socks:
+            sock.close()
+    decision = kit.parse_decision(hdrs.get("x-llmgw-decision"))
+    print(f"FAULT {SLOW_STREAMS} slow streams: follow-up {status} {decision}; overflow {overflow}")
+    assert status == 200, status
+    assert not any(overflow.values()), overflow
+    assert decision.outcome == "exact" and decision.replica == holder, (decision, holder)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4b. a replica's /metrics down then up again: the mirror rebuilt by replay under live batches
+
+# Small caches: under new prompts every engine evicts (BlockRemoved) all along, so a batch
+# applied twice around the rebuild would leave a block the engine no longer holds.
+SMALL_POOL_BLOCKS = 512
+DOWN_UP_CYCLES = 4
+
+
+def test_replica_down_then_up_is_rebuilt_without_phantom_blocks(procs, tmp_path, agent_bin, sim_bin, envoy_bin,
+                                                                 wasm_path):
+    fl = SimFleet(procs, tmp_path, agent_bin, sim_bin, envoy_bin, N_SIMS, blocks=SMALL_POOL_BLOCKS, decode_ms=1,
+                  buffer_steps=2_000_000, profile={"tokenizer_timeout_ms": TOKENIZER_TIMEOUT_MS})
+    fl.start_envoy(wasm_path)
+    load = Load(fl.listen, unique=True)
+    try:
+        warm(load)
+        sim = fl.busiest()
+        assert fl.agent.replica(sim["name"])["blocks"] > 0
+        # Each time up again while the load goes on: live batches reach the clean mirror around
+        # the rebuild (a window of the engine thread's loop: several times to meet it).
+        for _ in range(DOWN_UP_CYCLES):
+            fl.fault(sim, metrics_down=True)
+            wait_until(lambda: not fl.agent.replica(sim["name"])["up"], 10, "the agent marking it down")
+            assert fl.agent.replica(sim["name"])["blocks"] == 0, "a replica down keeps no blocks"
+            fl.fault(sim, metrics_down=False)
+            wait_until(lambda: fl.agent.replica(sim["name"])["up"], 10, "the agent marking it up")
+        t_up = time.monotonic()
+        # Long enough after the rebuild for the engine to evict blocks stored before and after it.
+        load.wait_answered(300, after=t_up, what="after it came back")
+    finally:
+        recs = load.stop()
+    # Removals after the replay: the mirror holds exactly what the engine caches, nothing more.
+    quiet_and_equal(fl, fl.sims)
+    report("replica down, up and rebuilt", recs, "after the load the agent's mirrors equal the engines' caches")
     assert not failed(recs), failed(recs)[:5]
 
 

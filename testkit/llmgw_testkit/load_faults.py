@@ -128,17 +128,18 @@ class SimFleet:
     """`n` simulated replicas (`blocks` KV blocks, sha256_cbor with seed "0", `decode_ms` per
     token, a replay buffer of `buffer_steps` steps) publishing to one agent whose loads are
     scraped every 100 ms (a replica whose /metrics fails for 300 ms is down), every publisher
-    connected; Envoy (start_envoy) with the filter `profile` and the explain header."""
+    connected; Envoy (start_envoy) with the filter `profile` and the explain header. `sim_flags`:
+    more of llmgw-sim's flags (`max_batch=...`)."""
 
     def __init__(self, procs, workdir: Path, agent_bin, sim_bin, envoy_bin, n: int, blocks: int, decode_ms: float,
-                 buffer_steps: int, profile: dict, connected_timeout: float = 20.0):
+                 buffer_steps: int, profile: dict, connected_timeout: float = 20.0, sim_flags: dict | None = None):
         self.procs, self.workdir, self.agent_bin = procs, workdir, agent_bin
         self.sim_bin, self.envoy_bin = sim_bin, envoy_bin
         self.sims = new_sims(n)
         self.agent = fleet_agent(procs, agent_bin, workdir, self.sims, MODEL,
                                  load={"interval_ms": 100, "down_after_ms": 300, "timeout_ms": 200})
         self.sim_cmds = {s["name"]: sim_command(sim_bin, s, MODEL, blocks=blocks, seed="0", decode_ms=decode_ms,
-                                                buffer_steps=buffer_steps) for s in self.sims}
+                                                buffer_steps=buffer_steps, **(sim_flags or {})) for s in self.sims}
         self.sim_procs = {s["name"]: procs.start(self.sim_cmds[s["name"]], s["name"]) for s in self.sims}
         wait_sims(self.sims)
         wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), connected_timeout,

@@ -14,7 +14,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use llmgw_core::hash::RequestExtras;
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{Notify, Semaphore};
@@ -45,6 +45,8 @@ pub struct Engine {
     next_id: AtomicU64,
     /// Fault injection (`POST /sim/fault`): how long `/tokenize` waits before answering.
     tokenize_delay_ms: AtomicU64,
+    /// Fault injection: `/metrics` answers 503 while set (the replica looks unreachable).
+    metrics_down: AtomicBool,
 }
 
 impl Engine {
@@ -61,6 +63,7 @@ impl Engine {
             served: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             tokenize_delay_ms: AtomicU64::new(0),
+            metrics_down: AtomicBool::new(false),
         })
     }
 
@@ -369,6 +372,9 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
 }
 
 async fn metrics(State(e): State<Arc<Engine>>) -> Response {
+    if e.metrics_down.load(Ordering::Relaxed) {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
     let (usage, stats) = e.with_pool(|p| (p.usage(), p.stats()));
     let m = &e.cfg.model;
     let body = format!(
@@ -438,13 +444,18 @@ async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Respons
 /// `{"tokenize_delay_ms": N}` delays every later `/tokenize` answer by N ms (0: none);
 /// `{"drop_batches": N, "replayable": bool}` numbers the next N event batches but does not
 /// publish them (a sequence gap); with `replayable` false (default true) they are missing from
-/// the replay buffer too, so a replay cannot fill the gap.
+/// the replay buffer too, so a replay cannot fill the gap; `{"metrics_down": bool}` makes
+/// `/metrics` answer 503 (true) or answer again (false).
 async fn fault(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
     if let Some(v) = body.get("tokenize_delay_ms") {
         let Some(ms) = v.as_u64().filter(|ms| *ms <= 600_000) else {
             return bad_request("tokenize_delay_ms: expected 0..=600000");
         };
         e.tokenize_delay_ms.store(ms, Ordering::Relaxed);
+    }
+    if let Some(v) = body.get("metrics_down") {
+        let Some(down) = v.as_bool() else { return bad_request("metrics_down: expected true or false") };
+        e.metrics_down.store(down, Ordering::Relaxed);
     }
     if let Some(v) = body.get("drop_batches") {
         let Some(count) = v.as_u64().and_then(|n| usize::try_from(n).ok()) else {
