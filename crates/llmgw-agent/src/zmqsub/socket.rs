@@ -4,10 +4,28 @@
 use crate::config::{EngineSpec, Mode, ZmqConfig};
 use crate::ingest::{FillOutcome, Replay};
 use crate::seq::{Fill, FillStep};
+use std::time::{Duration, Instant};
 use tracing::warn;
 
 /// Sequence frame of the end-of-replay marker.
 const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// A whole replay may take this many reply timeouts (`zmq.replay_timeout_ms`) at most, a probe
+/// this many: a replay socket trickling frames that never finish the range (or never name the
+/// batch asked about) cannot hold the engine thread for ever.
+const REPLAY_DEADLINE_TIMEOUTS: u32 = 30;
+const PROBE_DEADLINE_TIMEOUTS: u32 = 2;
+
+/// Whether a replay or probe on a socket with reply timeout `each` that started at `start`
+/// has run past `timeouts` of them.
+fn past_deadline(start: Instant, each: Duration, timeouts: u32) -> bool {
+    start.elapsed() >= each.saturating_mul(timeouts)
+}
+
+/// A socket's reply timeout (none, -1: no deadline either).
+fn reply_timeout(d: &zmq::Socket) -> Duration {
+    d.get_rcvtimeo().ok().and_then(|ms| u64::try_from(ms).ok()).map_or(Duration::MAX, Duration::from_millis)
+}
 
 /// A publisher's sequence frame: 8 bytes big-endian (24 when a publisher id follows).
 pub fn parse_seq(frame: &[u8]) -> Option<u64> {
@@ -87,7 +105,12 @@ fn replay_range(
     d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
     let mut fill = Fill::new(from, until);
     let mut handed: u64 = 0;
+    let (start, each) = (Instant::now(), reply_timeout(d));
     while !fill.reached_end() {
+        if past_deadline(start, each, REPLAY_DEADLINE_TIMEOUTS) {
+            bad("timeout");
+            break;
+        }
         let frames = match d.recv_multipart(0) {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) => {
@@ -126,7 +149,11 @@ fn replay_range(
 /// answered about `seq`, `None` on timeout.
 pub fn probe(d: &zmq::Socket, seq: u64, same: impl Fn(&[u8]) -> bool) -> Result<Option<bool>, zmq::Error> {
     d.send_multipart([&[][..], &seq.to_be_bytes()[..]], 0)?;
+    let (start, each) = (Instant::now(), reply_timeout(d));
     loop {
+        if past_deadline(start, each, PROBE_DEADLINE_TIMEOUTS) {
+            return Ok(None);
+        }
         let frames = match d.recv_multipart(0) {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) => return Ok(None),
@@ -194,5 +221,43 @@ mod tests {
         assert_eq!(parse_seq(&long), Some(9));
         assert_eq!(parse_seq(&[0u8; 4]), None);
         assert_eq!(parse_seq(&[]), None);
+    }
+
+    /// A replay socket answering with frames that never finish a range nor name the batch
+    /// probed (here: batch 0 again and again, faster than the reply timeout) is given up on.
+    #[test]
+    fn a_replay_socket_that_never_finishes_is_given_up_on() {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).unwrap();
+        router.bind("inproc://llmgw-trickle").unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let server = std::thread::spawn(move || {
+            router.set_rcvtimeo(20).unwrap();
+            let mut peers: Vec<Vec<u8>> = Vec::new();
+            while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(frames) = router.recv_multipart(0) {
+                    peers.extend(frames.first().cloned());
+                }
+                for p in &peers {
+                    let _ = router.send_multipart([&p[..], &[][..], &0u64.to_be_bytes()[..], b"x"], 0);
+                }
+            }
+        });
+        let cfg = ZmqConfig { replay_timeout_ms: 50, ..ZmqConfig::default() };
+        let d = replay_dealer(&ctx, &cfg, "inproc://llmgw-trickle").unwrap();
+        // Without the deadlines both would wait for ever: the watchdog turns that into a failure.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let probed = probe(&d, 5, |_| true).unwrap();
+            let mut timeouts = 0;
+            let r =
+                replay_range(&d, 1, 10, &mut |_, _| true, &mut |why| timeouts += u32::from(why == "timeout")).unwrap();
+            let _ = tx.send((probed, r.0, r.1, timeouts));
+        });
+        let got = rx.recv_timeout(Duration::from_secs(60)).expect("probe and replay still waiting after 60 s");
+        assert_eq!(got, (None, false, 0, 1));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        server.join().unwrap();
     }
 }
