@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # llmgw build driver.
-# Usage: ./build.sh [setup|build|wasm|test|e2e [pytest args]|demo|replay|bench|fuzz|conformance|clean] [args]
+# Usage: ./build.sh [setup|build|wasm|image [check]|test|e2e [pytest args]|demo|replay|bench|fuzz|conformance|clean] [args]
 #   setup  Rust targets and components, Envoy and the test requirements in .venv
 #   build  native binaries (release) and dist/llmgw.wasm
 #   wasm   dist/llmgw.wasm only
-#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation, the alerting rules
+#   test   lints, unit + fixture + CLI tests, wasm build, Envoy config validation, the images (`image check`), the alerting rules
 #          (metric names; promtool test rules, installing Debian's prometheus package), end-to-end tests
 #   e2e    the end-to-end tests (wasm-tests/) only; arguments go to pytest, e.g. `./build.sh e2e -k test_sim`
+#   image  OCI image archives in dist/images/ without a container daemon: the agent (static, musl, on an
+#          empty base, with llmgw.wasm for the init container) and the filter as a Wasm image (the
+#          "compat" variant Istio's WasmPlugin and Envoy Gateway pull); `image check` also checks them
+#          (skopeo, umoci, the unpacked agent runs, the unpacked filter passes Envoy's validation, and
+#          a second packing gives the same digests)
 #   demo   4 simulated replicas + agent + Envoy with llmgw.wasm: round-robin vs llmgw, table + chart
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
@@ -25,7 +30,7 @@
 # from the directory build.sh is run from), else what `cargo metadata` reports. The Python
 # harnesses get it as an absolute CARGO_TARGET_DIR.
 set -euo pipefail
-USAGE="usage: $0 [setup|build|wasm|test|e2e [pytest args]|demo|replay|bench|fuzz|conformance|clean] [args]"
+USAGE="usage: $0 [setup|build|wasm|image [check]|test|e2e [pytest args]|demo|replay|bench|fuzz|conformance|clean] [args]"
 if [ -n "${CARGO_TARGET_DIR:-}" ] && [ "${CARGO_TARGET_DIR#/}" = "$CARGO_TARGET_DIR" ]; then
   export CARGO_TARGET_DIR="$PWD/$CARGO_TARGET_DIR"
 fi
@@ -34,6 +39,7 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 ENVOY_VERSION=1.40.0
 WASM_TARGET=wasm32-wasip1
+MUSL_TARGET=x86_64-unknown-linux-musl
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -136,7 +142,11 @@ run_tests() {
   setup_envoy
   log "Envoy $ENVOY_VERSION: validate configs with llmgw.wasm loaded"
   PATH="$VENV/bin:$PATH" bash wasm-tests/validate.sh
+  image check
   observability
+  if ! command -v kubectl >/dev/null; then
+    printf '\033[1;31m==> SKIPPED: the kustomize tests (wasm-tests/test_kustomize.py): kubectl not found; LLMGW_REQUIRE_KUBECTL=1 makes this an error\033[0m\n' >&2
+  fi
   run_e2e
   log "all tests passed"
 }
@@ -170,6 +180,124 @@ observability() {
   else
     printf '\033[1;31m==> SKIPPED: the alerting rules unit tests: promtool not found and not installable here (apt-get install prometheus); LLMGW_REQUIRE_PROMTOOL=1 makes this an error\033[0m\n' >&2
   fi
+}
+
+# --- Images -------------------------------------------------------------------------------------
+# Built without a container daemon: dev/oci_image.py (standard library only) writes each image as
+# an oci-archive (a tar of an OCI image layout), with fixed timestamps, sorted entries and no
+# dates in the config, so the same binaries always give the same digests.
+
+# Debian packages (apt-get, as root or through sudo -n, once); non-zero when they cannot be had.
+apt_install() {
+  local sudo=""
+  [ "$(id -u)" = 0 ] || { sudo -n true 2>/dev/null && sudo="sudo -n"; } || return 1
+  command -v apt-get >/dev/null || return 1
+  log "installing $* (Debian packages, apt-get)"
+  $sudo apt-get install -y -q "$@" >/dev/null 2>&1 ||
+    { $sudo apt-get update -q >/dev/null 2>&1 && $sudo apt-get install -y -q "$@" >/dev/null 2>&1; }
+}
+
+# The musl target and cargo-zigbuild with zig (PyPI, pinned in dev/image-requirements.txt) in
+# .venv-image: zig compiles zmq-sys's bundled libzmq (C++) and links the static binary.
+setup_image_build() {
+  if ! rustup target list --installed 2>/dev/null | grep -qx "$MUSL_TARGET"; then
+    log "adding Rust target $MUSL_TARGET"
+    rustup target add "$MUSL_TARGET"
+  fi
+  local venv=$ROOT/.venv-image
+  if ! cmp -s dev/image-requirements.txt "$venv/.requirements.installed"; then
+    log "installing cargo-zigbuild and zig (PyPI) into .venv-image"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q -r dev/image-requirements.txt
+    cp dev/image-requirements.txt "$venv/.requirements.installed"
+  fi
+}
+
+# The version every image is tagged with: the workspace's.
+image_version() {
+  sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml
+}
+
+# Packs dist/images/ from a static agent and llmgw.wasm (arguments: agent binary, wasm, out dir).
+pack_images() {
+  local agent=$1 wasm=$2 out=$3 version commit
+  version=$(image_version)
+  commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  local labels=(--label "org.opencontainers.image.version=$version" --label "org.opencontainers.image.revision=$commit"
+    --label "org.opencontainers.image.licenses=Apache-2.0")
+  python3 dev/oci_image.py --out "$out/llmgw-agent.oci.tar" --ref "$version" \
+    --file "usr/local/bin/llmgw-agent=$agent:755" --file "usr/share/llmgw/llmgw.wasm=$wasm:644" \
+    --entrypoint /usr/local/bin/llmgw-agent --user 65532:65532 --env PATH=/usr/local/bin \
+    --label "org.opencontainers.image.title=llmgw-agent" "${labels[@]}"
+  python3 dev/oci_image.py --out "$out/llmgw-filter.oci.tar" --ref "$version" \
+    --file "plugin.wasm=$wasm:644" --wasm-compat --os wasip1 --arch wasm \
+    --label "org.opencontainers.image.title=llmgw-filter" "${labels[@]}"
+}
+
+image() {
+  setup
+  setup_image_build
+  log "building the agent: static ($MUSL_TARGET; zig compiles libzmq and links)"
+  PATH="$ROOT/.venv-image/bin:$PATH" cargo zigbuild -q --release --target "$MUSL_TARGET" -p llmgw-agent --bin llmgw-agent
+  build_wasm
+  mkdir -p dist/images
+  pack_images "$(target_dir)/$MUSL_TARGET/release/llmgw-agent" dist/llmgw.wasm dist/images
+  if [ "${1:-}" = check ]; then
+    check_images
+  fi
+}
+
+# The archives in dist/images/ are valid OCI images (skopeo inspect, umoci unpack), the agent
+# unpacked from its image is static and runs, the filter unpacked from its image passes Envoy's
+# validation, and packing the same files again gives the same digests. skopeo and umoci come
+# from Debian (installed when missing); without them the check fails, unless
+# LLMGW_REQUIRE_IMAGE_TOOLS=0 makes it a loud warning.
+check_images() {
+  if ! command -v skopeo >/dev/null || ! command -v umoci >/dev/null; then
+    if ! apt_install skopeo umoci || ! command -v skopeo >/dev/null || ! command -v umoci >/dev/null; then
+      if [ "${LLMGW_REQUIRE_IMAGE_TOOLS:-1}" = 0 ]; then
+        printf '\033[1;31m==> SKIPPED: the image checks: skopeo/umoci not found and not installable here (apt-get install skopeo umoci)\033[0m\n' >&2
+        return 0
+      fi
+      echo "skopeo and umoci not found and not installable here (apt-get install skopeo umoci)" >&2
+      exit 1
+    fi
+  fi
+  setup_envoy
+  local version tmp
+  version=$(image_version)
+  tmp=$(mktemp -d)
+  # shellcheck disable=SC2064
+  trap "rm -rf '$tmp'" EXIT
+  for name in llmgw-agent llmgw-filter; do
+    log "image $name: skopeo inspect"
+    skopeo inspect "oci-archive:dist/images/$name.oci.tar:$version" >"$tmp/$name.inspect.json"
+    mkdir -p "$tmp/$name/layout"
+    tar -xf "dist/images/$name.oci.tar" -C "$tmp/$name/layout"
+  done
+  log "image llmgw-agent: umoci unpack; the binary is static and runs"
+  umoci unpack --rootless --image "$tmp/llmgw-agent/layout:$version" "$tmp/llmgw-agent/bundle" >/dev/null
+  local agent=$tmp/llmgw-agent/bundle/rootfs/usr/local/bin/llmgw-agent
+  python3 dev/check_image.py agent "$tmp/llmgw-agent.inspect.json" "$tmp/llmgw-agent/bundle" "$version"
+  "$agent" --version | grep -F "llmgw-agent $version (commit " >/dev/null ||
+    { echo "the unpacked agent's --version: $("$agent" --version)" >&2; exit 1; }
+  "$agent" install-filter --from "$tmp/llmgw-agent/bundle/rootfs/usr/share/llmgw/llmgw.wasm" --to "$tmp/installed.wasm" >/dev/null
+  log "image llmgw-filter: umoci raw unpack; Wasm compat layout; Envoy $ENVOY_VERSION validates with the unpacked plugin.wasm"
+  umoci raw unpack --rootless --image "$tmp/llmgw-filter/layout:$version" "$tmp/llmgw-filter/rootfs" >/dev/null
+  python3 dev/check_image.py filter "$tmp/llmgw-filter/layout" "$tmp/llmgw-filter/rootfs" "$version"
+  cmp "$tmp/llmgw-filter/rootfs/plugin.wasm" "$tmp/installed.wasm"
+  sed "s#filename: dist/llmgw.wasm#filename: $tmp/llmgw-filter/rootfs/plugin.wasm#" envoy/llmgw-local.yaml >"$tmp/envoy.yaml"
+  grep -q "$tmp/llmgw-filter/rootfs/plugin.wasm" "$tmp/envoy.yaml"
+  "$VENV/bin/envoy" --mode validate -c "$tmp/envoy.yaml" --log-level warn >"$tmp/envoy.log" 2>&1 ||
+    { cat "$tmp/envoy.log" >&2; echo "Envoy refused the filter unpacked from its image" >&2; exit 1; }
+  log "images: a second packing of the same files gives the same digests"
+  mkdir -p "$tmp/again"
+  pack_images "$tmp/llmgw-agent/bundle/rootfs/usr/local/bin/llmgw-agent" "$tmp/llmgw-filter/rootfs/plugin.wasm" "$tmp/again" >/dev/null
+  for name in llmgw-agent llmgw-filter; do
+    cmp "dist/images/$name.oci.tar" "$tmp/again/$name.oci.tar" ||
+      { echo "dist/images/$name.oci.tar: a second packing differs" >&2; exit 1; }
+    printf '%s %s\n' "$name" "$(skopeo inspect --format '{{.Digest}}' "oci-archive:dist/images/$name.oci.tar:$version")" >&2
+  done
 }
 
 MDBOOK_VERSION=0.5.4
@@ -460,6 +588,7 @@ case "$cmd" in
   setup) setup; setup_envoy ;;
   build) build ;;
   wasm) setup; build_wasm ;;
+  image) image "$@" ;;
   test) run_tests ;;
   e2e) e2e "$@" ;;
   docs) docs ;;

@@ -43,13 +43,13 @@ KUBERNETES_VERSION = "1.34.0"
 # Every manifest the project ships, by deployment kind. test_deploy checks that this is exactly
 # what envoy/ holds: a manifest no test reads does not ship.
 MANIFESTS = {
-    "kubernetes": ["kubernetes/vllm.yaml", "kubernetes/llmgw-gateway.yaml"],
+    "kubernetes": ["vllm/vllm.yaml", "kubernetes/llmgw-gateway.yaml"],
     "istio": ["istio/llmgw-gateway.yaml", "istio/llmgw-envoyfilter.yaml"],
     "envoy-gateway": ["envoy-gateway/envoy-gateway-config.yaml", "envoy-gateway/llmgw-gateway.yaml",
                       "envoy-gateway/llmgw-envoypatchpolicy.yaml"],
 }
 # What each kind deploys beside its own files.
-SHARED = {"kubernetes": [], "istio": ["kubernetes/vllm.yaml"], "envoy-gateway": ["kubernetes/vllm.yaml"]}
+SHARED = {"kubernetes": [], "istio": ["vllm/vllm.yaml"], "envoy-gateway": ["vllm/vllm.yaml"]}
 
 WASM_FILTER = "envoy.filters.http.wasm"
 HCM = "envoy.filters.network.http_connection_manager"

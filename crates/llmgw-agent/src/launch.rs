@@ -45,7 +45,7 @@ pub fn command_line(cfg: &Config, spec: &LaunchSpec) -> Result<(Vec<String>, Env
     if spec.command.is_empty() {
         return Err(LaunchError::NoCommand);
     }
-    let extra = crate::vllm::for_replica(cfg, r);
+    let extra = crate::vllm::for_replica(cfg, r, &crate::vllm::Options::default());
     let mut argv = spec.command.clone();
     argv.extend(extra.args);
     Ok((argv, extra.env))

@@ -1,6 +1,7 @@
 //! `llmgw-agent`: mirrors vLLM replicas' KV caches and feeds llmgw filters; also carries the
 //! parity tools `hash` and `decode`.
 
+mod install_filter;
 mod tools;
 
 use clap::{Args, Parser, Subcommand};
@@ -29,7 +30,7 @@ enum Command {
     Launch(LaunchArgs),
     /// Print the vLLM flags and environment matching the configuration, for replicas
     /// started elsewhere.
-    VllmArgs(ConfigArgs),
+    VllmArgs(VllmArgsArgs),
     /// Check a configuration file and print the engines it describes.
     CheckConfig(ConfigArgs),
     /// Check a configuration against the running fleet, one line per check with the fix: each
@@ -47,6 +48,9 @@ enum Command {
     /// Beside one vLLM replica: publish its KV events (read from its ZMQ publisher) to the
     /// configuration's [jetstream] stream, for agents whose replicas have events = "jetstream".
     Publish(PublishArgs),
+    /// Copy the filter (`llmgw.wasm`) to where Envoy loads it: what the init container of the
+    /// shipped manifests runs, the agent's image having no shell or `cp`.
+    InstallFilter(install_filter::InstallFilterArgs),
 }
 
 #[derive(Args)]
@@ -71,6 +75,22 @@ struct DoctorArgs {
     /// Envoy's admin address (http://HOST:PORT): checks the clusters the filter needs.
     #[arg(long)]
     envoy_admin: Option<String>,
+}
+
+#[derive(Args)]
+struct VllmArgsArgs {
+    /// TOML configuration file.
+    #[arg(long)]
+    config: PathBuf,
+    /// The filter's `tokenizer` is `render` (multimodal chats): adds `--enable-scale-out`, without
+    /// which `vllm serve` answers the render endpoints 403.
+    #[arg(long)]
+    render: bool,
+    /// Batches each replica's replay socket keeps (`buffer_steps` in `--kv-events-config`): an
+    /// agent away for longer than that many batches resets the replica's mirror instead of
+    /// replaying. vLLM's default.
+    #[arg(long, default_value_t = llmgw_agent::vllm::DEFAULT_BUFFER_STEPS, value_parser = clap::value_parser!(u32).range(1..))]
+    buffer_steps: u32,
 }
 
 #[derive(Args)]
@@ -217,7 +237,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => prepare(a).and_then(|cfg| llmgw_agent::run(cfg).map_err(|e| e.to_string())),
         Command::Launch(a) => launch(a),
-        Command::VllmArgs(a) => load(&a.config).map(|cfg| print!("{}", llmgw_agent::vllm::render(&cfg))),
+        Command::VllmArgs(a) => load(&a.config).map(|cfg| {
+            let opts = llmgw_agent::vllm::Options { render: a.render, buffer_steps: a.buffer_steps };
+            print!("{}", llmgw_agent::vllm::render(&cfg, &opts))
+        }),
         Command::CheckConfig(a) => load(&a.config).and_then(|cfg| {
             for e in cfg.engines() {
                 println!("{} id={} {} {}", e.label(), e.id, e.address, e.source_summary());
@@ -229,6 +252,7 @@ fn main() -> ExitCode {
         Command::Decode(a) => tools::decode(&a).map_err(|e| e.to_string()),
         Command::Replay(a) => tools::replay(&a).map_err(|e| e.to_string()),
         Command::Publish(a) => publish(a),
+        Command::InstallFilter(a) => install_filter::install(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

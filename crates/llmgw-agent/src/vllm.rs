@@ -3,6 +3,29 @@
 use crate::config::{parse_tcp, Config, DiscoveryConfig, HashConfig, Mode, ReplicaConfig, Sources};
 use serde_json::json;
 
+/// vLLM's `--kv-events-config` `buffer_steps` default: the batches its replay socket can answer
+/// with. An agent that was away (restarted, disconnected) for longer than this many batches of a
+/// replica cannot catch up by replay and resets that replica's mirror instead.
+pub const DEFAULT_BUFFER_STEPS: u32 = 10_000;
+
+/// What `vllm-args` adds beyond the agent's configuration: settings of the filter and of the
+/// replicas' publisher that the agent cannot read from its own file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Options {
+    /// The filter tokenizes through vLLM's render endpoints (`tokenizer = "render"`, which
+    /// multimodal chats need): `vllm serve` must be started with `--enable-scale-out`, else it
+    /// answers them 403.
+    pub render: bool,
+    /// The replay buffer, in batches (`buffer_steps` in `--kv-events-config`).
+    pub buffer_steps: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { render: false, buffer_steps: DEFAULT_BUFFER_STEPS }
+    }
+}
+
 /// Flags and environment for one replica (rank 0; vLLM offsets the ports of other ranks).
 #[derive(Debug, Clone, PartialEq)]
 pub struct VllmArgs {
@@ -39,10 +62,10 @@ fn replay_endpoint(e: &str) -> String {
     }
 }
 
-pub fn for_replica(cfg: &Config, r: &ReplicaConfig) -> VllmArgs {
+pub fn for_replica(cfg: &Config, r: &ReplicaConfig, opts: &Options) -> VllmArgs {
     let hash = r.hash.as_ref().unwrap_or(&cfg.hash);
     let replay = r.replay_endpoint.as_deref().map(replay_endpoint);
-    flags(&r.name, hash, publisher_endpoint(r), replay, &r.topic)
+    flags(&r.name, hash, publisher_endpoint(r), replay, &r.topic, opts)
 }
 
 /// vLLM's default publisher and replay ports, used for discovered replicas whose configuration
@@ -52,7 +75,7 @@ pub const DEFAULT_REPLAY_PORT: u16 = 5558;
 
 /// Flags for every replica behind a `[[discovery]]` name: the publisher and the replay socket
 /// bound on all interfaces (each agent that resolves the name connects to them).
-pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig) -> VllmArgs {
+pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig, opts: &Options) -> VllmArgs {
     let hash = d.hash.as_ref().unwrap_or(&cfg.hash);
     let (events, replay) = match d.sources {
         Sources::Static => (d.events_port.unwrap_or(DEFAULT_EVENTS_PORT), d.replay_port),
@@ -61,10 +84,17 @@ pub fn for_discovery(cfg: &Config, d: &DiscoveryConfig) -> VllmArgs {
         }
     };
     let replay = replay.map(|p| format!("tcp://*:{p}"));
-    flags(&d.name, hash, format!("tcp://*:{events}"), replay, &d.topic)
+    flags(&d.name, hash, format!("tcp://*:{events}"), replay, &d.topic, opts)
 }
 
-fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>, topic: &str) -> VllmArgs {
+fn flags(
+    name: &str,
+    hash: &HashConfig,
+    endpoint: String,
+    replay: Option<String>,
+    topic: &str,
+    opts: &Options,
+) -> VllmArgs {
     // Keys in sorted order whatever serde_json's features (the tokenizer crate turns on
     // `preserve_order`): the printed flags are compared with the shipped manifests.
     let mut obj = std::collections::BTreeMap::new();
@@ -72,6 +102,7 @@ fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>
     obj.insert("publisher", json!("zmq"));
     obj.insert("endpoint", json!(endpoint));
     obj.insert("topic", json!(topic));
+    obj.insert("buffer_steps", json!(opts.buffer_steps));
     if let Some(rep) = replay {
         obj.insert("replay_endpoint", json!(rep));
     }
@@ -80,7 +111,7 @@ fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>
     if let Some(seed) = &hash.seed {
         env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
     }
-    let args = vec![
+    let mut args = vec![
         "--enable-prefix-caching".to_owned(),
         "--prefix-caching-hash-algo".to_owned(),
         hash.algo.name().to_owned(),
@@ -89,6 +120,9 @@ fn flags(name: &str, hash: &HashConfig, endpoint: String, replay: Option<String>
         "--kv-events-config".to_owned(),
         kv.to_string(),
     ];
+    if opts.render {
+        args.push("--enable-scale-out".to_owned());
+    }
     VllmArgs { replica: name.to_owned(), env, args }
 }
 
@@ -112,22 +146,36 @@ fn line(out: &mut String, a: &VllmArgs, model: Option<&String>) {
     out.push_str(&l);
 }
 
+/// What the flags cannot say about the hash settings, as comment lines. (An xxhash algorithm
+/// without a seed never gets here: the configuration refuses it, vLLM seeding every process at
+/// random then.)
+fn hash_notes(out: &mut String, hash: &HashConfig) {
+    if hash.lookahead_tokens > 0 {
+        out.push_str(&format!(
+            "# lookahead_tokens = {}: the replicas' --speculative-config must make vLLM hash {} token(s) past each block (EAGLE/EAGLE3: 1; MTP: num_speculative_tokens)\n",
+            hash.lookahead_tokens, hash.lookahead_tokens
+        ));
+    }
+}
+
 /// Shell lines for every replica and every discovered pool.
-pub fn render(cfg: &Config) -> String {
+pub fn render(cfg: &Config, opts: &Options) -> String {
     let mut out = String::new();
     for r in &cfg.replicas {
         out.push_str(&format!(
             "# replica {} ({} data-parallel rank(s); vLLM adds the rank to both ports)\n",
             r.name, r.dp_ranks
         ));
-        line(&mut out, &for_replica(cfg, r), r.models.first());
+        hash_notes(&mut out, r.hash.as_ref().unwrap_or(&cfg.hash));
+        line(&mut out, &for_replica(cfg, r, opts), r.models.first());
     }
     for d in &cfg.discovery {
         out.push_str(&format!(
             "# every replica behind {} (discovery {}; vLLM adds the data-parallel rank to both ports)\n",
             d.dns, d.name
         ));
-        line(&mut out, &for_discovery(cfg, d), d.models.first());
+        hash_notes(&mut out, d.hash.as_ref().unwrap_or(&cfg.hash));
+        line(&mut out, &for_discovery(cfg, d, opts), d.models.first());
     }
     out
 }
@@ -161,7 +209,7 @@ endpoint = "tcp://127.0.0.1:6100"
 "#,
         )
         .unwrap();
-        let a = for_replica(&cfg, &cfg.replicas[0]);
+        let a = for_replica(&cfg, &cfg.replicas[0], &Options::default());
         assert_eq!(a.env, vec![("PYTHONHASHSEED".to_owned(), "0".to_owned())]);
         assert_eq!(
             a.args[..5],
@@ -176,15 +224,15 @@ endpoint = "tcp://127.0.0.1:6100"
         // serde_json preserves insertion order.
         assert_eq!(
             a.args[6],
-            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kv-events"}"#
+            r#"{"buffer_steps":10000,"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kv-events"}"#
         );
-        let b = for_replica(&cfg, &cfg.replicas[1]);
+        let b = for_replica(&cfg, &cfg.replicas[1], &Options::default());
         let kv: serde_json::Value = serde_json::from_str(&b.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://127.0.0.1:6000");
-        let c = for_replica(&cfg, &cfg.replicas[2]);
+        let c = for_replica(&cfg, &cfg.replicas[2], &Options::default());
         let kv: serde_json::Value = serde_json::from_str(&c.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://[::ffff:127.0.0.1]:6100");
-        let text = render(&cfg);
+        let text = render(&cfg, &Options::default());
         assert!(text.contains("PYTHONHASHSEED=0 vllm serve m --enable-prefix-caching"), "{text}");
     }
 
@@ -210,19 +258,68 @@ topic = "t"
 "#,
         )
         .unwrap();
-        let a = for_discovery(&cfg, &cfg.discovery[0]);
+        let a = for_discovery(&cfg, &cfg.discovery[0], &Options::default());
         assert_eq!(a.env, vec![("PYTHONHASHSEED".to_owned(), "7".to_owned())]);
         assert_eq!(a.args[4], "32");
         let kv: serde_json::Value = serde_json::from_str(&a.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://*:5557");
         assert_eq!(kv["replay_endpoint"], "tcp://*:5558");
-        let b = for_discovery(&cfg, &cfg.discovery[1]);
+        let b = for_discovery(&cfg, &cfg.discovery[1], &Options::default());
         let kv: serde_json::Value = serde_json::from_str(&b.args[6]).unwrap();
         assert_eq!(kv["endpoint"], "tcp://*:6000");
         assert!(kv.get("replay_endpoint").is_none(), "{kv}");
         assert_eq!(kv["topic"], "t");
-        let text = render(&cfg);
+        let text = render(&cfg, &Options::default());
         assert!(text.contains("# every replica behind vllm.ns.svc.cluster.local"), "{text}");
         assert!(text.contains("PYTHONHASHSEED=7 vllm serve m --enable-prefix-caching"), "{text}");
+    }
+
+    #[test]
+    fn render_adds_scale_out_and_buffer_steps_goes_into_the_events_config() {
+        let cfg = Config::parse(
+            r#"
+[hash]
+seed = "0"
+[[discovery]]
+name = "pool"
+dns = "vllm.ns.svc.cluster.local"
+port = 8000
+models = ["m"]
+"#,
+        )
+        .unwrap();
+        let plain = for_discovery(&cfg, &cfg.discovery[0], &Options::default());
+        assert!(!plain.args.iter().any(|a| a == "--enable-scale-out"), "{:?}", plain.args);
+        let kv: serde_json::Value = serde_json::from_str(&plain.args[6]).unwrap();
+        assert_eq!(kv["buffer_steps"], DEFAULT_BUFFER_STEPS);
+        let opts = Options { render: true, buffer_steps: 50_000 };
+        let rendered = for_discovery(&cfg, &cfg.discovery[0], &opts);
+        assert_eq!(rendered.args.iter().filter(|a| *a == "--enable-scale-out").count(), 1, "{:?}", rendered.args);
+        let kv: serde_json::Value = serde_json::from_str(&rendered.args[6]).unwrap();
+        assert_eq!(kv["buffer_steps"], 50_000);
+        assert!(render(&cfg, &opts).contains("--enable-scale-out"));
+    }
+
+    #[test]
+    fn lookahead_hashing_is_printed_as_a_note() {
+        let cfg = |lookahead: u32| {
+            Config::parse(&format!(
+                r#"
+[hash]
+seed = "0"
+lookahead_tokens = {lookahead}
+[[replicas]]
+name = "a"
+address = "10.0.0.5:8000"
+models = ["m"]
+endpoint = "tcp://10.0.0.5:5557"
+"#
+            ))
+            .unwrap()
+        };
+        let text = render(&cfg(1), &Options::default());
+        assert!(text.contains("# lookahead_tokens = 1: the replicas' --speculative-config"), "{text}");
+        let text = render(&cfg(0), &Options::default());
+        assert!(!text.contains("lookahead_tokens"), "{text}");
     }
 }

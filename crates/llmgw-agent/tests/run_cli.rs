@@ -1,5 +1,6 @@
-//! `llmgw-agent run`, `check-config` and `vllm-args` as a user runs them: configuration errors
-//! name the field, and the feed refuses a non-loopback listener without the flag and a token.
+//! `llmgw-agent run`, `check-config`, `vllm-args` and `install-filter` as a user runs them:
+//! configuration errors name the field, and the feed refuses a non-loopback listener without the
+//! flag and a token.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -81,4 +82,39 @@ fn vllm_args_prints_matching_flags_and_seed() {
     assert!(out.contains(r#""endpoint":"tcp://*:5557""#), "{out}");
     assert!(out.contains(r#""replay_endpoint":"tcp://*:5558""#), "{out}");
     assert!(out.contains(r#""topic":"kv-events""#), "{out}");
+}
+
+#[test]
+fn vllm_args_adds_scale_out_for_render_and_the_buffer_steps_asked_for() {
+    let p = write("ok4.toml", CFG);
+    let (ok, out, err) = agent(&["vllm-args", "--config", p.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(!out.contains("--enable-scale-out"), "{out}");
+    assert!(out.contains(r#""buffer_steps":10000"#), "{out}");
+    let (ok, out, err) = agent(&["vllm-args", "--config", p.to_str().unwrap(), "--render", "--buffer-steps", "40000"]);
+    assert!(ok, "{err}");
+    assert!(out.trim_end().ends_with("--enable-scale-out"), "{out}");
+    assert!(out.contains(r#""buffer_steps":40000"#), "{out}");
+    let (ok, _, err) = agent(&["vllm-args", "--config", p.to_str().unwrap(), "--buffer-steps", "0"]);
+    assert!(!ok && err.contains("buffer-steps"), "{err}");
+}
+
+#[test]
+fn install_filter_copies_a_module_and_refuses_anything_else() {
+    let module = b"\0asm\x01\0\0\0rest of the module";
+    let from = write("filter.wasm", "");
+    std::fs::write(&from, module).unwrap();
+    let to = from.with_file_name("installed.wasm");
+    let _ = std::fs::remove_file(&to);
+    let (ok, out, err) = agent(&["install-filter", "--from", from.to_str().unwrap(), "--to", to.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("installed.wasm"), "{out}");
+    assert_eq!(std::fs::read(&to).unwrap(), module);
+    let text = write("not-a-module.wasm", "<html>404</html>");
+    let other = from.with_file_name("other.wasm");
+    let (ok, _, err) = agent(&["install-filter", "--from", text.to_str().unwrap(), "--to", other.to_str().unwrap()]);
+    assert!(!ok && err.contains("not a WebAssembly module"), "{err}");
+    assert!(!other.exists());
+    let (ok, _, err) = agent(&["install-filter", "--from", "/nonexistent/llmgw.wasm", "--to", other.to_str().unwrap()]);
+    assert!(!ok && err.contains("/nonexistent/llmgw.wasm"), "{err}");
 }
