@@ -117,8 +117,8 @@ def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
     kit.wait_port(epp_port)
     listen, admin = kit.free_port(), kit.free_port()
     config = epp_config(listen, admin, epp_port, [s["port"] for s in sims], buffered=request.param == "buffered")
-    start_router(procs, envoy_bin, tmp_path, "envoy", config, admin, feed=False)
-    return {"sims": sims, "listen": listen, "agent": agent}
+    _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy", config, admin, feed=False)
+    return {"sims": sims, "listen": listen, "agent": agent, "envoy": envoy, "epp": epp_port}
 
 
 SYSTEM = " ".join(f"policy{i}" for i in range(300))
@@ -126,6 +126,9 @@ SYSTEM = " ".join(f"policy{i}" for i in range(300))
 
 def test_a_followup_lands_exactly_on_its_prefix_holder(epp_fleet):
     agent = epp_fleet["agent"]
+    # Envoy's gRPC health check of the ext_proc service name passes once the index is synced.
+    wait_until(lambda: f"llmgw_epp::127.0.0.1:{epp_fleet['epp']}::health_flags::healthy"
+               in epp_fleet["envoy"].get("/clusters"), 20, "the picker's gRPC health check")
     for n in range(3):
         first = [{"role": "system", "content": f"conversation {n} " + SYSTEM},
                  {"role": "user", "content": f"question {n} " * 20}]

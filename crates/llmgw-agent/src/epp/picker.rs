@@ -276,12 +276,9 @@ mod tests {
             })
             .collect();
         router.feed.begin_subscription();
-        for (seq, body) in
-            [FeedBody::Replicas(ReplicaTable { replicas }), FeedBody::SnapshotComplete(SnapshotComplete {})]
-                .into_iter()
-                .enumerate()
-        {
-            router.apply_feed(&FeedMessage { seq: seq as u64 + 1, body: Some(body) }, 1).unwrap();
+        let bodies = [FeedBody::Replicas(ReplicaTable { replicas }), FeedBody::SnapshotComplete(SnapshotComplete {})];
+        for (seq, body) in [1u64, 2].into_iter().zip(bodies) {
+            router.apply_feed(&FeedMessage { seq, body: Some(body) }, 1).unwrap();
         }
         Picker::new(router, Gateway::new(Duration::from_secs(60)), Arc::new(EppMetrics::default()), 2)
     }

@@ -181,3 +181,37 @@ fn note_served(picker: &Picker, ex: &mut Exchange, msg: &ProcessingRequest) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::epp::gateway::Gateway;
+    use crate::epp::metrics::EppMetrics;
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+    use llmgw_core::config::Compiled;
+    use llmgw_core::flow::{ReplicaAvoidance, Router};
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    fn served(addr: &str) -> ProcessingRequest {
+        let mut lb = Struct::default();
+        lb.fields.insert(wire::SERVED_KEY.to_owned(), Value { kind: Some(Kind::StringValue(addr.to_owned())) });
+        let mut m = Metadata::default();
+        m.filter_metadata.insert(wire::LB_NAMESPACE.to_owned(), lb);
+        ProcessingRequest { metadata_context: Some(m), ..Default::default() }
+    }
+
+    #[test]
+    fn a_response_served_by_a_fallback_makes_the_primary_avoided() {
+        let router = Router::new(Compiled::from_json(b"", None).unwrap(), 1);
+        let p = Picker::new(router, Gateway::new(Duration::from_secs(60)), Arc::new(EppMetrics::default()), 2);
+        let mut ex = Exchange { counted: Some("10.0.0.1:8000".into()), ..Default::default() };
+        note_served(&p, &mut ex, &served("10.0.0.1:8000"));
+        assert!(!p.gateway.snapshot(None).avoided("10.0.0.1:8000"), "served by the primary");
+        let mut ex = Exchange { counted: Some("10.0.0.1:8000".into()), ..Default::default() };
+        note_served(&p, &mut ex, &served("10.0.0.2:8000"));
+        assert!(p.gateway.snapshot(None).avoided("10.0.0.1:8000"));
+        assert_eq!(p.metrics.served_by_fallback.load(Ordering::Relaxed), 1);
+    }
+}
