@@ -37,7 +37,9 @@ DEST = "x-gateway-destination-endpoint"
 
 
 def test_every_shipped_manifest_is_one_the_tests_read():
-    shipped = {str(p.relative_to(deploy.ENVOY_DIR)) for p in deploy.ENVOY_DIR.rglob("*.yaml")} - {LOCAL.name}
+    # The two bootstraps for one machine are read by their own tests (test_epp.py: the endpoint picker's).
+    shipped = {str(p.relative_to(deploy.ENVOY_DIR)) for p in deploy.ENVOY_DIR.rglob("*.yaml")} - {LOCAL.name,
+                                                                                          "llmgw-epp-local.yaml"}
     assert shipped == set(FILES), f"untested manifests: {sorted(shipped - set(FILES))}; missing: {sorted(set(FILES) - shipped)}"
 
 
