@@ -12,6 +12,7 @@
 //! * [`hub`]: mirrors, feed subscribers, snapshots and counters.
 //! * [`counters`]: the discovery's and the JetStream consumer's counters the hub keeps.
 //! * [`feed`]: the `llmgw.feed.v1.Feed/Subscribe` gRPC service.
+//! * [`epp`]: the Gateway API Inference Extension endpoint picker (Envoy ext_proc), `[epp]`.
 //! * [`http`]: `/metrics`, `/healthz`, `/readyz`, `/debug/replicas`.
 //! * [`load`]: scraping each replica's `/metrics` for load and liveness.
 //! * [`http_client`]: the plain-HTTP GET that load scraping and discovery use.
@@ -23,6 +24,7 @@ pub mod config;
 pub mod counters;
 pub mod discovery;
 pub mod doctor;
+pub mod epp;
 pub mod feed;
 pub mod http;
 pub mod http_client;
@@ -62,6 +64,8 @@ pub enum RunError {
     Thread(std::io::Error),
     #[error(transparent)]
     Join(#[from] shutdown::JoinError),
+    #[error(transparent)]
+    Epp(#[from] epp::EppError),
 }
 
 /// Runs the agent until SIGINT or SIGTERM.
@@ -141,10 +145,23 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         }
         None => None,
     };
+    // The endpoint picker: the routing core over this hub, answering Envoy's ext_proc.
+    let epp = match &cfg.epp {
+        Some(e) => {
+            let compiled = epp::routing(e)?;
+            let listener = bind("epp.listen", e.listen).await?;
+            info!(listen = %listener.local_addr().map_err(RunError::LocalAddr)?, "endpoint picker listening");
+            let picker = epp::picker(e, compiled, hub.clone());
+            let metrics = picker.metrics.clone();
+            Some((metrics, tokio::spawn(epp::serve(listener, picker, e.max_streams, wait(rx.clone())))))
+        }
+        None => None,
+    };
     let http_task = tokio::spawn(http::serve(
         http_listener,
         hub.clone(),
         native.as_ref().map(|(n, _)| n.clone()),
+        epp.as_ref().map(|(m, _)| m.clone()),
         cfg.http.debug_token.clone(),
         http::readiness::Readiness::from_config(&cfg),
         wait(rx.clone()),
@@ -185,6 +202,9 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     let _ = tokio::time::timeout(Duration::from_secs(3), feed_task).await;
     let _ = tokio::time::timeout(Duration::from_secs(3), http_task).await;
     if let Some((_, task)) = native {
+        let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+    }
+    if let Some((_, task)) = epp {
         let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
     }
     Ok(join_threads(threads).await?)

@@ -32,6 +32,9 @@ pub struct Config {
     /// The native tokenizer (`[tokenizer]`, see [`super::tokenizer`]).
     #[serde(default)]
     pub tokenizer: Option<super::tokenizer::TokenizerConfig>,
+    /// The endpoint picker (`[epp]`, see [`super::epp`]).
+    #[serde(default)]
+    pub epp: Option<super::epp::EppConfig>,
 }
 
 /// Where a replica's KV events come from.

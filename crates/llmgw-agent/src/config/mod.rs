@@ -26,15 +26,18 @@
 //! * [`validate`]: the checks serde cannot make (addresses, endpoints, uniqueness, listener
 //!   safety).
 //! * [`tokenizer`]: the native tokenizer's section.
+//! * [`epp`]: the endpoint picker's section.
 //! * [`engine`]: the engines a configuration describes (replica × data-parallel rank) and the
 //!   `tcp://host:port` endpoint rules they follow.
 
 mod engine;
+mod epp;
 mod file;
 mod tokenizer;
 mod validate;
 
 pub use engine::{offset_port, parse_tcp, subject, EndpointError, EngineSpec, EventSource};
+pub use epp::{EppConfig, MAX_FALLBACKS};
 pub use file::{
     Config, ConfigError, DiscoveryConfig, Events, FeedConfig, HashConfig, HttpConfig, JetStreamConfig, LoadConfig,
     Mode, ParityConfig, ReplicaConfig, Sources, ZmqConfig,

@@ -14,6 +14,9 @@ impl Config {
         if let Some(t) = &self.tokenizer {
             t.validate().map_err(|(field, message)| err(field, message))?;
         }
+        if let Some(e) = &self.epp {
+            e.validate().map_err(|(field, message)| err(field, message))?;
+        }
         let f = &self.feed;
         match (&f.tls_cert, &f.tls_key) {
             (Some(_), None) => return Err(err("feed.tls_key", "tls_cert needs tls_key")),

@@ -9,6 +9,7 @@
 pub mod exposition;
 pub mod readiness;
 
+use crate::epp::metrics::EppMetrics;
 use crate::hub::Hub;
 use crate::native_tokenizer::NativeTokenizers;
 use axum::extract::{ConnectInfo, State};
@@ -26,6 +27,8 @@ use tokio::sync::Semaphore;
 pub struct HttpState {
     pub hub: Arc<Hub>,
     pub native: Option<Arc<NativeTokenizers>>,
+    /// The endpoint picker's counters, when it runs.
+    pub epp: Option<Arc<EppMetrics>>,
     /// The token a non-loopback client must present for `/debug/replicas`.
     pub debug_token: Option<String>,
     /// One `/debug/replicas` at a time (each copies every engine's keys).
@@ -36,6 +39,7 @@ pub struct HttpState {
 pub fn router(
     hub: Arc<Hub>,
     native: Option<Arc<NativeTokenizers>>,
+    epp: Option<Arc<EppMetrics>>,
     debug_token: Option<String>,
     readiness: readiness::Readiness,
 ) -> Router {
@@ -47,6 +51,7 @@ pub fn router(
         .with_state(HttpState {
             hub,
             native,
+            epp,
             debug_token,
             debug: Arc::new(Semaphore::new(1)),
             readiness: Arc::new(readiness),
@@ -77,6 +82,9 @@ async fn metrics(State(st): State<HttpState>) -> impl IntoResponse {
     let mut text = with_state(st.hub, exposition::metrics_text).await.unwrap_or_default();
     if let Some(n) = &st.native {
         text.push_str(&n.metrics_text());
+    }
+    if let Some(e) = &st.epp {
+        text.push_str(&e.text());
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
@@ -126,11 +134,12 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     hub: Arc<Hub>,
     native: Option<Arc<NativeTokenizers>>,
+    epp: Option<Arc<EppMetrics>>,
     debug_token: Option<String>,
     readiness: readiness::Readiness,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(hub, native, debug_token, readiness).into_make_service_with_connect_info::<SocketAddr>();
+    let app = router(hub, native, epp, debug_token, readiness).into_make_service_with_connect_info::<SocketAddr>();
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 

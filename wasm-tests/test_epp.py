@@ -1,0 +1,216 @@
+"""llmgw as a Gateway API Inference Extension endpoint picker: the real Envoy with its ext_proc
+filter configured as GAIE gateways configure it (envoy/llmgw-epp-local.yaml: the request body
+streamed in full-duplex mode to the picker over HTTP/2, the pool's cluster choosing the endpoint
+x-gateway-destination-endpoint names, the next one on a connect failure), the agent with an [epp]
+section, simulated replicas publishing real-format KV events. No wasm."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import llmgw_testkit as kit
+from llmgw_testkit import wait_until
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router
+
+MODEL = "demo-model"
+SHIPPED = kit.ROOT / "envoy" / "llmgw-epp-local.yaml"
+
+
+def epp_config(listen: int, admin: int, epp: int, pool: list[int], fail_open: bool = False,
+               buffered: bool = False) -> str:
+    """envoy/llmgw-epp-local.yaml with these ports, the pool's replicas, FailOpen or FailClose, and
+    the body streamed in full-duplex mode or buffered (FailOpen needs the latter in Envoy 1.40: in
+    full-duplex mode an unreachable picker fails the request whatever failure_mode_allow says)."""
+    text = SHIPPED.read_text()
+    if buffered or fail_open:
+        text = text.replace("request_body_mode: FULL_DUPLEX_STREAMED", "request_body_mode: BUFFERED")
+        text = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
+    pool_eps = "\n".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}"
+                         for p in pool)
+    for old, new in (("port_value: 9901", f"port_value: {admin}"), ("port_value: 10000", f"port_value: {listen}"),
+                     ("port_value: 9002", f"port_value: {epp}"),
+                     ("        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8000}}}",
+                      pool_eps),
+                     ("failure_mode_allow: false", f"failure_mode_allow: {'true' if fail_open else 'false'}")):
+        if text.count(old) != 1:
+            raise RuntimeError(f"{SHIPPED.name}: expected `{old}` once, found it {text.count(old)} times")
+        text = text.replace(old, new)
+    return text
+
+
+def chat(port, messages, headers=None):
+    """(status, replica that served, reply) of a chat completion through Envoy."""
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers.get("x-llmgw-sim-replica"), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, None, e.read()
+
+
+def metric(agent, name: str, labels: str = "") -> float:
+    pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", re.M)
+    m = pat.search(agent.metrics())
+    return float(m.group(1)) if m else 0.0
+
+
+class Decoy:
+    """An HTTP server a client names in x-gateway-destination-endpoint: it must get nothing."""
+
+    def __init__(self):
+        self.hits = 0
+        decoy = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):
+                decoy.hits += 1
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def decoy():
+    d = Decoy()
+    yield d
+    d.close()
+
+
+def start_sims(procs, sim_bin, n=3):
+    sims = new_sims(n)
+    for s in sims:
+        procs.start(sim_command(sim_bin, s, MODEL, blocks=256, seed="0", decode_ms=1), s["name"])
+    for s in sims:
+        kit.wait_port(s["port"])
+    return sims
+
+
+@pytest.fixture(params=["full_duplex", "buffered"])
+def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
+    sims = start_sims(procs, sim_bin)
+    epp_port = kit.free_port()
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps(kit.filter_config({"name": "demo"})))
+    agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL,
+                        epp={"listen": f"127.0.0.1:{epp_port}", "routing": str(routing)})
+    kit.wait_port(epp_port)
+    listen, admin = kit.free_port(), kit.free_port()
+    config = epp_config(listen, admin, epp_port, [s["port"] for s in sims], buffered=request.param == "buffered")
+    _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy", config, admin, feed=False)
+    return {"sims": sims, "listen": listen, "agent": agent, "envoy": envoy, "epp": epp_port}
+
+
+SYSTEM = " ".join(f"policy{i}" for i in range(300))
+
+
+def test_a_followup_lands_exactly_on_its_prefix_holder(epp_fleet):
+    agent = epp_fleet["agent"]
+    # Envoy's gRPC health check of the ext_proc service name passes once the index is synced.
+    wait_until(lambda: f"llmgw_epp::127.0.0.1:{epp_fleet['epp']}::health_flags::healthy"
+               in epp_fleet["envoy"].get("/clusters"), 20, "the picker's gRPC health check")
+    for n in range(3):
+        first = [{"role": "system", "content": f"conversation {n} " + SYSTEM},
+                 {"role": "user", "content": f"question {n} " * 20}]
+        status, served_by, _ = chat(epp_fleet["listen"], first)
+        assert status == 200 and served_by, (status, served_by)
+        wait_until(lambda s=served_by: agent.replica(s)["blocks"] > 0, 20, "the agent mirrored the blocks")
+        exact_before = metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}')
+        followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+        status, again, reply = chat(epp_fleet["listen"], followup)
+        assert status == 200 and again == served_by, f"follow-up went to {again}, its prefix is on {served_by}"
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # Decided from the index (not by the approximate fallback, which keys on the same text).
+        assert metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}') == exact_before + 1
+
+
+def test_a_client_destination_header_is_never_honoured(epp_fleet, decoy):
+    sims, agent = epp_fleet["sims"], epp_fleet["agent"]
+    for n in range(2):
+        first = [{"role": "system", "content": f"client header {n} " + SYSTEM},
+                 {"role": "user", "content": f"where do I go {n} " * 20}]
+        status, holder, _ = chat(epp_fleet["listen"], first, {"x-gateway-destination-endpoint": decoy.address})
+        assert status == 200 and holder in {s["name"] for s in sims}
+        wait_until(lambda h=holder: agent.replica(h)["blocks"] > 0, 20, "the agent mirrored the blocks")
+        # The client names another replica of the pool (one the gateway could reach): ignored.
+        other = next(s for s in sims if s["name"] != holder)
+        followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+        status, again, _ = chat(epp_fleet["listen"], followup,
+                                {"x-gateway-destination-endpoint": f"127.0.0.1:{other['port']}"})
+        assert status == 200 and again == holder, f"went to {again} (the client named {other['name']})"
+    assert decoy.hits == 0
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail_close", "fail_open"])
+def test_an_unreachable_picker_fails_open_or_closed_as_configured(procs, tmp_path, sim_bin, envoy_bin, fail_open):
+    sims = start_sims(procs, sim_bin, 2)
+    listen, admin, nobody = kit.free_port(), kit.free_port(), kit.free_port()
+    start_router(procs, envoy_bin, tmp_path, "envoy", epp_config(listen, admin, nobody, [s["port"] for s in sims],
+                                                                 fail_open), admin, feed=False)
+    served = []
+    for n in range(4):
+        # Every request names r0: without the picker a client must still not choose.
+        status, served_by, _ = chat(listen, [{"role": "user", "content": f"is anyone there? {n} " * 10}],
+                                    {"x-gateway-destination-endpoint": f"127.0.0.1:{sims[0]['port']}"})
+        if fail_open:
+            assert status == 200 and served_by in {"r0", "r1"}, (status, served_by)
+        else:
+            assert status >= 500 and served_by is None, status
+        served.append(served_by)
+    if fail_open:
+        assert "r1" in served, f"every request went where the client said: {served}"
+
+
+def test_a_connect_failure_to_the_primary_is_retried_on_the_fallback_list(procs, tmp_path, agent_bin, sim_bin,
+                                                                           envoy_bin):
+    # r3's events reach the agent, but the address it is routed at refuses connections: the
+    # picker credits it with the prefix (primary) and Envoy must go on down the list.
+    sims = start_sims(procs, sim_bin, 4)
+    dead = kit.free_port()
+    epp_port = kit.free_port()
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps(kit.filter_config({"name": "demo"})))
+    replicas = [kit.sim_replica(s, MODEL) for s in sims]
+    # The agent's entry for r3 names the dead address (its events still come from r3's publisher).
+    replicas[3]["address"] = f"127.0.0.1:{dead}"
+    agent = kit.Agent(procs, agent_bin, tmp_path, replicas, hash={"algo": "sha256_cbor", "seed": "0", "block_size": 16},
+                      load={"enabled": False}, epp={"listen": f"127.0.0.1:{epp_port}", "routing": str(routing)})
+    agent.wait_ready()
+    kit.wait_port(epp_port)
+    listen, admin = kit.free_port(), kit.free_port()
+    _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy",
+                            epp_config(listen, admin, epp_port, [s["port"] for s in sims[:3]] + [dead]), admin,
+                            feed=False)
+    first = [{"role": "system", "content": "dead primary " + SYSTEM}, {"role": "user", "content": "hello? " * 20}]
+    body = json.dumps({"model": MODEL, "messages": first, "max_tokens": 4}).encode()
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{sims[3]['port']}/v1/chat/completions", data=body,
+                                                  headers={"content-type": "application/json"}), timeout=30).read()
+    wait_until(lambda: agent.replica("r3")["blocks"] > 0, 20, "the agent mirrored r3's blocks")
+    exact_before = metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}')
+    followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+    status, served_by, _ = chat(listen, followup)
+    assert status == 200 and served_by in {"r0", "r1", "r2"}, (status, served_by)
+    assert metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}') == exact_before + 1
+    stats = envoy.stats("cluster.llmgw_pool.upstream_")
+    assert stats.get("cluster.llmgw_pool.upstream_cx_connect_fail", 0) >= 1, stats
+    assert stats.get("cluster.llmgw_pool.upstream_rq_retry", 0) >= 1, stats
