@@ -1,6 +1,8 @@
-"""An agent that starts after an engine's replay buffer rolled past its early batches: it keeps
-what the buffer still holds (not an empty mirror), says which engine is incomplete, and holds
-exactly the blocks those batches left in the engine's cache. The simulator stands in for vLLM
+"""An agent that starts after an engine's replay buffer rolled past its early batches: without
+a snapshot source it keeps what the buffer still holds (not an empty mirror), says which engine
+is incomplete, and holds exactly the blocks those batches left in the engine's cache; with the
+`publish` sidecar's snapshots it holds the engine's whole cache and a gateway started then
+routes every follow-up to its holder. The simulator stands in for vLLM
 (its replay buffer is `--buffer-steps` batches, as vLLM's `buffer_steps`)."""
 
 import json
@@ -9,9 +11,11 @@ import time
 import msgpack
 import zmq
 
-from llmgw_testkit import free_port, wait_port, wait_until
+import llmgw_testkit as kit
+from llmgw_testkit import free_port, request, toml, wait_port, wait_until
 from llmgw_testkit import get_text as get
 from llmgw_testkit import post_json as post
+from llmgw_testkit.fleet import new_sims, start_router, wait_sims
 
 BUFFER_STEPS = 4
 
@@ -153,3 +157,103 @@ def test_agent_started_after_the_replay_buffer_rolled_keeps_what_it_holds(procs,
         assert len(lines) == 1 and "r0" in lines[0] and f"batch {first}" in lines[0], lines
     finally:
         rec.close()
+
+
+def snapshot_of(port: int) -> tuple[int, dict, bytes]:
+    """A sidecar's snapshot: (status, lower-cased headers, body)."""
+    status, headers, body = request("GET", f"http://127.0.0.1:{port}/snapshot?dp_rank=0", timeout=5)
+    return status, {k.lower(): v for k, v in headers.items()}, body
+
+
+def test_a_gateway_started_after_the_buffers_rolled_routes_every_follow_up_to_its_holder(
+        procs, tmp_path, sim_bin, agent_bin, wasm_path, envoy_bin, start_agent):
+    """Each replica runs `llmgw-agent publish --snapshot-listen` beside it from its start. Prefixes
+    are warmed directly on the replicas, their replay buffers roll far past those batches, then
+    an agent (joining from the sidecars' snapshots) and Envoy start: the agent holds exactly
+    each simulator's cache, is not incomplete, and every follow-up goes to its prefix's holder
+    from the first request on."""
+    sims = new_sims(3)
+    entries = {}
+    for s in sims:
+        s["snap"] = free_port()
+        procs.start([sim_bin, "--port", s["port"], "--name", s["name"], "--model", "m", "--blocks", "4096",
+                     "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{s['kv']}",
+                     "--replay-endpoint", f"tcp://127.0.0.1:{s['replay']}", "--decode-ms", "1",
+                     "--buffer-steps", BUFFER_STEPS], s["name"])
+        entries[s["name"]] = {"name": s["name"], "address": f"127.0.0.1:{s['port']}", "models": ["m"],
+                              "mode": "connect", "endpoint": f"tcp://[::ffff:127.0.0.1]:{s['kv']}",
+                              "topic": "kv-events", "replay_endpoint": f"tcp://127.0.0.1:{s['replay']}"}
+    wait_sims(sims)
+    for s in sims:
+        cfg = tmp_path / f"sidecar-{s['name']}.toml"
+        cfg.write_text(toml({"hash": {"algo": "sha256_cbor", "seed": "0"}, "replicas": [entries[s["name"]]]}))
+        procs.start([agent_bin, "publish", "--config", cfg, "--snapshot-listen", f"127.0.0.1:{s['snap']}"],
+                    f"sidecar-{s['name']}")
+        wait_port(s["snap"])
+
+    def url(s):
+        return f"http://127.0.0.1:{s['port']}"
+
+    # The sidecars start with their replicas: the first batches they hear are still replayable.
+    for s in sims:
+        n = [0]
+
+        def sidecar_heard(s=s, n=n):
+            post(f"{url(s)}/v1/completions", {"model": "m", "prompt": prompt(f"prime-{s['name']}-{n[0]}"),
+                                              "max_tokens": 2})
+            n[0] += 1
+            return snapshot_of(s["snap"])[0] == 200
+        wait_until(sidecar_heard, 20, f"sidecar of {s['name']} has a snapshot", interval=0.2)
+    # Two long prefixes warmed on each replica, then traffic that rolls every replay buffer past them.
+    holder = {}
+    for s in sims:
+        for i in range(2):
+            p = prompt(f"system-{s['name']}-{i}")
+            post(f"{url(s)}/v1/completions", {"model": "m", "prompt": p, "max_tokens": 2})
+            holder[p] = s["name"]
+    warmed_at = {}
+    for s in sims:
+        last = replay_seqs(s["replay"])[-1]
+        wait_until(lambda s=s, last=last: snapshot_of(s["snap"])[1].get("x-llmgw-snapshot-seq") == str(last), 10,
+                   "the sidecar saw the warm batches")
+        warmed_at[s["name"]] = last
+        for i in range(3 * BUFFER_STEPS):
+            post(f"{url(s)}/v1/completions", {"model": "m", "prompt": prompt(f"roll-{s['name']}-{i}"), "max_tokens": 2})
+    for s in sims:
+        held = replay_seqs(s["replay"])
+        assert held[0] > warmed_at[s["name"]], ("the replay buffer still reaches the warm batches", held)
+        status, headers, _ = snapshot_of(s["snap"])
+        wait_until(lambda s=s: snapshot_of(s["snap"])[1].get("x-llmgw-snapshot-seq") == str(replay_seqs(s["replay"])[-1]),
+                   10, "the sidecar caught up")
+        assert status == 200 and "x-llmgw-snapshot-incomplete-from" not in headers, headers
+
+    agent = start_agent([{**entries[s["name"]], "snapshot_url": f"http://127.0.0.1:{s['snap']}"} for s in sims])
+    cache = {s["name"]: set(json.loads(get(f"{url(s)}/sim/blocks"))["keys"]) for s in sims}
+    for s in sims:
+        # Exactly the simulator's own cache, prefixes stored long before the agent started included.
+        r = agent.wait_for(s["name"], lambda r, s=s: set(r["block_keys"]) == cache[s["name"]],
+                           "the agent holds the replica's cache")
+        assert r["snapshot"]["joins"] == 1 and r["incomplete_from"] is None, r
+        assert r["resets"] == {} and r["incomplete_starts"] == 0, r
+    m = agent.metrics()
+    assert 'llmgw_agent_engine_incomplete{replica="r0",dp_rank="0"} 0' in m
+    assert 'llmgw_agent_snapshot_joins_total{replica="r0",dp_rank="0"} 1' in m
+
+    listen, admin = free_port(), free_port()
+    config = kit.shipped_config(wasm_path, listen, admin, agent.feed,
+                                kit.filter_config({"name": "warm"}, explain_header=True))
+    _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy", config, admin, feed=True, feed_timeout=90)
+    total = sum(len(c) for c in cache.values())
+    wait_until(lambda: envoy.index_blocks() and all(v == total for v in envoy.index_blocks()), 20,
+               "every filter VM holds the agent's index")
+    landed = {}
+    for p, want in holder.items():
+        status, headers, _ = request(
+            "POST", f"http://127.0.0.1:{listen}/v1/completions",
+            json.dumps({"model": "m", "prompt": p + " and a follow-up question", "max_tokens": 2}).encode(),
+            {"content-type": "application/json"}, timeout=30)
+        headers = {k.lower(): v for k, v in headers.items()}
+        assert status == 200, (status, headers)
+        landed[p] = (headers.get("x-llmgw-sim-replica"), headers.get(kit.DECISION_HEADER))
+    wrong = {p[:24]: (got, holder[p]) for p, got in landed.items() if got[0] != holder[p]}
+    assert not wrong, wrong

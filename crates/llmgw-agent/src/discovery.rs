@@ -188,6 +188,7 @@ pub fn specs(cfg: &Config, d: &DiscoveryConfig, ip: IpAddr, sources: &[Source]) 
             hash: d.hash.clone().unwrap_or_else(|| cfg.hash.clone()),
             metrics_url: d.scrape.then(|| format!("http://{address}/metrics")),
             source: EventSource::Zmq,
+            snapshot_url: d.snapshot_port.map(|p| format!("http://{}", SocketAddr::new(ip, p))),
         })
         .collect()
 }

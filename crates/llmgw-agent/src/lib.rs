@@ -36,6 +36,7 @@ pub mod load;
 pub mod native_tokenizer;
 pub mod seq;
 pub mod shutdown;
+pub mod snapshot;
 pub mod vllm;
 pub mod zmq_contexts;
 pub mod zmqsub;

@@ -46,7 +46,8 @@ enum Command {
     /// and the replica index, checking hash parity and scoring requests.
     Replay(tools::ReplayArgs),
     /// Beside one vLLM replica: publish its KV events (read from its ZMQ publisher) to the
-    /// configuration's [jetstream] stream, for agents whose replicas have events = "jetstream".
+    /// configuration's [jetstream] stream, for agents whose replicas have events = "jetstream",
+    /// and/or keep its blocks and serve snapshots of them (--snapshot-listen).
     Publish(PublishArgs),
     /// Copy the filter (`llmgw.wasm`) to where Envoy loads it: what the init container of the
     /// shipped manifests runs, the agent's image having no shell or `cp`.
@@ -62,6 +63,11 @@ struct PublishArgs {
     /// Which configured replica to publish (default: the only one).
     #[arg(long)]
     replica: Option<String>,
+    /// Keep the replica's blocks and serve them as snapshots (`GET /snapshot?dp_rank=R`,
+    /// `/metrics`) on this address, for agents that start after the replica
+    /// (`replicas[].snapshot_url`). Without [jetstream] the sidecar only does this.
+    #[arg(long)]
+    snapshot_listen: Option<SocketAddr>,
     /// Log filter level: error, warn, info, debug.
     #[arg(long, default_value = "info")]
     log_level: tracing::Level,
@@ -163,7 +169,7 @@ fn prepare(a: RunArgs) -> Result<Config, String> {
 fn publish(a: PublishArgs) -> Result<(), String> {
     tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
     let cfg = load(&a.config)?;
-    llmgw_agent::jetstream::publish::run(cfg, a.replica.as_deref()).map_err(|e| e.to_string())
+    llmgw_agent::jetstream::publish::run(cfg, a.replica.as_deref(), a.snapshot_listen).map_err(|e| e.to_string())
 }
 
 fn launch(a: LaunchArgs) -> Result<(), String> {

@@ -24,6 +24,8 @@ pub struct EngineSpec {
     pub metrics_url: Option<String>,
     /// Where its events come from.
     pub source: EventSource,
+    /// Its `publish` sidecar's base URL, to join from a snapshot.
+    pub snapshot_url: Option<String>,
 }
 
 /// Where an engine's KV events come from.
@@ -109,6 +111,7 @@ impl Config {
                         }
                         _ => EventSource::Zmq,
                     },
+                    snapshot_url: r.snapshot_url.clone(),
                 });
                 id = id.saturating_add(1);
             }

@@ -137,6 +137,10 @@ pub struct DiscoveryConfig {
     pub scrape: bool,
     #[serde(default)]
     pub hash: Option<HashConfig>,
+    /// The port of each replica's `llmgw-agent publish --snapshot-listen` sidecar, if any
+    /// (`http://{ip}:{snapshot_port}`, see `replicas[].snapshot_url`).
+    #[serde(default)]
+    pub snapshot_port: Option<u16>,
 }
 
 fn default_refresh() -> u64 {
@@ -328,6 +332,10 @@ pub struct ReplicaConfig {
     /// Overrides the global hash settings for this replica.
     #[serde(default)]
     pub hash: Option<HashConfig>,
+    /// The base URL (`http://host:port`) of the replica's `llmgw-agent publish --snapshot-listen`
+    /// sidecar: an engine first heard after its start joins from its snapshot.
+    #[serde(default)]
+    pub snapshot_url: Option<String>,
 }
 
 fn default_js_stream() -> String {

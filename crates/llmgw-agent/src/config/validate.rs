@@ -96,6 +96,12 @@ impl Config {
                     check_hash(&f("hash"), h)?;
                 }
                 check_metrics_url(&f("metrics_url"), r.metrics_url.as_deref())?;
+                if r.snapshot_url.is_some() {
+                    return Err(err(
+                        f("snapshot_url"),
+                        "snapshots are joined from a replica's ZMQ events, not events = \"jetstream\"",
+                    ));
+                }
                 continue;
             }
             if r.endpoint.is_empty() {
@@ -137,6 +143,14 @@ impl Config {
                 check_hash(&f("hash"), h)?;
             }
             check_metrics_url(&f("metrics_url"), r.metrics_url.as_deref())?;
+            if let Some(u) = &r.snapshot_url {
+                if !u.starts_with("http://") || u.len() <= "http://".len() {
+                    return Err(err(
+                        f("snapshot_url"),
+                        "must be http://host:port (the publish sidecar's --snapshot-listen)",
+                    ));
+                }
+            }
         }
         for (i, d) in self.discovery.iter().enumerate() {
             let f = |name: &str| format!("discovery[{i}].{name}");
@@ -343,6 +357,8 @@ mod tests {
             (format!("{js}max_messages_per_subject = 0\n{OK}"), "jetstream.max_messages_per_subject"),
             (format!("[jetstream]\nurl = \"nats://tok@127.0.0.1:4222\"\n{OK}"), "jetstream.url"),
             (format!("{js}{OK}{rep}metrics_url = \"ftp://x\"\n"), "replicas[2].metrics_url"),
+            (format!("{js}{OK}{rep}snapshot_url = \"http://127.0.0.1:9100\"\n"), "replicas[2].snapshot_url"),
+            (format!("{OK}snapshot_url = \"https://x\"\n"), "replicas[1].snapshot_url"),
         ];
         for (text, field) in cases {
             let e = error_of(&text);

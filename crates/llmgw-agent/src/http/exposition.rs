@@ -126,6 +126,7 @@ impl EngineCopy {
             // Blocks stored before this batch are unknown (`null`: the mirror is complete).
             "incomplete_from": incomplete_from,
             "incomplete_starts": c.incomplete_starts,
+            "snapshot": {"joins": c.snapshot_joins, "failures": c.snapshot_failures},
             "last_event_age_secs": last_event_age_secs,
             "hash": {
                 "algo": spec.hash.algo.name(),
@@ -307,6 +308,24 @@ pub fn metrics_text(st: &HubState) -> String {
         per(&|e| e.counters.incomplete_starts),
     );
     counter(
+        "snapshot_joins_total",
+        "Times an engine's mirror started from its sidecar's snapshot (replicas[].snapshot_url).",
+        "counter",
+        per(&|e| e.counters.snapshot_joins),
+    );
+    let mut snap_failures = Vec::new();
+    for e in st.live() {
+        for (reason, n) in &e.counters.snapshot_failures {
+            snap_failures.push((format!("{},reason=\"{reason}\"", lbl(e)), *n as f64));
+        }
+    }
+    counter(
+        "snapshot_failures_total",
+        "Snapshots asked for and not had (the engine then starts from its replay buffer), by reason.",
+        "counter",
+        snap_failures,
+    );
+    counter(
         "block_limit",
         "Blocks one engine may hold (zmq.max_blocks_per_engine); past it its mirror is reset.",
         "gauge",
@@ -441,6 +460,7 @@ mod tests {
                 "up": true, "http_ok": true, "publisher_ok": true, "connected": false,
                 "blocks": keys.len(), "block_keys": keys, "last_seq": last_seq, "last_event_age_secs": null,
                 "incomplete_from": null, "incomplete_starts": 0,
+                "snapshot": {"joins": 0, "failures": {}},
                 "hash": {"algo": "sha256_cbor", "seed": null, "block_size": 16, "lookahead_tokens": 0},
                 "lookahead_tokens_seen": null,
                 "parity": {"matched": 0, "mismatched": 0, "unverifiable": if keys.is_empty() { 0 } else { 4 },

@@ -37,6 +37,10 @@ pub struct EngineCounters {
     /// Times the mirror (re)started without the engine's earlier batches (see
     /// [`EngineState::incomplete_from`]).
     pub incomplete_starts: u64,
+    /// Times the mirror started from a sidecar's snapshot.
+    pub snapshot_joins: u64,
+    /// Snapshots asked for and not had, by reason.
+    pub snapshot_failures: BTreeMap<&'static str, u64>,
 }
 
 /// Who judges a replica's health.
@@ -302,6 +306,26 @@ impl HubState {
         *c = c.saturating_add(1);
         let id = e.spec.id;
         self.publish(Body::Reset(ReplicaReset { replica: id, reason: reason.to_owned() }));
+    }
+
+    /// The mirror started from a snapshot: it is complete unless the snapshot itself holds only
+    /// what batches from `incomplete_from` on stored.
+    pub fn joined_snapshot(&mut self, engine: usize, incomplete_from: Option<u64>) {
+        if let Some(e) = self.engine(engine) {
+            e.counters.snapshot_joins = e.counters.snapshot_joins.saturating_add(1);
+            e.incomplete_from = None;
+        }
+        if let Some(f) = incomplete_from {
+            self.mark_incomplete(engine, f);
+        }
+    }
+
+    /// A snapshot was asked for and none came.
+    pub fn snapshot_failed(&mut self, engine: usize, reason: &'static str) {
+        if let Some(e) = self.engine(engine) {
+            let c = e.counters.snapshot_failures.entry(reason).or_insert(0);
+            *c = c.saturating_add(1);
+        }
     }
 
     /// Marks an engine's mirror as holding only what its batches from `from` on did.

@@ -6,6 +6,12 @@
 //! ([`crate::seq`]), judges every batch, fetches what a gap misses through the source's
 //! [`Replay`], and hands the outcome to a [`Sink`]: the hub for the agent ([`to_hub`]), the
 //! broker queue for `publish`. Adding a source is one module that yields these events.
+//!
+//! Joining late ([`Ingest::join`]): once subscribed (or at an engine's first batch when that
+//! does not start its sequence), a source that can fetch a snapshot ([`Replay::snapshot`])
+//! applies it (exact at batch S); the live batches that arrived meanwhile up to S are dropped,
+//! a gap between S and the next live batch is filled from the replay socket, and only what
+//! that cannot fill resets. Live batches wait in the source's subscription during the fetch.
 
 pub mod to_hub;
 
@@ -46,10 +52,34 @@ pub struct Fill {
     pub outcome: FillOutcome,
 }
 
+/// An engine's state as of batch `seq`, as one batch to apply to an empty mirror.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Joined<B> {
+    pub seq: u64,
+    /// `Some(f)`: the snapshot holds only what batches from `f` on stored.
+    pub incomplete_from: Option<u64>,
+    pub batch: B,
+}
+
+/// What asking a source for a snapshot gave.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SnapshotFetch<B> {
+    /// The source has no snapshot to ask for.
+    NoSource,
+    /// It was asked and gave none (the reason is a metric label).
+    Failed(&'static str),
+    Got(Joined<B>),
+}
+
 /// Fetches batches a gap missed, from where the source keeps them.
 pub trait Replay<P: ?Sized> {
     /// Hands the batches `from..until` to `apply` in order (it returns false to stop).
     fn replay(&mut self, from: u64, until: u64, apply: &mut dyn FnMut(u64, &P) -> bool) -> FillOutcome;
+
+    /// The engine's state at some batch, for an engine first heard after its start.
+    fn snapshot(&mut self) -> SnapshotFetch<Box<P>> {
+        SnapshotFetch::NoSource
+    }
 }
 
 /// A source that keeps nothing to replay.
@@ -76,12 +106,20 @@ pub trait Sink<P: ?Sized> {
     fn fill_ended(&mut self, engine: usize, fill: Fill);
     /// One batch, live or replayed, in sequence order; false when the sink takes no more.
     fn apply(&mut self, engine: usize, seq: u64, payload: &P) -> bool;
+    /// A snapshot was applied as batch `seq` (called after [`Sink::apply`] took it).
+    fn snapshot_joined(&mut self, _engine: usize, _seq: u64, _incomplete_from: Option<u64>) {}
+    /// A snapshot was asked for and none came: the engine starts from the replay buffer.
+    fn snapshot_failed(&mut self, _engine: usize, _reason: &'static str) {}
+    /// A live batch the applied snapshot already covers: dropped.
+    fn covered_by_snapshot(&mut self, _engine: usize, _seq: u64) {}
 }
 
 /// Every engine's sequence discipline; the one place a batch's verdict is acted on.
 #[derive(Debug, Default)]
 pub struct Ingest {
     trackers: HashMap<usize, SeqTracker>,
+    /// Engines joined from a snapshot at this batch, until a batch past it or a disconnect.
+    joins: HashMap<usize, u64>,
 }
 
 impl Ingest {
@@ -106,6 +144,8 @@ impl Ingest {
             SourceEvent::Connected { engine } => sink.connected(engine),
             SourceEvent::Disconnected { engine, still_connected } => {
                 self.trackers.entry(engine).or_default().mark_reconnect();
+                // A batch at or below the snapshot's may now come from a restarted engine.
+                self.joins.remove(&engine);
                 sink.disconnected(engine, still_connected);
             }
             SourceEvent::Batch { engine, seq, payload } => return self.batch(engine, seq, payload, replay, sink),
@@ -121,8 +161,28 @@ impl Ingest {
         replay: &mut dyn Replay<P>,
         sink: &mut dyn Sink<P>,
     ) -> bool {
+        if let Some(at) = self.joins.get(&engine).copied() {
+            if seq <= at {
+                // Received while the snapshot was fetched (no reconnect since): it holds it.
+                sink.covered_by_snapshot(engine, seq);
+                return true;
+            }
+            self.joins.remove(&engine);
+        }
+        let first = self.trackers.get(&engine).is_none_or(|t| t.expected().is_none());
+        if first && seq > 0 {
+            if !self.join(engine, replay, sink) {
+                return false;
+            }
+            if self.joins.get(&engine).is_some_and(|at| seq <= *at) {
+                sink.covered_by_snapshot(engine, seq);
+                return true;
+            }
+        }
         let tracker = self.trackers.entry(engine).or_default();
-        if let Verdict::Fill { from, until, reset, cause } = tracker.observe(seq) {
+        // After a join: apply, or a gap from the snapshot to this batch, filled below.
+        let verdict = tracker.observe(seq);
+        if let Verdict::Fill { from, until, reset, cause } = verdict {
             sink.fill_needed(engine, cause, reset);
             let outcome = if from >= until {
                 FillOutcome::Restarted
@@ -144,6 +204,32 @@ impl Ingest {
         taken
     }
 
+    /// Joins an engine whose sequence is not known yet from its source's snapshot: the
+    /// snapshot is applied as its batch S, and live batches up to S are dropped until the
+    /// publisher's connection drops. Nothing happens when the sequence is known or the source
+    /// has no snapshot. Returns false when the sink took no more.
+    pub fn join<P: ?Sized>(&mut self, engine: usize, replay: &mut dyn Replay<P>, sink: &mut dyn Sink<P>) -> bool {
+        if self.trackers.get(&engine).is_some_and(|t| t.expected().is_some()) {
+            return true;
+        }
+        match replay.snapshot() {
+            SnapshotFetch::NoSource => true,
+            SnapshotFetch::Failed(reason) => {
+                sink.snapshot_failed(engine, reason);
+                true
+            }
+            SnapshotFetch::Got(snap) => {
+                if !sink.apply(engine, snap.seq, &snap.batch) {
+                    return false;
+                }
+                sink.snapshot_joined(engine, snap.seq, snap.incomplete_from);
+                self.trackers.entry(engine).or_default().applied(snap.seq);
+                self.joins.insert(engine, snap.seq);
+                true
+            }
+        }
+    }
+
     /// The reconnected publisher was verified to be the same engine.
     pub fn confirm_same_publisher(&mut self, engine: usize) {
         if let Some(t) = self.trackers.get_mut(&engine) {
@@ -154,16 +240,19 @@ impl Ingest {
     /// Forgets an engine's sequence: its next batch is handled like a first one.
     pub fn forget(&mut self, engine: usize) {
         self.trackers.remove(&engine);
+        self.joins.remove(&engine);
     }
 
     /// Forgets every engine's sequence.
     pub fn forget_all(&mut self) {
         self.trackers.clear();
+        self.joins.clear();
     }
 
     /// Forgets the sequences of the engines `keep` refuses.
     pub fn retain(&mut self, mut keep: impl FnMut(usize) -> bool) {
         self.trackers.retain(|i, _| keep(*i));
+        self.joins.retain(|i, _| keep(*i));
     }
 }
 
@@ -196,6 +285,15 @@ mod tests {
             self.0.push(format!("apply {e} {seq} {p}"));
             *p != 0
         }
+        fn snapshot_joined(&mut self, e: usize, seq: u64, incomplete_from: Option<u64>) {
+            self.0.push(format!("joined {e} at {seq} incomplete_from={incomplete_from:?}"));
+        }
+        fn snapshot_failed(&mut self, e: usize, reason: &'static str) {
+            self.0.push(format!("no snapshot {e} {reason}"));
+        }
+        fn covered_by_snapshot(&mut self, e: usize, seq: u64) {
+            self.0.push(format!("covered {e} {seq}"));
+        }
     }
 
     /// Replays from a fixed list.
@@ -213,6 +311,22 @@ mod tests {
             let tail_from = self.0.iter().map(|(s, _)| *s).find(|s| (from..until).contains(s)).filter(|s| *s > from);
             FillOutcome::Replayed { complete: n == until - from, batches: n, skipped: vec![], tail_from }
         }
+    }
+
+    /// A replay buffer and a snapshot source (asked once).
+    struct WithSnapshot(Held, Option<SnapshotFetch<Box<u8>>>);
+
+    impl Replay<u8> for WithSnapshot {
+        fn replay(&mut self, from: u64, until: u64, apply: &mut dyn FnMut(u64, &u8) -> bool) -> FillOutcome {
+            self.0.replay(from, until, apply)
+        }
+        fn snapshot(&mut self) -> SnapshotFetch<Box<u8>> {
+            self.1.take().unwrap_or(SnapshotFetch::NoSource)
+        }
+    }
+
+    fn snap(seq: u64, payload: u8) -> Option<SnapshotFetch<Box<u8>>> {
+        Some(SnapshotFetch::Got(Joined { seq, incomplete_from: None, batch: Box::new(payload) }))
     }
 
     fn batch(engine: usize, seq: u64, payload: &u8) -> SourceEvent<'_, u8> {
@@ -281,5 +395,69 @@ mod tests {
         assert!(!ingest.handle(batch(0, 5, &0), &mut NoReplay, &mut sink));
         assert!(ingest.handle(batch(0, 5, &1), &mut NoReplay, &mut sink));
         assert_eq!(sink.0, ["apply 0 5 0", "apply 0 5 1"]);
+    }
+
+    #[test]
+    fn a_snapshot_ahead_of_the_first_live_batch_drops_the_live_batches_it_covers() {
+        let (mut ingest, mut sink) = (Ingest::new(), Log::default());
+        let mut src = WithSnapshot(Held(vec![]), snap(7, 70));
+        for seq in 5..=8 {
+            assert!(ingest.handle(batch(0, seq, &(seq as u8)), &mut src, &mut sink));
+        }
+        let want = [
+            "apply 0 7 70",
+            "joined 0 at 7 incomplete_from=None",
+            "covered 0 5",
+            "covered 0 6",
+            "covered 0 7",
+            "apply 0 8 8",
+        ];
+        assert_eq!(sink.0, want);
+        // After a disconnect, a batch at or below the snapshot's is a restarted engine's.
+        ingest.handle(SourceEvent::Disconnected { engine: 0, still_connected: false }, &mut src, &mut sink);
+        ingest.handle(batch(0, 0, &1), &mut src, &mut sink);
+        let after = ["down 0 false", "fill 0 reconnect reset=true", "filled 0 0..0 Restarted", "apply 0 0 1"];
+        assert_eq!(sink.0[6..], after);
+    }
+
+    #[test]
+    fn a_gap_between_the_snapshot_and_the_first_live_batch_is_filled_by_replay() {
+        let (mut ingest, mut sink) = (Ingest::new(), Log::default());
+        let mut src = WithSnapshot(Held(vec![(2, 12), (3, 13), (4, 14), (5, 15)]), snap(3, 30));
+        assert!(ingest.handle(batch(0, 6, &16), &mut src, &mut sink));
+        let want = [
+            "apply 0 3 30",
+            "joined 0 at 3 incomplete_from=None",
+            "fill 0 gap reset=false",
+            "apply 0 4 14",
+            "apply 0 5 15",
+            "filled 0 4..6 Replayed { complete: true, batches: 2, skipped: [], tail_from: None }",
+            "apply 0 6 16",
+        ];
+        assert_eq!(sink.0, want);
+    }
+
+    #[test]
+    fn a_gap_the_replay_cannot_fill_goes_the_unrepaired_way_and_no_snapshot_falls_back_to_replay() {
+        let (mut ingest, mut sink) = (Ingest::new(), Log::default());
+        // The replay buffer lost 4..=6: the snapshot cannot be brought to 7.
+        let mut src = WithSnapshot(Held(vec![(7, 17), (8, 18)]), snap(3, 30));
+        assert!(ingest.handle(batch(0, 9, &19), &mut src, &mut sink));
+        let want = [
+            "apply 0 3 30",
+            "joined 0 at 3 incomplete_from=None",
+            "fill 0 gap reset=false",
+            "late 0 gap 4..7",
+            "apply 0 7 17",
+            "apply 0 8 18",
+            "filled 0 4..9 Replayed { complete: false, batches: 2, skipped: [], tail_from: Some(7) }",
+            "apply 0 9 19",
+        ];
+        assert_eq!(sink.0, want);
+        // The source was asked and had none: the replay buffer's batches, as without a source.
+        let (mut ingest, mut sink) = (Ingest::new(), Log::default());
+        let mut src = WithSnapshot(Held(vec![(1, 11)]), Some(SnapshotFetch::Failed("timeout")));
+        assert!(ingest.handle(batch(0, 2, &12), &mut src, &mut sink));
+        assert_eq!(sink.0[..3], ["no snapshot 0 timeout", "fill 0 initial reset=false", "late 0 initial 0..1"]);
     }
 }

@@ -154,6 +154,18 @@ impl<A: HubAccess> HubSink<A> {
     }
 }
 
+impl<A: HubAccess> HubSink<A> {
+    fn snapshot_joined(&mut self, engine: usize, seq: u64, incomplete_from: Option<u64>) {
+        let label = self.label(engine);
+        match incomplete_from {
+            None => info!(replica = %label, seq, "joined from the sidecar's snapshot; mirror complete"),
+            Some(f) => warn!(replica = %label, seq, incomplete_from = f,
+                "joined from the sidecar's snapshot, which lacks what batches before {f} stored; engine incomplete"),
+        }
+        self.state.with(|st| st.joined_snapshot(engine, incomplete_from));
+    }
+}
+
 /// A digest of a payload, to recognise the same batch again.
 pub fn payload_digest(payload: &[u8]) -> u64 {
     use std::hash::{Hash, Hasher};
@@ -179,6 +191,15 @@ macro_rules! hub_sink_common {
         }
         fn fill_ended(&mut self, engine: usize, fill: Fill) {
             HubSink::fill_ended(self, engine, fill);
+        }
+        fn snapshot_joined(&mut self, engine: usize, seq: u64, incomplete_from: Option<u64>) {
+            HubSink::snapshot_joined(self, engine, seq, incomplete_from);
+        }
+        fn snapshot_failed(&mut self, engine: usize, reason: &'static str) {
+            self.state.with(|st| st.snapshot_failed(engine, reason));
+        }
+        fn covered_by_snapshot(&mut self, engine: usize, _seq: u64) {
+            self.skipped(engine, "covered_by_snapshot");
         }
     };
 }

@@ -6,12 +6,18 @@
 //! below what a round trip allows), retrying with the same `Nats-Msg-Id` so that the broker keeps
 //! one copy. While the broker is away the rank's queue fills, the ZMQ socket then drops, and the
 //! gap is filled from the replica's replay socket when it can be: the stream stays in order.
+//!
+//! With `--snapshot-listen`, each rank's batches also go into a ledger of the engine's blocks
+//! ([`crate::snapshot`]), served as snapshots to agents that start after the engine; without
+//! a `[jetstream]` section the sidecar then only serves snapshots.
 
 use super::{connect, stream_config, JetStreamError, SEQ_HEADER};
 use crate::config::{subject, Config, EngineSpec, EventSource, JetStreamConfig, ZmqConfig};
 use crate::ingest::{Fill, FillOutcome, Ingest, Sink, SourceEvent};
 use crate::seq::Cause;
 use crate::shutdown::{join_threads, shutdown_signal, JoinError};
+use crate::snapshot::record::Recording;
+use crate::snapshot::serve::{router, Ledgers};
 use crate::zmqsub::socket::{attach, live_item, sub_socket, ZmqReplay};
 use async_nats::jetstream;
 use async_nats::jetstream::context::PublishErrorKind;
@@ -46,8 +52,10 @@ struct Counters {
 /// Why `publish` cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
-    #[error("publish needs a [jetstream] section (url, stream, subject_prefix)")]
+    #[error("publish needs a [jetstream] section (url, stream, subject_prefix), --snapshot-listen, or both")]
     NoJetStream,
+    #[error("cannot listen for snapshots on {0}: {1}")]
+    Listen(std::net::SocketAddr, std::io::Error),
     #[error("--replica is needed: the configuration has {0} replicas")]
     ReplicaNeeded(usize),
     #[error("no replica named {0:?} in the configuration")]
@@ -80,9 +88,16 @@ pub fn engines_of(cfg: &Config, replica: Option<&str>) -> Result<Vec<EngineSpec>
     Ok(engines)
 }
 
-/// Runs until SIGINT or SIGTERM.
-pub fn run(cfg: Config, replica: Option<&str>) -> Result<(), PublishError> {
-    let js = cfg.jetstream.clone().ok_or(PublishError::NoJetStream)?;
+/// Runs until SIGINT or SIGTERM; `snapshot_listen`: serve each rank's snapshot there.
+pub fn run(
+    cfg: Config,
+    replica: Option<&str>,
+    snapshot_listen: Option<std::net::SocketAddr>,
+) -> Result<(), PublishError> {
+    let js = cfg.jetstream.clone();
+    if js.is_none() && snapshot_listen.is_none() {
+        return Err(PublishError::NoJetStream);
+    }
     let engines = engines_of(&cfg, replica)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -90,43 +105,85 @@ pub fn run(cfg: Config, replica: Option<&str>) -> Result<(), PublishError> {
         .thread_name("llmgw-publish")
         .build()
         .map_err(PublishError::Runtime)?;
-    rt.block_on(run_async(js, cfg.zmq.clone(), engines))
+    rt.block_on(run_async(js, cfg.zmq.clone(), engines, snapshot_listen))
 }
 
-async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineSpec>) -> Result<(), PublishError> {
-    let ctx = loop {
-        match open(&js, zmq_cfg.max_message_bytes).await {
-            Ok(c) => break c,
-            Err(e) => {
-                warn!(error = %e, "jetstream not reachable; retrying in 1 s");
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    _ = shutdown_signal() => return Ok(()),
+async fn run_async(
+    js: Option<JetStreamConfig>,
+    zmq_cfg: ZmqConfig,
+    engines: Vec<EngineSpec>,
+    snapshot_listen: Option<std::net::SocketAddr>,
+) -> Result<(), PublishError> {
+    let ledgers = snapshot_listen
+        .map(|_| Arc::new(Ledgers::new(engines.iter().map(|e| e.dp_rank), zmq_cfg.max_blocks_per_engine)));
+    let mut server = None;
+    if let (Some(addr), Some(l)) = (snapshot_listen, &ledgers) {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| PublishError::Listen(addr, e))?;
+        info!(listen = %addr, "serving snapshots at /snapshot");
+        let app = router(l.clone());
+        server = Some(tokio::spawn(async move { axum::serve(listener, app).await }));
+    }
+    let mut ctx = None;
+    if let Some(js) = &js {
+        ctx = Some(loop {
+            match open(js, zmq_cfg.max_message_bytes).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    warn!(error = %e, "jetstream not reachable; retrying in 1 s");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = shutdown_signal() => return Ok(()),
+                    }
                 }
             }
-        }
-    };
+        });
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
     let zctx = zmq::Context::new();
     let mut threads = Vec::new();
     let mut tasks = Vec::new();
     for spec in engines {
-        let subj = subject(&js.subject_prefix, &spec.address, spec.dp_rank);
-        info!(replica = %spec.label(), endpoint = %spec.endpoint, subject = %subj, stream = %js.stream, "publishing KV events to jetstream");
-        let last = last_published(&ctx, &js, &subj).await;
-        if let Some(seq) = last {
-            info!(subject = %subj, seq, "the stream holds this engine's batches up to seq; continuing after it");
-        }
         let (tx, rx) = tokio::sync::mpsc::channel::<Item>(QUEUE);
+        let mut last = None;
+        match (&ctx, &js) {
+            (Some(ctx), Some(js)) => {
+                let subj = subject(&js.subject_prefix, &spec.address, spec.dp_rank);
+                info!(replica = %spec.label(), endpoint = %spec.endpoint, subject = %subj, stream = %js.stream, "publishing KV events to jetstream");
+                last = last_published(ctx, js, &subj).await;
+                if let Some(seq) = last {
+                    info!(subject = %subj, seq, "the stream holds this engine's batches up to seq; continuing after it");
+                }
+                tasks.push(tokio::spawn(publish_rank(
+                    ctx.clone(),
+                    js.clone(),
+                    subj,
+                    rx,
+                    counters.clone(),
+                    stop.clone(),
+                )));
+            }
+            _ => {
+                info!(replica = %spec.label(), endpoint = %spec.endpoint, "keeping the engine's blocks for snapshots");
+                tasks.push(tokio::spawn(drain(rx)));
+            }
+        }
+        if let (Some(seq), Some(l)) = (last, &ledgers) {
+            // Continuing the stream's sequence: what came before it is not in this ledger.
+            if let Some(mut ledger) = l.lock(spec.dp_rank) {
+                ledger.mark_incomplete(seq.saturating_add(1));
+            }
+        }
+        let queue = Queue { counters: counters.clone(), tx, epoch: 0, label: spec.label() };
         let reader = Reader {
             replay: ZmqReplay::new(zctx.clone(), zmq_cfg.clone(), &spec),
-            queue: Queue { counters: counters.clone(), tx, epoch: 0, label: spec.label() },
+            queue: Recording { inner: queue, ledgers: ledgers.clone(), dp_rank: spec.dp_rank },
             spec,
             cfg: zmq_cfg.clone(),
             ctx: zctx.clone(),
             stop: stop.clone(),
             last,
+            sessions: 0,
         };
         threads.push(
             std::thread::Builder::new()
@@ -134,7 +191,6 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
                 .spawn(move || reader.run())
                 .map_err(PublishError::Thread)?,
         );
-        tasks.push(tokio::spawn(publish_rank(ctx.clone(), js.clone(), subj, rx, counters.clone(), stop.clone())));
     }
     let report = tokio::spawn(report(counters.clone()));
     shutdown_signal().await;
@@ -147,6 +203,9 @@ async fn run_async(js: JetStreamConfig, zmq_cfg: ZmqConfig, engines: Vec<EngineS
         for t in &tasks {
             t.abort();
         }
+    }
+    if let Some(s) = server {
+        s.abort();
     }
     Ok(join_threads(threads).await?)
 }
@@ -235,6 +294,11 @@ async fn publish_rank(
     }
 }
 
+/// Without a broker: the batches only fed the ledger.
+async fn drain(mut rx: tokio::sync::mpsc::Receiver<Item>) {
+    while rx.recv().await.is_some() {}
+}
+
 async fn report(c: Arc<Counters>) {
     let mut t = tokio::time::interval(Duration::from_secs(10));
     t.tick().await;
@@ -305,10 +369,12 @@ struct Reader {
     cfg: ZmqConfig,
     ctx: zmq::Context,
     stop: Arc<AtomicBool>,
-    queue: Queue,
+    queue: Recording<Queue>,
     replay: ZmqReplay,
     /// The last batch the stream already holds for this engine.
     last: Option<u64>,
+    /// Sockets opened (names each one's monitor).
+    sessions: u64,
 }
 
 impl Reader {
@@ -327,18 +393,46 @@ impl Reader {
 
     fn session(&mut self, ingest: &mut Ingest) -> Result<(), zmq::Error> {
         let sub = sub_socket(&self.ctx, &self.cfg, &self.spec)?;
-        sub.set_rcvtimeo(200)?;
+        // A lost connection may be an engine restart: the ledger serves nothing until the next
+        // batch is judged (only the ledger is told; the stream's sequence rules stay as they were).
+        let mon_ep = format!("inproc://llmgw-publish-monitor-{}-{}", self.spec.dp_rank, self.sessions);
+        self.sessions = self.sessions.wrapping_add(1);
+        sub.monitor(&mon_ep, zmq::SocketEvent::DISCONNECTED as i32)?;
+        let mon = self.ctx.socket(zmq::PAIR)?;
+        mon.set_linger(0)?;
+        mon.connect(&mon_ep)?;
         attach(&sub, &self.spec)?;
         while !self.stop.load(Ordering::SeqCst) {
-            let frames = match sub.recv_multipart(0) {
-                Ok(f) => f,
-                Err(zmq::Error::EAGAIN) => continue,
-                Err(e) => return Err(e),
+            let (sub_ready, mon_ready) = {
+                let mut items = [sub.as_poll_item(zmq::POLLIN), mon.as_poll_item(zmq::POLLIN)];
+                zmq::poll(&mut items, 200)?;
+                let [a, b] = &items;
+                (a.is_readable(), b.is_readable())
             };
-            let Ok((seq, payload)) = live_item(&frames) else { continue };
-            let event = SourceEvent::Batch { engine: 0, seq, payload };
-            if !ingest.handle(event, &mut self.replay, &mut self.queue) {
-                return Ok(());
+            if sub_ready {
+                // Bounded, so a busy engine's batches leave room for the monitor's events.
+                for _ in 0..4096 {
+                    let frames = match sub.recv_multipart(zmq::DONTWAIT) {
+                        Ok(f) => f,
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(e) => return Err(e),
+                    };
+                    let Ok((seq, payload)) = live_item(&frames) else { continue };
+                    let event = SourceEvent::Batch { engine: 0, seq, payload };
+                    if !ingest.handle(event, &mut self.replay, &mut self.queue) {
+                        return Ok(());
+                    }
+                }
+            }
+            if mon_ready {
+                loop {
+                    match mon.recv_multipart(zmq::DONTWAIT) {
+                        Ok(frames) if crate::zmqsub::monitor_event(&frames) == Some(false) => self.queue.suspend(),
+                        Ok(_) => {}
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(e) => return Err(e),
+                    }
+                }
             }
         }
         Ok(())

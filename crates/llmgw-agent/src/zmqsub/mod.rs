@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 /// A monitor message: `Some(true)` for a new connection, `Some(false)` for a lost one.
-fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
+pub(crate) fn monitor_event(frames: &[Vec<u8>]) -> Option<bool> {
     let code = frames.first()?.get(..2).and_then(|b| <[u8; 2]>::try_from(b).ok())?;
     match zmq::SocketEvent::from_raw(u16::from_le_bytes(code)) {
         zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED => Some(true),
@@ -42,6 +42,8 @@ pub struct Engine {
     connections: u32,
     /// A connection was lost since the last one opened.
     reconnect_pending: bool,
+    /// Join from the engine's snapshot once subscribed (a new connection, or the mirror rebuilt).
+    join_pending: bool,
 }
 
 impl Engine {
@@ -57,7 +59,7 @@ impl Engine {
         let own_stop = hub.state().engines.get(idx).map(|e| e.stop.clone()).unwrap_or_default();
         let name = format!("zmq-{}", spec.label());
         let sink = HubSink::new(hub, "publisher_connected", "publisher_gone").keeping_last(cfg.verify_on_reconnect);
-        let replay = ZmqReplay::new(ctx.clone(), cfg.clone(), &spec);
+        let replay = ZmqReplay::new(ctx.clone(), cfg.clone(), &spec).with_snapshot(&spec);
         let mut e = Engine {
             idx,
             spec,
@@ -72,6 +74,7 @@ impl Engine {
             disconnected_since: Some(Instant::now()),
             connections: 0,
             reconnect_pending: false,
+            join_pending: false,
         };
         std::thread::Builder::new().name(name).spawn(move || e.run())
     }
@@ -158,6 +161,12 @@ impl Engine {
                 // twice leaves a block its one removal never takes away).
                 self.sink.reset(self.idx, "rebuild");
                 self.ingest.forget(self.idx);
+                self.join_pending = true;
+            }
+            // Subscribed: the snapshot comes now (before the next live batch, not at it), so a
+            // quiet engine's cache is known too; live batches wait in the socket meanwhile.
+            if self.connections > 0 && std::mem::take(&mut self.join_pending) {
+                self.ingest.join(self.idx, &mut self.replay, &mut self.sink);
             }
             if sub_ready {
                 for _ in 0..4096 {
@@ -186,6 +195,7 @@ impl Engine {
         self.connections = self.connections.saturating_add(1);
         self.disconnected_since = None;
         self.handle(SourceEvent::Connected { engine: self.idx });
+        self.join_pending = true;
         if std::mem::take(&mut self.reconnect_pending) && self.cfg.verify_on_reconnect {
             self.verify_reconnect();
         }

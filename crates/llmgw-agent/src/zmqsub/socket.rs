@@ -2,7 +2,7 @@
 //! DEALER that fetches missed batches (for the agent's engines and for `publish` alike).
 
 use crate::config::{EngineSpec, Mode, ZmqConfig};
-use crate::ingest::{FillOutcome, Replay};
+use crate::ingest::{FillOutcome, Joined, Replay, SnapshotFetch};
 use crate::seq::{Fill, FillStep};
 use std::time::{Duration, Instant};
 use tracing::warn;
@@ -179,11 +179,23 @@ pub struct ZmqReplay {
     pub endpoint: Option<String>,
     /// For logs.
     pub label: String,
+    /// Where a snapshot of the engine is fetched when it is first heard after its start.
+    pub snapshot_url: Option<String>,
 }
+
+/// How long a snapshot fetch may take.
+const SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl ZmqReplay {
     pub fn new(ctx: zmq::Context, cfg: ZmqConfig, spec: &EngineSpec) -> ZmqReplay {
-        ZmqReplay { ctx, cfg, endpoint: spec.replay_endpoint.clone(), label: spec.label() }
+        ZmqReplay { ctx, cfg, endpoint: spec.replay_endpoint.clone(), label: spec.label(), snapshot_url: None }
+    }
+
+    /// Joins from the engine's snapshot (its `snapshot_url`, this rank's) when it is first heard.
+    pub fn with_snapshot(mut self, spec: &EngineSpec) -> ZmqReplay {
+        self.snapshot_url =
+            spec.snapshot_url.as_deref().map(|base| crate::snapshot::fetch::rank_url(base, spec.dp_rank));
+        self
     }
 }
 
@@ -206,6 +218,21 @@ impl Replay<[u8]> for ZmqReplay {
             (false, 0, None)
         });
         FillOutcome::Replayed { complete, batches, skipped, tail_from }
+    }
+
+    fn snapshot(&mut self) -> SnapshotFetch<Box<[u8]>> {
+        let Some(url) = self.snapshot_url.as_deref() else { return SnapshotFetch::NoSource };
+        match crate::snapshot::fetch::fetch(url, SNAPSHOT_TIMEOUT) {
+            Ok(s) => SnapshotFetch::Got(Joined {
+                seq: s.seq,
+                incomplete_from: s.incomplete_from,
+                batch: s.payload.into_boxed_slice(),
+            }),
+            Err(e) => {
+                warn!(replica = %self.label, url, error = %e, "snapshot not fetched; starting from the replay buffer");
+                SnapshotFetch::Failed(e.reason())
+            }
+        }
     }
 }
 
