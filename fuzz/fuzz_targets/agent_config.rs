@@ -13,12 +13,16 @@ fuzz_target!(|data: &[u8]| {
         let _ = spec.hasher();
         let _ = spec.label();
     }
-    for r in &cfg.replicas {
-        let _ = vllm::for_replica(&cfg, r);
+    // The flags with and without the render tokenizer, at a replay depth taken from the input.
+    let depth = u32::try_from(data.len()).unwrap_or(u32::MAX).max(1);
+    for opts in [vllm::Options::default(), vllm::Options { render: true, buffer_steps: depth }] {
+        for r in &cfg.replicas {
+            let _ = vllm::for_replica(&cfg, r, &opts);
+        }
+        for d in &cfg.discovery {
+            let _ = vllm::for_discovery(&cfg, d, &opts);
+        }
+        let _ = vllm::render(&cfg, &opts);
     }
-    for d in &cfg.discovery {
-        let _ = vllm::for_discovery(&cfg, d);
-    }
-    let _ = vllm::render(&cfg);
     let _ = cfg.replay_timeout();
 });
