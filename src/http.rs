@@ -2,6 +2,7 @@
 //! the core's router, act on the step it returns (set the destination header, answer 503, or
 //! call the tokenizer and hand its reply back), resume.
 
+use crate::decision_log;
 use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
@@ -129,6 +130,8 @@ impl Request {
                 if cfg.explain_header {
                     self.explain = Some(r.explain(&s.vm_tag));
                 }
+                let line = decision_log::routed(&r, self.phases.breakdown().tokenizer_us);
+                self.host.set_property(decision_log::PROPERTY, line.as_bytes());
                 self.learning = r.decision.basis.filter(|b| b.learning.enabled);
                 self.counted = Some(r.address);
                 self.phase = Phase::Done;
@@ -143,6 +146,8 @@ impl Request {
                     headers.push((EXPLAIN_HEADER, Rejected::EXPLAIN));
                 }
                 self.phase = Phase::Done;
+                let line = decision_log::rejected(&r, self.phases.breakdown().tokenizer_us);
+                self.host.set_property(decision_log::PROPERTY, line.as_bytes());
                 // Decided before the answer goes out (the access log reads the breakdown).
                 self.record_busy(s, t0);
                 self.log_phases();

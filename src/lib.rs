@@ -13,6 +13,7 @@
 //! panic.
 
 mod body_budget;
+mod decision_log;
 mod feed;
 mod gateway_state;
 mod health;

@@ -30,17 +30,6 @@ def filter_cfg(**profile) -> dict:
             "max_body_bytes": 33554432, "profiles": [p]}
 
 
-# The access log docs/src/operations.md shows: the filter's phases beside Envoy's upstream times.
-ACCESS_LOG = """          access_log:
-          - name: envoy.access_loggers.stdout
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog
-              log_format:
-                text_format_source:
-                  inline_string: "%START_TIME% %REQ(:METHOD)% %REQ(:PATH)% %RESPONSE_CODE% %DURATION%ms us_tx_to_rx_us=%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)% llmgw_phases=[%FILTER_STATE(wasm.llmgw_phases:PLAIN)%]\\n"
-"""
-
-
 class Gateway:
     def __init__(self, procs, envoy_bin, wasm_path, tmp_path, replicas, feed, cfg, concurrency=2, access_log=False,
                  edit=None):
@@ -51,11 +40,8 @@ class Gateway:
         path = tmp_path / "envoy.yaml"
         # Stats flushed every 0.2 s: histograms reach /stats/prometheus on a flush.
         text = shipped_config(wasm_path, self.listen, self.admin, feed.port, cfg, stats_flush_interval="0.2s")
-        if access_log:
-            assert text.count("          stat_prefix: llmgw\n") == 1
-            text = text.replace("          stat_prefix: llmgw\n", "          stat_prefix: llmgw\n" + ACCESS_LOG)
         path.write_text(edit(text) if edit else text)
-        # Access log lines written out every 0.1 s (Envoy's default: 10 s).
+        # The shipped access log's lines written out every 0.1 s (Envoy's default: 10 s).
         args = ["--file-flush-interval-msec", "100"] if access_log else []
         self.proc = start_envoy(procs, envoy_bin, path, concurrency=concurrency, log_level="info", args=args)
         self.envoy = EnvoyAdmin(self.admin)
@@ -473,10 +459,15 @@ def load_bench_vllm():
     return module
 
 
+def logged(line: str, name: str) -> dict[str, str]:
+    """A filter-state field of an access log line of envoy/llmgw-local.yaml's format (`name=[k=v ...]`)."""
+    inner = line.split(f"{name}=[", 1)[1].split("]", 1)[0]
+    return dict(kv.split("=", 1) for kv in inner.split())
+
+
 def phases_of(line: str) -> dict[str, int]:
     """The filter's breakdown in an access log line: {"body_us": 12, ...}."""
-    inner = line.split("llmgw_phases=[", 1)[1].split("]", 1)[0]
-    return {k: int(v) for k, v in (kv.split("=") for kv in inner.split())}
+    return {k: int(v) for k, v in logged(line, "llmgw_phases").items()}
 
 
 def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(procs, envoy_bin, wasm_path, tmp_path,
@@ -497,7 +488,7 @@ def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(pro
 
         def lines():
             log = gw.proc.log_path.read_text(errors="replace")
-            return [ln for ln in log.splitlines() if "POST /v1/completions 200" in ln]
+            return [ln for ln in log.splitlines() if '"POST /v1/completions HTTP/1.1" 200' in ln]
         wait_until(lambda: len(lines()) == 2, timeout=10, what="two access log lines")
         called, cached = (phases_of(ln) for ln in lines())
         assert set(called) == {"body_us", "tokenizer_us", "decision_us", "gateway_us", "upstream_first_byte_us",
@@ -506,7 +497,16 @@ def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(pro
         assert called["gateway_us"] >= called["tokenizer_us"] + called["decision_us"], called
         assert called["upstream_first_chunk_us"] >= called["upstream_first_byte_us"], called
         assert "tokenizer_us" not in cached and cached["gateway_us"] < 50_000, cached
-        assert all(r.address not in ln for r in fleet for ln in lines()), "no replica address in the breakdown"
+        assert all(r.address not in ln.split("llmgw_phases=")[1] for r in fleet for ln in lines()), \
+            "no replica address in the breakdown"
+        print(f"access log line of a routed request:\n{lines()[0]}")  # shown with pytest -s
+        # The decision, beside it: where each request went and why.
+        first, again = (logged(ln, "llmgw_decision") for ln in lines())
+        blocks = len(comp)
+        assert first["outcome"] == "exact" and first["replica"] == fleet[1].address, first
+        assert first["matched"] == f"{blocks}/{blocks}" and int(first["predicted_us"]) > 0, first
+        assert int(first["tokenizer_us"]) >= 50_000 and "fallback" not in first, first
+        assert "tokenizer_us" not in again and again["replica"] == fleet[1].address, again
 
         # The histograms: each phase once per request, the tokenizer's only for the call.
         def count(name):

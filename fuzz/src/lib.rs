@@ -75,6 +75,7 @@ fn replica(id: u32, address: &str) -> Replica {
         hash: None,
         dp_size: 0,
         kv_groups: vec![],
+        lora_adapters: vec![],
     }
 }
 

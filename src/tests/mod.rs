@@ -44,6 +44,7 @@ fn replica(id: u32, address: &str, up: bool) -> Replica {
         hash: None,
         dp_size: 0,
         kv_groups: vec![],
+        lora_adapters: vec![],
     }
 }
 

@@ -436,3 +436,38 @@ fn a_body_past_the_vms_body_budget_is_routed_by_its_head_until_the_held_one_is_r
     assert_eq!(e.host.calls.borrow().len(), 2);
     assert_eq!(e.counter("llmgw_body_budget_exhausted_total"), 1);
 }
+
+#[test]
+fn the_decision_is_written_for_the_access_log_whatever_the_explain_header() {
+    let tokens: Vec<u32> = (0..24).collect();
+    // Explain header off (the default): the access log still gets the decision.
+    let e = synced_with(&config("").replace(r#""explain_header":true,"#, ""), vec![], keys(&tokens), true);
+    let body = br#"{"model":"m","prompt":"hello"}"#;
+    e.host.next_request();
+    e.host.set_header(Headers::Request, ":path", Some(COMPLETIONS));
+    e.host.set_buffer(Buffer::Request, body);
+    let mut ctx = e.root.request();
+    assert_eq!(ctx.on_http_request_headers(3, false), Action::Pause);
+    assert_eq!(ctx.on_http_request_body(body.len(), true), Action::Pause);
+    assert_eq!(e.host.property("llmgw_decision"), None, "nothing decided while the tokenizer works");
+    e.host.now_ns.set(e.host.now_ns.get() + 400_000);
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&tokens));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    let line = e.host.property("llmgw_decision").unwrap();
+    assert!(line.starts_with(&format!("outcome=exact replica={B} matched=6/6 predicted_us=")), "{line}");
+    assert!(line.ends_with(" tokenizer_us=400"), "{line}");
+    ctx.on_http_response_headers(2, true);
+    assert_eq!(e.host.response_header("x-llmgw-decision"), None);
+
+    // A fallback names its reason; no tokenizer call, no tokenizer time.
+    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"plain","prompt":"hello"}"#);
+    let line = e.host.property("llmgw_decision").unwrap();
+    assert!(line.starts_with("outcome=approx replica=127.0.0.1:800"), "{line}");
+    assert!(line.ends_with(" matched=0/0 fallback=no_kv_events"), "{line}");
+
+    // Answered 503 by the filter.
+    let e = synced("", vec![], vec![], false);
+    let (_ctx, action) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hi"}"#);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(e.host.property("llmgw_decision").as_deref(), Some("outcome=no_replica"));
+}

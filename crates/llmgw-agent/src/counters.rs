@@ -15,11 +15,15 @@ pub enum Refused {
     TooManyRanks,
     /// Every replica id was in use (the engine was not added).
     IdsExhausted,
+    /// `/v1/models` answered something the agent cannot use: not a model list, more than
+    /// [`crate::served_models::MAX_MODEL_IDS`] ids, or an id empty or too long (the last list
+    /// read stays).
+    ModelList,
 }
 
 impl Refused {
-    pub const ALL: [Refused; 4] =
-        [Refused::Unparseable, Refused::ForeignHost, Refused::TooManyRanks, Refused::IdsExhausted];
+    pub const ALL: [Refused; 5] =
+        [Refused::Unparseable, Refused::ForeignHost, Refused::TooManyRanks, Refused::IdsExhausted, Refused::ModelList];
 
     pub fn label(self) -> &'static str {
         match self {
@@ -27,6 +31,7 @@ impl Refused {
             Refused::ForeignHost => "foreign_host",
             Refused::TooManyRanks => "too_many_ranks",
             Refused::IdsExhausted => "ids_exhausted",
+            Refused::ModelList => "model_list",
         }
     }
 }
@@ -38,6 +43,7 @@ pub struct RefusedCounts {
     foreign_host: u64,
     too_many_ranks: u64,
     ids_exhausted: u64,
+    model_list: u64,
 }
 
 impl RefusedCounts {
@@ -47,6 +53,7 @@ impl RefusedCounts {
             Refused::ForeignHost => &mut self.foreign_host,
             Refused::TooManyRanks => &mut self.too_many_ranks,
             Refused::IdsExhausted => &mut self.ids_exhausted,
+            Refused::ModelList => &mut self.model_list,
         };
         *n = n.saturating_add(1);
     }
@@ -57,6 +64,7 @@ impl RefusedCounts {
             Refused::ForeignHost => self.foreign_host,
             Refused::TooManyRanks => self.too_many_ranks,
             Refused::IdsExhausted => self.ids_exhausted,
+            Refused::ModelList => self.model_list,
         }
     }
 }

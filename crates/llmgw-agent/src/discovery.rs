@@ -274,6 +274,7 @@ pub async fn run(
                 {
                     warn!(error = %err, "cannot start engine thread");
                 }
+                f.scrapers.extend(crate::served_models::spawn(&hub, &spec, &cfg.load));
                 if cfg.load.enabled && spec.metrics_url.is_some() {
                     f.scrapers.push(tokio::spawn(crate::load::scrape_engine(hub.clone(), spec, cfg.load.clone())));
                 }

@@ -176,7 +176,7 @@ async fn replica_api(who: &str, address: &str, models: &[String], field: &str, w
             let missing: Vec<&String> = models.iter().filter(|m| !served.contains(m)).collect();
             if missing.is_empty() {
                 let which = if models.is_empty() {
-                    "the configuration names no model: requests for any model may go to it".to_owned()
+                    "the configuration names no model: the agent tells the filter it serves these".to_owned()
                 } else {
                     format!("every configured model ({}) among them", models.join(", "))
                 };

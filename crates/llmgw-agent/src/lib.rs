@@ -24,6 +24,7 @@ pub mod config;
 pub mod counters;
 pub mod discovery;
 pub mod doctor;
+pub mod doctor_live;
 pub mod epp;
 pub mod feed;
 pub mod http;
@@ -35,6 +36,7 @@ pub mod launch;
 pub mod load;
 pub mod native_tokenizer;
 pub mod seq;
+pub mod served_models;
 pub mod shutdown;
 pub mod snapshot;
 pub mod vllm;
@@ -177,6 +179,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     for i in 0..cfg.discovery.len() {
         background.push(tokio::spawn(discovery::run(cfg.clone(), i, hub.clone(), contexts.clone(), stop.clone())));
     }
+    background.extend(engines.iter().filter_map(|spec| served_models::spawn(&hub, spec, &cfg.load)));
     if cfg.load.enabled {
         for spec in &engines {
             background.push(tokio::spawn(load::scrape_engine(hub.clone(), spec.clone(), cfg.load.clone())));

@@ -207,7 +207,13 @@ vllm:num_requests_running_other 99
         let hub = Hub::new(cfg.engines(), 64, 10);
         assert!(hub.state().engines[0].up, "shown up until something says otherwise");
         let spec = hub.state().engines[0].spec.clone();
-        let load = LoadConfig { enabled: true, interval_ms: 50, down_after_ms: 3_600_000, timeout_ms: 500 };
+        let load = LoadConfig {
+            enabled: true,
+            interval_ms: 50,
+            down_after_ms: 3_600_000,
+            timeout_ms: 500,
+            models_interval_ms: 0,
+        };
         let task = tokio::spawn(scrape_engine(hub.clone(), spec, load));
         // Readiness: the table change. Bounded: one scrape's timeout and then some.
         let deadline = Instant::now() + Duration::from_secs(5);

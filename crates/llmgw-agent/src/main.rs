@@ -217,14 +217,17 @@ fn check_tokenizers(cfg: &llmgw_agent::config::Config) -> Result<(), String> {
 }
 
 fn doctor(cfg: &llmgw_agent::config::Config, envoy_admin: Option<&str>) -> Result<(), String> {
-    use llmgw_agent::doctor;
+    use llmgw_agent::{doctor, doctor_live};
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     let findings = rt.block_on(async {
         let mut all = doctor::replicas(cfg).await;
         all.extend(doctor::discovery(cfg).await);
+        all.extend(doctor_live::flags(cfg).await);
+        all.extend(doctor_live::events(cfg).await);
         all.extend(doctor::tokenizers(cfg).await);
         if let Some(admin) = envoy_admin {
             all.extend(doctor::envoy(admin).await);
+            all.extend(doctor_live::feed(admin).await);
         }
         all
     });

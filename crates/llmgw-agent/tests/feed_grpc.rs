@@ -79,6 +79,7 @@ fn generated_and_core_messages_agree_on_field_numbers() {
                     block_size: 16,
                     sliding_window: 32,
                 }],
+                lora_adapters: vec![pb::LoraAdapter { name: "sql".into(), path: "/adapters/sql".into() }],
             }],
         }),
         G::Snapshot(pb::SnapshotChunk { replica: 2, first: true, blocks: vec![1, u64::MAX, 3] }),

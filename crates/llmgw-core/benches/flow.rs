@@ -92,6 +92,7 @@ fn router(held: &[u64]) -> Router {
             hash: None,
             dp_size: 0,
             kv_groups: vec![],
+            lora_adapters: vec![],
         })
         .collect();
     r.feed.begin_subscription();

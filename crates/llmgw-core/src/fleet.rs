@@ -57,6 +57,8 @@ pub struct Replica {
     pub hash: Option<Result<HashSpec, String>>,
     /// Its KV-cache groups (empty or one: not hybrid).
     pub kv_groups: Vec<KvGroup>,
+    /// The LoRA adapters it serves: (name, path), as vLLM mixes them into block hashes.
+    pub lora_adapters: Vec<(String, String)>,
 }
 
 impl Replica {

@@ -27,6 +27,12 @@ struct Args {
     /// Served model name.
     #[arg(long, default_value = "sim-model")]
     model: String,
+    /// Another name of the model (repeatable; vLLM's `--served-model-name` past the first).
+    #[arg(long = "alias")]
+    aliases: Vec<String>,
+    /// A LoRA adapter served, `NAME=PATH` (repeatable; vLLM's `--lora-modules`).
+    #[arg(long = "lora-module", value_parser = lora_module)]
+    lora_modules: Vec<(String, String)>,
     /// GPU blocks in the pool.
     #[arg(long, default_value_t = 2048)]
     blocks: usize,
@@ -137,6 +143,9 @@ fn run(a: Args) -> Result<(), String> {
             max_batch: a.max_batch,
             default_max_tokens: a.default_max_tokens,
             kv_event_sources: sources,
+            aliases: a.aliases.clone(),
+            lora_modules: a.lora_modules.clone(),
+            hash_algo: algo.name().to_owned(),
         },
         pool,
         tx,
@@ -162,4 +171,12 @@ fn run(a: Args) -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())
     })
+}
+
+/// `NAME=PATH`, as vLLM's `--lora-modules` takes it.
+fn lora_module(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.to_owned(), path.to_owned())),
+        _ => Err(format!("`{s}`: expected NAME=PATH")),
+    }
 }

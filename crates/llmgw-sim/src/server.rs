@@ -31,6 +31,27 @@ pub struct EngineConfig {
     pub default_max_tokens: usize,
     /// `/kv_event_sources` answer (rank → publisher settings).
     pub kv_event_sources: Value,
+    /// More names of the base model (vLLM's `--served-model-name` beyond the first).
+    pub aliases: Vec<String>,
+    /// LoRA adapters served (vLLM's `--lora-modules name=path`): requests naming one are hashed
+    /// with `("lora", name, path)` and their events carry `lora_name`.
+    pub lora_modules: Vec<(String, String)>,
+    /// `--prefix-caching-hash-algo`, as `vllm:cache_config_info` reports it.
+    pub hash_algo: String,
+}
+
+impl EngineConfig {
+    /// The LoRA adapter a request's `model` names, if any.
+    fn adapter(&self, body: &Value) -> Option<(String, String)> {
+        let m = body.get("model").and_then(Value::as_str)?;
+        self.lora_modules.iter().find(|(name, _)| name == m).cloned()
+    }
+
+    fn serves(&self, model: &str) -> bool {
+        model == self.model
+            || self.aliases.iter().any(|a| a == model)
+            || self.lora_modules.iter().any(|(n, _)| n == model)
+    }
 }
 
 pub struct Engine {
@@ -108,7 +129,7 @@ fn bad_request(msg: impl Into<String>) -> Response {
 #[allow(clippy::result_large_err)]
 fn check_model(e: &Engine, body: &Value) -> Result<(), Response> {
     match body.get("model").and_then(Value::as_str) {
-        Some(m) if m != e.cfg.model => Err((
+        Some(m) if !e.cfg.serves(m) => Err((
             StatusCode::NOT_FOUND,
             Json(json!({"error": {"message": format!("The model `{m}` does not exist."), "type": "NotFoundError", "code": 404}})),
         )
@@ -176,10 +197,18 @@ fn body_tokens(body: &Value) -> Result<Vec<u32>, Response> {
     }
 }
 
+/// As vLLM's: the base model under each of its names, then each adapter with its `parent` and
+/// its path as `root`.
 async fn models(State(e): State<Arc<Engine>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": e.cfg.model, "object": "model", "owned_by": "llmgw-sim", "max_model_len": e.cfg.max_model_len}]}),
-    )
+    let c = &e.cfg;
+    let base = std::iter::once(&c.model).chain(&c.aliases).map(|name| {
+        json!({"id": name, "object": "model", "owned_by": "llmgw-sim", "root": c.model,
+               "parent": null, "max_model_len": c.max_model_len})
+    });
+    let adapters = c.lora_modules.iter().map(
+        |(name, path)| json!({"id": name, "object": "model", "owned_by": "llmgw-sim", "root": path, "parent": c.model}),
+    );
+    Json(json!({"object": "list", "data": base.chain(adapters).collect::<Vec<_>>()}))
 }
 
 async fn tokenize(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Response {
@@ -269,8 +298,11 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
         .map_or(e.cfg.default_max_tokens, |m| m as usize)
         .min(e.cfg.max_model_len.saturating_sub(prompt.len()));
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let lora = e.cfg.adapter(&body);
+    let lora_name = lora.as_ref().map(|(name, _)| name.clone());
     let extras = RequestExtras {
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
+        lora,
         ..Default::default()
     };
     let id = format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, e.next_id.fetch_add(1, Ordering::Relaxed));
@@ -284,7 +316,7 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
         let permit = e.batch.acquire().await;
         // Admission: wait for blocks when the pool is full.
         let (seq, cached) = loop {
-            match e.with_pool(|p| p.admit(prompt.clone(), extras.clone(), None)) {
+            match e.with_pool(|p| p.admit(prompt.clone(), extras.clone(), lora_name.clone())) {
                 Ok(x) => break x,
                 Err(_) => {
                     let _ = tokio::time::timeout(Duration::from_millis(50), e.freed.notified()).await;
@@ -375,10 +407,14 @@ async fn metrics(State(e): State<Arc<Engine>>) -> Response {
     if e.metrics_down.load(Ordering::Relaxed) {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
-    let (usage, stats) = e.with_pool(|p| (p.usage(), p.stats()));
+    let (usage, stats, block_size) = e.with_pool(|p| (p.usage(), p.stats(), p.block_size()));
     let m = &e.cfg.model;
+    let algo = &e.cfg.hash_algo;
+    // As vLLM's info gauge: the cache configuration as labels, permanently 1.
     let body = format!(
-        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
+        "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{block_size}\",\
+         enable_prefix_caching=\"True\",engine=\"0\",prefix_caching_hash_algo=\"{algo}\"}} 1.0\n\
+         # TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n\
          # TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\n\
@@ -426,6 +462,7 @@ async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Respons
     };
     let extras = RequestExtras {
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
+        lora: e.cfg.adapter(&body),
         ..Default::default()
     };
     let (cached, block_size, usage) = e.with_pool(|p| (p.probe(&tokens, &extras), p.block_size(), p.usage()));

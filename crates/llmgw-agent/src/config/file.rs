@@ -279,6 +279,10 @@ pub struct LoadConfig {
     pub down_after_ms: u64,
     #[serde(default = "default_scrape_timeout")]
     pub timeout_ms: u64,
+    /// How often each replica's `/v1/models` is read (0: never), for replicas whose
+    /// configuration names no model: the feed then says they serve what they list.
+    #[serde(default = "default_models_interval")]
+    pub models_interval_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -407,6 +411,9 @@ fn default_down_after() -> u64 {
 fn default_scrape_timeout() -> u64 {
     1000
 }
+fn default_models_interval() -> u64 {
+    30_000
+}
 fn default_parity_threshold() -> f64 {
     0.01
 }
@@ -479,6 +486,7 @@ impl Default for LoadConfig {
             interval_ms: default_interval(),
             down_after_ms: default_down_after(),
             timeout_ms: default_scrape_timeout(),
+            models_interval_ms: default_models_interval(),
         }
     }
 }

@@ -50,6 +50,10 @@ struct EngineCopy {
     stats: MirrorStats,
     counters: EngineCounters,
     load: Option<ReplicaLoad>,
+    /// The models the feed says it serves (configured, or read from its `/v1/models`).
+    models: Vec<String>,
+    /// The LoRA adapters its `/v1/models` lists: (name, path).
+    adapters: Vec<(String, String)>,
 }
 
 impl DebugCopy {
@@ -72,6 +76,8 @@ impl DebugCopy {
                 stats: e.mirror.stats().clone(),
                 counters: e.counters.clone(),
                 load: e.load.clone(),
+                models: e.models().to_vec(),
+                adapters: e.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect(),
             })
             .collect();
         DebugCopy { engines, subscribers: st.live_subscribers(), feed: st.subscriber_lags() }
@@ -105,6 +111,8 @@ impl EngineCopy {
             stats: s,
             counters: c,
             load,
+            models,
+            adapters,
         } = self;
         keys.sort_unstable();
         let p = &s.parity;
@@ -113,7 +121,8 @@ impl EngineCopy {
             "replica": spec.replica,
             "dp_rank": spec.dp_rank,
             "address": spec.address,
-            "models": spec.models,
+            "models": models,
+            "lora_adapters": adapters.into_iter().map(|(name, path)| json!({"name": name, "path": path})).collect::<Vec<_>>(),
             "endpoint": spec.endpoint,
             "mode": match spec.mode { crate::config::Mode::Bind => "bind", crate::config::Mode::Connect => "connect" },
             "up": up,
@@ -456,7 +465,7 @@ mod tests {
         let engine = |id: u32, keys: Vec<u64>, last_seq: Option<u64>, load: Value, applied: u64, skipped: Value| {
             json!({
                 "id": id, "replica": format!("r{id}"), "dp_rank": 0, "address": format!("127.0.0.1:{}", 8000 + id),
-                "models": [], "endpoint": format!("tcp://127.0.0.1:{}", 5000 + id), "mode": "connect",
+                "models": [], "lora_adapters": [], "endpoint": format!("tcp://127.0.0.1:{}", 5000 + id), "mode": "connect",
                 "up": true, "http_ok": true, "publisher_ok": true, "connected": false,
                 "blocks": keys.len(), "block_keys": keys, "last_seq": last_seq, "last_event_age_secs": null,
                 "incomplete_from": null, "incomplete_starts": 0,

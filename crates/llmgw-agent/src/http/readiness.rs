@@ -54,7 +54,7 @@ impl EngineView {
                 let p = &e.mirror.stats().parity;
                 EngineView {
                     label: e.spec.label(),
-                    models: e.spec.models.clone(),
+                    models: e.models().to_vec(),
                     up: e.up,
                     connected: e.connected,
                     parity_matched: p.matched,

@@ -8,8 +8,8 @@ use super::queue::{approx_bytes, snapshot_chunks, FeedCounters, Offered, Subscri
 use crate::config::EngineSpec;
 use llmgw_core::event::EventBatch;
 use llmgw_core::feed::{
-    BlockDelta, Body, HashSettings, KvCacheGroup, LoadReport, Replica, ReplicaLoad, ReplicaReset, ReplicaTable,
-    SnapshotComplete,
+    BlockDelta, Body, HashSettings, KvCacheGroup, LoadReport, LoraAdapter, Replica, ReplicaLoad, ReplicaReset,
+    ReplicaTable, SnapshotComplete,
 };
 use llmgw_core::mirror::{EngineMirror, NetChange};
 use std::collections::BTreeMap;
@@ -82,6 +82,23 @@ pub struct EngineState {
     /// Blocks its mirror may hold, from the engine's own KV-cache size (`/metrics`), when
     /// known; `zmq.max_blocks_per_engine` bounds it too.
     pub block_limit: Option<usize>,
+    /// The model ids its `/v1/models` lists (base model, `--served-model-name` aliases, LoRA
+    /// adapters), once read; used when the configuration names no model.
+    pub served: Option<Vec<String>>,
+    /// The LoRA adapters its `/v1/models` lists, with their paths (always sent: the filter
+    /// hashes an adapter's blocks with its path).
+    pub adapters: Vec<LoraAdapter>,
+}
+
+impl EngineState {
+    /// The models it serves as the feed says: the configuration's list when it names any (an
+    /// override), else what its `/v1/models` lists; empty (any model) until that is read.
+    pub fn models(&self) -> &[String] {
+        if !self.spec.models.is_empty() {
+            return &self.spec.models;
+        }
+        self.served.as_deref().unwrap_or_default()
+    }
 }
 
 /// An engine's mirror may hold this many times the blocks its KV cache has.
@@ -136,6 +153,8 @@ impl EngineState {
             block_limit: None,
             gone: false,
             stop: Arc::new(AtomicBool::new(false)),
+            served: None,
+            adapters: Vec::new(),
         }
     }
 }
@@ -220,15 +239,42 @@ impl HubState {
                     id: e.spec.id,
                     name: e.spec.replica.clone(),
                     address: e.spec.address.clone(),
-                    models: e.spec.models.clone(),
+                    models: e.models().to_vec(),
                     up: e.up,
                     dp_rank: e.spec.dp_rank,
                     hash: Some(HashSettings::from_spec(&e.spec.hash.spec())),
                     dp_size: e.spec.dp_size,
                     kv_groups: KvCacheGroup::from_mirror(e.mirror.groups()),
+                    lora_adapters: e.adapters.clone(),
                 })
                 .collect(),
         }
+    }
+
+    /// What an engine's `/v1/models` lists now: its model ids and LoRA adapters. The table is
+    /// published again when that changes what the feed says (the ids count only when the
+    /// configuration names no model). False when nothing changed.
+    pub fn set_served(&mut self, engine: usize, mut ids: Vec<String>, mut adapters: Vec<LoraAdapter>) -> bool {
+        ids.sort_unstable();
+        ids.dedup();
+        adapters.sort_unstable_by(|a, b| (&a.name, &a.path).cmp(&(&b.name, &b.path)));
+        let Some(e) = self.engine(engine) else { return false };
+        if e.gone {
+            return false;
+        }
+        let shown = e.spec.models.is_empty() && e.served.as_ref() != Some(&ids);
+        let changed = shown || e.adapters != adapters;
+        // Parity checks of the adapters' blocks need their paths too (events carry names only).
+        for a in &adapters {
+            e.mirror.set_lora_path(a.name.clone(), a.path.clone());
+        }
+        e.served = Some(ids);
+        e.adapters = adapters;
+        if changed {
+            let table = self.table();
+            self.publish(Body::Replicas(table));
+        }
+        changed
     }
 
     /// Counts a live batch received.

@@ -65,6 +65,18 @@ pub struct Replica {
     /// The engine's KV-cache groups (empty: one, as before hybrid support).
     #[prost(message, repeated, tag = "9")]
     pub kv_groups: Vec<KvCacheGroup>,
+    /// The LoRA adapters it serves, with their paths (empty from older agents).
+    #[prost(message, repeated, tag = "10")]
+    pub lora_adapters: Vec<LoraAdapter>,
+}
+
+/// A LoRA adapter an engine serves: the name requests give, and the path vLLM hashes with it.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct LoraAdapter {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(string, tag = "2")]
+    pub path: String,
 }
 
 /// One KV-cache group of an engine.
@@ -129,6 +141,7 @@ impl Replica {
             engine: fleet::replica_key(&self.address, dp_rank),
             hash: self.hash.as_ref().map(HashSettings::spec),
             kv_groups: self.kv_groups.iter().map(KvCacheGroup::resolve).collect(),
+            lora_adapters: self.lora_adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect(),
         })
     }
 }

@@ -7,8 +7,8 @@ pub mod state;
 pub mod view;
 
 pub use messages::{
-    BlockDelta, Body, FeedMessage, HashSettings, Heartbeat, KvCacheGroup, LoadReport, Replica, ReplicaLoad,
-    ReplicaReset, ReplicaTable, SnapshotChunk, SnapshotComplete, SubscribeRequest,
+    BlockDelta, Body, FeedMessage, HashSettings, Heartbeat, KvCacheGroup, LoadReport, LoraAdapter, Replica,
+    ReplicaLoad, ReplicaReset, ReplicaTable, SnapshotChunk, SnapshotComplete, SubscribeRequest,
 };
 pub use state::{FeedError, FeedState};
 pub use view::{Applied, FeedView};
@@ -39,6 +39,7 @@ mod tests {
                     hash: None,
                     dp_size: 0,
                     kv_groups: vec![],
+                    lora_adapters: vec![],
                 },
                 Replica {
                     id: 1,
@@ -50,6 +51,7 @@ mod tests {
                     hash: None,
                     dp_size: 0,
                     kv_groups: vec![],
+                    lora_adapters: vec![],
                 },
             ],
         };
@@ -94,6 +96,7 @@ mod tests {
                     hash: None,
                     dp_size: 0,
                     kv_groups: vec![],
+                    lora_adapters: vec![],
                 })
                 .collect(),
         })

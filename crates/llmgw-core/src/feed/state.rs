@@ -58,6 +58,26 @@ fn rid(r: u32) -> Result<ReplicaId, FeedError> {
 }
 
 impl FeedState {
+    /// The LoRA adapter `model` names, as the replicas list it (name, path): `Ok(None)` when
+    /// none lists it as an adapter, `Err(())` when they disagree on its path (its blocks hash
+    /// differently on each: no hash of the request is right).
+    #[allow(clippy::result_unit_err)]
+    pub fn lora_adapter(&self, model: Option<&str>) -> Result<Option<(String, String)>, ()> {
+        let Some(model) = model else { return Ok(None) };
+        let mut paths = self
+            .replicas
+            .iter()
+            .flat_map(|r| r.lora_adapters.iter())
+            .filter(|(name, _)| name == model)
+            .map(|(_, path)| path);
+        let Some(first) = paths.next() else { return Ok(None) };
+        if paths.all(|p| p == first) {
+            Ok(Some((model.to_owned(), first.clone())))
+        } else {
+            Err(())
+        }
+    }
+
     /// An empty state whose replicas are checked against `allow`.
     pub fn with_allowlist(allow: Option<Allowlist>) -> FeedState {
         FeedState { allow, ..FeedState::default() }

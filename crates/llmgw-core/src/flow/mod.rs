@@ -490,9 +490,15 @@ impl Router {
             PlanStatus::Unusable => return Err(Fallback::Hash),
         }
         let Some(hasher) = hashers.get(req.profile, &plan.spec) else { return Err(Fallback::Hash) };
+        // The profile's `lora_adapters` first, then the adapters the replicas list (replicas that
+        // disagree on an adapter's path hash its blocks differently: none can be credited).
+        let lora = match p.lora(req.model) {
+            Some(l) => Some(l),
+            None => serving.lora_adapter(req.model).map_err(|()| Fallback::HashMismatch)?,
+        };
         let extras = RequestExtras {
             cache_salt: req.cache_salt.map(str::to_owned),
-            lora: p.lora(req.model),
+            lora,
             mm: req.mm,
             lookahead: plan.spec.lookahead,
         };

@@ -36,6 +36,7 @@ fn router(extra: &str, on_b: Vec<u64>, up: bool) -> Router {
         hash: None,
         dp_size: 0,
         kv_groups: vec![],
+        lora_adapters: vec![],
     };
     r.feed.begin_subscription();
     for (seq, body) in [
@@ -287,6 +288,7 @@ fn wire_table(r: &Router, groups: impl Fn(u32) -> Vec<crate::feed::KvCacheGroup>
             hash: x.hash.as_ref().and_then(|h| h.as_ref().ok()).map(crate::feed::HashSettings::from_spec),
             dp_size: if x.dp_rank.is_some() { 2 } else { 1 },
             kv_groups: groups(u32::from(x.id)),
+            lora_adapters: vec![],
         })
         .collect();
     ReplicaTable { replicas }
@@ -310,6 +312,7 @@ fn router_with_hash(
         hash,
         dp_size: 1,
         kv_groups: vec![],
+        lora_adapters: vec![],
     };
     r.feed.begin_subscription();
     for (seq, body) in [
@@ -575,6 +578,7 @@ fn a_catch_all_profile_over_replicas_hashing_differently_keeps_each_models_token
         hash: Some(settings(seed, BS as u32)),
         dp_size: 1,
         kv_groups: vec![],
+        lora_adapters: vec![],
     };
     r.feed.begin_subscription();
     for (seq, b) in [
@@ -711,4 +715,64 @@ fn a_call_the_dedicated_tokenizer_declines_goes_once_to_a_replica_without_striki
     assert_eq!((first.target.as_str(), first.path), (T, "/v1/chat/completions/render"));
     let again = tokenize(declined(&mut r, *first.pending));
     assert_eq!((again.target.as_str(), again.path, again.body.as_slice()), (A, first.path, &chat[..]));
+}
+
+#[test]
+fn an_adapter_the_replicas_list_is_hashed_with_its_path_as_vllm_does() {
+    let json =
+        format!(r#"{{"profiles":[{{"name":"any","models":["*"],"kv_events":true,"block_size":{BS},"seed":"0"}}]}}"#);
+    let tokens: Vec<u32> = (0..32).collect();
+    let hashed = |lora: Option<(&str, &str)>| {
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
+        let extras = RequestExtras { lora: lora.map(|(n, p)| (n.to_owned(), p.to_owned())), ..Default::default() };
+        h.hash_request(&tokens, BS, &extras).unwrap().iter().map(|b| b.key.0).collect::<Vec<_>>()
+    };
+    let replica = |id: u32, address: &str, path: &str| Replica {
+        id,
+        name: format!("r{id}"),
+        address: address.into(),
+        models: vec!["base".into(), "sql".into()],
+        up: true,
+        dp_rank: 0,
+        hash: Some(settings("0", BS as u32)),
+        dp_size: 1,
+        kv_groups: vec![],
+        lora_adapters: vec![crate::feed::LoraAdapter { name: "sql".into(), path: path.into() }],
+    };
+    // A holds the prompt's blocks for the base model, B the adapter's.
+    let fleet = |path_on_a: &str| {
+        let mut r = Router::new(Compiled::from_json(json.as_bytes(), None).unwrap(), 2);
+        r.feed.begin_subscription();
+        for (seq, b) in [
+            Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, path_on_a), replica(1, B, "/a/sql")] }),
+            Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: hashed(None) }),
+            Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: hashed(Some(("sql", "/a/sql"))) }),
+            Msg::SnapshotComplete(SnapshotComplete {}),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(b) }).unwrap();
+        }
+        r
+    };
+    let ask = |r: &mut Router, model: &str| {
+        let got = routed(r.on_body(
+            &body(COMPLETIONS, format!(r#"{{"model":"{model}","prompt":{tokens:?}}}"#).as_bytes()),
+            &(),
+            0,
+        ));
+        (got.address, got.decision.outcome, got.decision.matched)
+    };
+    let mut r = fleet("/a/sql");
+    assert_eq!(ask(&mut r, "sql"), (B.to_owned(), Outcome::Exact, 8));
+    assert_eq!(ask(&mut r, "base"), (A.to_owned(), Outcome::Exact, 8));
+    // Replicas that disagree on the adapter's path: its requests are not credited with blocks
+    // hashed under either path.
+    let mut r = fleet("/elsewhere/sql");
+    let got =
+        routed(r.on_body(&body(COMPLETIONS, format!(r#"{{"model":"sql","prompt":{tokens:?}}}"#).as_bytes()), &(), 0));
+    assert_eq!((got.decision.outcome, got.decision.matched), (Outcome::Approx, 0));
+    assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
+    assert_eq!(ask(&mut r, "base"), (A.to_owned(), Outcome::Exact, 8));
 }
