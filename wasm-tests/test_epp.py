@@ -189,7 +189,10 @@ def test_a_connect_failure_to_the_primary_is_retried_on_the_fallback_list(procs,
     dead = kit.free_port()
     epp_port = kit.free_port()
     routing = tmp_path / "routing.json"
-    routing.write_text(json.dumps(kit.filter_config({"name": "demo"})))
+    # Prompts are tokenized by r0: the tokenizer call must not go to the dead address (that is a
+    # tokenizer failure and an approximate decision, not what this test is about).
+    routing.write_text(json.dumps(kit.filter_config({"name": "demo",
+                                                     "tokenizer_address": f"127.0.0.1:{sims[0]['port']}"})))
     replicas = [kit.sim_replica(s, MODEL) for s in sims]
     # The agent's entry for r3 names the dead address (its events still come from r3's publisher).
     replicas[3]["address"] = f"127.0.0.1:{dead}"
