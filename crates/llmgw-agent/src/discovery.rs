@@ -367,7 +367,16 @@ mod tests {
         counts.count(Refused::ForeignHost);
         counts.count(Refused::TooManyRanks);
         let got: Vec<(&str, u64)> = Refused::ALL.iter().map(|r| (r.label(), counts.get(*r))).collect();
-        assert_eq!(got, vec![("unparseable", 0), ("foreign_host", 2), ("too_many_ranks", 1), ("ids_exhausted", 0)]);
+        assert_eq!(
+            got,
+            vec![
+                ("unparseable", 0),
+                ("foreign_host", 2),
+                ("too_many_ranks", 1),
+                ("ids_exhausted", 0),
+                ("model_list", 0)
+            ]
+        );
     }
 
     #[test]
