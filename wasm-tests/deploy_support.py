@@ -48,6 +48,15 @@ MANIFESTS = {
     "envoy-gateway": ["envoy-gateway/envoy-gateway-config.yaml", "envoy-gateway/llmgw-gateway.yaml",
                       "envoy-gateway/llmgw-envoypatchpolicy.yaml"],
 }
+# The endpoint-picker path (Gateway API Inference Extension; envoy/gaie/), by gateway: the base's
+# files (the picker, the InferencePool, the HTTPRoute) and the variant's Gateway. Validated and
+# their wiring checked by test_deploy; nothing here is Envoy configuration to assemble (the
+# gateways generate it from the InferencePool).
+GAIE_BASE = ["gaie/base/llmgw-epp.yaml", "gaie/base/llmgw-inferencepool.yaml"]
+GAIE = {
+    "istio": GAIE_BASE + ["gaie/istio/llmgw-inference-gateway.yaml"],
+    "envoy-gateway": GAIE_BASE + ["gaie/envoy-gateway/llmgw-inference-gateway.yaml"],
+}
 # What each kind deploys beside its own files.
 SHARED = {"kubernetes": [], "istio": ["vllm/vllm.yaml"], "envoy-gateway": ["vllm/vllm.yaml"]}
 

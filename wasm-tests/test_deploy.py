@@ -27,7 +27,7 @@ from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command
 from llmgw_testkit.stub import StubHandler, StubServer
 
 KINDS = list(deploy.MANIFESTS)
-FILES = sorted({f for fs in deploy.MANIFESTS.values() for f in fs})
+FILES = sorted({f for fs in [*deploy.MANIFESTS.values(), *deploy.GAIE.values()] for f in fs})
 LOCAL = kit.ROOT / "envoy" / "llmgw-local.yaml"
 DEST = "x-gateway-destination-endpoint"
 
@@ -87,6 +87,13 @@ BROKEN = [
      lambda o: o["spec"]["rules"][0]["matches"][0]["path"].__setitem__("type", "Prefix")),
     ("envoy-gateway/llmgw-gateway.yaml", "EnvoyProxy",
      lambda o: o["spec"]["provider"]["kubernetes"]["envoyDeployment"].__setitem__("sidecars", [])),
+    ("gaie/base/llmgw-inferencepool.yaml", "InferencePool",
+     lambda o: o["spec"]["endpointPickerRef"].__setitem__("failureMode", "FailSafe")),
+    ("gaie/base/llmgw-inferencepool.yaml", "InferencePool", lambda o: o["spec"].__setitem__("targetPort", 8000)),
+    ("gaie/base/llmgw-inferencepool.yaml", "HTTPRoute",
+     lambda o: o["spec"]["rules"][0]["backendRefs"][0].__setitem__("kind", 7)),
+    ("gaie/base/llmgw-epp.yaml", "Deployment",
+     lambda o: o["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"].__setitem__("service", 1)),
 ]
 
 
@@ -498,9 +505,12 @@ def _admitted(policies: list[dict], pod_labels: dict, namespace: str, labels: di
     for pol in mine:
         home = pol["metadata"]["namespace"]
         for rule in pol["spec"].get("ingress", []):
-            if not any(p.get("port") == port for p in rule.get("ports", [])):
+            # A rule without ports admits every port; one without peers, every pod.
+            if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
                 continue
-            for peer in rule.get("from", []):
+            if not rule.get("from"):
+                return True
+            for peer in rule["from"]:
                 ns_ok = (_selected(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
                          if "namespaceSelector" in peer else namespace == home)
                 if ns_ok and _selected(peer.get("podSelector", {}), labels):
@@ -547,6 +557,160 @@ def test_only_the_gateway_pods_reach_the_replicas():
     for who, (sns, labels) in strangers.items():
         for port in ports:
             assert not _admitted(policies, replica, sns, labels, port), (who, port)
+
+
+# ---------------------------------------------------------------------------------------------
+# The endpoint-picker path (envoy/gaie/): an HTTPRoute to an InferencePool whose picker is llmgw.
+
+GAIE_GATEWAYS = list(deploy.GAIE)
+# Where each gateway runs the Gateway's proxies, and the labels it gives them: istiod deploys them
+# in the Gateway's namespace, labelled with its name; Envoy Gateway in its own namespace (the
+# default, envoy-gateway-system), labelled with the Gateway's name and namespace.
+GAIE_CONTROLLERS = {"istio": "istio", "envoy-gateway": "gateway.envoyproxy.io/gatewayclass-controller"}
+
+
+def _gaie_proxies(gateway: str, gw: dict) -> tuple[str, dict]:
+    name, ns = gw["metadata"]["name"], gw["metadata"]["namespace"]
+    if gateway == "istio":
+        return ns, {"gateway.networking.k8s.io/gateway-name": name}
+    return "envoy-gateway-system", {"app.kubernetes.io/name": "envoy", "app.kubernetes.io/component": "proxy",
+                                    "app.kubernetes.io/managed-by": "envoy-gateway",
+                                    "gateway.envoyproxy.io/owning-gateway-name": name,
+                                    "gateway.envoyproxy.io/owning-gateway-namespace": ns}
+
+
+def _gaie(gateway: str) -> list[dict]:
+    return [o for f in deploy.GAIE[gateway] for o in deploy.load(f)]
+
+
+def _port_number(container: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    (n,) = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return n
+
+
+@pytest.mark.parametrize("gateway", GAIE_GATEWAYS)
+def test_the_route_reaches_the_picker_through_the_inference_pool(gateway):
+    """HTTPRoute -> Gateway of the gateway's class; HTTPRoute -> InferencePool; the pool's
+    endpointPickerRef -> the picker's Service port -> the container port the agent's [epp] listens
+    on, in cleartext HTTP/2, probed on the picker's gRPC health services; the pool's selector and
+    targetPorts are vllm.yaml's replica pods and API port, and select nothing else."""
+    import tomllib
+
+    objs = _gaie(gateway)
+    route = deploy.find(objs, "HTTPRoute")
+    gw = deploy.find(objs, "Gateway")
+    ns = route["metadata"]["namespace"]
+    (parent,) = route["spec"]["parentRefs"]
+    assert parent["name"] == gw["metadata"]["name"] and parent.get("namespace", ns) == gw["metadata"]["namespace"]
+    if gateway == "istio":
+        assert gw["spec"]["gatewayClassName"] == "istio"
+    else:
+        cls = deploy.find(objs, "GatewayClass", gw["spec"]["gatewayClassName"])
+        assert cls["spec"]["controllerName"] == GAIE_CONTROLLERS[gateway]
+    (rule,) = route["spec"]["rules"]
+    assert sorted((m["path"]["type"], m["path"]["value"]) for m in rule["matches"]) == \
+        [("Exact", "/v1/chat/completions"), ("Exact", "/v1/completions")]
+    (ref,) = rule["backendRefs"]
+    assert (ref["group"], ref["kind"]) == ("inference.networking.k8s.io", "InferencePool")
+    pool = deploy.find(objs, "InferencePool", ref["name"])
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["namespace"] == ref.get("namespace", ns)
+
+    # The picker: pool -> Service port -> container port == [epp] listen.
+    epp_ref = pool["spec"]["endpointPickerRef"]
+    assert epp_ref.get("kind", "Service") == "Service" and epp_ref.get("group", "") == ""
+    svc = deploy.find(objs, "Service", epp_ref["name"])
+    assert svc["metadata"]["namespace"] == pool["metadata"]["namespace"]
+    (sport,) = [p for p in svc["spec"]["ports"] if p["port"] == epp_ref["port"]["number"]]
+    assert sport["appProtocol"] == "http2", "the gateway speaks gRPC (h2c) to the picker"
+    deps = [o for o in objs if o["kind"] == "Deployment"
+            and _selected({"matchLabels": svc["spec"]["selector"]}, o["spec"]["template"]["metadata"]["labels"])]
+    (dep,) = deps
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:2] == ["/usr/local/bin/llmgw-agent", "run"] and c["image"].startswith("llmgw/llmgw-agent:")
+    epp_port = _port_number(c, sport["targetPort"])
+    assert c["command"][2] == "--config"
+    mount = _mount(c, c["command"][3])
+    conf_dir = mount["mountPath"]
+    (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    cm = deploy.find(objs, "ConfigMap", vol["configMap"]["name"])
+    assert c["command"][3:] == [f"{conf_dir}/agent.toml"]
+    agent = tomllib.loads(cm["data"]["agent.toml"])
+    listen = agent["epp"]["listen"]
+    host, port = listen.rsplit(":", 1)
+    assert int(port) == epp_port, f"the Service sends to {epp_port}, the picker listens on {listen}"
+    assert host == "0.0.0.0" and agent["epp"]["allow_non_loopback"] is True, "reachable from the gateway's pods"
+    for probe, service in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+        assert c[probe]["grpc"] == {"port": epp_port, "service": service}, probe
+    assert agent["feed"]["listen"].startswith("127.0.0.1:")
+    # The routing configuration it reads is in the same ConfigMap, mounted where [epp] names it.
+    assert agent["epp"]["routing"] == f"{conf_dir}/routing.json"
+    routing = json.loads(cm["data"]["routing.json"])
+    (reference,) = deploy.wasm_configs(yaml.safe_load(LOCAL.read_text()))
+    assert routing == reference, "the picker routes with the filter's configuration"
+
+    # The pool: vllm.yaml's replicas and their API port, nothing else.
+    vllm = deploy.load("vllm/vllm.yaml")
+    replicas = deploy.find(vllm, "Deployment", "vllm")
+    (vc,) = replicas["spec"]["template"]["spec"]["containers"]
+    assert _selected(pool["spec"]["selector"], replicas["spec"]["template"]["metadata"]["labels"])
+    assert not _selected(pool["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    api = _port_number(vc, "http")
+    assert f"--port={api}" in vc["args"]
+    assert pool["spec"]["targetPorts"] == [{"number": api}]
+    # The picker mirrors the same replicas, hashed as they hash.
+    (disc,) = agent["discovery"]
+    svc_vllm = deploy.find(vllm, "Service", "vllm")
+    assert disc["dns"] == f"vllm.{svc_vllm['metadata']['namespace']}.svc.cluster.local" and disc["port"] == api
+    assert disc["models"] == [vc["args"][0]]
+    (profile,) = routing["profiles"]
+    assert (agent["hash"]["algo"], agent["hash"]["seed"], agent["hash"]["block_size"]) == \
+        (profile["hash_algo"], profile["seed"], profile["block_size"])
+
+
+def test_the_picker_needs_no_kubernetes_api():
+    """The picker finds the replicas by DNS: no RBAC, no ServiceAccount token in its pods."""
+    objs = [o for f in deploy.GAIE_BASE for o in deploy.load(f)]
+    assert not [o for o in objs if o["kind"] in ("ServiceAccount", "Role", "ClusterRole", "RoleBinding",
+                                                  "ClusterRoleBinding")]
+    spec = deploy.find(objs, "Deployment", "llmgw-epp")["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+
+
+@pytest.mark.parametrize("gateway", GAIE_GATEWAYS)
+def test_only_the_inference_gateway_reaches_the_picker_and_only_the_pickers_read_events(gateway):
+    """With vllm.yaml's and the base's NetworkPolicies together: the Gateway's proxies reach the
+    picker's gRPC port and the replicas' API; the pickers reach the replicas' API, publisher and
+    replay ports; nobody else reaches the picker's gRPC port or the replicas' event sockets."""
+    objs = _gaie(gateway)
+    vllm = deploy.load("vllm/vllm.yaml")
+    policies = [o for o in vllm + objs if o["kind"] == "NetworkPolicy"]
+    replica = deploy.find(vllm, "Deployment", "vllm")["spec"]["template"]["metadata"]["labels"]
+    epp_dep = deploy.find(objs, "Deployment", "llmgw-epp")
+    epp = epp_dep["spec"]["template"]["metadata"]["labels"]
+    ns = epp_dep["metadata"]["namespace"]
+    grpc = deploy.find(objs, "Service", "llmgw-epp")["spec"]["ports"][0]["port"]
+    proxies = _gaie_proxies(gateway, deploy.find(objs, "Gateway"))
+    assert _admitted(policies, epp, *proxies, grpc)
+    assert _admitted(policies, replica, *proxies, 8000)
+    for port in (8000, 5557, 5558):
+        assert _admitted(policies, replica, ns, epp, port), port
+    strangers = {"another pod": (ns, {"app.kubernetes.io/name": "client"}),
+                 "the proxies' labels elsewhere": ("default", proxies[1]),
+                 "a replica": (ns, replica)}
+    for who, (sns, labels) in strangers.items():
+        assert not _admitted(policies, epp, sns, labels, grpc), who
+        for port in (5557, 5558):
+            assert not _admitted(policies, replica, sns, labels, port), (who, port)
+    for port in (5557, 5558):
+        assert not _admitted(policies, replica, *proxies, port), ("the proxies read no events", port)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ BASES = {
     "istio": ["istio/llmgw-gateway.yaml", "istio/llmgw-envoyfilter.yaml"],
     "envoy-gateway": ["envoy-gateway/envoy-gateway-config.yaml", "envoy-gateway/llmgw-gateway.yaml",
                       "envoy-gateway/llmgw-envoypatchpolicy.yaml"],
+    "gaie/base": deploy.GAIE_BASE,
+    **{f"gaie/{g}": files for g, files in deploy.GAIE.items()},
 }
 OVERLAY = "overlays/existing-vllm"
 AGENT_IMAGE = "llmgw/llmgw-agent"
@@ -67,7 +69,8 @@ def _images(o: dict) -> list[str]:
 def test_every_kustomization_is_one_the_tests_render():
     shipped = {str(p.parent.relative_to(deploy.ENVOY_DIR)) for p in deploy.ENVOY_DIR.rglob("kustomization.yaml")}
     assert shipped == set(BASES) | {OVERLAY}
-    assert {f for fs in BASES.values() for f in fs} == {f for fs in deploy.MANIFESTS.values() for f in fs}
+    assert {f for fs in BASES.values() for f in fs} == \
+        {f for fs in [*deploy.MANIFESTS.values(), *deploy.GAIE.values()] for f in fs}
 
 
 @pytest.mark.parametrize("base", BASES)
@@ -83,13 +86,17 @@ def _copy_envoy_dir(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("base", ["kubernetes", "istio", "envoy-gateway"])
+# Each gateway base runs the agent and the init container that installs the filter; each endpoint
+# picker variant runs the agent as the picker.
+AGENT_CONTAINERS = {"kubernetes": 2, "istio": 2, "envoy-gateway": 2, **{f"gaie/{g}": 1 for g in deploy.GAIE}}
+
+
+@pytest.mark.parametrize("base", AGENT_CONTAINERS)
 def test_one_images_entry_renames_the_agent_image_everywhere(base, tmp_path):
     root = _copy_envoy_dir(tmp_path)
     before = [i for o in kustomize(root / base) for i in _images(o)]
     shipped = [i for i in before if i.startswith(AGENT_IMAGE + ":")]
-    # The agent and the init container that installs the filter.
-    assert len(shipped) >= 2, before
+    assert len(shipped) >= AGENT_CONTAINERS[base], before
     mine = root / "mine"
     mine.mkdir()
     (mine / "kustomization.yaml").write_text(yaml.safe_dump({
