@@ -3,7 +3,9 @@ validates against its schema, every Envoy fragment assembles into a bootstrap th
 plane assembles it and passes `envoy --mode validate` with llmgw.wasm loaded, the shipped
 settings agree with each other, and each assembled bootstrap routes a follow-up exactly in front
 of simulated replicas and the agent while ignoring a client's destination header. Broken copies
-of the manifests are refused (how each check could fail)."""
+of the manifests are refused (how each check could fail). The endpoint-picker manifests
+(envoy/gaie) are validated and their wiring checked (route, pool, picker, replicas, policies);
+their Envoy configuration is the gateway's to generate and is not assembled here."""
 
 from __future__ import annotations
 
@@ -668,6 +670,21 @@ def test_the_route_reaches_the_picker_through_the_inference_pool(gateway):
     (profile,) = routing["profiles"]
     assert (agent["hash"]["algo"], agent["hash"]["seed"], agent["hash"]["block_size"]) == \
         (profile["hash_algo"], profile["seed"], profile["block_size"])
+
+
+def test_the_pickers_configuration_is_accepted_by_the_agent(tmp_path, agent_bin):
+    """The picker's agent.toml as shipped passes `check-config` ([epp] on a pod address needs
+    allow_non_loopback, which it sets; without it the agent refuses to start)."""
+    cm = deploy.find([o for f in deploy.GAIE_BASE for o in deploy.load(f)], "ConfigMap", "llmgw-epp")
+    text = cm["data"]["agent.toml"]
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert text.count("allow_non_loopback = true") == 1
+    path.write_text(text.replace("allow_non_loopback = true", "allow_non_loopback = false"))
+    r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+    assert r.returncode != 0 and "epp.listen" in r.stderr, r.stdout + r.stderr
 
 
 def test_the_picker_needs_no_kubernetes_api():

@@ -1,5 +1,5 @@
 """The manifests as a user adapts them: `kubectl kustomize` renders every base in envoy/ to
-exactly the objects of its files (the images, namespace and agent configuration are then one
+exactly the objects of its files (envoy/gaie's variants: the base's and their own; the images, namespace and agent configuration are then one
 overlay away), one `images:` entry renames the agent's image in every container that runs it,
 and the shipped overlay for an existing vLLM (envoy/overlays/existing-vllm) renders objects that
 validate against their schemas, whose agent configuration the agent accepts and points at the
