@@ -524,6 +524,82 @@ def envoy_gateway_bootstrap(root: Path = ENVOY_DIR) -> dict:
     return bootstrap
 
 
+def _gateway_api_seconds(duration: str) -> float:
+    """A Gateway API duration (GEP-2257: "1h", "5m", "300s", "500ms", "1h30m") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?", duration)
+    if not duration or parts is None:
+        raise AssemblyError(f"not a Gateway API duration: {duration!r}")
+    h, m, s, ms = (int(x or 0) for x in parts.groups())
+    return h * 3600 + m * 60 + s + ms / 1000
+
+
+def gaie_bootstrap(gateway: str, root: Path = ENVOY_DIR) -> dict:
+    """What a GAIE gateway makes of the variant's Gateway, HTTPRoute and InferencePool, in the
+    shape of envoy/llmgw-epp-local.yaml (its ext_proc filter towards the picker, its pool cluster
+    choosing by the destination header, its picker cluster over HTTP/2 with the gRPC health check),
+    filled in from the manifests: the Gateway's port, the route's paths and timeout, FailOpen or
+    FailClose from the pool, the pool's pods (through vllm.yaml's headless Service selecting the
+    same pods) on its target port, the picker's Service and port. Not captured from istiod or Envoy
+    AI Gateway: the wiring GAIE prescribes, which the gateways' own generated names and extras
+    would surround."""
+    objs = [o for f in GAIE[gateway] for o in load(f, root)]
+    vllm = load("vllm/vllm.yaml", root)
+    b = yaml.safe_load((root / "llmgw-epp-local.yaml").read_text())
+    gw, route = find(objs, "Gateway"), find(objs, "HTTPRoute")
+    (rule,) = route["spec"]["rules"]
+    (ref,) = rule["backendRefs"]
+    if (ref.get("group"), ref.get("kind")) != ("inference.networking.k8s.io", "InferencePool"):
+        raise AssemblyError(f"the HTTPRoute's backend is a {ref.get('kind', 'Service')}, not an InferencePool")
+    pool = find(objs, "InferencePool", ref["name"])
+    ns = pool["metadata"]["namespace"]
+    picker = pool["spec"]["endpointPickerRef"]
+    if picker.get("kind", "Service") != "Service":
+        raise AssemblyError("the picker is not a Service")
+    svc = find(objs, "Service", picker["name"])
+    ports = [p for p in svc["spec"]["ports"] if p["port"] == picker["port"]["number"]]
+    if len(ports) != 1:
+        raise AssemblyError(f"the picker's Service has no port {picker['port']['number']}")
+    if ports[0].get("appProtocol") not in ("http2", "kubernetes.io/h2c", "grpc"):
+        raise AssemblyError("the picker's Service port does not declare HTTP/2 (appProtocol)")
+    headless = [s for s in vllm if s["kind"] == "Service" and s["spec"].get("clusterIP") == "None"
+                and s["spec"]["selector"] == pool["spec"]["selector"]["matchLabels"]]
+    if len(headless) != 1:
+        raise AssemblyError("no headless Service selects the pool's pods")
+    (target,) = pool["spec"]["targetPorts"]
+
+    (listener,) = b["static_resources"]["listeners"]
+    (glistener,) = gw["spec"]["listeners"]
+    # Envoy Gateway shifts a privileged port by 10000; istiod's gateway binds the Gateway's port.
+    port = container_port(glistener["port"]) if gateway == "envoy-gateway" else glistener["port"]
+    listener["address"]["socket_address"] = {"address": "0.0.0.0", "port_value": port}
+    (hcm,) = hcm_of(listener)
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    template = copy.deepcopy(vhost["routes"][0]["route"])
+    if "request" in rule.get("timeouts", {}):
+        template["timeout"] = f"{_gateway_api_seconds(rule['timeouts']['request'])}s"
+    routes = []
+    for m in rule["matches"]:
+        kind, value = m["path"]["type"], m["path"]["value"]
+        if kind not in ("Exact", "PathPrefix"):
+            raise AssemblyError(f"path match {kind} is not assembled here")
+        routes.append({"match": {"path" if kind == "Exact" else "prefix": value}, "route": copy.deepcopy(template)})
+    vhost["routes"] = routes + [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            f["typed_config"]["failure_mode_allow"] = pool["spec"]["endpointPickerRef"].get("failureMode") == "FailOpen"
+
+    def dns(name: str, host: str, port: int) -> None:
+        c = cluster(b, name)
+        c["type"] = "STRICT_DNS"
+        c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]
+
+    dns("llmgw_pool", f"{headless[0]['metadata']['name']}.{headless[0]['metadata']['namespace']}.svc.cluster.local",
+        target["number"])
+    dns("llmgw_epp", f"{svc['metadata']['name']}.{ns}.svc.cluster.local", ports[0]["port"])
+    return b
+
+
 ASSEMBLE = {"kubernetes": kubernetes_bootstrap, "istio": istio_bootstrap, "envoy-gateway": envoy_gateway_bootstrap}
 
 # The ports the agent's feed and Envoy's admin API have in the shipped bootstraps.

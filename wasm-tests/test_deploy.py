@@ -4,8 +4,9 @@ plane assembles it and passes `envoy --mode validate` with llmgw.wasm loaded, th
 settings agree with each other, and each assembled bootstrap routes a follow-up exactly in front
 of simulated replicas and the agent while ignoring a client's destination header. Broken copies
 of the manifests are refused (how each check could fail). The endpoint-picker manifests
-(envoy/gaie) are validated and their wiring checked (route, pool, picker, replicas, policies);
-their Envoy configuration is the gateway's to generate and is not assembled here."""
+(envoy/gaie) are validated and their wiring checked (route, pool, picker, replicas, policies),
+and assembled into the Envoy configuration GAIE prescribes (envoy/llmgw-epp-local.yaml's shape)
+for `envoy --mode validate`."""
 
 from __future__ import annotations
 
@@ -670,6 +671,47 @@ def test_the_route_reaches_the_picker_through_the_inference_pool(gateway):
     (profile,) = routing["profiles"]
     assert (agent["hash"]["algo"], agent["hash"]["seed"], agent["hash"]["block_size"]) == \
         (profile["hash_algo"], profile["seed"], profile["block_size"])
+
+
+@pytest.mark.parametrize("gateway", GAIE_GATEWAYS)
+def test_the_pools_wiring_passes_envoy_validation(gateway, tmp_path, envoy_bin):
+    """The route, pool and picker assembled into the Envoy configuration GAIE prescribes (the
+    ext_proc filter towards the picker's Service, the pool's pods on its target port chosen by
+    the destination header) pass `envoy --mode validate`."""
+    b = deploy.gaie_bootstrap(gateway)
+    objs = _gaie(gateway)
+    pool = deploy.find(objs, "InferencePool")
+    (ep,) = deploy.cluster(b, "llmgw_epp")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert ep["endpoint"]["address"]["socket_address"] == {
+        "address": f"{pool['spec']['endpointPickerRef']['name']}.{pool['metadata']['namespace']}.svc.cluster.local",
+        "port_value": pool["spec"]["endpointPickerRef"]["port"]["number"]}
+    (ep,) = deploy.cluster(b, "llmgw_pool")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert ep["endpoint"]["address"]["socket_address"]["port_value"] == pool["spec"]["targetPorts"][0]["number"]
+    (proc,) = [f for f in deploy.http_filters(b) if f["name"] == "envoy.filters.http.ext_proc"]
+    assert proc["typed_config"]["failure_mode_allow"] is False, "FailClose"
+    assert [r["match"] for r in deploy.routes(b, "llmgw_epp")] == \
+        [{"path": "/v1/chat/completions"}, {"path": "/v1/completions"}, {"prefix": "/"}]
+    r = deploy.envoy_validate(envoy_bin, deploy.write(b, tmp_path / f"{gateway}.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+BROKEN_GAIE = [
+    ("gaie/base/llmgw-inferencepool.yaml", "kind: InferencePool, name: vllm", "kind: Service, name: vllm",
+     "not an InferencePool"),
+    ("gaie/base/llmgw-epp.yaml", "appProtocol: http2", "appProtocol: http", "HTTP/2"),
+    ("gaie/base/llmgw-inferencepool.yaml", "port: {number: 9002}", "port: {number: 9003}", "no port 9003"),
+    ("gaie/base/llmgw-inferencepool.yaml", "matchLabels: {app.kubernetes.io/name: vllm}",
+     "matchLabels: {app.kubernetes.io/name: llmgw-epp}", "no headless Service"),
+]
+
+
+@pytest.mark.parametrize("rel,old,new,message", BROKEN_GAIE, ids=[m for *_, m in BROKEN_GAIE])
+def test_a_pool_whose_wiring_breaks_is_refused(tmp_path, rel, old, new, message):
+    root = _copy_envoy_dir(tmp_path)
+    deploy.gaie_bootstrap("istio", root)  # the copy assembles before the edit
+    _edit(root, rel, old, new)
+    with pytest.raises(deploy.AssemblyError, match=message):
+        deploy.gaie_bootstrap("istio", root)
 
 
 def test_the_pickers_configuration_is_accepted_by_the_agent(tmp_path, agent_bin):
