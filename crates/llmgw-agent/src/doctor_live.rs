@@ -147,13 +147,16 @@ pub async fn flags(cfg: &Config) -> Vec<Finding> {
     out
 }
 
-/// A one-token completion of a fresh prompt (two full blocks and one token) that makes the
-/// replica store new blocks, whatever it cached before.
+/// A one-token completion of a fresh prompt (at least two full blocks) that makes the replica
+/// store new blocks, whatever it cached before. Text, not token ids: ids valid for one model's
+/// vocabulary may be out of another's (vLLM refuses those), while every word is at least a token.
 async fn nudge(spec: &EngineSpec, model: &str, attempt: usize) {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let start = 1000u32.saturating_add(nanos % 20_000).saturating_add(u32::try_from(attempt).unwrap_or(0));
-    let n = spec.hash.block_size.saturating_mul(2).saturating_add(1);
-    let prompt: Vec<u32> = (0..n).map(|i| start.saturating_add(i.wrapping_mul(7) % 5000)).collect();
+    let words = spec.hash.block_size.saturating_mul(3).saturating_add(1);
+    let mut prompt = format!("llmgw doctor probe {nanos} {attempt}:");
+    for i in 0..words {
+        prompt.push_str(&format!(" w{}", nanos.wrapping_add(i.wrapping_mul(7919)) % 100_000));
+    }
     let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1});
     let url = format!("http://{}/v1/completions", spec.address);
     let _ = crate::http_client::post_json(&url, body.to_string().as_bytes(), PROBE_TIMEOUT).await;
