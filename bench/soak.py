@@ -41,6 +41,14 @@ from llmgw_testkit.load_faults import CHAT, COMPLETIONS, MODEL, ClientLoad, SimF
 from llmgw_testkit.vllm_hash import block_keys
 
 BLOCK = 16
+
+
+def repo_relative(v) -> str:
+    """An argument as the record shows it: a path inside the repository relative to it."""
+    if isinstance(v, Path) and v.resolve().is_relative_to(kit.ROOT):
+        return str(v.resolve().relative_to(kit.ROOT))
+    return str(v)
+
 DECISION = re.compile(r"outcome=(\w+); replica=([\d.]+:\d+); matched=(\d+)/(\d+)")
 FAMILIES = 16
 REPLICAS = 4
@@ -236,7 +244,8 @@ def main() -> int:
     checks = [c for c in checker.checks if c["ok"]]
     exact = [c for c in checks if c["outcome"] == "exact"]
     result = {
-        "args": {k: str(v) for k, v in vars(a).items()},
+        # Paths inside the repository are recorded relative to it (the record names no machine's paths).
+        "args": {k: repo_relative(v) for k, v in vars(a).items()},
         "sent": load.sent, "failed": load.failed, "faults": faults, "samples": samples,
         "envoy_mb_per_h": envoy_slope, "agent_mb_per_h": agent_slope,
         "vm_linear_mb_per_h": vm_slope, "envoy_outside_vms_mb_per_h": rest_slope,
