@@ -12,7 +12,8 @@ use crate::{health, rates, speculative};
 use llmgw_core::config::Compiled;
 use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
 use llmgw_core::flow::{Body, Router, Speculation, Step};
-use llmgw_core::policy::rates::{Basis, Features, Learning, Rates};
+use llmgw_core::policy::rates::{Basis, Features};
+use llmgw_core::policy::TtftWeights;
 
 /// A router over `replicas` replicas and a host whose shared records are empty, or filled as
 /// `vms` worker VMs routing to every replica leave them.
@@ -40,10 +41,8 @@ impl Decision {
                 address: address(id),
                 models: vec![],
                 up: true,
-                dp_rank: 0,
-                hash: None,
-                dp_size: 0,
-                kv_groups: vec![],
+                // The rest as a replica table leaves it (also fields the feed gains later).
+                ..Default::default()
             })
             .collect();
         router.feed.begin_subscription();
@@ -98,18 +97,14 @@ fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
             inflight::increment(host, VmId(vm), &address(id), 100);
         }
     }
-    let prior = Rates {
-        base_us: 0.0,
-        prefill_us_per_token: 100.0,
-        queued_us_per_token: 100.0,
-        request_us: 20_000.0,
-        observations: 0,
-    };
+    // The shipped profile's rates as the prior, as a default configuration learns from.
+    let ttft = TtftWeights::default();
+    let prior = ttft.prior();
     let basis = Basis {
         features: Features { uncached: 100, queued_tokens: 0, requests: 1 },
         rates: prior,
         prior,
-        learning: Learning::default(),
+        learning: ttft.learning,
     };
     for id in 0..replicas {
         let a = address(id);
