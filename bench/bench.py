@@ -3,8 +3,9 @@
 identical seeded traffic, with the replicas restarted (empty caches) before every run.
 
 Workloads: shared-prefix groups (like SGLang's generated-shared-prefix benchmark), multi-turn
-chat, a mix of shared-prefix and unique prompts, and skewed (Zipf) prefix popularity; each at a
-low and a high concurrency.
+chat, a mix of shared-prefix and unique prompts, skewed (Zipf) prefix popularity, and tenants
+(shared-prefix traffic over four tenants' cache salts: the same text, no shared KV blocks, where
+matching text misleads a router and KV events do not); each at a low and a high concurrency.
 
 Policies: Envoy ROUND_ROBIN and LEAST_REQUEST, an oracle that reads every replica's true cache
 contents and load (POST /sim/probe) and sends directly, llmgw (Envoy + llmgw.wasm + llmgw-agent)
@@ -59,6 +60,7 @@ WORKLOADS = {
     "multi-turn": "conversations, each turn extends the last",
     "mixed": "half shared-prefix, half unique prompts",
     "skewed": "Zipf popularity over many system prompts",
+    "tenants": "shared-prefix over 4 tenants' cache salts: same text, no shared KV",
 }
 
 
@@ -69,6 +71,7 @@ SHAPES = {
     "multi-turn": Conversations(48, 4, first_user_words=(300, 500), user_words=(40, 120), assistant_words=24),
     "mixed": SharedPrefix(groups=8, system_words=800, unique_words=(500, 900)),
     "skewed": SharedPrefix(groups=32, system_words=600, zipf=1.1, requests=256),
+    "tenants": SharedPrefix(groups=8, system_words=800, per_group=32, tenants=4),
 }
 
 

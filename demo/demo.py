@@ -3,7 +3,11 @@
 chat workload (shared system prompts, multi-turn conversations). Three runs on identical
 traffic: Envoy's round-robin, llmgw with only its approximate fallback, llmgw with KV events.
 Prints a table and writes a PNG chart. Everything listens on 127.0.0.1 and is stopped at exit,
-also on Ctrl-C."""
+also on Ctrl-C.
+
+`--tenants N` spreads the conversations over N tenants, each with its own `cache_salt`: they send
+the same system prompts but share no KV blocks, which the approximate arm (it matches text) cannot
+see and the KV-event arm can."""
 
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ MODEL = "demo-model"
 # Workload
 
 
-def make_workload(seed: int, conversations: int, groups: int, system_words: int, turns: int):
+def make_workload(seed: int, conversations: int, groups: int, system_words: int, turns: int, tenants: int = 0):
     """Conversations, each a list of chat bodies (turn k extends turn k-1). Groups share a
-    long system prompt; group popularity is skewed (Zipf-like)."""
+    long system prompt; group popularity is skewed (Zipf-like); with `tenants`, each
+    conversation carries one tenant's cache salt."""
     shape = Conversations(conversations, turns, first_user_words=(20, 60), user_words=(20, 60), assistant_words=None,
-                          user_tag="u", system_groups=groups, system_words=system_words, shuffle=False, vocab=50000)
+                          user_tag="u", system_groups=groups, system_words=system_words, shuffle=False, vocab=50000,
+                          tenants=tenants)
     return make_sessions(shape, seed, MODEL, 8)
 
 
@@ -52,6 +58,9 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--system-words", type=int, default=600)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--tenants", type=int, default=0,
+                    help="spread the conversations over this many tenants, each with its own cache_salt: same text, "
+                         "no shared KV blocks (where KV events beat matching text)")
     ap.add_argument("--blocks", type=int, default=160, help="GPU blocks per simulated replica")
     ap.add_argument("--out", default=str(ROOT / "results" / "demo"))
     ap.add_argument("--wasm", default=None, help="the filter to load (default dist/llmgw.wasm)")
@@ -84,10 +93,14 @@ def main() -> int:
             procs.start(sim_command(sim_bin, s, MODEL, blocks=args.blocks, seed=0, prefill_tps=4000, decode_ms=8,
                                     max_batch=4), s["name"])
         wait_sims(sims)
-        convs = make_workload(7, args.conversations, args.groups, args.system_words, args.turns)
+        if args.tenants < 0:
+            print("--tenants must be 0 or more", file=sys.stderr)
+            return 2
+        convs = make_workload(7, args.conversations, args.groups, args.system_words, args.turns, args.tenants)
         n = sum(len(c) for c in convs)
+        tenants = f", {args.tenants} tenants (cache_salt)" if args.tenants else ""
         print(f"llmgw demo: 4 simulated vLLM replicas ({args.blocks} KV blocks each), {n} chat requests per run "
-              f"({args.conversations} conversations x {args.turns} turns, {args.groups} shared system prompts), "
+              f"({args.conversations} conversations x {args.turns} turns, {args.groups} shared system prompts{tenants}), "
               f"concurrency {args.concurrency}")
         runs = []
         arms = [("Envoy round-robin", "rr"), ("llmgw approximate only", "approx"), ("llmgw with KV events", "exact")]

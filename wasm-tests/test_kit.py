@@ -115,3 +115,23 @@ def test_wait_until_returns_the_value_and_names_what_timed_out():
     assert kit.wait_until(lambda: 42, 1, "x") == 42
     with pytest.raises(TimeoutError, match=r"waiting for the thing \(last error: boom\)"):
         kit.wait_until(lambda: (_ for _ in ()).throw(OSError("boom")), 0.2, "the thing")
+
+
+def test_tenants_send_the_same_text_under_their_own_cache_salts():
+    from llmgw_testkit.workloads import Conversations, SharedPrefix, as_completion, make_sessions
+    shape = SharedPrefix(groups=2, system_words=6, question_words=(2, 4), per_group=12, vocab=50)
+    plain = make_sessions(shape, 3, "m", 4)
+    salted = make_sessions(SharedPrefix(**{**shape.__dict__, "tenants": 3}), 3, "m", 4)
+    assert all("cache_salt" not in s[0] for s in plain)
+    salts = {s[0]["cache_salt"] for s in salted}
+    assert salts == {"tenant-0", "tenant-1", "tenant-2"}
+    # The same system prompt goes out under several tenants' salts: same text, no shared blocks.
+    by_system: dict[str, set] = {}
+    for s in salted:
+        by_system.setdefault(s[0]["messages"][0]["content"], set()).add(s[0]["cache_salt"])
+    assert len(by_system) == 2 and all(len(v) > 1 for v in by_system.values())
+    conv = make_sessions(Conversations(4, 3, (3, 5), (2, 3), 2, tenants=2), 1, "m", 4)
+    assert all(len({b["cache_salt"] for b in c}) == 1 for c in conv), "a conversation keeps its tenant"
+    comp = as_completion(salted[0][0])
+    assert "messages" not in comp and comp["cache_salt"] == salted[0][0]["cache_salt"]
+    assert comp["prompt"].startswith("system: ") and comp["prompt"].endswith("assistant:")

@@ -7,7 +7,13 @@ Two shapes, described by their parameters:
 - SharedPrefix: groups of requests sharing long system prompts (evenly, or with Zipf
   popularity), optionally mixed with as many unique prompts;
 - Conversations: multi-turn chats, each with a fixed system prompt or one of several shared ones
-  (Zipf popularity)."""
+  (Zipf popularity).
+
+Either shape may spread its traffic over `tenants`: each request (each conversation) then carries
+one tenant's `cache_salt`, which vLLM mixes into the prompt's first block. Tenants send the same
+text but share no KV blocks, so a router that matches text (an approximate prefix tree) sends a
+tenant where another tenant's copy of the prompt is cached and misses, where one that follows
+the engines' KV events does not: the workload where exactness matters."""
 
 from __future__ import annotations
 
@@ -23,9 +29,25 @@ def words(rng: random.Random, tag: str, n: int, vocab: int = 100000) -> str:
     return " ".join(f"{tag}{rng.randrange(vocab)}" for _ in range(n))
 
 
-def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
-    """A streaming chat-completion body."""
-    return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+def chat_body(model: str, messages: list[dict], max_tokens: int, salt: str | None = None) -> dict:
+    """A streaming chat-completion body (with `cache_salt` when given)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def tenant_salt(rng: random.Random, tenants: int) -> str | None:
+    """One of `tenants` tenants' cache salts, or None without tenants (drawing nothing, so a
+    shape without tenants gives the traffic it always gave)."""
+    return f"tenant-{rng.randrange(tenants)}" if tenants > 0 else None
+
+
+def as_completion(body: dict) -> dict:
+    """The completions-API twin of a chat body: the messages written out as one text prompt
+    (`role: content` lines), the other fields kept."""
+    prompt = "".join(f"{m['role']}: {m['content']}\n" for m in body["messages"]) + "assistant:"
+    return {**{k: v for k, v in body.items() if k != "messages"}, "prompt": prompt}
 
 
 def zipf_weights(n: int, exponent: float) -> list[float]:
@@ -38,7 +60,8 @@ class SharedPrefix:
     """Single requests of `groups` system prompts of `system_words` words, each with a question
     of `question_words` (low, high) words: `per_group` requests per group, or with `zipf` set,
     `requests` requests drawn by Zipf popularity. With `unique_words`, as many requests again of
-    one unique user prompt each. Shuffled."""
+    one unique user prompt each. With `tenants`, each request carries one of that many tenants'
+    cache salts. Shuffled."""
 
     groups: int
     system_words: int
@@ -48,6 +71,7 @@ class SharedPrefix:
     requests: int = 256
     unique_words: tuple[int, int] | None = None
     vocab: int = 100000
+    tenants: int = 0
 
     def sessions(self, rng: random.Random, model: str, max_tokens: int, n) -> list[list[dict]]:
         systems = [words(rng, f"g{g}s", self.system_words, self.vocab) for g in range(self.groups)]
@@ -60,11 +84,11 @@ class SharedPrefix:
         for g in picks:
             question = words(rng, "q", rng.randrange(*self.question_words), self.vocab)
             msgs = [{"role": "system", "content": systems[g]}, {"role": "user", "content": question}]
-            sessions.append([chat_body(model, msgs, max_tokens)])
+            sessions.append([chat_body(model, msgs, max_tokens, tenant_salt(rng, self.tenants))])
         if self.unique_words is not None:
             for _ in range(len(picks)):
                 msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(*self.unique_words), self.vocab)}]
-                sessions.append([chat_body(model, msgs, max_tokens)])
+                sessions.append([chat_body(model, msgs, max_tokens, tenant_salt(rng, self.tenants))])
         rng.shuffle(sessions)
         return sessions
 
@@ -76,7 +100,8 @@ class Conversations:
     assistant answers `assistant_words` words tagged `c<c>t<t>a`, or with None a fixed reply.
     The system prompt is ASSISTANT_SYSTEM, or with `system_groups` one of that many shared
     prompts of `system_words` words picked per conversation by Zipf (exponent 1) popularity.
-    Shuffled when `shuffle`."""
+    Shuffled when `shuffle`. With `tenants`, each conversation carries one of that many tenants'
+    cache salts."""
 
     conversations: int
     turns: int
@@ -88,6 +113,7 @@ class Conversations:
     system_words: int = 0
     shuffle: bool = True
     vocab: int = 100000
+    tenants: int = 0
 
     def sessions(self, rng: random.Random, model: str, max_tokens: int, n) -> list[list[dict]]:
         systems = [words(rng, f"s{g}x", self.system_words, self.vocab) for g in range(self.system_groups)]
@@ -96,12 +122,13 @@ class Conversations:
         for c in range(n(self.conversations)):
             system = systems[rng.choices(range(self.system_groups), weights)[0]] if systems else ASSISTANT_SYSTEM
             msgs: list[dict] = [{"role": "system", "content": system}]
+            salt = tenant_salt(rng, self.tenants)
             conv = []
             for t in range(self.turns):
                 lo_hi = self.first_user_words if t == 0 else self.user_words
                 user = words(rng, self.user_tag.format(c=c, t=t), rng.randrange(*lo_hi), self.vocab)
                 msgs = msgs + [{"role": "user", "content": user}]
-                conv.append(chat_body(model, list(msgs), max_tokens))
+                conv.append(chat_body(model, list(msgs), max_tokens, salt))
                 msgs = msgs + [{"role": "assistant", "content": self.reply(rng, c, t)}]
             sessions.append(conv)
         if self.shuffle:
