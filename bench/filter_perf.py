@@ -62,7 +62,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,6 +74,7 @@ from llmgw_testkit.feed import FeedStub, load_feed_proto
 from llmgw_testkit.stub import StubHandler, StubServer
 from llmgw_testkit.vllm_hash import block_keys
 
+from arms_table import arm_figures, fmt, med, print_arms  # bench/arms_table.py, beside this script
 from epp_arm import EppArm, epp_pieces, with_epp  # bench/epp_arm.py, beside this script
 
 ROOT = kit.ROOT
@@ -389,15 +389,6 @@ def index_memory(admin: int) -> list[tuple[str, float, float]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def fmt(v, spec: str = ".0f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
@@ -688,75 +679,11 @@ def summarize(run: Run, rounds: list[dict], d0: dict, d1: dict, tok: dict, mem, 
                                      for arm in run.arms},
         "backend_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["backend_cpu_us"] for rr in rounds])
                                        for arm in run.arms},
-        "arms": arm_figures(run, rounds),
+        "arms": arm_figures(run.arms, args.connections, rounds),
         "d_index": [{"vm": vm, "bytes": b, "entries": e, "bytes_per_entry": b / e} for vm, b, e in mem],
         "d_bytes_per_entry": max(per_entry) if per_entry else None,
         "rounds_detail": rounds,
     }
-
-
-def arm_figures(run: Run, rounds: list[dict]) -> dict:
-    """Per arm other than plain, medians of rounds: 1-connection p50 and p99 (ms), added to the
-    same round's plain Envoy (ms) and as a ratio of it; requests/s at --connections and its ratio;
-    through the picker also its mean decision time and the agent's CPU per request, and from
-    that the requests/s at which it saturates one core."""
-    tag = f"c{run.args.connections}"
-    out = {}
-    for arm in run.arms[1:]:
-        f: dict = {}
-        for q in ("p50", "p99"):
-            f[f"{q}_ms"] = med([rr[f"{arm}_c1"][f"{q}_us"] / 1000 for rr in rounds])
-            f[f"added_{q}_ms"] = med([(rr[f"{arm}_c1"][f"{q}_us"] - rr["plain_c1"][f"{q}_us"]) / 1000 for rr in rounds])
-            f[f"{q}_ratio"] = med([rr[f"{arm}_c1"][f"{q}_us"] / rr["plain_c1"][f"{q}_us"] for rr in rounds])
-        f["rps"] = med([rr[f"{arm}_{tag}"]["rps"] for rr in rounds])
-        f["throughput_ratio"] = med([rr[f"{arm}_{tag}"]["rps"] / rr[f"plain_{tag}"]["rps"] for rr in rounds])
-        if arm.startswith("epp"):
-            f["decision_mean_us"] = med([rr[f"{arm}_c1"]["epp_decision_mean_us"] for rr in rounds])
-            f["decisions"] = rounds[-1][f"{arm}_c1"]["epp_decisions"]
-            f["tokenizer_calls_per_request_c1"] = med([rr[f"{arm}_c1"]["epp_tokenizer_calls"]
-                                                       / max(rr[f"{arm}_c1"]["requests"], 1) for rr in rounds])
-            f["tokenizer_failures"] = sum(rr[f"{arm}_{t}"]["epp_tokenizer_failures"] for rr in rounds
-                                          for t in ("c1", tag))
-            cpu_us = []
-            for rr in rounds:
-                a, p = rr[f"{arm}_{tag}"], rr[f"plain_{tag}"]
-                idle_per_s = p["agent_cpu_s"] / (p["duration_us"] / 1e6) if p["duration_us"] else 0.0
-                busy = a["agent_cpu_s"] - idle_per_s * a["duration_us"] / 1e6
-                cpu_us.append(busy * 1e6 / max(a["requests"], 1))
-            f["agent_cpu_us_per_request"] = med(cpu_us)
-            f["agent_idle_cpu_ms_per_s"] = med([rr[f"plain_{tag}"]["agent_cpu_s"] * 1e3
-                                                / (rr[f"plain_{tag}"]["duration_us"] / 1e6) for rr in rounds])
-            f["saturation_rps_one_core"] = 1e6 / f["agent_cpu_us_per_request"] if f["agent_cpu_us_per_request"] else None
-        out[arm] = f
-    return out
-
-
-ARM_LABELS = {"filter": "wasm filter, repeated prompt", "filter_new": "wasm filter, new prompts",
-              "epp": "endpoint picker, repeated prompt", "epp_new": "endpoint picker, new prompts"}
-
-
-def print_arms(args, result: dict) -> None:
-    """The arms side by side against plain Envoy in the same rounds."""
-    arms, tag = result["arms"], f"c{args.connections}"
-    print(f"(e) every arm against plain Envoy in the same rounds (1 conn: plain p50 {result['b_plain_p50_ms']:.3f} ms, "
-          f"p99 {result['b_plain_p99_ms']:.3f} ms; {tag}: plain {result['c_plain_rps']:.0f} rps); medians of rounds:")
-    print(f"    {'arm':34} {'p50 ms':>7} {'+ms':>7} {'ratio':>6} {'p99 ms':>7} {'+ms':>7} {'ratio':>6} "
-          f"{tag + ' rps':>8} {'ratio':>6}")
-    for arm, f in arms.items():
-        print(f"    {ARM_LABELS.get(arm, arm):34} {f['p50_ms']:7.3f} {f['added_p50_ms']:+7.3f} {f['p50_ratio']:6.2f} "
-              f"{f['p99_ms']:7.3f} {f['added_p99_ms']:+7.3f} {f['p99_ratio']:6.2f} {f['rps']:8.0f} "
-              f"{f['throughput_ratio']:6.2f}")
-    for arm in ("epp", "epp_new"):
-        f = arms.get(arm)
-        if f is None:
-            continue
-        print(f"    {ARM_LABELS[arm]}: decision mean {fmt(f['decision_mean_us'])} µs (body complete to answer, "
-              f"tokenizer call included), {f['tokenizer_calls_per_request_c1']:.2f} tokenizer calls per request "
-              f"({f['tokenizer_failures']} failed), decisions {f['decisions']}")
-        print(f"      agent CPU {fmt(f['agent_cpu_us_per_request'])} µs per request at {tag} (its idle "
-              f"{fmt(f['agent_idle_cpu_ms_per_s'], '.1f')} ms/s taken off): saturates one core at "
-              f"{fmt(f['saturation_rps_one_core'])} requests/s (derived from CPU time per request; the agent "
-              f"pinned to one CPU)")
 
 
 def targets_met(result: dict) -> dict[str, bool]:
