@@ -86,13 +86,19 @@ def direct(r: Replica, prompt: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pool(procs):
-    """Two replicas (vLLM binds its publisher: mode "connect"), healthy."""
+    """Two replicas (vLLM binds its publisher: mode "connect"), healthy; stopped after this
+    module's tests (the session's fleet may run beside them)."""
     reps = [Replica("epp-p", "connect", blocks=256), Replica("epp-q", "connect", blocks=256)]
-    for r in reps:
-        r.proc = procs.start(r.serve_args(), f"vllm-{r.name}", env=r.serve_env(AGENT))
-    with ThreadPoolExecutor(len(reps)) as ex:
-        list(ex.map(lambda r: wait_healthy(r, r.proc), reps))
-    return reps
+    try:
+        for r in reps:
+            r.proc = procs.start(r.serve_args(), f"vllm-{r.name}", env=r.serve_env(AGENT))
+        with ThreadPoolExecutor(len(reps)) as ex:
+            list(ex.map(lambda r: wait_healthy(r, r.proc), reps))
+        yield reps
+    finally:
+        for r in reps:
+            if r.proc is not None:
+                procs.stop(r.proc)
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +109,12 @@ def gateway(procs, logdir, pool):
         wait_until(lambda r=r: (s := picker.replica(r.name))["up"] and s["connected"], 60,
                    f"the picker to see {r.name} up and its publisher connected")
     gw = Gateway(procs, logdir, "epp-envoy", picker.port, [r.port for r in pool])
-    gw.wait_picker_healthy(picker.port)
-    return picker, gw
+    try:
+        gw.wait_picker_healthy(picker.port)
+        yield picker, gw
+    finally:
+        procs.stop(gw.proc)
+        procs.stop(picker.proc)
 
 
 def test_a_followup_lands_exactly_on_the_replica_holding_its_prefix(pool, gateway):
