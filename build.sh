@@ -16,7 +16,7 @@
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
 #          benchmarks; `bench tokenizer`: the native tokenizer (criterion); `bench decision`: the filter's
-#          decision with shared records filled (criterion); `bench filter`: the filter against plain Envoy; `bench gateways`: several gateways;
+#          decision with shared records filled (criterion); `bench filter`: the filter and the endpoint picker against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench soak`: an hour of churning traffic with agent and replica
 #          restarts, memory sampled every minute; `bench vllm`: 3 real vllm serve replicas behind every
@@ -389,7 +389,7 @@ bench() {
   # ./build.sh bench tokenizer [criterion args]  the native tokenizer, with and without its piece cache
   # ./build.sh bench decision [criterion args]  the filter's decision with the shared records filled and empty
   # ./build.sh bench [--quick] [bench.py args]  fleet benchmark (bench/bench.py --help)
-  # ./build.sh bench filter [filter_perf.py args]  the filter against plain Envoy (needs wrk)
+  # ./build.sh bench filter [filter_perf.py args]  the filter and the endpoint picker against plain Envoy (needs wrk)
   # ./build.sh bench vllm [vllm.py args]  3 real vllm serve replicas behind every router (bench/vllm.py --help)
   # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
   # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
@@ -433,6 +433,8 @@ bench() {
   fi
   if [ "${1:-}" = filter ]; then
     shift
+    log "building (release): agent (the endpoint-picker arms)"
+    cargo build -q --release -p llmgw-agent
     build_wasm
     setup_envoy
     command -v wrk >/dev/null || { echo "wrk not found (apt-get install wrk)" >&2; exit 1; }

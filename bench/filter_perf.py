@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""llmgw.wasm performance in the real Envoy, against plain Envoy routing to the same backends.
+"""llmgw.wasm and the endpoint picker in the real Envoy, against plain Envoy routing to the same
+backends.
 
 One run measures, for a 16 KB chat body whose prompt is 4,096 tokens (256 blocks of 16), in
-three arms interleaved per round: plain Envoy; the filter with one prompt repeated (after the
+five arms interleaved per round: plain Envoy; the filter with one prompt repeated (after the
 first request its tokenization comes from the filter's tokenization cache); the filter with
 every prompt new (the load generator writes a counter into each body, so every request makes a
-tokenizer call; the stub's fixed answer keeps the blocks' digests memoised):
+tokenizer call; the stub's fixed answer keeps the blocks' digests memoised); the same two
+through Envoy's ext_proc filter to the agent's endpoint picker (bench/epp_arm.py; --no-epp
+leaves them out):
 
   (a) the filter's own decision time (body parse, tokenizer call body, tokenizer answer parse,
       hashing, scoring, routing; not the tokenizer round trip): p50 of the filter's
@@ -17,7 +20,13 @@ tokenizer call; the stub's fixed answer keeps the blocks' digests memoised):
   (b) latency added through Envoy at 1 connection (wrk p50, filter minus plain), both arms;
   (c) throughput at 8 connections (wrk requests/s, filter / plain), both arms;
   (d) index memory per VM per (block, replica): the filter's `llmgw_index_bytes` and
-      `llmgw_index_blocks` gauges of one worker VM after the snapshot.
+      `llmgw_index_blocks` gauges of one worker VM after the snapshot;
+  (e) every arm side by side: p50 and p99 at 1 connection, added to plain Envoy's in the same
+      round (ms and ratio), requests/s at 8 connections and its ratio; for the picker its mean
+      decision time (`llmgw_epp_decision_us`), and the agent's CPU time per request (its idle
+      rate taken off), from which the requests/s at which the picker saturates one core is
+      derived (the agent is pinned to one CPU, beside wrk and the backend). No target: the
+      figures are reported.
 
 Setup (loopback only):
   * backend Envoy: one listener per replica, each a direct response (the generation endpoints
@@ -30,17 +39,19 @@ Setup (loopback only):
   * front Envoy: the shipped bootstrap (envoy/llmgw-local.yaml) with llmgw.wasm, plus a second
     listener without the filter that routes to replica 0 (the filter's choice) through a
     static cluster: the baseline;
+  * the endpoint picker: the agent with [epp] mirroring the same blocks from vLLM-framed ZMQ
+    publishers, and in the front Envoy the listener and clusters of envoy/llmgw-epp-local.yaml;
   * wrk with a Lua script posting the body.
 
 Method (as in the project's Envoy notes): front Envoy `--concurrency 1` pinned to CPU 0; wrk,
-the backend and the feed stub pinned to CPU 1 (when the machine has 2+ CPUs); interleaved
+the backend, the feed stub and the agent pinned to CPU 1 (when the machine has 2+ CPUs); interleaved
 rounds (plain, filter, plain, filter, ...; the order alternates per round), ratios per round
 against the baseline measured in the same round, median of rounds.
 
 Usage: .venv/bin/python bench/filter_perf.py [--rounds 10] [--duration 3] [--json out.json]
    or: ./build.sh bench filter [same options]
-Needs wrk (Debian: apt-get install wrk), Envoy in .venv and a current dist/llmgw.wasm. Exits 1
-when a target is missed. The machine's other load changes every figure: read the ratios, the
+Needs wrk (Debian: apt-get install wrk), Envoy in .venv, a current dist/llmgw.wasm and the
+release llmgw-agent. Exits 1 when a target of (a)-(d) is missed. The machine's other load changes every figure: read the ratios, the
 CPU per request and the load average printed with them.
 """
 
@@ -51,7 +62,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +73,9 @@ from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wa
 from llmgw_testkit.feed import FeedStub, load_feed_proto
 from llmgw_testkit.stub import StubHandler, StubServer
 from llmgw_testkit.vllm_hash import block_keys
+
+from arms_table import arm_figures, fmt, med, print_arms  # bench/arms_table.py, beside this script
+from epp_arm import EppArm, epp_pieces, with_epp  # bench/epp_arm.py, beside this script
 
 ROOT = kit.ROOT
 MODEL = "m1"
@@ -161,6 +174,8 @@ def backend_config(admin: int, ports: list[int], tokenize_json: str) -> str:
                     "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
                              ".HttpConnectionManager",
                     "stat_prefix": f"replica_{i}",
+                    # The endpoint picker's tokenizer client speaks HTTP/1.0.
+                    "http_protocol_options": {"accept_http_10": True},
                     "route_config": {
                         "max_direct_response_body_size_bytes": 4 << 20,
                         "virtual_hosts": [{"name": "r", "domains": ["*"], "routes": [
@@ -184,8 +199,9 @@ def backend_config(admin: int, ports: list[int], tokenize_json: str) -> str:
 
 
 def front_config(wasm: Path, listen: int, plain: int, admin: int, agent: int, replica0_port: int,
-                 filter_cfg: dict) -> str:
-    """The shipped bootstrap with the filter, plus a plain listener (no filter) to replica 0."""
+                 filter_cfg: dict, epp: tuple[list[dict], list[dict]] | None = None) -> str:
+    """The shipped bootstrap with the filter, plus a plain listener (no filter) to replica 0, and
+    with `epp` the endpoint picker's listener and clusters (epp_arm.epp_pieces)."""
     # Stats flushed every 0.2 s: histograms reach the admin stats on a flush.
     text = kit.shipped_config(wasm, listen, admin, agent, filter_cfg, stats_flush_interval="0.2s")
     listener = "  listeners:\n" + kit.envoy.listener_yaml("plain", plain, "plain_replica", buffer_limit=33554432)
@@ -193,7 +209,7 @@ def front_config(wasm: Path, listen: int, plain: int, admin: int, agent: int, re
     assert text.count("\n  listeners:\n") == 1 and text.count("\n  clusters:\n") == 1
     text = text.replace("\n  listeners:\n", "\n" + listener, 1)
     text = text.replace("\n  clusters:\n", "\n" + cluster, 1)
-    return text
+    return text if epp is None else with_epp(text, *epp)
 
 
 class ColdTokenizer:
@@ -373,11 +389,6 @@ def index_memory(admin: int) -> list[tuple[str, float, float]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
@@ -390,6 +401,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     ap.add_argument("--envoy", default=shutil.which("envoy") or str(ROOT / ".venv" / "bin" / "envoy"))
     ap.add_argument("--wasm", default=str(ROOT / "dist" / "llmgw.wasm"))
+    ap.add_argument("--agent", default=None, help="the release llmgw-agent (default: the target directory's)")
+    ap.add_argument("--no-epp", action="store_true", help="leave out the endpoint-picker arms")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--profile", action="store_true",
                     help="also sample the front Envoy with perf during one extra run of each arm (where the CPU goes)")
@@ -413,6 +426,8 @@ class Run:
         self.procs = Procs(self.tmp)
         self.feeds: list = []
         self.cold_stub = None
+        self.epp: EppArm | None = None
+        self.arms = ["plain", "filter", "filter_new"] + ([] if args.no_epp else ["epp", "epp_new"])
         self.load_start = os.getloadavg()
 
     def prepare(self) -> None:
@@ -450,16 +465,28 @@ class Run:
         if self.pin:
             os.sched_setaffinity(0, {self.cpu_rest})
 
-    def start_front(self, name: str, reps: list[dict], blks: dict[int, list[int]]):
-        """A feed stub and a front Envoy (filter listener, plain listener to the first replica);
-        returns once the filter VMs applied the snapshot."""
+    def start_epp(self) -> None:
+        """The agent as endpoint picker, mirroring the blocks the feed stub serves (pinned with
+        the load generator and the backend)."""
+        agent = self.args.agent or kit.binary_path("llmgw-agent", "release")
+        self.epp = EppArm(self.procs, self.tmp, agent, MODEL, FILTER_CONFIG, BLOCK, SEED, self.cpu_rest)
+        self.epp.start(self.ports, self.blocks, {0: len(self.keys), 1: len(self.keys) // 2}, self.tokens)
+
+    def start_front(self, name: str, reps: list[dict], blks: dict[int, list[int]], with_epp: bool = False):
+        """A feed stub and a front Envoy (filter listener, plain listener to the first replica,
+        and `with_epp` the picker's listener); returns once the filter VMs applied the snapshot
+        (and the picker passes Envoy's health check)."""
         fd = self.chunked_feed(self.pb, self.pb_grpc, free_port(), reps, blks)
         self.feeds.append(fd)
         n_initial = len(fd.initial_messages())
         lis, pln, adm = free_port(), free_port(), free_port()
         first_port = int(reps[0]["address"].rsplit(":", 1)[1])
+        epp = None
+        if with_epp and self.epp is not None:
+            self.epp_listen = free_port()
+            epp = epp_pieces(self.epp_listen, self.epp.port, self.ports)
         (self.tmp / f"{name}.yaml").write_text(front_config(Path(self.args.wasm).resolve(), lis, pln, adm, fd.port,
-                                                            first_port, FILTER_CONFIG))
+                                                            first_port, FILTER_CONFIG, epp))
         proc = start_envoy(self.procs, self.args.envoy, self.tmp / f"{name}.yaml", name, concurrency=1,
                            cpu=self.cpu_front, args=["--base-id", random.randrange(1000, 60000)])
         EnvoyAdmin(adm).wait_ready(proc=proc)
@@ -467,6 +494,8 @@ class Run:
         wait_until(lambda: fd.snapshots_sent >= 2
                    and plain_stats(adm).get("wasmcustom.llmgw_feed_messages_total", 0) >= 2 * n_initial,
                    120, "the filter VMs to apply the feed snapshot", interval=0.2)
+        if epp is not None:
+            self.epp.wait_healthy(adm)
         return proc, lis, pln, adm
 
     def check_routing(self, listen: int, plain: int, admin: int) -> dict[str, int]:
@@ -478,6 +507,13 @@ class Run:
             assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200])
         d0 = decisions(admin)
         assert d0.get("exact", 0) >= 1, d0
+        if self.epp is not None:
+            before = self.epp.metrics().get('llmgw_epp_decisions_total{outcome="exact"}', 0)
+            status, headers, raw = request("POST", f"http://127.0.0.1:{self.epp_listen}/v1/chat/completions",
+                                           self.body, {"content-type": "application/json"})
+            assert status == 200 and json.loads(raw)["replica"] == 0, (status, raw[:200], self.epp.metrics())
+            after = self.epp.metrics().get('llmgw_epp_decisions_total{outcome="exact"}', 0)
+            assert after == before + 1, ("the picker did not decide exactly", self.epp.metrics())
         return d0
 
     def tokenizer_alone(self) -> dict:
@@ -499,39 +535,62 @@ class Run:
         return profile
 
     def one_arm(self, front, admin: int, url: str, conns: int, arm: str) -> dict:
-        """One wrk run of `arm`: its figures, the CPU per request of both Envoys and, through the
-        filter, the decision time's p50."""
-        before = decision_buckets(admin) if arm != "plain" else None
-        cpu0 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid))
-        r = run_wrk(url, conns, self.args.duration, self.script, self.body_path, self.cpu_rest, arm == "filter_new")
-        cpu1 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid))
+        """One wrk run of `arm`: its figures, the CPU per request of both Envoys (and of the
+        picker's agent), through the filter the decision time's p50, through the picker its
+        mean decision time and its decisions."""
+        vary = arm.endswith("_new")
+        before = decision_buckets(admin) if arm.startswith("filter") else None
+        epp0 = self.epp.metrics() if self.epp is not None and arm.startswith("epp") else None
+        cpu0 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid),
+                self.epp.cpu_seconds() if self.epp is not None else 0.0)
+        r = run_wrk(url, conns, self.args.duration, self.script, self.body_path, self.cpu_rest, vary)
+        cpu1 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid),
+                self.epp.cpu_seconds() if self.epp is not None else 0.0)
         n_req = max(r["requests"], 1)
         r["front_cpu_us"] = (cpu1[0] - cpu0[0]) * 1e6 / n_req
         r["backend_cpu_us"] = (cpu1[1] - cpu0[1]) * 1e6 / n_req
-        if arm != "plain":
+        # The agent's CPU over the run: per request through the picker, per second otherwise
+        # (what it spends idle: event threads, timers, health reports).
+        r["agent_cpu_s"] = cpu1[2] - cpu0[2]
+        if before is not None:
             time.sleep(0.5)  # stats flush (0.2 s)
             p50, n = bucket_p50(before, decision_buckets(admin))
             r["decision_p50_us"], r["decision_n"] = p50, n
+        if epp0 is not None:
+            epp1 = self.epp.metrics()
+            d = {k: epp1.get(k, 0) - epp0.get(k, 0) for k in epp1}
+            count = d.get("llmgw_epp_decision_us_count", 0)
+            r["epp_decision_mean_us"] = d.get("llmgw_epp_decision_us_sum", 0) / count if count else None
+            r["epp_decisions"] = {k.split('"')[1]: int(v) for k, v in d.items() if "outcome" in k and v}
+            r["epp_tokenizer_calls"] = int(d.get("llmgw_epp_tokenizer_calls_total", 0))
+            r["epp_tokenizer_failures"] = int(d.get("llmgw_epp_tokenizer_failures_total", 0))
         return r
 
     def rounds(self, front, admin: int, urls: dict[str, str]) -> list[dict]:
-        """The interleaved rounds, a line printed per round."""
+        """The interleaved rounds (the order reversed every other round), a line printed per round."""
         args, rounds = self.args, []
         for i in range(args.rounds):
-            order = ["plain", "filter", "filter_new"] if i % 2 == 0 else ["filter_new", "filter", "plain"]
+            order = self.arms if i % 2 == 0 else self.arms[::-1]
             rr: dict = {"round": i}
             for conns, tag in ((1, "c1"), (args.connections, f"c{args.connections}")):
                 for arm in order:
                     rr[f"{arm}_{tag}"] = self.one_arm(front, admin, urls[arm], conns, arm)
             rounds.append(rr)
-            c1f, c1n, c1p = rr["filter_c1"], rr["filter_new_c1"], rr["plain_c1"]
-            cnf, cnn, cnp = (rr[f"{a}_c{args.connections}"] for a in ("filter", "filter_new", "plain"))
-            print(f"round {i}: c1 p50 plain {c1p['p50_us']} µs, repeated {c1f['p50_us']} µs "
-                  f"(+{(c1f['p50_us'] - c1p['p50_us']) / 1000:.3f} ms), new {c1n['p50_us']} µs "
-                  f"(+{(c1n['p50_us'] - c1p['p50_us']) / 1000:.3f} ms); c{args.connections} rps plain "
-                  f"{cnp['rps']:.0f}, repeated {cnf['rps']:.0f} ({cnf['rps'] / cnp['rps']:.2f}), new {cnn['rps']:.0f} "
-                  f"({cnn['rps'] / cnp['rps']:.2f}); decision p50 repeated {c1f['decision_p50_us']}, new "
-                  f"{c1n['decision_p50_us']} µs; load {os.getloadavg()[0]:.2f}", flush=True)
+            c1p, cnp = rr["plain_c1"], rr[f"plain_c{args.connections}"]
+            parts = [f"c1 p50 plain {c1p['p50_us']} µs"]
+            for arm in self.arms[1:]:
+                a = rr[f"{arm}_c1"]
+                parts.append(f"{arm} {a['p50_us']} µs (+{(a['p50_us'] - c1p['p50_us']) / 1000:.3f} ms)")
+            parts.append(f"c{args.connections} rps plain {cnp['rps']:.0f}")
+            for arm in self.arms[1:]:
+                a = rr[f"{arm}_c{args.connections}"]
+                parts.append(f"{arm} {a['rps']:.0f} ({a['rps'] / cnp['rps']:.2f})")
+            parts.append(f"decision p50 filter {rr['filter_c1']['decision_p50_us']}, filter_new "
+                         f"{rr['filter_new_c1']['decision_p50_us']} µs")
+            if self.epp is not None:
+                parts.append(f"epp mean {fmt(rr['epp_c1']['epp_decision_mean_us'])}, epp_new "
+                             f"{fmt(rr['epp_new_c1']['epp_decision_mean_us'])} µs")
+            print(f"round {i}: " + "; ".join(parts) + f"; load {os.getloadavg()[0]:.2f}", flush=True)
         return rounds
 
     def cold(self) -> tuple[dict, dict]:
@@ -558,6 +617,8 @@ class Run:
     def close(self) -> None:
         for fd in self.feeds:
             fd.stop()
+        if self.epp is not None:
+            self.epp.close()
         self.procs.stop_all()
         if self.cold_stub is not None:
             self.cold_stub.stop()
@@ -569,7 +630,7 @@ class Run:
 
 def upstream_counts(admin: int) -> dict[str, int]:
     """The front Envoy's upstream connections and requests per cluster."""
-    _, _, raw = request("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica)\\.upstream_(cx|rq)_total$")
+    _, _, raw = request("GET", f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.(llmgw_tokenizer|llmgw_replicas|plain_replica|llmgw_pool|llmgw_epp)\\.upstream_(cx|rq)_total$")
     return {line.split(": ")[0].replace("cluster.", ""): int(line.split(": ")[1])
             for line in raw.decode().splitlines() if ": " in line}
 
@@ -604,6 +665,7 @@ def summarize(run: Run, rounds: list[dict], d0: dict, d1: dict, tok: dict, mem, 
         "b_filter_p50_ms": med([rr["filter_c1"]["p50_us"] / 1000 for rr in rounds]),
         "b_added_p50_ms": med([(rr["filter_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000 for rr in rounds]),
         "b_p50_ratio": med([rr["filter_c1"]["p50_us"] / rr["plain_c1"]["p50_us"] for rr in rounds]),
+        "b_plain_p99_ms": med([rr["plain_c1"]["p99_us"] / 1000 for rr in rounds]),
         "b_new_prompt_filter_p50_ms": med([rr["filter_new_c1"]["p50_us"] / 1000 for rr in rounds]),
         "b_new_prompt_added_p50_ms": med([(rr["filter_new_c1"]["p50_us"] - rr["plain_c1"]["p50_us"]) / 1000
                                           for rr in rounds]),
@@ -614,9 +676,10 @@ def summarize(run: Run, rounds: list[dict], d0: dict, d1: dict, tok: dict, mem, 
         "c_new_prompt_throughput_ratio": med([rr[f"filter_new_{conn_tag}"]["rps"] / rr[f"plain_{conn_tag}"]["rps"]
                                               for rr in rounds]),
         "front_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["front_cpu_us"] for rr in rounds])
-                                     for arm in ("plain", "filter", "filter_new")},
+                                     for arm in run.arms},
         "backend_cpu_us_per_request": {arm: med([rr[f"{arm}_{conn_tag}"]["backend_cpu_us"] for rr in rounds])
-                                       for arm in ("plain", "filter", "filter_new")},
+                                       for arm in run.arms},
+        "arms": arm_figures(run.arms, args.connections, rounds),
         "d_index": [{"vm": vm, "bytes": b, "entries": e, "bytes_per_entry": b / e} for vm, b, e in mem],
         "d_bytes_per_entry": max(per_entry) if per_entry else None,
         "rounds_detail": rounds,
@@ -676,14 +739,15 @@ def print_report(args, result: dict, ok: dict[str, bool]) -> None:
     print(f"    new prompts (tokenizer call each): {result['c_new_prompt_filter_rps']:.0f} rps, ratio {tput_new:.2f} "
           f"{mm('c_new')}")
     fc, bc = result["front_cpu_us_per_request"], result["backend_cpu_us_per_request"]
-    print(f"    CPU per request at {args.connections} conns: front Envoy plain {fc['plain']:.0f} µs, repeated "
-          f"{fc['filter']:.0f} µs, new {fc['filter_new']:.0f} µs; backend plain {bc['plain']:.0f} µs, repeated "
-          f"{bc['filter']:.0f} µs, new {bc['filter_new']:.0f} µs (tokenizer stub included)")
+    print(f"    CPU per request at {args.connections} conns: front Envoy " + ", ".join(
+        f"{a} {fc[a]:.0f} µs" for a in fc) + "; backend " + ", ".join(f"{a} {bc[a]:.0f} µs" for a in bc)
+        + " (tokenizer stub included)")
     for d in result["d_index"]:
         print(f"(d) vm {d['vm']}: index {d['bytes'] / 1e6:.2f} MB for {d['entries']:.0f} (block, replica) "
               f"entries = {d['bytes_per_entry']:.1f} B/entry")
     print(f"(d) worst VM: {bpe} B per (block, replica) [target <= {TARGETS['bytes_per_entry']:g}] "
           f"{'MET' if ok['d'] else 'MISSED'}")
+    print_arms(args, result)
 
 
 def main() -> int:
@@ -696,22 +760,27 @@ def main() -> int:
         run.prepare()
         run.start_backend()
         run.feed_tables()
-        front, listen, plain, admin = run.start_front("front", run.replicas, run.blocks)
+        if not args.no_epp:
+            run.start_epp()
+        front, listen, plain, admin = run.start_front("front", run.replicas, run.blocks, with_epp=True)
         # (d) index memory, after the snapshot.
         time.sleep(0.5)
         mem = index_memory(admin)
         d0 = run.check_routing(listen, plain, admin)
         tok = run.tokenizer_alone()
         # Warm-up.
-        for url in (f"http://127.0.0.1:{plain}/v1/chat/completions",
-                    f"http://127.0.0.1:{listen}/v1/chat/completions"):
-            run_wrk(url, args.connections, 1.0, run.script, run.body_path, run.cpu_rest)
         # Arms: plain Envoy; the filter with one prompt repeated (its tokenization cached after the
         # first request); the filter with every prompt new (a tokenizer call per request; the
-        # stub's fixed answer keeps the blocks' digests memoised).
+        # stub's fixed answer keeps the blocks' digests memoised); the same two through the
+        # endpoint picker.
         urls = {"plain": f"http://127.0.0.1:{plain}/v1/chat/completions",
                 "filter": f"http://127.0.0.1:{listen}/v1/chat/completions",
                 "filter_new": f"http://127.0.0.1:{listen}/v1/chat/completions"}
+        if run.epp is not None:
+            urls["epp"] = urls["epp_new"] = f"http://127.0.0.1:{run.epp_listen}/v1/chat/completions"
+        for arm in ("plain", "filter", "epp"):
+            if arm in urls:
+                run_wrk(urls[arm], args.connections, 1.0, run.script, run.body_path, run.cpu_rest)
         profile = run.profile_arms(front, urls)
         rounds = run.rounds(front, admin, urls)
         d1 = decisions(admin)

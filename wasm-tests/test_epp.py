@@ -20,29 +20,12 @@ from llmgw_testkit import wait_until
 from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router
 
 MODEL = "demo-model"
-SHIPPED = kit.ROOT / "envoy" / "llmgw-epp-local.yaml"
 
 
 def epp_config(listen: int, admin: int, epp: int, pool: list[int], fail_open: bool = False,
                buffered: bool = False) -> str:
-    """envoy/llmgw-epp-local.yaml with these ports, the pool's replicas, FailOpen or FailClose, and
-    the body streamed in full-duplex mode or buffered (FailOpen needs the latter in Envoy 1.40: in
-    full-duplex mode an unreachable picker fails the request whatever failure_mode_allow says)."""
-    text = SHIPPED.read_text()
-    if buffered or fail_open:
-        text = text.replace("request_body_mode: FULL_DUPLEX_STREAMED", "request_body_mode: BUFFERED")
-        text = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
-    pool_eps = "\n".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}"
-                         for p in pool)
-    for old, new in (("port_value: 9901", f"port_value: {admin}"), ("port_value: 10000", f"port_value: {listen}"),
-                     ("port_value: 9002", f"port_value: {epp}"),
-                     ("        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8000}}}",
-                      pool_eps),
-                     ("failure_mode_allow: false", f"failure_mode_allow: {'true' if fail_open else 'false'}")):
-        if text.count(old) != 1:
-            raise RuntimeError(f"{SHIPPED.name}: expected `{old}` once, found it {text.count(old)} times")
-        text = text.replace(old, new)
-    return text
+    """envoy/llmgw-epp-local.yaml with these ports and the pool's replicas (llmgw_testkit.epp_bootstrap)."""
+    return kit.epp_bootstrap(listen, admin, epp, pool, fail_open, buffered)
 
 
 def chat(port, messages, headers=None):

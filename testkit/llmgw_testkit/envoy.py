@@ -12,6 +12,7 @@ from .paths import ROOT
 from .procs import wait_until
 
 SHIPPED = ROOT / "envoy" / "llmgw-local.yaml"
+SHIPPED_EPP = ROOT / "envoy" / "llmgw-epp-local.yaml"
 
 
 def filter_config(profile: dict | None = None, **top) -> dict:
@@ -42,6 +43,34 @@ def shipped_config(wasm: Path, listen: int, admin: int, agent: int, filter_cfg: 
         if "\nstats_config:" not in text:
             raise RuntimeError(f"no stats_config in {SHIPPED.relative_to(ROOT)}")
         text = text.replace("\nstats_config:", f"\nstats_flush_interval: {stats_flush_interval}\nstats_config:", 1)
+    return text
+
+
+def epp_bootstrap(listen: int, admin: int, epp: int, pool: list[int], fail_open: bool = False,
+                  buffered: bool = False, served_by_header: str | None = None) -> str:
+    """envoy/llmgw-epp-local.yaml with these ports (listener, admin, the endpoint picker), the
+    pool's endpoints at 127.0.0.1:`pool`, FailOpen or FailClose, the request body streamed in
+    full-duplex mode or buffered (FailOpen needs the latter in Envoy 1.40: in full-duplex mode an
+    unreachable picker fails the request whatever failure_mode_allow says), and with
+    `served_by_header` every answer naming the upstream address that served it in that header."""
+    text = SHIPPED_EPP.read_text()
+    if buffered or fail_open:
+        text = text.replace("request_body_mode: FULL_DUPLEX_STREAMED", "request_body_mode: BUFFERED")
+        text = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
+    pool_eps = "\n".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}"
+                         for p in pool)
+    subs = [("port_value: 9901", f"port_value: {admin}"), ("port_value: 10000", f"port_value: {listen}"),
+            ("port_value: 9002", f"port_value: {epp}"),
+            ("        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8000}}}", pool_eps),
+            ("failure_mode_allow: false", f"failure_mode_allow: {'true' if fail_open else 'false'}")]
+    if served_by_header:
+        subs.append(("          route_config:\n",
+                     "          route_config:\n            response_headers_to_add:\n"
+                     f"            - header: {{key: {served_by_header}, value: \"%UPSTREAM_HOST%\"}}\n"))
+    for old, new in subs:
+        if text.count(old) != 1:
+            raise RuntimeError(f"{SHIPPED_EPP.name}: expected `{old}` once, found it {text.count(old)} times")
+        text = text.replace(old, new)
     return text
 
 

@@ -41,6 +41,18 @@ pub async fn post_json(url: &str, body: &[u8], timeout: Duration) -> Result<Stri
     request(url, Some(body), timeout, false).await
 }
 
+/// The length of a response whose head `buf` holds in full and which gives a Content-Length:
+/// head, blank line and body; `None` before the head is complete or without that header.
+fn message_length(buf: &[u8]) -> Option<usize> {
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(buf.get(..end)?).ok()?;
+    let len = head.lines().skip(1).find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok())?
+    })?;
+    end.checked_add(4)?.checked_add(len)
+}
+
 /// A chunked body's data (RFC 9112 7.1); `None` if it is cut short or malformed.
 fn dechunk(mut rest: &str) -> Option<String> {
     let mut out = String::new();
@@ -79,8 +91,25 @@ async fn request(url: &str, body: Option<&[u8]>, timeout: Duration, http11: bool
         if let Some(b) = body {
             s.write_all(b).await?;
         }
+        // Read to the end of the body its Content-Length gives (a server may keep the
+        // connection open a while after answering: Envoy waits up to a second for the client to
+        // close first), else to the connection's end.
         let mut buf = Vec::new();
-        s.take(MAX_BODY).read_to_end(&mut buf).await?;
+        let mut from = s.take(MAX_BODY);
+        let mut chunk = vec![0u8; 16 * 1024];
+        loop {
+            let n = from.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+            if let Some(total) = message_length(&buf) {
+                if buf.len() >= total {
+                    buf.truncate(total);
+                    break;
+                }
+            }
+        }
         Ok::<Vec<u8>, std::io::Error>(buf)
     };
     let buf = tokio::time::timeout(timeout, fut).await.map_err(|_| HttpError::TimedOut)??;
@@ -103,7 +132,17 @@ async fn request(url: &str, body: Option<&[u8]>, timeout: Duration, http11: bool
 
 #[cfg(test)]
 mod tests {
-    use super::dechunk;
+    use super::{dechunk, message_length};
+
+    #[test]
+    fn a_response_ends_where_its_content_length_says() {
+        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel"), Some(43));
+        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\ncontent-length:0\r\n\r\n"), Some(37));
+        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n"), None, "head incomplete");
+        assert_eq!(message_length(b"HTTP/1.0 200 OK\r\nServer: x\r\n\r\nbody"), None, "to the end");
+        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"), None);
+        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: 18446744073709551615\r\n\r\n"), None);
+    }
 
     #[test]
     fn chunked_bodies_are_joined_and_cut_ones_refused() {
