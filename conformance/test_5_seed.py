@@ -15,6 +15,8 @@ def test_replica_with_another_seed_is_a_parity_mismatch_and_never_credited(fleet
     rep = wait_until(lambda: (r := fleet.agent.replica(e.name))["parity"]["mismatched"] > 0 and r, 30,
                      "the agent's parity check to flag E")
     assert rep["parity"]["matched"] == 0, rep["parity"]
+    # Its stores' token ids do not hash to the keys it publishes: those claims are rejected.
+    assert rep["parity"]["rejected"]["hash_mismatch"] >= 1, rep["parity"]
     assert "parity" in fleet.agent.metrics()
     # What E publishes is not what the fleet's hash gives for the same tokens.
     keys = set(agent_hash(fleet.tokenize(e, {"prompt": prompt})))

@@ -25,8 +25,10 @@ def capture(name: str = "batches_native_seed0.jsonl"):
 
 
 def stored(hashes, ts=1.0, rank=0) -> bytes:
+    # No token ids: the agent cannot recompute these made-up keys and credits them unverified
+    # (token ids that do not hash to them would have the claims rejected).
     ev = {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": None,
-          "token_ids": [1] * (16 * len(hashes)), "block_size": 16, "lora_id": None, "medium": "GPU",
+          "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU",
           "lora_name": None}
     return msgpack.packb([ts, [ev], rank])
 

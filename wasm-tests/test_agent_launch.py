@@ -37,7 +37,8 @@ pub.connect(kv["endpoint"])
 pub.recv()  # the agent's subscription
 for seq in range(3):
     key = 100 * (generation + 1) + seq
-    ev = {"type": "BlockStored", "block_hashes": [key], "parent_block_hash": None, "token_ids": [1] * 16,
+    # No token ids: a made-up key, credited unverified (tokens that do not hash to it are rejected).
+    ev = {"type": "BlockStored", "block_hashes": [key], "parent_block_hash": None, "token_ids": [],
           "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
     pub.send_multipart([kv["topic"].encode(), seq.to_bytes(8, "big"), msgpack.packb([time.time(), [ev], 0])])
 while True:

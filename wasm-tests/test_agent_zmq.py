@@ -349,7 +349,8 @@ def test_agent_drops_an_event_message_past_the_size_cap(start_agent, bound_pub):
     pub.wait_subscribed()
     pub.send(0, stored([1]))
     agent.wait_for("r0", seq_is(0), "seq 0")
-    big = stored(range(100, 100 + 60_000))  # a valid batch of about 1.4 MB
+    many = range(1 << 40, (1 << 40) + 160_000)  # 9 bytes of msgpack each
+    big = stored(many)  # a valid batch of about 1.4 MB
     assert len(big) > 1 << 20
     pub.send(1, big)
     wait_until(lambda: re.search(r'llmgw_agent_publisher_disconnects_total\{replica="r0",dp_rank="0"\} [1-9]',
@@ -360,5 +361,5 @@ def test_agent_drops_an_event_message_past_the_size_cap(start_agent, bound_pub):
         return 3 in agent.keys("r0")
     wait_until(applied_after_reconnect, 20, "a batch after the reconnect applied", interval=0.2)
     keys = agent.keys("r0")
-    assert not keys & set(range(100, 100 + 60_000)), "the oversized batch was applied"
+    assert not keys & set(many), "the oversized batch was applied"
     assert agent.proc.poll() is None

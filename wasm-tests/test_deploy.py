@@ -25,6 +25,7 @@ import yaml
 
 import deploy_support as deploy
 import llmgw_testkit as kit
+import seed_wiring
 from llmgw_testkit import wait_until
 from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command
 from llmgw_testkit.stub import StubHandler, StubServer
@@ -256,8 +257,9 @@ def test_shipped_settings_agree(assembled):
     agent = agents["kubernetes"]
     assert all(a == agent for a in agents.values()), "the agent configurations differ"
     (profile,) = reference["profiles"]
-    assert (agent["hash"]["algo"], agent["hash"]["seed"], agent["hash"]["block_size"]) == \
-        (profile["hash_algo"], profile["seed"], profile["block_size"])
+    # The seed is not the filter's to name: it comes with the agent's feed (see the seed tests).
+    assert (agent["hash"]["algo"], agent["hash"]["block_size"]) == (profile["hash_algo"], profile["block_size"])
+    assert "seed" not in profile and agent["hash"]["seed_env"] == seed_wiring.SEED_ENV
     feed_port = int(agent["feed"]["listen"].rsplit(":", 1)[1])
     assert agent["feed"]["listen"].startswith("127.0.0.1:"), "the sidecar agent's feed stays on loopback"
     for where, b in assembled.items():
@@ -459,22 +461,32 @@ def test_agent_configurations_are_accepted_by_the_agent(tmp_path, agent_bin):
         path = tmp_path / f"{kind}.toml"
         # As shipped, the model directory is the pod's volume: not here, so refused.
         path.write_text(text)
-        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True,
+                           env=_seed_env(agent_bin))
         assert r.returncode != 0 and f"tokenizer {model['names'][0]}: refused" in r.stdout, f"{kind}: {r.stdout}{r.stderr}"
         assert text.count(json.dumps(model["dir"])) == 1
         path.write_text(text.replace(json.dumps(model["dir"]), json.dumps(str(stand_in))))
-        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True,
+                           env=_seed_env(agent_bin))
         assert r.returncode == 0 and f"tokenizer {model['names'][0]}: loaded" in r.stdout, f"{kind}: {r.stdout}{r.stderr}"
+        # Without the Secret's variable the agent refuses to start, naming it.
+        r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True,
+                           env=_seed_env(agent_bin, None))
+        assert r.returncode != 0 and f"hash.seed_env: the environment variable {seed_wiring.SEED_ENV} is not set" \
+            in r.stderr, f"{kind}: {r.stdout}{r.stderr}"
 
 
 def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
     """vllm.yaml's command line holds exactly what `llmgw-agent vllm-args` prints for the
     shipped agent configuration: prefix caching, algorithm, block size, the KV-events config
-    with the publisher and replay bound on all interfaces, and PYTHONHASHSEED; and it narrows
+    with the publisher and replay bound on all interfaces, and PYTHONHASHSEED (printed as the
+    agent's seed variable, read by vLLM from the Secret the agent reads it from); and it narrows
     the hosts the replicas fetch media from."""
     path = tmp_path / "agent.toml"
     path.write_text(_agent_tomls()["kubernetes"])
-    out = subprocess.run([str(agent_bin), "vllm-args", "--config", str(path)], capture_output=True, text=True, check=True)
+    # vllm-args reads no secret: it runs without the variable and prints a reference to it.
+    out = subprocess.run([str(agent_bin), "vllm-args", "--config", str(path)], capture_output=True, text=True, check=True,
+                         env=_seed_env(agent_bin, None))
     (line,) = [x for x in out.stdout.splitlines() if x and not x.startswith("#")]
     words = shlex.split(line)
     serve = words.index("vllm")
@@ -489,10 +501,76 @@ def test_vllm_is_started_with_the_flags_the_agent_prints(tmp_path, agent_bin):
     media = [a.split("=", 1)[1] for a in args if a.startswith("--allowed-media-domains=")]
     assert len(media) == 1 and media[0], f"vllm.yaml: replicas fetch media from any host: {args}"
     assert flags == printed, f"vllm.yaml: {flags}\nvllm-args: {printed}"
-    assert {e["name"]: e["value"] for e in c["env"]} == env
+    seed_env = seed_wiring.SEED_ENV
+    assert env == {"PYTHONHASHSEED": f"${seed_env}"}, env
+    (agent,) = [a for a in _pod("kubernetes")[0] if a["name"] == "llmgw-agent"]
+    from_secret = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+    assert from_secret == {"PYTHONHASHSEED": {e["name"]: e["valueFrom"]["secretKeyRef"] for e in agent["env"]}[seed_env]}
     kv = json.loads(printed[printed.index("--kv-events-config") + 1])
     ports = {p["containerPort"] for p in c["ports"]}
     assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1])} <= ports
+
+
+def _seed_env(agent_bin, seed: str | None = "") -> dict:
+    """This process's environment with the agent's seed variable set to a fresh seed
+    (`llmgw-agent gen-seed`), to `seed`, or removed (None)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != seed_wiring.SEED_ENV}
+    if seed == "":
+        seed = subprocess.run([str(agent_bin), "gen-seed"], capture_output=True, text=True, check=True).stdout.strip()
+    if seed is not None:
+        env[seed_wiring.SEED_ENV] = seed
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# The hash seed: each deployment's own, in a Secret it creates; never in a manifest.
+
+SEED_VARIANTS = {**{k: [*deploy.MANIFESTS[k], *deploy.SHARED[k]] for k in KINDS},
+                 **{f"gaie/{g}": [*files, "vllm/vllm.yaml"] for g, files in deploy.GAIE.items()}}
+
+
+def _seed_wiring(variant: str, root: Path = deploy.ENVOY_DIR) -> seed_wiring.Wiring:
+    return seed_wiring.problems([o for f in SEED_VARIANTS[variant] for o in deploy.load(f, root)])
+
+
+@pytest.mark.parametrize("variant", SEED_VARIANTS)
+def test_no_variant_ships_a_hash_seed_and_each_reads_the_secret(variant):
+    """vLLM reads PYTHONHASHSEED from the Secret llmgw-hash-seed, the agents read the same key
+    through [hash] seed_env, the filters name no seed (the agent's feed carries it), and nothing
+    ships the Secret itself."""
+    w = _seed_wiring(variant)
+    assert not w.problems, w.problems
+    assert w.vllm >= 1 and w.agents >= 1 and w.agent_tomls >= 1 and w.profiles >= 1, w
+
+
+SEED_BREAKS = [
+    ("kubernetes", "kubernetes/llmgw-gateway.yaml", 'seed_env = "LLMGW_HASH_SEED"', 'seed = "0"', "[hash] seed = '0'"),
+    ("istio", "vllm/vllm.yaml", "valueFrom: {secretKeyRef: {name: llmgw-hash-seed, key: seed}}", 'value: "0"',
+     "PYTHONHASHSEED is written in the manifest"),
+    ("istio", "istio/llmgw-envoyfilter.yaml", '"hash_algo": "sha256_cbor",', '"hash_algo": "sha256_cbor", "seed": "0",',
+     "carries a seed"),
+    ("envoy-gateway", "envoy-gateway/llmgw-gateway.yaml", "{name: llmgw-hash-seed, key: seed}",
+     "{name: other-seed, key: seed}", "LLMGW_HASH_SEED is not read from the Secret"),
+    ("gaie/istio", "gaie/base/llmgw-epp.yaml", "- name: LLMGW_HASH_SEED\n", "- name: SOME_OTHER\n",
+     "the agent has no LLMGW_HASH_SEED"),
+    ("gaie/envoy-gateway", "vllm/vllm.yaml", "kind: Namespace",
+     "kind: Namespace\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: llmgw-hash-seed, namespace: llmgw}\n"
+     "stringData: {seed: \"12345\"}\n---\napiVersion: v1\nkind: Namespace", "the seed's Secret is shipped"),
+]
+
+
+@pytest.mark.parametrize("variant,rel,old,new,message", SEED_BREAKS, ids=[b[4] for b in SEED_BREAKS])
+def test_a_variant_with_a_seed_of_its_own_is_refused(tmp_path, variant, rel, old, new, message):
+    root = tmp_path / "envoy"
+    shutil.copytree(deploy.ENVOY_DIR, root)
+    path = root / rel
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+    w = _seed_wiring(variant, root)
+    assert any(message in p for p in w.problems), w.problems
 
 
 def _selected(selector: dict, labels: dict) -> bool:
@@ -669,8 +747,8 @@ def test_the_route_reaches_the_picker_through_the_inference_pool(gateway):
     assert disc["dns"] == f"vllm.{svc_vllm['metadata']['namespace']}.svc.cluster.local" and disc["port"] == api
     assert disc["models"] == [vc["args"][0]]
     (profile,) = routing["profiles"]
-    assert (agent["hash"]["algo"], agent["hash"]["seed"], agent["hash"]["block_size"]) == \
-        (profile["hash_algo"], profile["seed"], profile["block_size"])
+    assert (agent["hash"]["algo"], agent["hash"]["block_size"]) == (profile["hash_algo"], profile["block_size"])
+    assert "seed" not in profile and agent["hash"]["seed_env"] == seed_wiring.SEED_ENV
 
 
 @pytest.mark.parametrize("gateway", GAIE_GATEWAYS)
@@ -721,11 +799,12 @@ def test_the_pickers_configuration_is_accepted_by_the_agent(tmp_path, agent_bin)
     text = cm["data"]["agent.toml"]
     path = tmp_path / "agent.toml"
     path.write_text(text)
-    r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+    env = _seed_env(agent_bin)
+    r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert text.count("allow_non_loopback = true") == 1
     path.write_text(text.replace("allow_non_loopback = true", "allow_non_loopback = false"))
-    r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True)
+    r = subprocess.run([str(agent_bin), "check-config", "--config", str(path)], capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "epp.listen" in r.stderr, r.stdout + r.stderr
 
 

@@ -111,8 +111,15 @@ def test_replica_with_another_seed_is_reported_and_never_credited(fleet):
     urllib.request.urlopen(req, timeout=30).read()
     rep = wait_until(lambda: (r := agent_replica(fleet, wrong["name"]))["parity"]["mismatched"] > 0 and r, 20,
                      "the agent's parity check")
-    assert rep["parity"]["matched"] == 0 and rep["blocks"] > 0
-    wait_until(lambda: index_has(fleet, rep["blocks"]), 20, "indexes")
+    # Its blocks' token ids do not hash to the keys it published: the claims are rejected, the
+    # replica holds nothing in the index, and the metric and the log say so.
+    assert rep["parity"]["matched"] == 0 and rep["blocks"] == 0, rep
+    assert rep["parity"]["rejected"]["hash_mismatch"] >= 1, rep["parity"]
+    rejected = [line for line in fleet["agent_api"].metrics().splitlines()
+                if line.startswith("llmgw_agent_block_claims_rejected_total{") and f'replica="{wrong["name"]}"' in line
+                and 'reason="hash_mismatch"' in line]
+    assert rejected and float(rejected[0].rsplit(" ", 1)[1]) >= 1, rejected
+    wait_until(lambda: "block claims rejected" in fleet["agent_api"].log(), 10, "the agent's warning")
     _, header, _ = chat(fleet["listen"], msgs + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
     outcome, addr, matched, _ = kit.parse_decision(header)
     assert addr != f"127.0.0.1:{wrong['port']}" or matched == 0, header

@@ -180,7 +180,7 @@ def test_a_batch_larger_than_the_broker_takes_is_a_hole_the_agents_reset_at(
     gw = start_consumer(start_agent, nats, "gw")
     pub.send(0, stored([5000]))
     gw.wait_for("r0", seq_is(0), "seq 0")
-    pub.send(1, stored(list(range(6000, 7000))))  # about 9 kB of msgpack
+    pub.send(1, stored(list(range(1 << 40, (1 << 40) + 1000))))  # about 9 kB of msgpack
     pub.send(2, stored([5002]))
     r = gw.wait_for("r0", seq_is(2), "seq 2, after the dropped batch")
     assert r["resets"].get("gap_unrepaired") == 1 and r["block_keys"] == [5002], r

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import deploy_support as deploy
+import seed_wiring
 
 # Every kustomization in envoy/, and the manifests each base holds (deploy.MANIFESTS by file).
 BASES = {
@@ -151,6 +152,30 @@ def test_the_overlays_agent_finds_its_replicas_through_the_overlays_service(over
     path.write_text(text)
     r = subprocess.run([str(agent_bin), "vllm-args", "--config", str(path)], capture_output=True, text=True)
     assert r.returncode == 0 and "vllm serve my-org/my-model --enable-prefix-caching" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kustomization", [*BASES, OVERLAY])
+def test_every_rendering_reads_the_hash_seed_from_the_secret(kustomization):
+    """Rendered as users apply them, no base or overlay carries a seed: vLLM's PYTHONHASHSEED
+    and the agents' seed variable come from the Secret llmgw-hash-seed (which none ships), the
+    filters' profiles name none."""
+    w = seed_wiring.problems(kustomize(deploy.ENVOY_DIR / kustomization))
+    assert not w.problems, w.problems
+    if kustomization in ("vllm", OVERLAY):
+        # The replicas alone; the gateway alone, in front of replicas the user runs.
+        assert (w.vllm, w.agents) == ((1, 0) if kustomization == "vllm" else (0, 1)), w
+    else:
+        assert w.agents >= 1 and w.agent_tomls >= 1 and w.profiles >= 1, w
+
+
+def test_an_overlay_that_writes_a_seed_is_refused(tmp_path):
+    root = _copy_envoy_dir(tmp_path)
+    toml = root / OVERLAY / "agent.toml"
+    text = toml.read_text()
+    assert text.count('seed_env = "LLMGW_HASH_SEED"') == 1
+    toml.write_text(text.replace('seed_env = "LLMGW_HASH_SEED"', 'seed = "0"'))
+    w = seed_wiring.problems(kustomize(root / OVERLAY))
+    assert any("[hash] seed = '0'" in p for p in w.problems), w.problems
 
 
 def test_the_overlays_bootstrap_passes_envoy_validation(overlay, tmp_path, envoy_bin, wasm_path):

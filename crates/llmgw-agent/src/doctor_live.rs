@@ -278,7 +278,7 @@ fn parity(who: &str, spec: &EngineSpec, got: &Received) -> Finding {
     let settings = format!(
         "algo {}, seed {}, block size {}",
         h.algo.name(),
-        h.seed.as_deref().map_or("unset".to_owned(), |s| format!("\"{s}\"")),
+        h.seed_source.describe(h.seed.as_deref()),
         h.block_size
     );
     if p.mismatched > 0 {

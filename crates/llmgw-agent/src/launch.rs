@@ -112,7 +112,9 @@ pub async fn supervise(
         hub.state().engines.iter().enumerate().filter(|(_, e)| e.spec.replica == name).map(|(i, _)| i).collect();
     let mut backoff = Duration::from_secs(1);
     loop {
-        info!(replica = %name, command = ?redacted(&argv), env = ?env, "starting vLLM");
+        // The environment by name only: PYTHONHASHSEED may be a deployment's secret.
+        let env_names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
+        info!(replica = %name, command = ?redacted(&argv), env = ?env_names, "starting vLLM");
         let mut child = spawn(&argv, &env)?;
         let started = tokio::time::Instant::now();
         let exited = tokio::select! {

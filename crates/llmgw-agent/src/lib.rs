@@ -20,6 +20,7 @@
 //! * [`launch`]: running and supervising one vLLM replica under the agent.
 //! * [`shutdown`]: the stop signals, and joining engine threads.
 
+pub mod claim_log;
 pub mod config;
 pub mod counters;
 pub mod discovery;
@@ -217,8 +218,35 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
 /// Logs a warning when an engine's hash parity drops below the threshold.
 async fn parity_watch(hub: Arc<hub::Hub>, threshold: f64, min_verified: u64) {
     let mut t = tokio::time::interval(Duration::from_secs(2));
+    let mut claims = claim_log::ClaimLog::new(Duration::from_secs(60));
     loop {
         t.tick().await;
+        let engines: Vec<claim_log::EngineClaims> = hub
+            .state()
+            .engines
+            .iter()
+            .filter(|e| !e.gone)
+            .map(|e| {
+                let p = &e.mirror.stats().parity;
+                claim_log::EngineClaims {
+                    label: e.spec.label(),
+                    rejected: p.rejected(),
+                    last_mismatch: p.last_mismatch,
+                }
+            })
+            .collect();
+        for w in claims.due(std::time::Instant::now(), engines) {
+            warn!(
+                replica = %w.label,
+                rejected = w.new,
+                rejected_total = w.total,
+                last_published = ?w.last_mismatch.map(|(p, _)| p),
+                last_recomputed = ?w.last_mismatch.map(|(_, r)| r),
+                "block claims rejected: this replica published blocks whose token ids do not hash to the keys it \
+                 claims (another seed or hash algorithm than [hash] says, or forged stores); they are not \
+                 credited to it (llmgw_agent_block_claims_rejected_total; logged at most once a minute)"
+            );
+        }
         let alarms = hub.state().parity_alarms(threshold, min_verified);
         for (replica, ratio, matched, mismatched) in alarms {
             warn!(

@@ -49,6 +49,9 @@ enum Command {
     /// configuration's [jetstream] stream, for agents whose replicas have events = "jetstream",
     /// and/or keep its blocks and serve snapshots of them (--snapshot-listen).
     Publish(PublishArgs),
+    /// Print a fresh hash seed (a random PYTHONHASHSEED) for a deployment's Secret: the replicas
+    /// read it as PYTHONHASHSEED, the agents through [hash] seed_env or seed_file.
+    GenSeed,
     /// Copy the filter (`llmgw.wasm`) to where Envoy loads it: what the init container of the
     /// shipped manifests runs, the agent's image having no shell or `cp`.
     InstallFilter(install_filter::InstallFilterArgs),
@@ -147,6 +150,13 @@ fn load(path: &Path) -> Result<Config, String> {
     Config::load(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// Loads a configuration without reading its hash seed's variable or file (commands that print
+/// a reference to it, or never hash).
+fn load_deferring_seed(path: &Path) -> Result<Config, String> {
+    Config::load_with(path, llmgw_agent::config::seed::SeedLookup::Defer)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn prepare(a: RunArgs) -> Result<Config, String> {
     tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
     let mut cfg = load(&a.config)?;
@@ -168,7 +178,8 @@ fn prepare(a: RunArgs) -> Result<Config, String> {
 
 fn publish(a: PublishArgs) -> Result<(), String> {
     tracing_subscriber::fmt().with_max_level(a.log_level).with_writer(std::io::stderr).with_ansi(false).init();
-    let cfg = load(&a.config)?;
+    // The sidecar never hashes: it needs no seed.
+    let cfg = load_deferring_seed(&a.config)?;
     llmgw_agent::jetstream::publish::run(cfg, a.replica.as_deref(), a.snapshot_listen).map_err(|e| e.to_string())
 }
 
@@ -246,7 +257,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => prepare(a).and_then(|cfg| llmgw_agent::run(cfg).map_err(|e| e.to_string())),
         Command::Launch(a) => launch(a),
-        Command::VllmArgs(a) => load(&a.config).map(|cfg| {
+        Command::VllmArgs(a) => load_deferring_seed(&a.config).map(|cfg| {
             let opts = llmgw_agent::vllm::Options { render: a.render, buffer_steps: a.buffer_steps };
             print!("{}", llmgw_agent::vllm::render(&cfg, &opts))
         }),
@@ -262,6 +273,9 @@ fn main() -> ExitCode {
         Command::Replay(a) => tools::replay(&a).map_err(|e| e.to_string()),
         Command::Publish(a) => publish(a),
         Command::InstallFilter(a) => install_filter::install(&a),
+        Command::GenSeed => llmgw_agent::config::seed::generate()
+            .map(|seed| println!("{seed}"))
+            .map_err(|e| format!("cannot read the system's randomness: {e}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

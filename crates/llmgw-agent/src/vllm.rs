@@ -30,7 +30,11 @@ impl Default for Options {
 #[derive(Debug, Clone, PartialEq)]
 pub struct VllmArgs {
     pub replica: String,
+    /// The environment with its values, where known (`launch` starts vLLM with it).
     pub env: Vec<(String, String)>,
+    /// The environment as a shell line sets it: a seed read from a variable or a file (a
+    /// Secret's) as a reference to it (`PYTHONHASHSEED="$LLMGW_HASH_SEED"`), never its value.
+    pub env_shown: Vec<String>,
     pub args: Vec<String>,
 }
 
@@ -108,8 +112,14 @@ fn flags(
     }
     let kv = json!(obj);
     let mut env = Vec::new();
+    let mut env_shown = Vec::new();
     if let Some(seed) = &hash.seed {
         env.push(("PYTHONHASHSEED".to_owned(), seed.clone()));
+    }
+    match (hash.seed_source.shell_reference(), &hash.seed) {
+        (Some(reference), _) => env_shown.push(format!("PYTHONHASHSEED={reference}")),
+        (None, Some(seed)) => env_shown.push(format!("PYTHONHASHSEED={}", shell_quote(seed))),
+        (None, None) => {}
     }
     let mut args = vec![
         "--enable-prefix-caching".to_owned(),
@@ -123,7 +133,7 @@ fn flags(
     if opts.render {
         args.push("--enable-scale-out".to_owned());
     }
-    VllmArgs { replica: name.to_owned(), env, args }
+    VllmArgs { replica: name.to_owned(), env, env_shown, args }
 }
 
 fn shell_quote(s: &str) -> String {
@@ -135,7 +145,7 @@ fn shell_quote(s: &str) -> String {
 }
 
 fn line(out: &mut String, a: &VllmArgs, model: Option<&String>) {
-    let env: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={}", shell_quote(v))).collect();
+    let env = &a.env_shown;
     let args: Vec<String> = a.args.iter().map(|s| shell_quote(s)).collect();
     let model = model.map(|m| shell_quote(m)).unwrap_or_else(|| "MODEL".to_owned());
     let mut l = env.join(" ");
@@ -234,6 +244,32 @@ endpoint = "tcp://127.0.0.1:6100"
         assert_eq!(kv["endpoint"], "tcp://[::ffff:127.0.0.1]:6100");
         let text = render(&cfg, &Options::default());
         assert!(text.contains("PYTHONHASHSEED=0 vllm serve m --enable-prefix-caching"), "{text}");
+    }
+
+    #[test]
+    fn a_secret_seed_is_printed_as_where_to_read_it() {
+        let text = r#"
+[hash]
+seed_env = "LLMGW_HASH_SEED"
+[[discovery]]
+name = "pool"
+dns = "vllm.ns.svc.cluster.local"
+port = 8000
+models = ["m"]
+"#;
+        // vllm-args reads no variable: the line names it.
+        let cfg = Config::parse_with(text, crate::config::seed::SeedLookup::Defer).unwrap();
+        let a = for_discovery(&cfg, &cfg.discovery[0], &Options::default());
+        assert!(a.env.is_empty(), "{:?}", a.env);
+        let out = render(&cfg, &Options::default());
+        assert!(out.contains("PYTHONHASHSEED=\"$LLMGW_HASH_SEED\" vllm serve m --enable-prefix-caching"), "{out}");
+        // Read (launch): the child gets the value, the printed line still only the reference.
+        let env = |_: &str| Some("2718281828".to_owned());
+        let cfg = Config::parse_with(text, crate::config::seed::SeedLookup::Read(&env)).unwrap();
+        let a = for_discovery(&cfg, &cfg.discovery[0], &Options::default());
+        assert_eq!(a.env, vec![("PYTHONHASHSEED".to_owned(), "2718281828".to_owned())]);
+        let out = render(&cfg, &Options::default());
+        assert!(!out.contains("2718281828") && out.contains("$LLMGW_HASH_SEED"), "{out}");
     }
 
     #[test]

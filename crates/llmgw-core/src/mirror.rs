@@ -11,6 +11,11 @@
 //! Parity: each stored block whose parent's full digest is known (a run starting at block 0, or
 //! a parent this mirror verified earlier) is re-hashed from the event's `token_ids` and compared
 //! with the published key, so an engine started with another seed or algorithm shows up at once.
+//!
+//! Block claims are checked by the same recomputation: a stored block whose hash can be
+//! recomputed and differs is not credited to the engine, nor are the blocks after it in the same
+//! event (they continue from it). A claim that cannot be recomputed (its parent's digest unknown,
+//! no token ids, extra keys the mirror cannot reproduce) is credited and counted unverifiable.
 
 use crate::event::{EventBatch, KvEvent, Medium, RemovedBlocks, StoredBlocks};
 use crate::hash::{group_key, BlockHasher, BlockKey, Digest, ExtraKey, MAX_KV_GROUPS};
@@ -64,6 +69,18 @@ pub struct ParityStats {
     pub unverifiable: u64,
     /// The last mismatch: (published key, recomputed key).
     pub last_mismatch: Option<(BlockKey, BlockKey)>,
+    /// Claims not credited: blocks whose recomputed hash differed from the published one.
+    pub rejected_mismatch: u64,
+    /// Claims not credited: blocks after a rejected one in the same stored event (they
+    /// continue from it).
+    pub rejected_after_mismatch: u64,
+}
+
+impl ParityStats {
+    /// Every block claim not credited.
+    pub fn rejected(&self) -> u64 {
+        self.rejected_mismatch.saturating_add(self.rejected_after_mismatch)
+    }
 }
 
 impl ParityStats {
@@ -268,8 +285,9 @@ impl EngineMirror {
             self.groups_version = self.groups_version.wrapping_add(1);
         }
         // Group 0's verified runs are the chains later stores continue from.
-        let tail = self.check_parity(s).filter(|_| group == 0);
-        for &k in &s.hashes {
+        let (tail, credited) = self.check_parity(s);
+        let tail = tail.filter(|_| group == 0);
+        for &k in s.hashes.iter().take(credited) {
             let k = group_key(k, group);
             self.touch(k);
             let c = self.held.entry(k).or_insert(0);
@@ -301,13 +319,15 @@ impl EngineMirror {
         }
     }
 
-    /// Recomputes the stored run's hashes where possible; returns the last block's key and
-    /// digest when the whole run verified (a later run may continue from it).
-    fn check_parity(&mut self, s: &StoredBlocks) -> Option<(BlockKey, Digest)> {
+    /// Recomputes the stored run's hashes where possible. Returns the last block's key and
+    /// digest when the whole run verified (a later run may continue from it), and how many of
+    /// the run's leading blocks are credited: all of them, or those before the first block whose
+    /// recomputed hash differs.
+    fn check_parity(&mut self, s: &StoredBlocks) -> (Option<(BlockKey, Digest)>, usize) {
         let n = s.hashes.len();
         let unverifiable = |stats: &mut MirrorStats| {
             stats.parity.unverifiable = stats.parity.unverifiable.saturating_add(n as u64);
-            None
+            (None, n)
         };
         let Some(hasher) = self.hasher.as_mut() else {
             return unverifiable(&mut self.stats);
@@ -334,14 +354,15 @@ impl EngineMirror {
         let Some(mut parent) = parent else {
             return unverifiable(&mut self.stats);
         };
-        let mut all_matched = true;
+        // The blocks before the first mismatch (all of them while none differs).
+        let mut credited = n;
         let mut last: Option<(BlockKey, Digest)> = None;
         let lora_paths = &self.lora_paths;
         for (i, (block, &published)) in s.token_ids.chunks_exact(bs).zip(&s.hashes).enumerate() {
             let Some(mut extra) = s.hashed_extra_keys(i, |name| lora_paths.get(name).cloned()) else {
                 let rest = n.saturating_sub(i) as u64;
                 self.stats.parity.unverifiable = self.stats.parity.unverifiable.saturating_add(rest);
-                return None;
+                return (None, self.reject_from(credited, n));
             };
             if let Some(next) = lookahead.and_then(|la| la.get(i)) {
                 extra.push(ExtraKey::Lookahead(next.clone()));
@@ -353,16 +374,148 @@ impl EngineMirror {
             } else {
                 self.stats.parity.mismatched = self.stats.parity.mismatched.saturating_add(1);
                 self.stats.parity.last_mismatch = Some((published, d.key()));
-                all_matched = false;
+                credited = credited.min(i);
             }
             // On a mismatch the engine's true digest is unknown; chaining on ours keeps a
             // wrong seed or algorithm visible on every block of the run.
             parent = d;
         }
-        if all_matched {
-            last
-        } else {
-            None
+        if credited < n {
+            return (None, self.reject_from(credited, n));
+        }
+        (last, n)
+    }
+
+    /// Counts the claims of a run of `n` blocks from its first mismatch, `first`, on; returns
+    /// how many are credited (`first`, or `n` when nothing mismatched).
+    fn reject_from(&mut self, first: usize, n: usize) -> usize {
+        if first < n {
+            let p = &mut self.stats.parity;
+            p.rejected_mismatch = p.rejected_mismatch.saturating_add(1);
+            let after = n.saturating_sub(first).saturating_sub(1);
+            p.rejected_after_mismatch =
+                p.rejected_after_mismatch.saturating_add(u64::try_from(after).unwrap_or(u64::MAX));
+        }
+        first.min(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::HashAlgo;
+
+    const BS: usize = 4;
+
+    fn hasher() -> BlockHasher {
+        BlockHasher::new(HashAlgo::Sha256Cbor, Some("1234")).unwrap()
+    }
+
+    /// The keys vLLM would publish for `tokens` (whole blocks) from block 0.
+    fn keys_of(tokens: &[u32]) -> Vec<BlockKey> {
+        let mut h = hasher();
+        let mut parent = h.root();
+        tokens
+            .chunks_exact(BS)
+            .map(|b| {
+                parent = h.hash_block(&parent, b, &[]);
+                parent.key()
+            })
+            .collect()
+    }
+
+    fn stored(hashes: Vec<BlockKey>, parent: Option<BlockKey>, token_ids: Vec<u32>) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            dp_rank: None,
+            events: vec![KvEvent::Stored(StoredBlocks {
+                hashes,
+                parent,
+                token_ids,
+                block_size: BS as u64,
+                medium: Medium::Gpu,
+                lora_id: None,
+                lora_name: None,
+                extra_keys: Vec::new(),
+                group_idx: None,
+                spec_kind: None,
+                sliding_window: None,
+                locality: None,
+                ownership: None,
+                session_id: None,
+                lookahead_token_ids: None,
+            })],
+        }
+    }
+
+    #[test]
+    fn honest_claims_are_credited() {
+        let tokens: Vec<u32> = (1..=12).collect();
+        let keys = keys_of(&tokens);
+        let mut m = EngineMirror::new(Some(hasher()));
+        let mut out = Vec::new();
+        m.apply(&stored(keys.clone(), None, tokens), &mut out);
+        assert_eq!(out, keys.iter().copied().map(NetChange::Added).collect::<Vec<_>>());
+        assert_eq!((m.stats().parity.matched, m.stats().parity.rejected()), (3, 0));
+    }
+
+    #[test]
+    fn a_forged_claim_and_what_follows_it_are_not_credited() {
+        // A peer's prompt, whose keys the forger learnt, claimed with other tokens: block 1's
+        // recomputed hash differs, so blocks 1 and 2 (which continue from it) are not credited.
+        let victim: Vec<u32> = (100..112).collect();
+        let claimed = keys_of(&victim);
+        let mut tokens = victim.clone();
+        tokens[5] = 7;
+        let mut m = EngineMirror::new(Some(hasher()));
+        let mut out = Vec::new();
+        m.apply(&stored(claimed.clone(), None, tokens), &mut out);
+        assert_eq!(out, vec![NetChange::Added(claimed[0])], "only the block whose tokens hash to its key");
+        assert!(m.contains(claimed[0]) && !m.contains(claimed[1]) && !m.contains(claimed[2]));
+        let p = &m.stats().parity;
+        assert_eq!((p.rejected_mismatch, p.rejected_after_mismatch, p.rejected()), (1, 1, 2));
+        // Keys claimed with tokens that hash to none of them: nothing credited.
+        let mut m = EngineMirror::new(Some(hasher()));
+        m.apply(&stored(claimed.clone(), None, vec![0; 12]), &mut out);
+        assert!(m.is_empty());
+        assert_eq!(m.stats().parity.rejected(), 3);
+        // Its removal later is of blocks never held.
+        out.clear();
+        m.apply(
+            &EventBatch {
+                ts: 0.0,
+                dp_rank: None,
+                events: vec![KvEvent::Removed(RemovedBlocks {
+                    hashes: claimed,
+                    medium: Medium::Gpu,
+                    group_idx: None,
+                    locality: None,
+                    ownership: None,
+                })],
+            },
+            &mut out,
+        );
+        assert!(out.is_empty());
+        assert_eq!(m.stats().removed_not_held, 3);
+    }
+
+    #[test]
+    fn claims_that_cannot_be_recomputed_are_credited_and_counted() {
+        let tokens: Vec<u32> = (1..=8).collect();
+        let keys = keys_of(&tokens);
+        // No token ids (as a snapshot carries them), an unknown parent, no hasher configured.
+        for (batch, hasher) in [
+            (stored(keys.clone(), None, Vec::new()), Some(hasher())),
+            (stored(keys.clone(), Some(BlockKey(42)), tokens.clone()), Some(hasher())),
+            (stored(keys.clone(), None, vec![0; 8]), None),
+        ] {
+            let checked = hasher.is_some();
+            let mut m = EngineMirror::new(hasher);
+            let mut out = Vec::new();
+            m.apply(&batch, &mut out);
+            assert_eq!(m.len(), 2);
+            let p = &m.stats().parity;
+            assert_eq!((p.unverifiable, p.rejected()), (2, 0), "checked: {checked}");
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The agent's configuration file as written: its sections and fields, their defaults, and the
 //! loading and parsing that [`super::validate`] completes.
 
+use super::seed::SeedLookup;
 use llmgw_core::hash::{defaults, HashAlgo};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -205,9 +206,19 @@ pub struct HashConfig {
     /// vLLM's `--prefix-caching-hash-algo`, read by its flag name.
     #[serde(default = "default_algo")]
     pub algo: HashAlgo,
-    /// PYTHONHASHSEED of the replicas; absent when unset.
+    /// PYTHONHASHSEED of the replicas; absent when unset. Written here only where it is no
+    /// secret (tests, one machine): deployments name where to read it instead.
     #[serde(default)]
     pub seed: Option<String>,
+    /// The environment variable holding the seed (a Secret's key in the container's env).
+    #[serde(default)]
+    pub seed_env: Option<String>,
+    /// The file holding the seed (a mounted Secret's key).
+    #[serde(default)]
+    pub seed_file: Option<std::path::PathBuf>,
+    /// Where the seed came from (set when the configuration is loaded).
+    #[serde(skip)]
+    pub seed_source: super::seed::SeedSource,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
     /// vLLM's lookahead hashing (EAGLE-family speculative decoding with prefix caching): the
@@ -449,6 +460,20 @@ impl Default for HttpConfig {
     }
 }
 impl HashConfig {
+    /// Fills `seed` from `seed_env` or `seed_file` (see [`super::seed::resolve`]) and records
+    /// where it came from. `field`: the section's path (`hash`, `replicas[0].hash`).
+    pub(super) fn resolve_seed(&mut self, field: &str, lookup: SeedLookup<'_>) -> Result<(), ConfigError> {
+        self.seed_source = super::seed::resolve(&mut self.seed, &mut self.seed_env, &mut self.seed_file, lookup)
+            .map_err(|(f, m)| err(format!("{field}.{f}"), m))?;
+        Ok(())
+    }
+
+    /// Whether the seed is still to be read (loaded with [`SeedLookup::Defer`]): then `seed` is
+    /// `None` though the replicas run with one.
+    pub fn seed_deferred(&self) -> bool {
+        self.seed.is_none() && self.seed_source.is_secret()
+    }
+
     /// The settings as the core names them (the feed carries them to the filters).
     pub fn spec(&self) -> llmgw_core::hash::HashSpec {
         llmgw_core::hash::HashSpec {
@@ -462,7 +487,15 @@ impl HashConfig {
 
 impl Default for HashConfig {
     fn default() -> Self {
-        Self { algo: default_algo(), seed: None, block_size: default_block_size(), lookahead_tokens: 0 }
+        Self {
+            algo: default_algo(),
+            seed: None,
+            seed_env: None,
+            seed_file: None,
+            seed_source: super::seed::SeedSource::Written,
+            block_size: default_block_size(),
+            lookahead_tokens: 0,
+        }
     }
 }
 impl Default for ZmqConfig {
@@ -518,21 +551,43 @@ pub(super) fn err(field: impl Into<String>, message: impl Into<String>) -> Confi
 }
 
 impl Config {
-    /// Parses and validates TOML text.
+    /// Parses and validates TOML text; hash seeds named by `seed_env` or `seed_file` are read
+    /// from this process's environment and files.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse_with(text, SeedLookup::Read(&super::seed::process_env))
+    }
+
+    /// [`Config::parse`], reading hash seeds as `seeds` says.
+    pub fn parse_with(text: &str, seeds: SeedLookup<'_>) -> Result<Config, ConfigError> {
         let de = toml::Deserializer::parse(text).map_err(|e| err("", e.to_string().trim_end().to_owned()))?;
-        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+        let mut cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
             err(path, e.into_inner().message().to_owned())
         })?;
+        cfg.hash.resolve_seed("hash", seeds)?;
+        for (i, r) in cfg.replicas.iter_mut().enumerate() {
+            if let Some(h) = r.hash.as_mut() {
+                h.resolve_seed(&format!("replicas[{i}].hash"), seeds)?;
+            }
+        }
+        for (i, d) in cfg.discovery.iter_mut().enumerate() {
+            if let Some(h) = d.hash.as_mut() {
+                h.resolve_seed(&format!("discovery[{i}].hash"), seeds)?;
+            }
+        }
         cfg.validate()?;
         Ok(cfg)
     }
 
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_with(path, SeedLookup::Read(&super::seed::process_env))
+    }
+
+    /// [`Config::load`], reading hash seeds as `seeds` says.
+    pub fn load_with(path: &Path, seeds: SeedLookup<'_>) -> Result<Config, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read {}: {e}", path.display())))?;
-        Config::parse(&text)
+        Config::parse_with(&text, seeds)
     }
 
     pub fn replay_timeout(&self) -> Duration {
@@ -600,9 +655,10 @@ metrics_url = ""
     #[test]
     fn hash_algorithm_is_read_once_and_defaults_come_from_the_core() {
         let cfg = Config::parse("").unwrap();
+        assert_eq!(cfg.hash, HashConfig::default());
         assert_eq!(
-            cfg.hash,
-            HashConfig { algo: defaults::ALGO, seed: None, block_size: defaults::BLOCK_SIZE, lookahead_tokens: 0 }
+            (cfg.hash.algo, cfg.hash.seed.as_deref(), cfg.hash.block_size),
+            (defaults::ALGO, None, defaults::BLOCK_SIZE)
         );
         let cfg =
             Config::parse(&OK.replace("name = \"b\"", "name = \"b\"\nhash = { algo = \"xxhash\", seed = \"1\" }"))

@@ -7,7 +7,8 @@
 //! listen = "127.0.0.1:9464"        # /metrics, /healthz, /debug/replicas
 //! [hash]
 //! algo = "sha256_cbor"             # vLLM's --prefix-caching-hash-algo
-//! seed = "0"                       # the replicas' PYTHONHASHSEED (omit when unset)
+//! seed_env = "LLMGW_HASH_SEED"      # the replicas' PYTHONHASHSEED, read from this variable
+//!                                  # (or seed_file = PATH; seed = "N" written here, not secret)
 //! block_size = 16
 //! lookahead_tokens = 0             # EAGLE-family lookahead hashing (vLLM 0.33); 0 without it
 //!
@@ -27,12 +28,16 @@
 //!   safety).
 //! * [`tokenizer`]: the native tokenizer's section.
 //! * [`epp`]: the endpoint picker's section.
+//! * [`seed`]: where the hash seed is read from (the file, a variable, a file of its own).
 //! * [`engine`]: the engines a configuration describes (replica × data-parallel rank) and the
 //!   `tcp://host:port` endpoint rules they follow.
 
 mod engine;
 mod epp;
 mod file;
+pub mod seed;
+#[cfg(test)]
+mod seed_tests;
 mod tokenizer;
 mod validate;
 

@@ -281,7 +281,10 @@ fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
 }
 
 fn check_hash(field: &str, h: &HashConfig) -> Result<(), ConfigError> {
-    BlockHasher::new(h.algo, h.seed.as_deref()).map_err(|e| err(format!("{field}.seed"), e.to_string()))?;
+    // A seed still to be read (vllm-args, publish) is a seed all the same: its value does not
+    // change which algorithms may be used.
+    let seed = h.seed.as_deref().or(h.seed_deferred().then_some("0"));
+    BlockHasher::new(h.algo, seed).map_err(|e| err(format!("{field}.seed"), e.to_string()))?;
     if h.block_size == 0 {
         return Err(err(format!("{field}.block_size"), "must be at least 1"));
     }

@@ -139,7 +139,12 @@ impl EngineCopy {
             "last_event_age_secs": last_event_age_secs,
             "hash": {
                 "algo": spec.hash.algo.name(),
-                "seed": spec.hash.seed,
+                // A Secret's seed is named by where it was read, never shown.
+                "seed": if spec.hash.seed_source.is_secret() {
+                    json!(spec.hash.seed_source.describe(None))
+                } else {
+                    json!(spec.hash.seed)
+                },
                 "block_size": spec.hash.block_size,
                 "lookahead_tokens": spec.hash.lookahead_tokens,
             },
@@ -151,6 +156,9 @@ impl EngineCopy {
                 "unverifiable": p.unverifiable,
                 "match_ratio": p.match_ratio(),
                 "last_mismatch": p.last_mismatch.map(|(a, b)| json!({"published": a, "recomputed": b})),
+                // Blocks not credited because their recomputed hash differed (and those after
+                // them in the same event).
+                "rejected": {"hash_mismatch": p.rejected_mismatch, "after_mismatch": p.rejected_after_mismatch},
             },
             "received": c.received,
             "applied": c.applied,
@@ -299,6 +307,21 @@ pub fn metrics_text(st: &HubState) -> String {
         "counter",
         per(&|e| e.mirror.stats().parity.unverifiable),
     );
+    let mut rejected = Vec::new();
+    for e in st.live() {
+        let p = &e.mirror.stats().parity;
+        for (reason, n) in [("hash_mismatch", p.rejected_mismatch), ("after_mismatch", p.rejected_after_mismatch)] {
+            rejected.push((format!("{},reason=\"{reason}\"", lbl(e)), n as f64));
+        }
+    }
+    counter(
+        "block_claims_rejected_total",
+        "Stored blocks not credited to the engine: their recomputed hash differed (hash_mismatch), or they \
+         continue from such a block in the same event (after_mismatch). Claims that cannot be recomputed are \
+         credited (parity_unverifiable_total).",
+        "counter",
+        rejected,
+    );
     let ratio: Vec<(String, f64)> =
         st.live().filter_map(|e| e.mirror.stats().parity.match_ratio().map(|r| (lbl(e), r))).collect();
     counter("parity_match_ratio", "Share of verified blocks whose hash matched.", "gauge", ratio);
@@ -423,6 +446,26 @@ mod tests {
     use crate::hub::fixtures::*;
 
     #[test]
+    fn rejected_block_claims_are_counted_by_reason_and_not_held() {
+        let h = hub(1, 64);
+        // Two blocks whose token ids hash to neither key: the first is a mismatch, the second
+        // continues from it.
+        let forged = llmgw_core::wire::WireEvent::BlockStored(llmgw_core::wire::WireBlockStored {
+            block_hashes: vec![9, 10],
+            token_ids: vec![3; 32],
+            block_size: 16,
+            ..Default::default()
+        });
+        h.state().apply(0, 0, &batch(vec![forged]));
+        let text = metrics_text(&h.state());
+        let line = |reason: &str, n: u64| {
+            format!("llmgw_agent_block_claims_rejected_total{{replica=\"r0\",dp_rank=\"0\",reason=\"{reason}\"}} {n}\n")
+        };
+        assert!(text.contains(&line("hash_mismatch", 1)) && text.contains(&line("after_mismatch", 1)), "{text}");
+        assert!(text.contains("llmgw_agent_blocks{replica=\"r0\",dp_rank=\"0\"} 0"), "{text}");
+    }
+
+    #[test]
     fn metrics_name_every_engine() {
         let h = hub(2, 64);
         h.state().apply(1, 0, &batch(vec![stored(vec![1, 2])]));
@@ -473,7 +516,8 @@ mod tests {
                 "hash": {"algo": "sha256_cbor", "seed": null, "block_size": 16, "lookahead_tokens": 0},
                 "lookahead_tokens_seen": null,
                 "parity": {"matched": 0, "mismatched": 0, "unverifiable": if keys.is_empty() { 0 } else { 4 },
-                           "match_ratio": null, "last_mismatch": null},
+                           "match_ratio": null, "last_mismatch": null,
+                           "rejected": {"hash_mismatch": 0, "after_mismatch": 0}},
                 "received": 0, "applied": applied, "skipped": skipped, "gaps": 0,
                 "replays": {"complete": 0, "incomplete": 0, "batches": 0},
                 "resets": {}, "disconnects": 0, "clears": 0,
