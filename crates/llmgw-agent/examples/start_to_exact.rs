@@ -53,14 +53,16 @@ fn payload(keys: impl Iterator<Item = u64>) -> Vec<u8> {
     encode_batch(&WireBatch { ts: 1.0, events: vec![ev], data_parallel_rank: None }, Encoding::Tagged, HashForm::Int)
 }
 
+/// Every batch an engine published, by sequence number (what its replay socket answers from).
+type History = Arc<Mutex<Vec<Vec<u8>>>>;
+
 /// One vLLM stand-in and its sidecar's snapshot server.
 struct Engine {
     tag: u64,
     publisher: String,
     replay: String,
     snapshot: String,
-    /// Every batch it published, by sequence number (what its replay socket answers from).
-    history: Arc<Mutex<Vec<Vec<u8>>>>,
+    history: History,
     ledgers: Arc<Ledgers>,
 }
 
@@ -84,7 +86,7 @@ fn main() {
     let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
     let live_ms: u64 = arg(&args, "--live-ms", "10").parse().unwrap();
     let agent_bin = arg(&args, "--agent-bin", "target/release/llmgw-agent");
-    assert!(blocks % PER_BATCH == 0 && blocks < LIVE, "--blocks: a multiple of {PER_BATCH}");
+    assert!(blocks.is_multiple_of(PER_BATCH) && blocks < LIVE, "--blocks: a multiple of {PER_BATCH}");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let zctx = zmq::Context::new();
 
@@ -188,7 +190,7 @@ fn copy_max_seconds(base: &str) -> f64 {
 
 /// Answers replay requests (`[id, "", seq8]`) from every engine's history, as vLLM does: each
 /// batch from the one asked for, then the end marker.
-fn serve_replay(routers: &[zmq::Socket], histories: &[Arc<Mutex<Vec<Vec<u8>>>>], stop: &AtomicBool) {
+fn serve_replay(routers: &[zmq::Socket], histories: &[History], stop: &AtomicBool) {
     while !stop.load(Ordering::SeqCst) {
         let mut items: Vec<_> = routers.iter().map(|r| r.as_poll_item(zmq::POLLIN)).collect();
         if zmq::poll(&mut items, 50).unwrap() == 0 {
@@ -214,7 +216,7 @@ fn serve_replay(routers: &[zmq::Socket], histories: &[Arc<Mutex<Vec<Vec<u8>>>>],
 /// lock is the sidecar's ingestion stall), its history, then its publisher.
 fn publish_live(
     pubs: &[zmq::Socket],
-    feeds: &[(u64, Arc<Mutex<Vec<Vec<u8>>>>, Arc<Ledgers>)],
+    feeds: &[(u64, History, Arc<Ledgers>)],
     live_ms: u64,
     stop: &AtomicBool,
     stall_us: &AtomicU64,
