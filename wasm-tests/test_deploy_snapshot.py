@@ -29,10 +29,11 @@ AGENT_CONFIGS = {"kubernetes": ("kubernetes/llmgw-gateway.yaml", "llmgw-gateway"
                  "istio": ("istio/llmgw-gateway.yaml", "llmgw-gateway"),
                  "envoy-gateway": ("envoy-gateway/llmgw-gateway.yaml", "llmgw-agent"),
                  "gaie": ("gaie/base/llmgw-epp.yaml", "llmgw-epp")}
-# Bytes a sidecar holds per ledger block at most: a hash-table entry (24 bytes and a control
-# byte) at the table's lowest load (half) and, while a snapshot is built, its 16-byte copy and
-# about 9 bytes encoded (twice, as the buffer grows).
-LEDGER_BYTES_PER_BLOCK = 2 * 25 + 16 + 2 * 9
+# Bytes a sidecar holds per ledger block at most: its index's hash-table entry (24 bytes and a
+# control byte) at the table's lowest load (half), its 16-byte entry in a vector at most half
+# full, and while a snapshot is built, its 16-byte copy and about 9 bytes encoded (twice, as the
+# buffer grows).
+LEDGER_BYTES_PER_BLOCK = 2 * 25 + 2 * 16 + 16 + 2 * 9
 
 
 def _sidecar(dep: dict) -> dict:
