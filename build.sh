@@ -18,7 +18,8 @@
 #          benchmarks; `bench tokenizer`: the native tokenizer (criterion); `bench decision`: the filter's
 #          decision with shared records filled (criterion); `bench filter`: the filter and the endpoint picker against plain Envoy; `bench gateways`: several gateways;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
-#          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench soak`: an hour of churning traffic with agent and replica
+#          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench warmstart`: a new agent's start
+#          to an exact index at 16 x 100,000 blocks, from snapshots and by replay; `bench soak`: an hour of churning traffic with agent and replica
 #          restarts, memory sampled every minute; `bench vllm`: 3 real vllm serve replicas behind every
 #          router (installs vLLM like `conformance`)
 #   fuzz   every fuzz target (fuzz/), or `fuzz TARGET...` the named ones, FUZZ_SECONDS (60) each (FUZZ_BUILD=dev:
@@ -395,7 +396,19 @@ bench() {
   # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
   # ./build.sh bench broker [broker.py args]  one agent's ingest by ZMQ and through NATS JetStream (bench/broker.py --help)
   # ./build.sh bench soak [soak.py args]  an hour of churning traffic with restarts (bench/soak.py --help)
+  # ./build.sh bench warmstart [--engines 16 --blocks 100000 --rounds 3]  a new agent's start to an exact
+  #                                 index, from the sidecars' snapshots against replay (examples/start_to_exact.rs)
   setup
+  if [ "${1:-}" = warmstart ]; then
+    shift
+    log "building (release): agent, start-to-exact benchmark"
+    cargo build -q --release -p llmgw-agent --bin llmgw-agent --example start_to_exact
+    local dir
+    dir=$(target_dir)
+    log "start-to-exact benchmark (about a minute)"
+    "$dir/release/examples/start_to_exact" --agent-bin "$dir/release/llmgw-agent" "$@"
+    return
+  fi
   if [ "${1:-}" = soak ]; then
     shift
     bench_fleet_build

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 import deploy_support as deploy
+import network_policy
 import llmgw_testkit as kit
 import seed_wiring
 from llmgw_testkit import wait_until
@@ -573,46 +574,39 @@ def test_a_variant_with_a_seed_of_its_own_is_refused(tmp_path, variant, rel, old
     assert any(message in p for p in w.problems), w.problems
 
 
-def _selected(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+_selected = network_policy.selected
+_admitted = network_policy.admitted
 
 
-def _admitted(policies: list[dict], pod_labels: dict, namespace: str, labels: dict, port: int) -> bool:
-    """Whether NetworkPolicies `policies` (of the replicas' namespace) let a pod (namespace,
-    labels) reach a replica pod (pod_labels) on `port`; a pod no policy selects is open."""
-    mine = [p for p in policies if _selected(p["spec"]["podSelector"], pod_labels)]
-    if not mine:
-        return True
-    for pol in mine:
-        home = pol["metadata"]["namespace"]
-        for rule in pol["spec"].get("ingress", []):
-            # A rule without ports admits every port; one without peers, every pod.
-            if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
-                continue
-            if not rule.get("from"):
-                return True
-            for peer in rule["from"]:
-                ns_ok = (_selected(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
-                         if "namespaceSelector" in peer else namespace == home)
-                if ns_ok and _selected(peer.get("podSelector", {}), labels):
-                    return True
-    return False
+def _replica_ports(dep: dict) -> list[int]:
+    """Every port a replica pod's containers (its sidecars among them) declare."""
+    spec = dep["spec"]["template"]["spec"]
+    return sorted(p["containerPort"] for c in spec.get("initContainers", []) + spec["containers"]
+                  for p in c.get("ports", []))
+
+
+def _snapshot_port(dep: dict) -> int:
+    """The port the replica pod's snapshot sidecar listens on (`publish --snapshot-listen`)."""
+    (side,) = [c for c in dep["spec"]["template"]["spec"].get("initContainers", [])
+               if "--snapshot-listen" in c.get("command", [])]
+    return int(side["command"][side["command"].index("--snapshot-listen") + 1].rsplit(":", 1)[1])
 
 
 def test_only_the_gateway_pods_reach_the_replicas():
     """The replicas' event sockets carry every user's prompt tokens and their API must not be
     called around the gateway: vllm.yaml's NetworkPolicy lets the gateway pods of every
-    deployment kind (where the agent and Envoy run) reach the API, publisher and replay ports,
-    and nothing else (another pod of the namespace, a pod elsewhere with the gateway's labels,
-    the replicas themselves); the Service advertises the API only."""
+    deployment kind (where the agent and Envoy run) reach the API, publisher, replay and
+    snapshot sidecar ports, and nothing else (another pod of the namespace, a pod elsewhere with
+    the gateway's labels, the replicas themselves); the Service advertises the API only."""
     vllm = deploy.load("vllm/vllm.yaml")
     dep = deploy.find(vllm, "Deployment", "vllm")
     ns = dep["metadata"]["namespace"]
     replica = dep["spec"]["template"]["metadata"]["labels"]
     (c,) = dep["spec"]["template"]["spec"]["containers"]
-    ports = sorted(p["containerPort"] for p in c["ports"])
+    ports = _replica_ports(dep)
     kv = json.loads(c["args"][c["args"].index("--kv-events-config") + 1])
-    assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1]), 8000} == set(ports)
+    assert {int(kv["endpoint"].rsplit(":", 1)[1]), int(kv["replay_endpoint"].rsplit(":", 1)[1]), 8000,
+            _snapshot_port(dep)} == set(ports)
     policies = [o for o in vllm if o["kind"] == "NetworkPolicy"]
     assert [p["port"] for p in deploy.find(vllm, "Service", "vllm")["spec"]["ports"]] == [8000]
     gateways = {}
@@ -825,12 +819,15 @@ def test_the_picker_needs_no_kubernetes_api():
 @pytest.mark.parametrize("gateway", GAIE_GATEWAYS)
 def test_only_the_inference_gateway_reaches_the_picker_and_only_the_pickers_read_events(gateway):
     """With vllm.yaml's and the base's NetworkPolicies together: the Gateway's proxies reach the
-    picker's gRPC port and the replicas' API; the pickers reach the replicas' API, publisher and
-    replay ports; nobody else reaches the picker's gRPC port or the replicas' event sockets."""
+    picker's gRPC port and the replicas' API; the pickers reach the replicas' API, publisher,
+    replay and snapshot sidecar ports; nobody else reaches the picker's gRPC port or the
+    replicas' event sockets and snapshots."""
     objs = _gaie(gateway)
     vllm = deploy.load("vllm/vllm.yaml")
     policies = [o for o in vllm + objs if o["kind"] == "NetworkPolicy"]
-    replica = deploy.find(vllm, "Deployment", "vllm")["spec"]["template"]["metadata"]["labels"]
+    replicas = deploy.find(vllm, "Deployment", "vllm")
+    replica = replicas["spec"]["template"]["metadata"]["labels"]
+    events = (5557, 5558, _snapshot_port(replicas))
     epp_dep = deploy.find(objs, "Deployment", "llmgw-epp")
     epp = epp_dep["spec"]["template"]["metadata"]["labels"]
     ns = epp_dep["metadata"]["namespace"]
@@ -838,16 +835,16 @@ def test_only_the_inference_gateway_reaches_the_picker_and_only_the_pickers_read
     proxies = _gaie_proxies(gateway, deploy.find(objs, "Gateway"))
     assert _admitted(policies, epp, *proxies, grpc)
     assert _admitted(policies, replica, *proxies, 8000)
-    for port in (8000, 5557, 5558):
+    for port in (8000, *events):
         assert _admitted(policies, replica, ns, epp, port), port
     strangers = {"another pod": (ns, {"app.kubernetes.io/name": "client"}),
                  "the proxies' labels elsewhere": ("default", proxies[1]),
                  "a replica": (ns, replica)}
     for who, (sns, labels) in strangers.items():
         assert not _admitted(policies, epp, sns, labels, grpc), who
-        for port in (5557, 5558):
+        for port in events:
             assert not _admitted(policies, replica, sns, labels, port), (who, port)
-    for port in (5557, 5558):
+    for port in events:
         assert not _admitted(policies, replica, *proxies, port), ("the proxies read no events", port)
 
 

@@ -88,8 +88,8 @@ def _copy_envoy_dir(tmp_path: Path) -> Path:
 
 
 # Each gateway base runs the agent and the init container that installs the filter; each endpoint
-# picker variant runs the agent as the picker.
-AGENT_CONTAINERS = {"kubernetes": 2, "istio": 2, "envoy-gateway": 2, **{f"gaie/{g}": 1 for g in deploy.GAIE}}
+# picker variant runs the agent as the picker; the replicas run it as their snapshot sidecar.
+AGENT_CONTAINERS = {"vllm": 1, "kubernetes": 2, "istio": 2, "envoy-gateway": 2, **{f"gaie/{g}": 1 for g in deploy.GAIE}}
 
 
 @pytest.mark.parametrize("base", AGENT_CONTAINERS)

@@ -1,7 +1,8 @@
 //! The sidecar's own record of one engine's cache: every block the engine's events left in its
 //! local GPU cache (per KV-cache group, with copy counts), and the sequence number it is exact
-//! at. A [`Ledger::copy`] taken under the sidecar's lock is a flat vector (cheap to take, so
-//! event ingestion waits little); [`LedgerCopy::encode`] turns it into a snapshot outside it.
+//! at. The blocks are kept in a flat vector (a hash map only indexes it), so a
+//! [`Ledger::copy`] taken under the sidecar's lock is one copy of contiguous memory and event
+//! ingestion waits little; [`LedgerCopy::encode`] turns it into a snapshot outside it.
 
 use super::Snapshot;
 use llmgw_core::event::{EventBatch, KvEvent, Medium};
@@ -20,8 +21,10 @@ pub struct GroupInfo {
 /// One engine's blocks, as its events left them.
 #[derive(Debug)]
 pub struct Ledger {
-    /// (group, published key) → copies held.
-    held: HashMap<(u32, u64), u32>,
+    /// Every distinct block: (group, published key, copies held), in no order.
+    entries: Vec<(u32, u64, u32)>,
+    /// (group, published key) → its place in `entries`.
+    index: HashMap<(u32, u64), usize>,
     groups: BTreeMap<u32, GroupInfo>,
     /// The last batch applied.
     seq: Option<u64>,
@@ -59,7 +62,8 @@ fn relevant(medium: &Medium, locality: Option<&str>, group: Option<i64>) -> Opti
 impl Ledger {
     pub fn new(max_blocks: usize) -> Ledger {
         Ledger {
-            held: HashMap::new(),
+            entries: Vec::new(),
+            index: HashMap::new(),
             groups: BTreeMap::new(),
             seq: None,
             incomplete_from: None,
@@ -71,11 +75,11 @@ impl Ledger {
 
     /// Distinct blocks held.
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.entries.is_empty()
     }
 
     /// The last batch applied.
@@ -89,7 +93,7 @@ impl Ledger {
 
     /// Drops every block (engine restarted, a gap that could not be filled).
     pub fn reset(&mut self) {
-        self.held.clear();
+        self.clear_blocks();
         self.groups.clear();
         self.seq = None;
     }
@@ -126,30 +130,23 @@ impl Ledger {
                         },
                     );
                     for k in &s.hashes {
-                        let c = self.held.entry((g, k.0)).or_insert(0);
-                        *c = c.saturating_add(1);
+                        self.store(g, k.0);
                     }
                 }
                 KvEvent::Removed(r) => {
                     let Some(g) = relevant(&r.medium, r.locality.as_deref(), r.group_idx) else { continue };
                     for k in &r.hashes {
-                        match self.held.get_mut(&(g, k.0)) {
-                            Some(c) if *c > 1 => *c = c.saturating_sub(1),
-                            Some(_) => {
-                                self.held.remove(&(g, k.0));
-                            }
-                            None => {}
-                        }
+                        self.remove(g, k.0);
                     }
                 }
                 KvEvent::AllCleared => {
-                    self.held.clear();
+                    self.clear_blocks();
                     self.incomplete_from = None;
                 }
                 KvEvent::Unknown(_) => {}
             }
         }
-        if self.held.len() > self.max_blocks {
+        if self.entries.len() > self.max_blocks {
             self.limit_hits = self.limit_hits.saturating_add(1);
             self.reset();
             self.seq = Some(seq);
@@ -157,10 +154,46 @@ impl Ledger {
         }
     }
 
-    /// A flat copy of everything a snapshot needs (taken under the lock: one pass, no sorting).
+    fn clear_blocks(&mut self) {
+        self.entries.clear();
+        self.index.clear();
+    }
+
+    /// One more copy of block `k` of group `g`.
+    fn store(&mut self, g: u32, k: u64) {
+        match self.index.get(&(g, k)).and_then(|&i| self.entries.get_mut(i)) {
+            Some(e) => e.2 = e.2.saturating_add(1),
+            None => {
+                self.index.insert((g, k), self.entries.len());
+                self.entries.push((g, k, 1));
+            }
+        }
+    }
+
+    /// One copy of block `k` of group `g` fewer; the last one leaves (the vector's last entry
+    /// takes its place).
+    fn remove(&mut self, g: u32, k: u64) {
+        let Some(&i) = self.index.get(&(g, k)) else { return };
+        match self.entries.get_mut(i) {
+            Some(e) if e.2 > 1 => e.2 = e.2.saturating_sub(1),
+            Some(_) => {
+                self.entries.swap_remove(i);
+                self.index.remove(&(g, k));
+                if let Some(&(mg, mk, _)) = self.entries.get(i) {
+                    self.index.insert((mg, mk), i);
+                }
+            }
+            None => {
+                self.index.remove(&(g, k));
+            }
+        }
+    }
+
+    /// A flat copy of everything a snapshot needs (taken under the lock: one copy of the
+    /// entries' memory, no hashing, no sorting).
     pub fn copy(&self) -> LedgerCopy {
         LedgerCopy {
-            entries: self.held.iter().map(|(&(g, k), &c)| (g, k, c)).collect(),
+            entries: self.entries.clone(),
             groups: self.groups.clone(),
             seq: self.seq.filter(|_| !self.suspended),
             incomplete_from: self.incomplete_from,
@@ -262,6 +295,35 @@ mod tests {
         assert_eq!(from_snapshot.groups(), mirror.groups());
         assert_eq!(from_snapshot.len(), 4, "1, 2 (one copy left), 9 and 8 in group 1");
         assert_eq!(from_snapshot.count(BlockKey(1)), 2, "both copies of block 1");
+    }
+
+    #[test]
+    fn stores_and_removals_in_any_order_leave_what_a_map_of_counts_would() {
+        // Removals move the vector's last entry into the freed place: its index must follow.
+        let (mut ledger, mut model) = (Ledger::new(1 << 20), HashMap::<u64, u32>::new());
+        let mut x: u64 = 7;
+        for seq in 0..2000u64 {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let k = (x >> 33) % 64;
+            if x & 1 == 0 || !model.contains_key(&k) {
+                ledger.apply(seq, &batch(vec![stored(vec![k], None, "GPU")]));
+                *model.entry(k).or_default() += 1;
+            } else {
+                ledger.apply(seq, &batch(vec![removed(vec![k])]));
+                let c = model.get_mut(&k).expect("held");
+                *c -= 1;
+                if *c == 0 {
+                    model.remove(&k);
+                }
+            }
+        }
+        let mut got: Vec<(u64, u32)> = ledger.copy().entries.iter().map(|&(_, k, c)| (k, c)).collect();
+        let mut want: Vec<(u64, u32)> = model.into_iter().collect();
+        got.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(got, want);
+        assert_eq!(ledger.index.len(), ledger.entries.len());
+        assert!(ledger.index.iter().all(|(&(g, k), &i)| ledger.entries.get(i).is_some_and(|e| (e.0, e.1) == (g, k))));
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The sidecar's snapshot endpoint: `GET /snapshot?dp_rank=R` and its `/metrics`.
+//! The sidecar's snapshot endpoint: `GET /snapshot?dp_rank=R`, its `/metrics`, and `/healthz`
+//! (200 while it serves: the probes of the shipped manifests).
 //!
 //! Serving never holds up event ingestion for long: under the engine's lock only a flat copy
 //! of the ledger is taken (its duration is a metric); sorting and encoding happen outside it,
@@ -59,7 +60,11 @@ impl Ledgers {
 }
 
 pub fn router(ledgers: Arc<Ledgers>) -> Router {
-    Router::new().route("/snapshot", get(snapshot)).route("/metrics", get(metrics)).with_state(ledgers)
+    Router::new()
+        .route("/snapshot", get(snapshot))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(ledgers)
 }
 
 /// `dp_rank=R` in a query string (default 0).
