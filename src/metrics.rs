@@ -46,6 +46,7 @@ pub struct Metrics {
     hash_mismatches: Option<u32>,
     tokenizer_failures_request_caused: Option<u32>,
     hybrid_unsupported: Option<u32>,
+    incomplete_decisions: Option<u32>,
     speculative_dropped: Option<u32>,
     body_budget_exhausted: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
@@ -100,6 +101,7 @@ impl Metrics {
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             tokenizer_failures_request_caused: c("llmgw_tokenizer_failures_request_caused_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
+            incomplete_decisions: c("llmgw_decisions_with_incomplete_engine_total"),
             speculative_dropped: c("llmgw_speculative_dropped_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
             feed_connected: Cell::new(None),
@@ -154,6 +156,9 @@ impl Metrics {
         }
         if r.hybrid_unsupported {
             self.inc(self.hybrid_unsupported);
+        }
+        if r.saw_incomplete {
+            self.inc(self.incomplete_decisions);
         }
         if let Some(n) = r.matched_blocks {
             self.record(self.matched_blocks, u64::from(n));

@@ -257,3 +257,85 @@ def test_a_gateway_started_after_the_buffers_rolled_routes_every_follow_up_to_it
         landed[p] = (headers.get("x-llmgw-sim-replica"), headers.get(kit.DECISION_HEADER))
     wrong = {p[:24]: (got, holder[p]) for p, got in landed.items() if got[0] != holder[p]}
     assert not wrong, wrong
+
+
+def through(listen: int, p: str) -> dict:
+    """One completion through Envoy; its response headers, lower-cased."""
+    status, headers, _ = request("POST", f"http://127.0.0.1:{listen}/v1/completions",
+                                 json.dumps({"model": "m", "prompt": p, "max_tokens": 2}).encode(),
+                                 {"content-type": "application/json"}, timeout=30)
+    assert status == 200, (status, headers)
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def test_the_filter_is_told_which_engines_are_incomplete_until_they_are_complete(
+        procs, tmp_path, sim_bin, wasm_path, envoy_bin, start_agent):
+    """r0's replay buffer rolled past its early batches before the agent started: the agent marks
+    it incomplete in the feed's replica table, and the filter names it in the explain header and
+    counts the decisions that saw it; r1, whose every batch the agent replayed, is complete. When
+    r0's cache is cleared its mirror is whole again: the table says so and the filter stops
+    naming it."""
+    sims = new_sims(2)
+    for s in sims:
+        buffer = ["--buffer-steps", BUFFER_STEPS] if s["name"] == "r0" else []
+        procs.start([sim_bin, "--port", s["port"], "--name", s["name"], "--model", "m", "--blocks", "4096",
+                     "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{s['kv']}",
+                     "--replay-endpoint", f"tcp://127.0.0.1:{s['replay']}", "--decode-ms", "1", *buffer], s["name"])
+    wait_sims(sims)
+    r0, r1 = sims
+    url0 = f"http://127.0.0.1:{r0['port']}"
+    # Traffic on r0 alone, with no agent, until its replay buffer no longer starts at batch 0.
+    n = [0]
+
+    def rolled():
+        post(f"{url0}/v1/completions", {"model": "m", "prompt": prompt(f"early{n[0]}"), "max_tokens": 2})
+        n[0] += 1
+        return replay_seqs(r0["replay"])[0] > 0
+    wait_until(rolled, 20, "r0's replay buffer rolled past batch 0", interval=0)
+
+    agent = start_agent([{"name": s["name"], "address": f"127.0.0.1:{s['port']}", "models": ["m"],
+                          "mode": "connect", "endpoint": f"tcp://[::ffff:127.0.0.1]:{s['kv']}", "topic": "kv-events",
+                          "replay_endpoint": f"tcp://127.0.0.1:{s['replay']}"} for s in sims])
+    for s in sims:
+        agent.wait_for(s["name"], lambda r: r["connected"], "publisher connected")
+
+    def heard(s):
+        def once():
+            post(f"http://127.0.0.1:{s['port']}/v1/completions",
+                 {"model": "m", "prompt": prompt(f"late-{s['name']}-{n[0]}"), "max_tokens": 2})
+            n[0] += 1
+            return agent.replica(s["name"])["last_seq"] is not None
+        wait_until(once, 20, f"the agent hears {s['name']}", interval=0.1)
+    heard(r0)
+    heard(r1)
+    agent.wait_for("r0", lambda r: r["incomplete_from"] is not None, "r0 incomplete")
+    assert agent.replica("r1")["incomplete_from"] is None
+
+    listen, admin = free_port(), free_port()
+    path = tmp_path / "envoy.yaml"
+    path.write_text(kit.shipped_config(wasm_path, listen, admin, agent.feed,
+                                       kit.filter_config({"name": "warm"}, explain_header=True)))
+    # One worker: the one filter VM whose table each request's header reports.
+    proc = kit.start_envoy(procs, envoy_bin, path, "envoy", concurrency=1)
+    envoy = kit.EnvoyAdmin(admin)
+    envoy.wait_ready(proc=proc)
+    envoy.wait_feed()
+    named = f"incomplete=127.0.0.1:{r0['port']};"
+    for i in range(4):
+        explain = through(listen, prompt(f"via-envoy{i}"))[kit.DECISION_HEADER]
+        assert named in explain and f"127.0.0.1:{r1['port']}" not in explain.partition("incomplete=")[2], explain
+    assert envoy.metric("llmgw_decisions_with_incomplete_engine_total") == 4
+
+    # r0's cache cleared (vLLM's /reset_prefix_cache): its mirror holds all it holds again.
+    status, _, body = request("POST", f"{url0}/reset_prefix_cache", b"", timeout=10)
+    assert status == 200, body
+    agent.wait_for("r0", lambda r: r["incomplete_from"] is None, "r0 complete")
+    m = agent.metrics()
+    assert 'llmgw_agent_engine_incomplete{replica="r0",dp_rank="0"} 0' in m
+    # The table reaches the filter: its next decisions name nobody and count nothing.
+    wait_until(lambda: "incomplete=" not in through(listen, prompt("after"))[kit.DECISION_HEADER], 10,
+               "the filter's table says r0 is complete")
+    counted = envoy.metric("llmgw_decisions_with_incomplete_engine_total")
+    for i in range(3):
+        assert "incomplete=" not in through(listen, prompt(f"complete{i}"))[kit.DECISION_HEADER]
+    assert envoy.metric("llmgw_decisions_with_incomplete_engine_total") == counted

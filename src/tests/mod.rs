@@ -45,6 +45,7 @@ fn replica(id: u32, address: &str, up: bool) -> Replica {
         dp_size: 0,
         kv_groups: vec![],
         lora_adapters: vec![],
+        mirror_incomplete: false,
     }
 }
 

@@ -80,6 +80,7 @@ fn generated_and_core_messages_agree_on_field_numbers() {
                     sliding_window: 32,
                 }],
                 lora_adapters: vec![pb::LoraAdapter { name: "sql".into(), path: "/adapters/sql".into() }],
+                mirror_incomplete: true,
             }],
         }),
         G::Snapshot(pb::SnapshotChunk { replica: 2, first: true, blocks: vec![1, u64::MAX, 3] }),

@@ -93,6 +93,7 @@ fn router(held: &[u64]) -> Router {
             dp_size: 0,
             kv_groups: vec![],
             lora_adapters: vec![],
+            mirror_incomplete: false,
         })
         .collect();
     r.feed.begin_subscription();

@@ -59,6 +59,9 @@ pub struct Replica {
     pub kv_groups: Vec<KvGroup>,
     /// The LoRA adapters it serves: (name, path), as vLLM mixes them into block hashes.
     pub lora_adapters: Vec<(String, String)>,
+    /// The agent's mirror of it is incomplete: a block the index does not show it holding may
+    /// still be cached there (a block it shows is held).
+    pub incomplete: bool,
 }
 
 impl Replica {

@@ -246,6 +246,7 @@ impl HubState {
                     dp_size: e.spec.dp_size,
                     kv_groups: KvCacheGroup::from_mirror(e.mirror.groups()),
                     lora_adapters: e.adapters.clone(),
+                    mirror_incomplete: e.incomplete_from.is_some(),
                 })
                 .collect(),
         }
@@ -312,7 +313,8 @@ impl HubState {
         let clears_before = e.mirror.stats().clears;
         e.mirror.apply(batch, &mut changes);
         // The engine's first batch, or a clear of its whole cache: nothing before it matters.
-        if seq == 0 || e.mirror.stats().clears != clears_before {
+        let completed = (seq == 0 || e.mirror.stats().clears != clears_before) && e.incomplete_from.is_some();
+        if completed {
             e.incomplete_from = None;
         }
         e.counters.applied = e.counters.applied.saturating_add(1);
@@ -332,6 +334,11 @@ impl HubState {
             self.publish(Body::Replicas(table));
         }
         self.publish_changes(id);
+        // The filters stop treating its misses as unknown.
+        if completed {
+            let table = self.table();
+            self.publish(Body::Replicas(table));
+        }
         if over {
             if let Some(e) = self.engine(engine) {
                 e.counters.block_limit_hits = e.counters.block_limit_hits.saturating_add(1);
@@ -357,12 +364,11 @@ impl HubState {
     /// The mirror started from a snapshot: it is complete unless the snapshot itself holds only
     /// what batches from `incomplete_from` on stored.
     pub fn joined_snapshot(&mut self, engine: usize, incomplete_from: Option<u64>) {
-        if let Some(e) = self.engine(engine) {
-            e.counters.snapshot_joins = e.counters.snapshot_joins.saturating_add(1);
-            e.incomplete_from = None;
-        }
-        if let Some(f) = incomplete_from {
-            self.mark_incomplete(engine, f);
+        let Some(e) = self.engine(engine) else { return };
+        e.counters.snapshot_joins = e.counters.snapshot_joins.saturating_add(1);
+        match incomplete_from {
+            Some(f) => self.mark_incomplete(engine, f),
+            None => self.set_incomplete_from(engine, None),
         }
     }
 
@@ -377,8 +383,20 @@ impl HubState {
     /// Marks an engine's mirror as holding only what its batches from `from` on did.
     pub fn mark_incomplete(&mut self, engine: usize, from: u64) {
         if let Some(e) = self.engine(engine) {
-            e.incomplete_from = Some(from);
             e.counters.incomplete_starts = e.counters.incomplete_starts.saturating_add(1);
+        }
+        self.set_incomplete_from(engine, Some(from));
+    }
+
+    /// Sets where an engine's mirror starts; the replica table goes out again when that changes
+    /// whether it is complete (the filters weigh an incomplete engine's misses as unknown).
+    fn set_incomplete_from(&mut self, engine: usize, from: Option<u64>) {
+        let Some(e) = self.engine(engine) else { return };
+        let flipped = e.incomplete_from.is_some() != from.is_some();
+        e.incomplete_from = from;
+        if flipped && !e.gone {
+            let table = self.table();
+            self.publish(Body::Replicas(table));
         }
     }
 

@@ -330,4 +330,49 @@ mod tests {
         assert_eq!(h.state().engines[0].incomplete_from, None);
         assert_eq!(h.state().engines[0].counters.incomplete_starts, 2);
     }
+
+    #[test]
+    fn the_feed_marks_an_incomplete_engine_and_says_again_when_it_is_complete() {
+        use crate::hub::fixtures::drain;
+        use llmgw_core::feed::{Body, FeedState};
+        let h = hub(1, 64);
+        let sub = h.subscribe("t".into());
+        let mut fs = FeedState::default();
+        let mut tables = 0;
+        let mut read = |fs: &mut FeedState| {
+            for m in drain(&sub, &h) {
+                tables += usize::from(matches!(m.body, Some(Body::Replicas(_))));
+                fs.apply(&m).unwrap();
+            }
+            tables
+        };
+        assert_eq!(read(&mut fs), 1);
+        assert!(!fs.replicas[0].incomplete);
+        let mut sink = HubSink::new(h.clone(), "up", "down");
+        let mut ingest = Ingest::new();
+        // A late start: the buffer holds 3 and 4 only.
+        let mut held = Held((3..5).map(|s| (s, Some(batch(vec![stored(vec![10 + s])])))).collect());
+        live(&mut ingest, &mut held, &mut sink, 5, vec![15]);
+        assert_eq!(read(&mut fs), 2, "the table goes out again");
+        assert!(fs.replicas[0].incomplete);
+        // More batches, and a later start of what is missing, change nothing the filters see.
+        live(&mut ingest, &mut held, &mut sink, 6, vec![16]);
+        h.state().mark_incomplete(0, 6);
+        assert_eq!(read(&mut fs), 2);
+        // A clear of the engine's whole cache: complete, and the table says so.
+        let cleared = Some(batch(vec![WireEvent::AllBlocksCleared, stored(vec![20])]));
+        ingest.handle(SourceEvent::Batch { engine: 0, seq: 7, payload: &cleared }, &mut held, &mut sink);
+        assert_eq!(read(&mut fs), 3);
+        assert!(!fs.replicas[0].incomplete);
+        // A snapshot that is itself incomplete marks it; a complete one clears it.
+        h.state().joined_snapshot(0, Some(2));
+        assert_eq!(read(&mut fs), 4);
+        assert!(fs.replicas[0].incomplete);
+        h.state().joined_snapshot(0, None);
+        assert_eq!(read(&mut fs), 5);
+        assert!(!fs.replicas[0].incomplete);
+        // A new subscriber's table carries the flag too.
+        h.state().mark_incomplete(0, 9);
+        assert!(h.state().table().replicas[0].mirror_incomplete);
+    }
 }

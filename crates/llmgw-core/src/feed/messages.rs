@@ -68,6 +68,10 @@ pub struct Replica {
     /// The LoRA adapters it serves, with their paths (empty from older agents).
     #[prost(message, repeated, tag = "10")]
     pub lora_adapters: Vec<LoraAdapter>,
+    /// The agent's mirror of this engine lacks blocks stored before some batch (false from
+    /// older agents).
+    #[prost(bool, tag = "11")]
+    pub mirror_incomplete: bool,
 }
 
 /// A LoRA adapter an engine serves: the name requests give, and the path vLLM hashes with it.
@@ -142,6 +146,7 @@ impl Replica {
             hash: self.hash.as_ref().map(HashSettings::spec),
             kv_groups: self.kv_groups.iter().map(KvCacheGroup::resolve).collect(),
             lora_adapters: self.lora_adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect(),
+            incomplete: self.mirror_incomplete,
         })
     }
 }

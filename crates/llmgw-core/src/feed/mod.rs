@@ -40,6 +40,7 @@ mod tests {
                     dp_size: 0,
                     kv_groups: vec![],
                     lora_adapters: vec![],
+                    mirror_incomplete: false,
                 },
                 Replica {
                     id: 1,
@@ -52,6 +53,7 @@ mod tests {
                     dp_size: 0,
                     kv_groups: vec![],
                     lora_adapters: vec![],
+                    mirror_incomplete: false,
                 },
             ],
         };
@@ -97,6 +99,7 @@ mod tests {
                     dp_size: 0,
                     kv_groups: vec![],
                     lora_adapters: vec![],
+                    mirror_incomplete: false,
                 })
                 .collect(),
         })

@@ -38,6 +38,7 @@ fn candidates_avoiding<'a>(
                 kv_usage: load.map_or(0.0, |l| l.kv_cache_usage),
                 dp_rank: r.dp_rank,
                 rates: gw.learned_rates(&r.address),
+                incomplete: r.incomplete,
             }
         })
         .collect()

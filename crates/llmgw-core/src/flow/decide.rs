@@ -8,7 +8,7 @@ use super::gateway::GatewayState;
 use super::prefix::Scratch;
 use super::reasons::Fallback;
 use super::speculative::{checkpoints, Speculation, MAX_BLOCKS};
-use super::step::{no_replica_body, Rejected, Report, Routed, Step};
+use super::step::{no_replica_body, Rejected, Report, Routed, Step, MAX_EXPLAINED_INCOMPLETE};
 use crate::feed::FeedState;
 use crate::fleet::replica_key;
 use crate::policy::{self, Decision, Outcome, Weights};
@@ -54,6 +54,17 @@ pub fn decide(
         let reset_ns = ctx.resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
         (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
     });
+    let incomplete_count = cands.iter().filter(|c| c.incomplete).count();
+    let incomplete: Vec<String> = cands
+        .iter()
+        .filter(|c| c.incomplete)
+        .take(MAX_EXPLAINED_INCOMPLETE)
+        .map(|c| match c.dp_rank {
+            Some(rank) => format!("{}#{rank}", c.address),
+            None => c.address.to_owned(),
+        })
+        .collect();
+    report.saw_incomplete = incomplete_count > 0;
     report.outcome = Some(d.outcome);
     report.hybrid_unsupported |= exact.is_some_and(|(s, _)| s.hybrid_unsupported);
     report.fallback = why.or((exact.is_some() && d.outcome == Outcome::Approx).then_some(Fallback::NoMatch));
@@ -70,6 +81,8 @@ pub fn decide(
             runner_up,
             speculation,
             speculative_blocks,
+            incomplete,
+            incomplete_count,
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }

@@ -38,6 +38,9 @@ pub struct Report {
     /// Some replica serving the model has KV-cache groups the hybrid scoring does not model
     /// (Mamba layers, mixed block sizes): it was scored by its first group alone.
     pub hybrid_unsupported: bool,
+    /// Some candidate engine's mirror is incomplete: the index's misses on it were not taken
+    /// as proof of absence.
+    pub saw_incomplete: bool,
 }
 
 /// How the tokenization cache answered.
@@ -78,18 +81,32 @@ pub struct Routed {
     /// Of `decision.matched`, the blocks only speculative entries credit the winner with (the
     /// index shows it holding the rest): they were just sent there, no KV event confirmed them.
     pub speculative_blocks: u32,
+    /// The candidate engines whose mirror is incomplete (`ip:port`, `#rank` on a data-parallel
+    /// replica), at most [`MAX_EXPLAINED_INCOMPLETE`], and how many there were.
+    pub incomplete: Vec<String>,
+    pub incomplete_count: usize,
 }
 
+/// The most incomplete engines the explain header names (the rest are counted).
+pub const MAX_EXPLAINED_INCOMPLETE: usize = 8;
+
 impl Routed {
-    /// The explain header's value: with the `ttft` policy, the winner's predicted time to first
-    /// token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), and the rates
-    /// the winner's prediction used (`rates=profile`, or `rates=learned/N …`).
+    /// The explain header's value: the candidate engines whose mirror is incomplete
+    /// (`incomplete=IP:PORT,IP:PORT#1,+3`); with the `ttft` policy, the winner's predicted time
+    /// to first token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), and
+    /// the rates the winner's prediction used (`rates=profile`, or `rates=learned/N …`).
     pub fn explain(&self, vm: &str) -> String {
         let d = &self.decision;
         let mut out =
             format!("outcome={}; replica={}; matched={}/{}", d.outcome.as_str(), self.address, d.matched, d.total);
         if self.speculative_blocks > 0 {
             out.push_str(&format!("; speculative={}", self.speculative_blocks));
+        }
+        if self.incomplete_count > 0 {
+            out.push_str(&format!("; incomplete={}", self.incomplete.join(",")));
+            if let Some(more) = self.incomplete_count.checked_sub(self.incomplete.len()).filter(|&n| n > 0) {
+                out.push_str(&format!(",+{more}"));
+            }
         }
         out.push_str(&format!("; vm={vm}"));
         if let Some(us) = d.predicted_us {

@@ -26,7 +26,22 @@ fn keys(tokens: &[u32]) -> Vec<u64> {
 /// A router whose feed knows replicas A and B (both up), B holding `on_b`.
 fn router(extra: &str, on_b: Vec<u64>, up: bool) -> Router {
     let mut r = Router::new(config(extra), 2);
-    let replica = |id: u32, address: &str| Replica {
+    r.feed.begin_subscription();
+    for (seq, body) in [
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, up), replica(1, B, up)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(body) }).unwrap();
+    }
+    r
+}
+
+fn replica(id: u32, address: &str, up: bool) -> Replica {
+    Replica {
         id,
         name: format!("r{id}"),
         address: address.into(),
@@ -37,19 +52,8 @@ fn router(extra: &str, on_b: Vec<u64>, up: bool) -> Router {
         dp_size: 0,
         kv_groups: vec![],
         lora_adapters: vec![],
-    };
-    r.feed.begin_subscription();
-    for (seq, body) in [
-        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A), replica(1, B)] }),
-        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: on_b }),
-        Msg::SnapshotComplete(SnapshotComplete {}),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(body) }).unwrap();
+        mirror_incomplete: false,
     }
-    r
 }
 
 fn body<'a>(path: &'a str, bytes: &'a [u8]) -> Body<'a> {
@@ -135,6 +139,7 @@ fn token_ids_held_by_a_replica_route_there_exactly() {
             tokenizer_failure_request_caused: false,
             hash_mismatch: false,
             hybrid_unsupported: false,
+            saw_incomplete: false,
         }
     );
     // The predicted times to first token: nothing to compute on B; A would compute all 32
@@ -289,6 +294,7 @@ fn wire_table(r: &Router, groups: impl Fn(u32) -> Vec<crate::feed::KvCacheGroup>
             dp_size: if x.dp_rank.is_some() { 2 } else { 1 },
             kv_groups: groups(u32::from(x.id)),
             lora_adapters: vec![],
+            mirror_incomplete: false,
         })
         .collect();
     ReplicaTable { replicas }
@@ -313,6 +319,7 @@ fn router_with_hash(
         dp_size: 1,
         kv_groups: vec![],
         lora_adapters: vec![],
+        mirror_incomplete: false,
     };
     r.feed.begin_subscription();
     for (seq, body) in [
@@ -579,6 +586,7 @@ fn a_catch_all_profile_over_replicas_hashing_differently_keeps_each_models_token
         dp_size: 1,
         kv_groups: vec![],
         lora_adapters: vec![],
+        mirror_incomplete: false,
     };
     r.feed.begin_subscription();
     for (seq, b) in [
@@ -738,6 +746,7 @@ fn an_adapter_the_replicas_list_is_hashed_with_its_path_as_vllm_does() {
         dp_size: 1,
         kv_groups: vec![],
         lora_adapters: vec![crate::feed::LoraAdapter { name: "sql".into(), path: path.into() }],
+        mirror_incomplete: false,
     };
     // A holds the prompt's blocks for the base model, B the adapter's.
     let fleet = |path_on_a: &str| {
@@ -776,3 +785,5 @@ fn an_adapter_the_replicas_list_is_hashed_with_its_path_as_vllm_does() {
     assert_eq!(got.report.fallback, Some(Fallback::HashMismatch));
     assert_eq!(ask(&mut r, "base"), (A.to_owned(), Outcome::Exact, 8));
 }
+
+mod incomplete;

@@ -24,6 +24,9 @@ pub struct Candidate<'a> {
     pub dp_rank: Option<u32>,
     /// Rates learned for this replica from its observed times to first token, when any.
     pub rates: Option<Rates>,
+    /// The agent's mirror of this engine is incomplete: the index's hits on it are real, its
+    /// misses are not proof of absence (see [`super::decide_lazy`]).
+    pub incomplete: bool,
 }
 
 impl Candidate<'_> {

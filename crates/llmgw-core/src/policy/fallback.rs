@@ -65,21 +65,22 @@ impl FallbackWeights {
     }
 
     /// The fallback's choice among `idx`: by the prompt's rendezvous order when there is a
-    /// `key`, else by load. With exact data (`exact`) the prefix is known to be new: it may go
-    /// to the less loaded of its first rendezvous choices; without (a fallback), its first
-    /// choice is the best guess of where earlier requests sharing it went, so only the load
-    /// bound moves it. A spilled hot prefix goes to the least loaded replica within the bound.
+    /// `key`, else by load. When the prefix is known to be new (`known_new`: exact data, from
+    /// complete mirrors, shows nobody holding it) it may go to the less loaded of its first
+    /// rendezvous choices; otherwise (a fallback, or an incomplete mirror) its first choice is
+    /// the best guess of where earlier requests sharing it went, so only the load bound moves
+    /// it. A spilled hot prefix goes to the least loaded replica within the bound.
     pub fn pick(
         &self,
         cands: &[Candidate<'_>],
         idx: &[usize],
         key: Option<u64>,
-        exact: bool,
+        known_new: bool,
         spilled: bool,
     ) -> (Option<usize>, Outcome) {
         let choices = if spilled {
             u32::try_from(idx.len()).unwrap_or(u32::MAX)
-        } else if exact {
+        } else if known_new {
             self.approx_choices
         } else {
             1

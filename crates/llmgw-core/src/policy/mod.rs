@@ -54,6 +54,19 @@ pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Optio
 /// between equally good replicas, or no exact match): reading a long prompt's leading text is
 /// skipped whenever the index alone decides. `work`: the prompt's size (without it, the
 /// `ttft` policy counts the request's full blocks at 16 tokens).
+///
+/// Engines whose mirror is incomplete ([`Candidate::incomplete`]: the agent started after
+/// they cached blocks it could not replay) hold at least what the index shows, perhaps more.
+/// Their hits are credited as any engine's: a block the index shows is held. Their misses are
+/// not taken as proof: when the index shows nobody holding the request's first block while an
+/// eligible engine is incomplete, the prefix is not known to be new (it may sit, cached before
+/// the agent started, on that engine), so it goes where a fallback without exact data sends
+/// it: its first rendezvous choice, load bound permitting, which is where earlier requests
+/// sharing it went; a prefix known to be new may take the less loaded of its first choices.
+/// In the contest among holders an incomplete engine is weighed by what it is shown to hold
+/// and no more: crediting blocks nobody saw would be confidence the other way, and since an
+/// engine stays incomplete until its cache is cleared or it restarts, it would turn exact
+/// routing into load balancing over every such engine for as long.
 pub fn decide_lazy(
     cands: &[Candidate<'_>],
     exact: Option<&Scores>,
@@ -92,7 +105,8 @@ pub fn decide_lazy(
         }
     }
     let total = exact.map_or(0, |s| s.total);
-    let (winner, outcome) = w.fallback.pick(cands, &idx, approx_key(), exact.is_some(), spilled);
+    let known_new = exact.is_some() && !idx.iter().any(|&i| cands.get(i).is_some_and(|c| c.incomplete));
+    let (winner, outcome) = w.fallback.pick(cands, &idx, approx_key(), known_new, spilled);
     Decision::new(winner, outcome, 0, total)
 }
 

@@ -16,6 +16,7 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             waiting: 0,
             kv_usage: 0.0,
             rates: None,
+            incomplete: false,
         })
         .collect()
 }
@@ -403,5 +404,48 @@ fn the_tie_margin_is_in_requests_at_the_learned_rate() {
         let mut fixed = Weights::default();
         fixed.ttft.tie_us = 45_000.0;
         assert_eq!(ttft(&c, &both, 800, key, &fixed).winner, Some(idle), "prompt {p}");
+    }
+}
+
+#[test]
+fn an_incomplete_engines_misses_are_not_proof_that_a_prefix_is_new() {
+    let w = Weights::default();
+    let key = stable_hash(b"a system prompt cached before the agent started");
+    let home = decide(&fleet(3), None, Some(key), &w).winner.unwrap();
+    let none = scores(&[0, 0, 0], 7);
+    // Complete mirrors showing nobody holding it: a new prefix, free to take the less loaded
+    // of its first two choices.
+    let mut c = fleet(3);
+    c[home].in_flight = 1;
+    let second = decide(&c, Some(&none), Some(key), &w).winner.unwrap();
+    assert_ne!(second, home);
+    // An engine whose mirror is incomplete may hold it unseen: the prefix stays on its first
+    // choice, where earlier requests sharing it went, as without exact data.
+    for incomplete in 0..3 {
+        let mut c = c.clone();
+        c[incomplete].incomplete = true;
+        let d = decide(&c, Some(&none), Some(key), &w);
+        assert_eq!((d.winner, d.outcome), (Some(home), Outcome::Approx), "incomplete {incomplete}");
+    }
+    // The load bound still moves it.
+    let mut far = c.clone();
+    far[home].in_flight = 40;
+    far[second].incomplete = true;
+    assert_ne!(decide(&far, Some(&none), Some(key), &w).winner, Some(home));
+    // A down incomplete engine says nothing about where the prefix is.
+    let mut down = c.clone();
+    let other = (0..3).find(|&i| i != home && i != second).unwrap();
+    down[other].incomplete = true;
+    down[other].up = false;
+    assert_eq!(decide(&down, Some(&none), Some(key), &w).winner, Some(second));
+    // Its hits are real: an incomplete holder wins as a complete one does, and a complete
+    // holder is not given up for an incomplete engine the index shows holding nothing.
+    for policy in [Weights::default(), score()] {
+        let mut c = fleet(3);
+        c[1].incomplete = true;
+        let d = decide(&c, Some(&scores(&[0, 5, 0], 7)), Some(key), &policy);
+        assert_eq!((d.winner, d.outcome, d.matched), (Some(1), Outcome::Exact, 5));
+        let d = decide(&c, Some(&scores(&[5, 0, 0], 7)), Some(key), &policy);
+        assert_eq!((d.winner, d.outcome, d.matched), (Some(0), Outcome::Exact, 5));
     }
 }
