@@ -548,6 +548,10 @@ def test_no_variant_ships_a_hash_seed_and_each_reads_the_secret(variant):
 
 SEED_BREAKS = [
     ("kubernetes", "kubernetes/llmgw-gateway.yaml", 'seed_env = "LLMGW_HASH_SEED"', 'seed = "0"', "[hash] seed = '0'"),
+    ("kubernetes", "kubernetes/llmgw-gateway.yaml", '    seed_env = "LLMGW_HASH_SEED"', '    # no seed',
+     "seed_env is not"),
+    ("kubernetes", "vllm/vllm.yaml", "    [zmq]\n    max_blocks_per_engine", '    [hash]\n    seed = "0"\n    [zmq]\n    max_blocks_per_engine',
+     "publish.toml: [hash] seed = '0'"),
     ("istio", "vllm/vllm.yaml", "valueFrom: {secretKeyRef: {name: llmgw-hash-seed, key: seed}}", 'value: "0"',
      "PYTHONHASHSEED is written in the manifest"),
     ("istio", "istio/llmgw-envoyfilter.yaml", '"hash_algo": "sha256_cbor",', '"hash_algo": "sha256_cbor", "seed": "0",',
