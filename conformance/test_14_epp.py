@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 import llmgw_testkit as kit
+from llmgw_testkit.stub import Decoy
 from conftest import AGENT, BLOCK, ENVOY, MODEL, Replica, agent_hash, http_json, wait_healthy, wait_until, words
 from llmgw_testkit import free_port
 
@@ -132,33 +131,6 @@ def test_a_followup_lands_exactly_on_the_replica_holding_its_prefix(pool, gatewa
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCK * len(keys), reply["usage"]
         # Decided from the index (the approximate fallback keys on the same text).
         wait_until(lambda e=exact: picker.counter(EXACT) == e + 1, 10, "the picker to count an exact decision")
-
-
-class Decoy:
-    """An HTTP server a client names in x-gateway-destination-endpoint: it must get nothing."""
-
-    def __init__(self):
-        self.hits = 0
-        decoy = self
-
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):
-                decoy.hits += 1
-                self.send_response(200)
-                self.send_header("content-length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_a_client_destination_header_is_never_honoured(pool, gateway):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -72,6 +73,22 @@ class AssemblyError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # Loading and schema validation.
+
+
+def envoy_copy(tmp_path: Path) -> Path:
+    """A copy of envoy/ under `tmp_path`, for a test to break on purpose."""
+    root = tmp_path / "envoy"
+    shutil.copytree(ENVOY_DIR, root)
+    return root
+
+
+def edit(root: Path, rel: str, old: str, new: str, once: bool = False) -> None:
+    """Replaces `old` by `new` in `root`/`rel`: `old` must be there (exactly once with `once`)."""
+    p = root / rel
+    text = p.read_text()
+    n = text.count(old)
+    assert n == 1 if once else n >= 1, f"{old!r} is in {rel} {n} times"
+    p.write_text(text.replace(old, new))
 
 
 def load(path: str | Path, root: Path = ENVOY_DIR) -> list[dict]:

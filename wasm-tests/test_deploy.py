@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import shlex
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -160,19 +159,6 @@ def test_envoy_gateway_patches_address_the_generated_names(assembled):
     assert [r["route"]["cluster"] for r in deploy.routes(b, "tcp-80")][2:] == ["httproute/llmgw/llmgw/rule/0"] * 2
 
 
-def _copy_envoy_dir(tmp_path: Path) -> Path:
-    root = tmp_path / "envoy"
-    shutil.copytree(deploy.ENVOY_DIR, root)
-    return root
-
-
-def _edit(root: Path, rel: str, old: str, new: str) -> None:
-    p = root / rel
-    text = p.read_text()
-    assert text.count(old) >= 1, f"{old!r} not in {rel}"
-    p.write_text(text.replace(old, new))
-
-
 BROKEN_ASSEMBLY = [
     # A patch aimed at a port the Gateway does not have matches nothing.
     ("istio", "istio/llmgw-envoyfilter.yaml", "portNumber: 8080", "portNumber: 8081", "matches nothing"),
@@ -191,9 +177,9 @@ BROKEN_ASSEMBLY = [
 
 @pytest.mark.parametrize("kind,rel,old,new,message", BROKEN_ASSEMBLY, ids=[f"{k}:{n}" for k, _, n, _, _ in BROKEN_ASSEMBLY])
 def test_a_patch_that_would_not_apply_is_refused(tmp_path, kind, rel, old, new, message):
-    root = _copy_envoy_dir(tmp_path)
+    root = deploy.envoy_copy(tmp_path)
     deploy.ASSEMBLE[kind](root)  # the copy assembles before the edit
-    _edit(root, rel, old, new)
+    deploy.edit(root, rel, old, new)
     with pytest.raises(deploy.AssemblyError, match=message):
         deploy.ASSEMBLE[kind](root)
 
@@ -568,12 +554,8 @@ SEED_BREAKS = [
 
 @pytest.mark.parametrize("variant,rel,old,new,message", SEED_BREAKS, ids=[b[4] for b in SEED_BREAKS])
 def test_a_variant_with_a_seed_of_its_own_is_refused(tmp_path, variant, rel, old, new, message):
-    root = tmp_path / "envoy"
-    shutil.copytree(deploy.ENVOY_DIR, root)
-    path = root / rel
-    text = path.read_text()
-    assert text.count(old) == 1, old
-    path.write_text(text.replace(old, new))
+    root = deploy.envoy_copy(tmp_path)
+    deploy.edit(root, rel, old, new, once=True)
     w = _seed_wiring(variant, root)
     assert any(message in p for p in w.problems), w.problems
 
@@ -783,9 +765,9 @@ BROKEN_GAIE = [
 
 @pytest.mark.parametrize("rel,old,new,message", BROKEN_GAIE, ids=[m for *_, m in BROKEN_GAIE])
 def test_a_pool_whose_wiring_breaks_is_refused(tmp_path, rel, old, new, message):
-    root = _copy_envoy_dir(tmp_path)
+    root = deploy.envoy_copy(tmp_path)
     deploy.gaie_bootstrap("istio", root)  # the copy assembles before the edit
-    _edit(root, rel, old, new)
+    deploy.edit(root, rel, old, new)
     with pytest.raises(deploy.AssemblyError, match=message):
         deploy.gaie_bootstrap("istio", root)
 

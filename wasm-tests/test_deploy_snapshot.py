@@ -10,7 +10,6 @@ past its early batches, and an agent with the shipped discovery, hold the replic
 from __future__ import annotations
 
 import json
-import shutil
 import tomllib
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 import deploy_support as deploy
 import network_policy
-from llmgw_testkit import free_port, request, toml, wait_port, wait_until
+from llmgw_testkit import free_port, request, wait_port, wait_until
 from llmgw_testkit import get_text as get
 from llmgw_testkit import post_json as post
 from llmgw_testkit.fleet import new_sims, sim_command, wait_sims
@@ -145,19 +144,6 @@ def test_the_sidecars_configuration_is_accepted_by_the_agent(tmp_path, agent_bin
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _copy(tmp_path: Path) -> Path:
-    root = tmp_path / "envoy"
-    shutil.copytree(deploy.ENVOY_DIR, root)
-    return root
-
-
-def _edit(root: Path, rel: str, old: str, new: str) -> None:
-    p = root / rel
-    text = p.read_text()
-    assert text.count(old) == 1, (rel, old)
-    p.write_text(text.replace(old, new))
-
-
 BROKEN = [
     ("vllm/vllm.yaml", "      - name: llmgw-snapshot\n        image: llmgw/llmgw-agent:0.1.0\n        restartPolicy: Always\n",
      "      - name: llmgw-snapshot\n        image: llmgw/llmgw-agent:0.1.0\n", "not a native sidecar"),
@@ -177,9 +163,9 @@ BROKEN = [
 
 @pytest.mark.parametrize("rel,old,new,message", BROKEN, ids=[m for *_, m in BROKEN])
 def test_a_miswired_sidecar_is_refused(tmp_path, rel, old, new, message):
-    root = _copy(tmp_path)
+    root = deploy.envoy_copy(tmp_path)
     wiring(root)  # the copy passes before the edit
-    _edit(root, rel, old, new)
+    deploy.edit(root, rel, old, new, once=True)
     with pytest.raises(AssertionError, match=message):
         wiring(root)
 

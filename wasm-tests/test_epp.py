@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 import llmgw_testkit as kit
+from llmgw_testkit.stub import Decoy
 from llmgw_testkit import wait_until
 from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router
 
@@ -44,33 +43,6 @@ def metric(agent, name: str, labels: str = "") -> float:
     pat = re.compile(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", re.M)
     m = pat.search(agent.metrics())
     return float(m.group(1)) if m else 0.0
-
-
-class Decoy:
-    """An HTTP server a client names in x-gateway-destination-endpoint: it must get nothing."""
-
-    def __init__(self):
-        self.hits = 0
-        decoy = self
-
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):
-                decoy.hits += 1
-                self.send_response(200)
-                self.send_header("content-length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

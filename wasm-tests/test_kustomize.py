@@ -81,12 +81,6 @@ def test_each_base_renders_exactly_its_files(base):
     assert rendered == files
 
 
-def _copy_envoy_dir(tmp_path: Path) -> Path:
-    root = tmp_path / "envoy"
-    shutil.copytree(deploy.ENVOY_DIR, root)
-    return root
-
-
 # Each gateway base runs the agent and the init container that installs the filter; each endpoint
 # picker variant runs the agent as the picker; the replicas run it as their snapshot sidecar.
 AGENT_CONTAINERS = {"vllm": 1, "kubernetes": 2, "istio": 2, "envoy-gateway": 2, **{f"gaie/{g}": 1 for g in deploy.GAIE}}
@@ -94,7 +88,7 @@ AGENT_CONTAINERS = {"vllm": 1, "kubernetes": 2, "istio": 2, "envoy-gateway": 2, 
 
 @pytest.mark.parametrize("base", AGENT_CONTAINERS)
 def test_one_images_entry_renames_the_agent_image_everywhere(base, tmp_path):
-    root = _copy_envoy_dir(tmp_path)
+    root = deploy.envoy_copy(tmp_path)
     before = [i for o in kustomize(root / base) for i in _images(o)]
     shipped = [i for i in before if i.startswith(AGENT_IMAGE + ":")]
     assert len(shipped) >= AGENT_CONTAINERS[base], before
@@ -169,7 +163,7 @@ def test_every_rendering_reads_the_hash_seed_from_the_secret(kustomization):
 
 
 def test_an_overlay_that_writes_a_seed_is_refused(tmp_path):
-    root = _copy_envoy_dir(tmp_path)
+    root = deploy.envoy_copy(tmp_path)
     toml = root / OVERLAY / "agent.toml"
     text = toml.read_text()
     assert text.count('seed_env = "LLMGW_HASH_SEED"') == 1
@@ -187,7 +181,7 @@ def test_the_overlays_bootstrap_passes_envoy_validation(overlay, tmp_path, envoy
 
 
 def test_the_render_tokenizer_patch_puts_vllms_render_server_on_the_filters_tokenizer_address(tmp_path):
-    root = _copy_envoy_dir(tmp_path)
+    root = deploy.envoy_copy(tmp_path)
     k = root / OVERLAY / "kustomization.yaml"
     text = k.read_text()
     assert "# - path: render-tokenizer.yaml" in text

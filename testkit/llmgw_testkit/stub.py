@@ -45,3 +45,31 @@ class StubServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+
+class Decoy:
+    """A server a client names where it must not be sent (e.g. in x-gateway-destination-endpoint):
+    it answers every POST with `{}` and counts them in `hits`. `close()` stops it."""
+
+    def __init__(self):
+        self.hits = 0
+        decoy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                decoy.hits += 1
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
