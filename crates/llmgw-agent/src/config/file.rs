@@ -460,6 +460,20 @@ impl Default for HttpConfig {
     }
 }
 impl HashConfig {
+    /// Fills `seed` from `seed_env` or `seed_file` (see [`super::seed::resolve`]) and records
+    /// where it came from. `field`: the section's path (`hash`, `replicas[0].hash`).
+    pub(super) fn resolve_seed(&mut self, field: &str, lookup: SeedLookup<'_>) -> Result<(), ConfigError> {
+        self.seed_source = super::seed::resolve(&mut self.seed, &mut self.seed_env, &mut self.seed_file, lookup)
+            .map_err(|(f, m)| err(format!("{field}.{f}"), m))?;
+        Ok(())
+    }
+
+    /// Whether the seed is still to be read (loaded with [`SeedLookup::Defer`]): then `seed` is
+    /// `None` though the replicas run with one.
+    pub fn seed_deferred(&self) -> bool {
+        self.seed.is_none() && self.seed_source.is_secret()
+    }
+
     /// The settings as the core names them (the feed carries them to the filters).
     pub fn spec(&self) -> llmgw_core::hash::HashSpec {
         llmgw_core::hash::HashSpec {
@@ -550,7 +564,17 @@ impl Config {
             let path = e.path().to_string();
             err(path, e.into_inner().message().to_owned())
         })?;
-        cfg.resolve_seeds(seeds)?;
+        cfg.hash.resolve_seed("hash", seeds)?;
+        for (i, r) in cfg.replicas.iter_mut().enumerate() {
+            if let Some(h) = r.hash.as_mut() {
+                h.resolve_seed(&format!("replicas[{i}].hash"), seeds)?;
+            }
+        }
+        for (i, d) in cfg.discovery.iter_mut().enumerate() {
+            if let Some(h) = d.hash.as_mut() {
+                h.resolve_seed(&format!("discovery[{i}].hash"), seeds)?;
+            }
+        }
         cfg.validate()?;
         Ok(cfg)
     }

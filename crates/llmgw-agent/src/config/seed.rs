@@ -162,41 +162,6 @@ pub fn resolve(
     Ok(SeedSource::Written)
 }
 
-impl super::file::HashConfig {
-    /// Fills `seed` from `seed_env` or `seed_file` (see [`resolve`]) and records where it came
-    /// from. `field`: the section's path (`hash`, `replicas[0].hash`).
-    pub(super) fn resolve_seed(&mut self, field: &str, lookup: SeedLookup<'_>) -> Result<(), super::file::ConfigError> {
-        self.seed_source = resolve(&mut self.seed, &mut self.seed_env, &mut self.seed_file, lookup)
-            .map_err(|(f, m)| super::file::err(format!("{field}.{f}"), m))?;
-        Ok(())
-    }
-
-    /// Whether the seed is still to be read (loaded with [`SeedLookup::Defer`]): then `seed` is
-    /// `None` though the replicas run with one.
-    pub fn seed_deferred(&self) -> bool {
-        self.seed.is_none() && self.seed_source.is_secret()
-    }
-}
-
-impl super::file::Config {
-    /// Reads every `[hash]` section's seed (the global one, each replica's, each discovery
-    /// entry's) as `seeds` says.
-    pub(super) fn resolve_seeds(&mut self, seeds: SeedLookup<'_>) -> Result<(), super::file::ConfigError> {
-        self.hash.resolve_seed("hash", seeds)?;
-        for (i, r) in self.replicas.iter_mut().enumerate() {
-            if let Some(h) = r.hash.as_mut() {
-                h.resolve_seed(&format!("replicas[{i}].hash"), seeds)?;
-            }
-        }
-        for (i, d) in self.discovery.iter_mut().enumerate() {
-            if let Some(h) = d.hash.as_mut() {
-                h.resolve_seed(&format!("discovery[{i}].hash"), seeds)?;
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
