@@ -9,6 +9,7 @@
 //! S is in the `x-llmgw-snapshot-seq` header, and `x-llmgw-snapshot-incomplete-from: F` says
 //! the sidecar itself knows only what batches from F on stored.
 
+pub mod chunked;
 pub mod fetch;
 pub mod ledger;
 pub mod record;
