@@ -5,7 +5,7 @@ use llmgw_core::feed::{Body, FeedMessage, Heartbeat, SubscribeRequest};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
@@ -180,7 +180,7 @@ pub async fn serve(
     builder
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .add_service(svc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(crate::grpc_incoming(listener), shutdown)
         .await
 }
 

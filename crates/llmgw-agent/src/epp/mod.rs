@@ -35,7 +35,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 
@@ -154,8 +153,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .add_service(health)
         .add_service(svc)
-        // Without TCP_NODELAY an answer's frames wait for the gateway's delayed ACK (40 ms).
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown)
+        .serve_with_incoming_shutdown(crate::grpc_incoming(listener), shutdown)
         .await;
     health_task.abort();
     served

@@ -101,8 +101,7 @@ impl Picker {
                         return unavailable("no endpoint of the subset hint is eligible");
                     }
                     let r = self.router();
-                    let endpoints =
-                        self.ordered(&r, &routed.address, routed.runner_up.as_deref(), &gw, path_model(bytes));
+                    let endpoints = self.ordered(&r, &routed.address, routed.runner_up.as_deref(), &gw, routed.model);
                     return Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank });
                 }
                 Step::Reject(rej) => {
@@ -239,15 +238,6 @@ fn unavailable(why: &'static str) -> Pick {
     Pick::Reject { status: 503, body: serde_json::to_vec(&body).unwrap_or_default(), details: why }
 }
 
-/// The request's `model`, for the fallback list (only endpoints serving it follow the primary).
-fn path_model(bytes: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct M {
-        model: Option<String>,
-    }
-    serde_json::from_slice::<M>(bytes).ok().and_then(|m| m.model)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,15 +252,21 @@ mod tests {
 
     /// A picker with the filter's default routing over three replicas up, serving model "m".
     fn picker() -> Picker {
+        picker_serving(["m", "m", "m"])
+    }
+
+    /// The same, A, B and C serving the models named.
+    fn picker_serving(models: [&str; 3]) -> Picker {
         let mut router = Router::new(Compiled::from_json(b"", None).unwrap(), 7);
         let replicas = [A, B, C]
             .iter()
+            .zip(models)
             .enumerate()
-            .map(|(i, a)| Replica {
+            .map(|(i, (a, m))| Replica {
                 id: i as u32,
                 name: format!("r{i}"),
                 address: (*a).to_owned(),
-                models: vec!["m".into()],
+                models: vec![m.into()],
                 up: true,
                 ..Default::default()
             })
@@ -302,6 +298,18 @@ mod tests {
         sorted.dedup();
         assert_eq!(sorted, vec![A.to_owned(), B.to_owned(), C.to_owned()]);
         p.finished(&d.endpoints[0]);
+    }
+
+    #[tokio::test]
+    async fn fallbacks_serve_the_model_the_body_names() {
+        let p = picker_serving(["m", "n", "m"]);
+        for _ in 0..4 {
+            let d = route(p.pick("/v1/completions", BODY, false, None).await);
+            let mut sorted = d.endpoints.clone();
+            sorted.sort();
+            assert_eq!(sorted, vec![A.to_owned(), C.to_owned()], "B serves another model");
+            p.finished(&d.endpoints[0]);
+        }
     }
 
     #[tokio::test]

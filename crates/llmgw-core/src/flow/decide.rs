@@ -75,6 +75,7 @@ pub fn decide(
         Some(c) => Step::Route(Routed {
             address: c.address.to_owned(),
             dp_rank: c.dp_rank,
+            model: ctx.model.map(str::to_owned),
             decision: d,
             report,
             prefill_tokens,

@@ -67,6 +67,8 @@ pub struct Routed {
     /// The chosen engine's data-parallel rank, when the replica behind `address` runs several
     /// (the value of `X-data-parallel-rank`).
     pub dp_rank: Option<u32>,
+    /// The request's `model`, as the body named it (`None`: it named none).
+    pub model: Option<String>,
     pub decision: Decision,
     pub report: Report,
     /// The prompt tokens the chosen replica computes for it (past the leading blocks it
