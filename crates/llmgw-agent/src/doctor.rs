@@ -307,7 +307,7 @@ pub async fn envoy(admin: &str) -> Vec<Finding> {
     let base = admin.trim_end_matches('/');
     let base = if base.contains("://") { base.to_owned() } else { format!("http://{base}") };
     let url = format!("{base}/clusters");
-    let body = match crate::http_client::get_http11(&url, PROBE_TIMEOUT).await {
+    let body = match crate::http_client::get(&url, PROBE_TIMEOUT).await {
         Ok(b) => b,
         Err(e) => {
             return vec![fail(

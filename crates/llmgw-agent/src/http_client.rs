@@ -1,15 +1,21 @@
-//! A minimal plain-HTTP client: load scraping reads each replica's `/metrics` with it,
-//! discovery its `/kv_event_sources`, and the native tokenizer's check posts to its `/tokenize`.
-//! HTTP/1.0 (a body read to the connection's end), except [`get_http11`] for servers that
-//! refuse 1.0 (Envoy's admin answers it 426).
+//! The agent's plain-HTTP client: load scraping reads each replica's `/metrics` with it,
+//! discovery its `/kv_event_sources`, the doctor its probes, and the picker and the native
+//! tokenizer's check post to `/tokenize`. One HTTP/1.1 request per connection over hyper
+//! (`Connection: close`), so a server or sidecar proxy that refuses HTTP/1.0 (Envoy does by
+//! default, Istio's sidecars with it) answers, and the answer ends where its framing says —
+//! not when a server that lingers before closing finally does. Bodies are bounded.
 
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Bytes;
+use hyper::header::{ACCEPT, CONNECTION, CONTENT_TYPE, HOST, USER_AGENT};
+use hyper::{Method, Request};
+use hyper_util::rt::TokioIo;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Largest body read.
-const MAX_BODY: u64 = 16 << 20;
+const MAX_BODY: usize = 16 << 20;
 
-/// Why a GET failed.
+/// Why a request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     #[error("only http:// URLs are supported")]
@@ -18,138 +24,169 @@ pub enum HttpError {
     Io(#[from] std::io::Error),
     #[error("timed out")]
     TimedOut,
-    #[error("malformed HTTP response")]
-    Malformed,
-    /// The status line of an answer other than 200.
+    /// An answer that is not HTTP, cut short, or over the body limit.
+    #[error("malformed HTTP response: {0}")]
+    Malformed(String),
+    /// The status line of an answer other than 200 (`HTTP/1.1 404 Not Found`).
     #[error("HTTP status {0:?}")]
     Status(String),
 }
 
 /// GET `url` (plain http) and return the body of a 200 response.
 pub async fn get(url: &str, timeout: Duration) -> Result<String, HttpError> {
-    request(url, None, timeout, false).await
-}
-
-/// GET `url` as HTTP/1.1 (`Connection: close`, a chunked body decoded) and return the body of
-/// a 200 response.
-pub async fn get_http11(url: &str, timeout: Duration) -> Result<String, HttpError> {
-    request(url, None, timeout, true).await
+    request(url, None, timeout).await
 }
 
 /// POST a JSON `body` to `url` (plain http) and return the body of a 200 response.
 pub async fn post_json(url: &str, body: &[u8], timeout: Duration) -> Result<String, HttpError> {
-    request(url, Some(body), timeout, false).await
+    request(url, Some(body), timeout).await
 }
 
-/// The length of a response whose head `buf` holds in full and which gives a Content-Length:
-/// head, blank line and body; `None` before the head is complete or without that header.
-fn message_length(buf: &[u8]) -> Option<usize> {
-    let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = std::str::from_utf8(buf.get(..end)?).ok()?;
-    let len = head.lines().skip(1).find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok())?
-    })?;
-    end.checked_add(4)?.checked_add(len)
-}
-
-/// A chunked body's data (RFC 9112 7.1); `None` if it is cut short or malformed.
-fn dechunk(mut rest: &str) -> Option<String> {
-    let mut out = String::new();
-    loop {
-        let (size_line, after) = rest.split_once("\r\n")?;
-        let size = usize::from_str_radix(size_line.split(';').next()?.trim(), 16).ok()?;
-        if size == 0 {
-            return Some(out);
-        }
-        out.push_str(after.get(..size)?);
-        rest = after.get(size..)?.strip_prefix("\r\n")?;
+async fn request(url: &str, body: Option<&[u8]>, timeout: Duration) -> Result<String, HttpError> {
+    let uri: hyper::Uri = url.parse().map_err(|_| HttpError::UnsupportedUrl)?;
+    if uri.scheme_str() != Some("http") {
+        return Err(HttpError::UnsupportedUrl);
     }
-}
-
-async fn request(url: &str, body: Option<&[u8]>, timeout: Duration, http11: bool) -> Result<String, HttpError> {
-    let rest = url.strip_prefix("http://").ok_or(HttpError::UnsupportedUrl)?;
-    let (hostport, path) = match rest.find('/') {
-        Some(i) => (rest.get(..i).unwrap_or(rest), rest.get(i..).unwrap_or("/")),
-        None => (rest, "/"),
+    let authority = uri.authority().ok_or(HttpError::UnsupportedUrl)?.as_str().to_owned();
+    let path = uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    let mut req = Request::builder()
+        .uri(path)
+        .header(HOST, authority.as_str())
+        .header(USER_AGENT, "llmgw-agent")
+        .header(CONNECTION, "close");
+    req = match body {
+        Some(_) => req.method(Method::POST).header(CONTENT_TYPE, "application/json"),
+        None => req.method(Method::GET).header(ACCEPT, "text/plain"),
     };
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(hostport).await?;
-        let req = match body {
-            None if http11 => format!(
-                "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nAccept: text/plain\r\nUser-Agent: llmgw-agent\r\nConnection: close\r\n\r\n"
-            ),
-            None => format!(
-                "GET {path} HTTP/1.0\r\nHost: {hostport}\r\nAccept: text/plain\r\nUser-Agent: llmgw-agent\r\n\r\n"
-            ),
-            Some(b) => format!(
-                "POST {path} HTTP/1.0\r\nHost: {hostport}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nUser-Agent: llmgw-agent\r\n\r\n",
-                b.len()
-            ),
+    let req = req
+        .body(Full::new(Bytes::copy_from_slice(body.unwrap_or_default())))
+        .map_err(|e| HttpError::Malformed(e.to_string()))?;
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(authority.as_str()).await?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(malformed)?;
+        // The connection is driven beside the exchange and dropped with it.
+        let answer = async {
+            let resp = sender.send_request(req).await.map_err(malformed)?;
+            let (head, body) = resp.into_parts();
+            if head.status != hyper::StatusCode::OK {
+                return Err(HttpError::Status(format!("{:?} {}", head.version, head.status)));
+            }
+            let bytes =
+                Limited::new(body, MAX_BODY).collect().await.map_err(|e| HttpError::Malformed(e.to_string()))?;
+            Ok(String::from_utf8_lossy(&bytes.to_bytes()).into_owned())
         };
-        s.write_all(req.as_bytes()).await?;
-        if let Some(b) = body {
-            s.write_all(b).await?;
+        tokio::pin!(conn, answer);
+        tokio::select! {
+            biased;
+            got = &mut answer => got,
+            // The connection ends once the answer is in (`Connection: close`) or on an error,
+            // which the answer then reports; what it read is still to be collected.
+            _ = &mut conn => answer.await,
         }
-        // Read to the end of the body its Content-Length gives (a server may keep the
-        // connection open a while after answering: Envoy waits up to a second for the client to
-        // close first), else to the connection's end.
-        let mut buf = Vec::new();
-        let mut from = s.take(MAX_BODY);
-        let mut chunk = vec![0u8; 16 * 1024];
-        loop {
-            let n = from.read(&mut chunk).await?;
-            if n == 0 {
-                break;
-            }
-            buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
-            if let Some(total) = message_length(&buf) {
-                if buf.len() >= total {
-                    buf.truncate(total);
-                    break;
-                }
-            }
-        }
-        Ok::<Vec<u8>, std::io::Error>(buf)
     };
-    let buf = tokio::time::timeout(timeout, fut).await.map_err(|_| HttpError::TimedOut)??;
-    let text = String::from_utf8_lossy(&buf);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or(HttpError::Malformed)?;
-    let status = head.lines().next().unwrap_or("");
-    if status.split_whitespace().nth(1) != Some("200") {
-        return Err(HttpError::Status(status.to_owned()));
+    tokio::time::timeout(timeout, exchange).await.map_err(|_| HttpError::TimedOut)?
+}
+
+fn malformed(e: hyper::Error) -> HttpError {
+    match std::error::Error::source(&e).and_then(|s| s.downcast_ref::<std::io::Error>()) {
+        Some(io) => HttpError::Io(std::io::Error::new(io.kind(), e.to_string())),
+        None => HttpError::Malformed(e.to_string()),
     }
-    let chunked = head.lines().skip(1).any(|l| {
-        l.split_once(':').is_some_and(|(k, v)| {
-            k.trim().eq_ignore_ascii_case("transfer-encoding") && v.to_ascii_lowercase().contains("chunked")
-        })
-    });
-    if chunked {
-        return dechunk(body).ok_or(HttpError::Malformed);
-    }
-    Ok(body.to_owned())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{dechunk, message_length};
+    use super::{get, post_json, HttpError};
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    #[test]
-    fn a_response_ends_where_its_content_length_says() {
-        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel"), Some(43));
-        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\ncontent-length:0\r\n\r\n"), Some(37));
-        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n"), None, "head incomplete");
-        assert_eq!(message_length(b"HTTP/1.0 200 OK\r\nServer: x\r\n\r\nbody"), None, "to the end");
-        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"), None);
-        assert_eq!(message_length(b"HTTP/1.1 200 OK\r\nContent-Length: 18446744073709551615\r\n\r\n"), None);
+    type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+    /// A server answering every connection with `answer` once it has read the request head
+    /// (and a body of Content-Length), then holding the connection open for `linger`; the
+    /// request heads it read are in the returned list.
+    async fn server(answer: &'static [u8], linger: Duration) -> (String, Heads) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let heads = Heads::default();
+        let seen = heads.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = l.accept().await.unwrap();
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    let head = loop {
+                        let n = s.read(&mut chunk).await.unwrap();
+                        buf.extend_from_slice(&chunk[..n]);
+                        let text = String::from_utf8_lossy(&buf).to_string();
+                        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                            let len = head
+                                .lines()
+                                .find_map(|l| {
+                                    l.to_ascii_lowercase()
+                                        .strip_prefix("content-length:")
+                                        .map(|v| v.trim().parse().unwrap())
+                                })
+                                .unwrap_or(0);
+                            if body.len() >= len || n == 0 {
+                                break head.to_owned();
+                            }
+                        }
+                    };
+                    // Envoy answers an HTTP/1.0 request 426 unless told to accept it.
+                    let reply: &[u8] = if head.lines().next().unwrap().ends_with("HTTP/1.0") {
+                        b"HTTP/1.1 426 Upgrade Required\r\ncontent-length: 0\r\n\r\n"
+                    } else {
+                        answer
+                    };
+                    seen.lock().unwrap().push(head);
+                    s.write_all(reply).await.unwrap();
+                    tokio::time::sleep(linger).await;
+                });
+            }
+        });
+        (format!("http://{addr}"), heads)
     }
 
-    #[test]
-    fn chunked_bodies_are_joined_and_cut_ones_refused() {
-        assert_eq!(dechunk("5\r\nhello\r\n7;x=y\r\n, world\r\n0\r\n\r\n").as_deref(), Some("hello, world"));
-        assert_eq!(dechunk("0\r\n\r\n").as_deref(), Some(""));
-        assert_eq!(dechunk("5\r\nhel"), None);
-        assert_eq!(dechunk("zz\r\nhello\r\n0\r\n"), None);
-        assert_eq!(dechunk("5\r\nhello"), None);
+    #[tokio::test]
+    async fn a_server_refusing_http_1_0_is_answered_and_a_lingering_one_is_not_waited_for() {
+        let (url, _) = server(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", Duration::from_secs(30)).await;
+        // Read to the end of what the answer frames: the server holds the connection 30 s.
+        let got = get(&format!("{url}/metrics"), Duration::from_secs(10)).await;
+        assert_eq!(got.unwrap(), "hello");
+        let got = post_json(&format!("{url}/tokenize"), br#"{"prompt":"x"}"#, Duration::from_secs(10)).await;
+        assert_eq!(got.unwrap(), "hello");
+    }
+
+    #[tokio::test]
+    async fn chunked_bodies_are_joined_and_statuses_other_than_200_say_their_line() {
+        let (url, _) = server(
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+            Duration::from_secs(30),
+        )
+        .await;
+        assert_eq!(get(&url, Duration::from_secs(10)).await.unwrap(), "hello world");
+        let (url, heads) =
+            server(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n", Duration::ZERO).await;
+        match get(&url, Duration::from_secs(10)).await {
+            Err(HttpError::Status(line)) => assert_eq!(line, "HTTP/1.1 503 Service Unavailable"),
+            other => panic!("{other:?}"),
+        }
+        let head = heads.lock().unwrap().pop().unwrap();
+        assert!(head.starts_with("GET / HTTP/1.1\r\n"), "{head}");
+        assert!(head.to_ascii_lowercase().contains("host: 127.0.0.1:"), "{head}");
+    }
+
+    #[tokio::test]
+    async fn a_cut_answer_a_silent_server_and_a_bad_url_fail_plainly() {
+        let (url, _) = server(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\nshort", Duration::ZERO).await;
+        assert!(matches!(get(&url, Duration::from_secs(10)).await, Err(HttpError::Malformed(_))));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        assert!(matches!(get(&url, Duration::from_millis(200)).await, Err(HttpError::TimedOut)));
+        assert!(matches!(get("https://example.test/", Duration::from_secs(1)).await, Err(HttpError::UnsupportedUrl)));
     }
 }

@@ -29,6 +29,6 @@ pub async fn call(t: &Tokenize) -> Answer {
             None => Answer::Reset,
         },
         Err(HttpError::TimedOut) => Answer::TimedOut,
-        Err(HttpError::Io(_) | HttpError::Malformed | HttpError::UnsupportedUrl) => Answer::Reset,
+        Err(HttpError::Io(_) | HttpError::Malformed(_) | HttpError::UnsupportedUrl) => Answer::Reset,
     }
 }
