@@ -327,8 +327,11 @@ class Bench:
                         router = Router(self, pol)
                         try:
                             router.start(fleet)
-                            ovh = overhead(router, fleet, a.overhead_samples)
                             r = run_traffic(f"{w} c={c} {POLICIES[pol]}", router, fleet.sims, sessions[w], c)
+                            # After the traffic: the probe's requests are routed too, and before it
+                            # they would shape where the measured traffic goes (llmgw's recent
+                            # request counts) without being counted in its shares.
+                            ovh = overhead(router, fleet, a.overhead_samples)
                             r["router_stats"] = router.stats()
                         except (TimeoutError, OSError, RuntimeError) as e:
                             self.skipped[pol] = f"{type(e).__name__}: {e} (log: {self.logdir})"

@@ -137,7 +137,22 @@ fn place_new(
     let members = w.fallback.new_prefix_choices(cands, idx, key);
     let tiebreak = |i: usize| cands.get(i).map(|c| new_prefix_rank(c, key));
     let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
-    let p = w.holder_policy().pick(&contest)?;
+    // Every choice computes the whole prompt, so predictions differ only by the replicas'
+    // rates and loads. A difference within what a prediction from those rates typically misses
+    // by (the observed mean absolute residual of the rates on either side) is no evidence that
+    // one is faster: on alike replicas the learned rates scatter by that much, and letting the
+    // scatter decide sends every new prefix to whichever replica's estimate is lowest.
+    let widened;
+    let policy: &dyn HolderPolicy = match w.policy {
+        PolicyMode::Ttft => {
+            let residual =
+                members.iter().filter_map(|&i| cands.get(i)).map(|c| w.ttft.rates(c).residual_us).fold(0.0, f64::max);
+            widened = TtftWeights { tie_us: w.ttft.tie_us.max(residual), ..w.ttft.clone() };
+            &widened
+        }
+        PolicyMode::Score => w.holder_policy(),
+    };
+    let p = policy.pick(&contest)?;
     Some(Decision {
         predicted_us: p.predicted_us,
         runner_up: p.runner_up,

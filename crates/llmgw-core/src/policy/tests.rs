@@ -362,6 +362,7 @@ fn a_replica_learned_to_be_slow_loses_to_one_computing_more() {
         queued_us_per_token: 2_000.0,
         request_us: 40_000.0,
         observations: 60,
+        residual_us: 0.0,
     };
     let mut c = fleet(3);
     c[1].rates = Some(slow);
@@ -387,6 +388,7 @@ fn the_tie_margin_is_in_requests_at_the_learned_rate() {
         queued_us_per_token: 0.0,
         request_us: 2_000.0,
         observations: 80,
+        residual_us: 0.0,
     };
     let both = scores(&[50, 50, 0, 0], 50);
     let w = Weights::default();
@@ -496,4 +498,50 @@ fn new_prefixes_spread_evenly_under_equal_load() {
     // Less than one request apart is even: the prompt's order decides, as on every gateway.
     c[home].recent = 0.4;
     assert_eq!(ttft(&c, &scores(&[0, 0, 0], 50), 800, key, &Weights::default()).winner, Some(home));
+}
+
+#[test]
+fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
+    use super::rates::Rates;
+    let learned = |prefill: f64, residual: f64| Rates {
+        base_us: 0.0,
+        prefill_us_per_token: prefill,
+        queued_us_per_token: 0.0,
+        request_us: 2_000.0,
+        observations: 60,
+        residual_us: residual,
+    };
+    let none = scores(&[0, 0, 0], 50);
+    let w = Weights::default();
+    for p in 0..30u32 {
+        let key = stable_hash(format!("conversation {p}").as_bytes());
+        let order: Vec<usize> = {
+            let c = fleet(3);
+            let mut o: Vec<usize> = (0..3).collect();
+            o.sort_by_key(|&i| std::cmp::Reverse(c[i].rendezvous_weight(key)));
+            o
+        };
+        let (first, second) = (order[0], order[1]);
+        // The first choice is learned 10 % slower (8 ms on 800 tokens) and has carried more
+        // lately. Its rates typically miss by 10 ms: the difference is noise, the recent
+        // counts decide.
+        let mut c = fleet(3);
+        for x in c.iter_mut() {
+            x.rates = Some(learned(100.0, 10_000.0));
+        }
+        c[first].rates = Some(learned(110.0, 10_000.0));
+        c[first].recent = 3.0;
+        c[second].recent = 6.0;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
+        // Predictions that rarely miss: the faster one wins.
+        for x in c.iter_mut() {
+            x.rates = Some(learned(100.0, 1_000.0));
+        }
+        c[first].rates = Some(learned(110.0, 1_000.0));
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
+        // A replica really slower (twice: 80 ms) loses whatever it carried.
+        c[first].rates = Some(learned(200.0, 10_000.0));
+        c[first].recent = 0.0;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
+    }
 }
