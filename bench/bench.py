@@ -42,7 +42,7 @@ from llmgw_testkit.charts import pyplot
 ROOT = kit.ROOT
 MODEL = "demo-model"
 BLOCK = 16
-REPLICAS = 4
+REPLICAS = 4  # the default fleet size (--replicas)
 
 POLICIES = {
     "rr": "Envoy round-robin",
@@ -84,12 +84,12 @@ def make_workload(name: str, seed: int, scale: float, max_tokens: int) -> list[l
 
 
 class Fleet:
-    """REPLICAS llmgw-sim processes. `events`: "agent" (they connect to the agent's bound
+    """`--replicas` llmgw-sim processes. `events`: "agent" (they connect to the agent's bound
     ports, topic kv-events) or "bind" (they bind on loopback, topic "", for vllm-router)."""
 
     def __init__(self, procs: kit.Procs, args, events: str):
         self.procs, self.args, self.events = procs, args, events
-        self.sims = new_sims(REPLICAS)
+        self.sims = new_sims(args.replicas)
         self.running: list = []
 
     def start(self) -> None:
@@ -306,7 +306,7 @@ class Bench:
         cells = [(w, c) for w in a.workloads for c in a.concurrency]
         sessions = {w: make_workload(w, a.seed, a.scale, a.max_tokens) for w in a.workloads}
         n_req = {w: sum(len(s) for s in sessions[w]) for w in a.workloads}
-        print(f"llmgw fleet benchmark: {REPLICAS} llmgw-sim replicas ({a.blocks} KV blocks of {BLOCK} tokens, prefill "
+        print(f"llmgw fleet benchmark: {a.replicas} llmgw-sim replicas ({a.blocks} KV blocks of {BLOCK} tokens, prefill "
               f"{a.prefill_tps:.0f} tok/s, decode {a.decode_ms} ms/token, max batch {a.max_batch}), {a.max_tokens} output tokens")
         for w in a.workloads:
             print(f"  {w}: {n_req[w]} requests ({WORKLOADS[w]})")
@@ -327,8 +327,11 @@ class Bench:
                         router = Router(self, pol)
                         try:
                             router.start(fleet)
-                            ovh = overhead(router, fleet, a.overhead_samples)
                             r = run_traffic(f"{w} c={c} {POLICIES[pol]}", router, fleet.sims, sessions[w], c)
+                            # After the traffic: the probe's requests are routed too, and before it
+                            # they would shape where the measured traffic goes (llmgw's recent
+                            # request counts) without being counted in its shares.
+                            ovh = overhead(router, fleet, a.overhead_samples)
                             r["router_stats"] = router.stats()
                         except (TimeoutError, OSError, RuntimeError) as e:
                             self.skipped[pol] = f"{type(e).__name__}: {e} (log: {self.logdir})"
@@ -455,6 +458,7 @@ def main() -> int:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[4, 16], help="low and high (default 4 16)")
     ap.add_argument("--scale", type=float, default=None, help="request count multiplier (default 1, --quick 0.5)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=REPLICAS, help=f"simulated replicas (default {REPLICAS})")
     ap.add_argument("--blocks", type=int, default=256, help="KV blocks per replica")
     ap.add_argument("--prefill-tps", type=float, default=8000.0)
     ap.add_argument("--decode-ms", type=float, default=5.0)
@@ -504,7 +508,7 @@ def main() -> int:
 
 
 def setup_line(a: dict) -> str:
-    return (f"{REPLICAS} llmgw-sim replicas, {a['blocks']} KV blocks of {BLOCK} tokens each, prefill {float(a['prefill_tps']):.0f} tok/s, "
+    return (f"{a.get('replicas', REPLICAS)} llmgw-sim replicas, {a['blocks']} KV blocks of {BLOCK} tokens each, prefill {float(a['prefill_tps']):.0f} tok/s, "
             f"decode {a['decode_ms']} ms/token, max batch {a['max_batch']}, {a['max_tokens']} output tokens, seed {a['seed']}"
             + (f", llmgw weights {a['llmgw_weights']}" if a.get("llmgw_weights") not in (None, "None") else "")
             + (f", agent load scrape every {a['agent_load_interval_ms']} ms" if a.get("agent_load_interval_ms") not in (None, "None") else "")
@@ -540,7 +544,7 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, com
           "\n**All workloads**: hit rate / mean TTFT / busiest replica (× fair share)\n", summary(results),
           tables(results)]
     if tgt:
-        md += ["\n**Targets** (shared-prefix workload, 4 replicas):\n", *tgt]
+        md += ["\n**Targets** (shared-prefix workload):\n", *tgt]
     learned = learned_rates(results, header)
     if learned:
         md += ["\n**Rates llmgw learned** (mean over replicas, from its `llmgw_rates_*` gauges):\n", *learned]

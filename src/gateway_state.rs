@@ -1,12 +1,13 @@
 //! What the router asks the gateway, read once per decision from this Envoy's shared data: the
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
-//! avoided (`crate::health`), the speculative index entries (`crate::speculative`) and the
-//! rates learned per replica (`crate::rates`).
+//! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
+//! rates learned per replica (`crate::rates`) and the requests routed lately (`crate::recent`).
 
 use crate::health::Health;
 use crate::host::Host;
 use crate::inflight::Counts;
 use crate::rates::Learned;
+use crate::recent::Recent;
 use crate::speculative::Entries;
 use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit};
 use llmgw_core::policy::rates::Rates;
@@ -17,6 +18,7 @@ pub struct Snapshot {
     tokenizers: Health,
     speculative: Entries,
     rates: Learned,
+    recent: Recent,
 }
 
 impl Snapshot {
@@ -27,6 +29,7 @@ impl Snapshot {
             tokenizers: Health::read_tokenizers(host),
             speculative: Entries::read(host),
             rates: Learned::read(host),
+            recent: Recent::read(host),
         }
     }
 }
@@ -38,6 +41,10 @@ impl InFlightCounts for Snapshot {
 
     fn pending_tokens(&self, address: &str) -> u64 {
         self.counts.of(address).1
+    }
+
+    fn recent_requests(&self, address: &str) -> f64 {
+        self.recent.of(address)
     }
 }
 

@@ -54,16 +54,19 @@ pub enum SharedKind {
     Speculative,
     /// Rates learned from observed times to first token (`crate::rates`).
     Rates,
+    /// Requests routed lately per replica (`crate::recent`).
+    Recent,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 6] = [
+    pub const ALL: [SharedKind; 7] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
         SharedKind::TokenizerHealth,
         SharedKind::Speculative,
         SharedKind::Rates,
+        SharedKind::Recent,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -74,6 +77,7 @@ impl SharedKind {
             SharedKind::TokenizerHealth => "tokenizer_health",
             SharedKind::Speculative => "speculative",
             SharedKind::Rates => "rates",
+            SharedKind::Recent => "recent",
         }
     }
 }

@@ -117,8 +117,9 @@ impl Request {
                 let rank = r.dp_rank.map(|rank| rank.to_string());
                 self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
                 let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
-                let gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
+                let mut gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
                 self.in_flight_recorded = !gave_up.contains(&SharedKind::InFlight);
+                gave_up.extend(crate::recent::routed(self.host.as_ref(), &r.address).err());
                 s.metrics.shared_update_failed(gave_up);
                 self.prefilling = if self.in_flight_recorded { tokens } else { 0 };
                 if let Some(spec) = &r.speculation {

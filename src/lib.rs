@@ -23,6 +23,7 @@ mod inflight;
 mod metrics;
 mod phases;
 mod rates;
+mod recent;
 mod shared_records;
 mod speculative;
 mod warm_view;

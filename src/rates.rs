@@ -51,6 +51,7 @@ impl SharedRecord for Record {
             queued_us_per_token: next(),
             request_us: next(),
             observations: count,
+            residual_us: scale,
         };
         let estimator = Estimator { xx, xy, weight, scale, count };
         Some(Record { id, updated_ns, estimator, rates })
@@ -134,6 +135,7 @@ mod tests {
             queued_us_per_token: 100.0,
             request_us: 20_000.0,
             observations: 0,
+            residual_us: 0.0,
         };
         Basis {
             features: Features { uncached, queued_tokens: 0, requests },

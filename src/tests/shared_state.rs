@@ -105,7 +105,7 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
     let tokens: Vec<u32> = (0..32).collect();
     let e = synced("", vec![], keys(&tokens), true);
     let gave_up = |what: &str| e.counter(&format!("llmgw_shared_update_failures_total.what.{what}"));
-    for what in ["in_flight", "heartbeat", "health", "tokenizer_health", "speculative"] {
+    for what in ["in_flight", "heartbeat", "health", "tokenizer_health", "speculative", "recent"] {
         assert_eq!(gave_up(what), 0, "{what}");
     }
     // Races lost fewer times than the retries: the update lands, nothing is counted.
@@ -127,12 +127,13 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
     ctx.on_http_response_headers(1, false);
     assert_eq!(gave_up("health"), 1);
     ctx.on_log();
-    // A prompt nobody holds is recorded in the speculative entries: both updates give up.
+    // A prompt nobody holds is recorded in the speculative entries: the in-flight count, the
+    // recent requests and the speculative entries all give up.
     let other: Vec<u32> = (100..132).collect();
-    e.host.cas_failures.set(2 * CAS_RETRIES);
+    e.host.cas_failures.set(3 * CAS_RETRIES);
     let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &other));
     assert_eq!(e.host.cas_failures.get(), 0);
-    assert_eq!((gave_up("in_flight"), gave_up("speculative")), (2, 1));
+    assert_eq!((gave_up("in_flight"), gave_up("recent"), gave_up("speculative")), (2, 1, 1));
     ctx.on_log();
     // A heartbeat due on the tick, not renewed.
     e.host.now_ns.set(e.host.now_ns.get() + crate::inflight::HEARTBEAT_NS);

@@ -39,6 +39,7 @@ fn candidates_avoiding<'a>(
                 dp_rank: r.dp_rank,
                 rates: gw.learned_rates(&r.address),
                 incomplete: r.incomplete,
+                recent: gw.recent_requests(&r.address),
             }
         })
         .collect()

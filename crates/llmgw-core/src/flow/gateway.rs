@@ -12,6 +12,11 @@ pub trait InFlightCounts {
     fn pending_tokens(&self, _address: &str) -> u64 {
         0
     }
+    /// Requests routed to the replica lately, fading by request (see
+    /// [`crate::policy::Candidate::recent`]); 0 when the gateway keeps no such count.
+    fn recent_requests(&self, _address: &str) -> f64 {
+        0.0
+    }
 }
 
 /// The replicas the gateway leaves alone for now.

@@ -27,6 +27,11 @@ pub struct Candidate<'a> {
     /// The agent's mirror of this engine is incomplete: the index's hits on it are real, its
     /// misses are not proof of absence (see [`super::decide_lazy`]).
     pub incomplete: bool,
+    /// Requests this gateway routed there lately: a count that fades with every request routed
+    /// anywhere (not with time), so shares of it compare replicas whatever the fleet's speed.
+    /// New prefixes go, among equally fast choices, where it is lowest. 0 when the gateway keeps
+    /// no such count.
+    pub recent: f64,
 }
 
 impl Candidate<'_> {

@@ -22,9 +22,11 @@ pub struct FallbackWeights {
     /// prefix's rendezvous order.
     pub spill_factor: f64,
     pub spill_slack: u32,
-    /// A prefix the index shows no replica holds goes to the least loaded of its first
-    /// `approx_choices` replicas in rendezvous order; every gateway computes the same order,
-    /// and equal loads pick the first. Fallbacks without exact data always take the first.
+    /// A prefix the index shows no replica holds goes to one of its first `approx_choices`
+    /// replicas in rendezvous order (every gateway computes the same order): the one the holder
+    /// policy predicts fastest, equally fast ones by fewer recent requests
+    /// ([`super::Candidate::recent`]), then by that order ([`FallbackWeights::new_prefix_choices`]).
+    /// Fallbacks without exact data always take the first.
     pub approx_choices: u32,
     /// Replicas holding a request's blocks keep it while their pressure stays within
     /// `holder_spill_factor` × the mean pressure (+ 2 × `spill_slack`); when every holder is past
@@ -90,6 +92,21 @@ impl FallbackWeights {
             Some(k) => (self.approx_pick(cands, idx, k, choices), approx),
             None => (least_of(cands, idx), load),
         }
+    }
+
+    /// Where a prefix known to be new may go: its first `approx_choices` replicas in the key's
+    /// rendezvous order among those within the load bound (empty when none is).
+    pub fn new_prefix_choices(&self, cands: &[Candidate<'_>], idx: &[usize], key: u64) -> Vec<usize> {
+        let cap = load_cap(cands, idx, self.spill_factor, self.spill_slack);
+        let mut order: Vec<(u64, usize)> = idx
+            .iter()
+            .filter_map(|&i| cands.get(i).map(|c| (c, i)))
+            .filter(|(c, _)| c.pressure().saturating_add(1) <= cap)
+            .map(|(c, i)| (c.rendezvous_weight(key), i))
+            .collect();
+        order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let choices = usize::try_from(self.approx_choices.max(1)).unwrap_or(1);
+        order.into_iter().take(choices).map(|(_, i)| i).collect()
     }
 
     /// Rendezvous order with bounded-load spillover: among the replicas within the load bound,

@@ -62,7 +62,8 @@ pub fn decide(cands: &[Candidate<'_>], exact: Option<&Scores>, approx_key: Optio
 /// eligible engine is incomplete, the prefix is not known to be new (it may sit, cached before
 /// the agent started, on that engine), so it goes where a fallback without exact data sends
 /// it: its first rendezvous choice, load bound permitting, which is where earlier requests
-/// sharing it went; a prefix known to be new may take the less loaded of its first choices.
+/// sharing it went; a prefix known to be new may take another of its first choices, by predicted
+/// time and, among equally fast ones, by fewer recent requests (see `place_new`).
 /// In the contest among holders an incomplete engine is weighed by what it is shown to hold
 /// and no more: crediting blocks nobody saw would be confidence the other way, and since an
 /// engine stays incomplete until its cache is cleared or it restarts, it would turn exact
@@ -106,8 +107,68 @@ pub fn decide_lazy(
     }
     let total = exact.map_or(0, |s| s.total);
     let known_new = exact.is_some() && !idx.iter().any(|&i| cands.get(i).is_some_and(|c| c.incomplete));
+    if let (true, false, Some(s), Some(key)) = (known_new, spilled, exact.filter(|s| s.total > 0), approx_key()) {
+        if let Some(d) = place_new(cands, &idx, s, work, key, w) {
+            return d;
+        }
+    }
     let (winner, outcome) = w.fallback.pick(cands, &idx, approx_key(), known_new, spilled);
     Decision::new(winner, outcome, 0, total)
+}
+
+/// A prefix known to be new (complete mirrors show nobody holding its first block): among its
+/// first rendezvous choices within the load bound, the one the holder policy prefers (everyone
+/// computes the whole prompt: the fastest predicted, or the least loaded), equally good ones
+/// by fewer recent requests ([`new_prefix_rank`]), then by the prompt's rendezvous order.
+///
+/// Under equal loads rendezvous order alone spreads prefixes as a hash does: 16 prefixes on 3
+/// replicas land 8/5/3 as easily as 6/5/5, and since a holder keeps its prefix until load moves
+/// it, the request shares stay as uneven for as long as the prefixes are used. The recent counts
+/// send each new prefix where the least traffic went lately, so prefixes of equal popularity
+/// spread evenly, and a replica already carrying a popular one gets fewer new ones.
+fn place_new(
+    cands: &[Candidate<'_>],
+    idx: &[usize],
+    s: &Scores,
+    work: Option<Work>,
+    key: u64,
+    w: &Weights,
+) -> Option<Decision> {
+    let members = w.fallback.new_prefix_choices(cands, idx, key);
+    let tiebreak = |i: usize| cands.get(i).map(|c| new_prefix_rank(c, key));
+    let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
+    // Every choice computes the whole prompt, so predictions differ only by the replicas'
+    // rates and loads. A difference within what a prediction from those rates typically misses
+    // by (the observed mean absolute residual of the rates on either side) is no evidence that
+    // one is faster: on alike replicas the learned rates scatter by that much, and letting the
+    // scatter decide sends every new prefix to whichever replica's estimate is lowest.
+    let widened;
+    let policy: &dyn HolderPolicy = match w.policy {
+        PolicyMode::Ttft => {
+            let residual =
+                members.iter().filter_map(|&i| cands.get(i)).map(|c| w.ttft.rates(c).residual_us).fold(0.0, f64::max);
+            widened = TtftWeights { tie_us: w.ttft.tie_us.max(residual), ..w.ttft.clone() };
+            &widened
+        }
+        PolicyMode::Score => w.holder_policy(),
+    };
+    let p = policy.pick(&contest)?;
+    Some(Decision {
+        predicted_us: p.predicted_us,
+        runner_up: p.runner_up,
+        basis: p.basis,
+        ..Decision::new(Some(p.winner), Outcome::Approx, 0, s.total)
+    })
+}
+
+/// The order of equally good places for a new prefix (higher first): fewer recent requests,
+/// then the prompt's rendezvous weight. Recent counts are compared in whole requests: a
+/// difference of less than one is what two workers' reads a moment apart differ by, and there
+/// the rendezvous order, the same on every gateway, decides.
+fn new_prefix_rank(c: &Candidate<'_>, key: u64) -> u64 {
+    let recent = c.recent.round().clamp(0.0, f64::from(u32::MAX)) as u32;
+    let fewer = u64::from(u32::MAX.saturating_sub(recent));
+    (fewer.checked_shl(32).unwrap_or(0)) | (c.rendezvous_weight(key).checked_shr(32).unwrap_or(0))
 }
 
 #[cfg(test)]

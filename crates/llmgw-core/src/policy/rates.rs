@@ -57,6 +57,9 @@ pub struct Rates {
     pub request_us: f64,
     /// The observations behind these rates (0: the profile's rates).
     pub observations: u32,
+    /// How far off a prediction from these rates typically is: the running mean absolute
+    /// residual of the observations behind them (µs; 0 for the profile's rates).
+    pub residual_us: f64,
 }
 
 impl Rates {
@@ -64,9 +67,10 @@ impl Rates {
         [self.base_us, self.prefill_us_per_token, self.queued_us_per_token, self.request_us]
     }
 
-    fn from_theta(t: [f64; N], observations: u32) -> Rates {
+    fn from_theta(t: [f64; N], observations: u32, residual_us: f64) -> Rates {
         let [base_us, prefill_us_per_token, queued_us_per_token, request_us] = t;
-        Rates { base_us, prefill_us_per_token, queued_us_per_token, request_us, observations }
+        let residual_us = if residual_us.is_finite() { residual_us.max(0.0) } else { 0.0 };
+        Rates { base_us, prefill_us_per_token, queued_us_per_token, request_us, observations, residual_us }
     }
 
     /// The explain header's part: `rates=profile`, or the learned rates and how many
@@ -242,10 +246,10 @@ impl Estimator {
                         *f = false;
                     }
                 }
-                None => return Rates::from_theta(theta, self.count),
+                None => return Rates::from_theta(theta, self.count, self.scale),
             }
         }
-        Rates::from_theta([0.0; N], self.count)
+        Rates::from_theta([0.0; N], self.count, self.scale)
     }
 
     /// One observed time to first token `ttft_us` of a request predicted from `f`; `current`:
@@ -293,6 +297,7 @@ mod tests {
         queued_us_per_token: 0.0,
         request_us: 9_000.0,
         observations: 0,
+        residual_us: 0.0,
     };
     /// Four times off in every rate.
     const WRONG: Rates = Rates {
@@ -301,6 +306,7 @@ mod tests {
         queued_us_per_token: 480.0,
         request_us: 36_000.0,
         observations: 0,
+        residual_us: 0.0,
     };
 
     /// A small deterministic generator (no clock, no randomness between runs).
@@ -359,6 +365,7 @@ mod tests {
                 queued_us_per_token: 0.0,
                 request_us: 2_250.0,
                 observations: 0,
+                residual_us: 0.0,
             },
         ] {
             let mut e = Estimator::default();

@@ -17,6 +17,7 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             kv_usage: 0.0,
             rates: None,
             incomplete: false,
+            recent: 0.0,
         })
         .collect()
 }
@@ -147,18 +148,21 @@ fn approx_spills_under_load_then_returns() {
     let mut c3 = fleet(3);
     c3[home].running = 40;
     assert_eq!(decide(&c3, None, Some(key), &w).winner, Some(spill));
-    // A prefix the index shows nobody holds, with two choices (the default): the less
-    // loaded of the first two in its order; equal loads keep the first. Without exact data
-    // (a fallback) the first choice stays, load bound permitting.
+    // A prefix the index shows nobody holds, with two choices (the default): the faster
+    // predicted of the first two in its order (one request more is within the tie margin);
+    // equal ones keep the first. Without exact data (a fallback) the first choice stays, load
+    // bound permitting.
     let w2 = Weights::default();
     assert_eq!(w2.fallback.approx_choices, 2);
     let none = scores(&[0, 0, 0], 7);
     assert_eq!(decide(&fleet(3), Some(&none), Some(key), &w2).winner, Some(home));
     let mut c4 = fleet(3);
     c4[home].in_flight = 1;
+    assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(home));
+    c4[home].in_flight = 2;
     assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(spill));
     assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(home));
-    c4[spill].in_flight = 1;
+    c4[spill].in_flight = 2;
     assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(home));
 }
 
@@ -358,6 +362,7 @@ fn a_replica_learned_to_be_slow_loses_to_one_computing_more() {
         queued_us_per_token: 2_000.0,
         request_us: 40_000.0,
         observations: 60,
+        residual_us: 0.0,
     };
     let mut c = fleet(3);
     c[1].rates = Some(slow);
@@ -383,6 +388,7 @@ fn the_tie_margin_is_in_requests_at_the_learned_rate() {
         queued_us_per_token: 0.0,
         request_us: 2_000.0,
         observations: 80,
+        residual_us: 0.0,
     };
     let both = scores(&[50, 50, 0, 0], 50);
     let w = Weights::default();
@@ -416,7 +422,7 @@ fn an_incomplete_engines_misses_are_not_proof_that_a_prefix_is_new() {
     // Complete mirrors showing nobody holding it: a new prefix, free to take the less loaded
     // of its first two choices.
     let mut c = fleet(3);
-    c[home].in_flight = 1;
+    c[home].in_flight = 2;
     let second = decide(&c, Some(&none), Some(key), &w).winner.unwrap();
     assert_ne!(second, home);
     // An engine whose mirror is incomplete may hold it unseen: the prefix stays on its first
@@ -447,5 +453,95 @@ fn an_incomplete_engines_misses_are_not_proof_that_a_prefix_is_new() {
         assert_eq!((d.winner, d.outcome, d.matched), (Some(1), Outcome::Exact, 5));
         let d = decide(&c, Some(&scores(&[5, 0, 0], 7)), Some(key), &policy);
         assert_eq!((d.winner, d.outcome, d.matched), (Some(0), Outcome::Exact, 5));
+    }
+}
+
+#[test]
+fn new_prefixes_spread_evenly_under_equal_load() {
+    // New prefixes arrive one after another on an idle fleet; each one's requests are counted
+    // where it went (fading as the filter's recent counts do). Rendezvous order alone spreads
+    // them as a hash does; the recent counts even them out.
+    for n in [3usize, 4] {
+        for policy in [Weights::default(), score()] {
+            let mut c = fleet(n);
+            let none = scores(&vec![0; n], 50);
+            let mut placed = vec![0u32; n];
+            for p in 0..(12 * n as u32) {
+                let key = stable_hash(format!("conversation {p}").as_bytes());
+                let d = ttft(&c, &none, 800, key, &policy);
+                assert_eq!(d.outcome, Outcome::Approx);
+                let i = d.winner.unwrap();
+                placed[i] += 1;
+                // Every prefix brings four requests, each fading the others' counts.
+                for _ in 0..4 {
+                    for x in c.iter_mut() {
+                        x.recent *= 1.0 - 1.0 / (32.0 * n as f64);
+                    }
+                    c[i].recent += 1.0;
+                }
+            }
+            let (max, min) = (*placed.iter().max().unwrap(), *placed.iter().min().unwrap());
+            assert!(
+                f64::from(max) <= 1.25 * f64::from(min),
+                "{n} replicas, {}: {placed:?}",
+                policy.holder_policy().name()
+            );
+        }
+    }
+    // A replica that has carried more lately gets the next new prefix, its first choice or not.
+    let key = stable_hash(b"a new system prompt");
+    let home = decide(&fleet(3), None, Some(key), &Weights::default()).winner.unwrap();
+    let mut c = fleet(3);
+    c[home].recent = 5.0;
+    let d = ttft(&c, &scores(&[0, 0, 0], 50), 800, key, &Weights::default());
+    assert_ne!(d.winner, Some(home));
+    // Less than one request apart is even: the prompt's order decides, as on every gateway.
+    c[home].recent = 0.4;
+    assert_eq!(ttft(&c, &scores(&[0, 0, 0], 50), 800, key, &Weights::default()).winner, Some(home));
+}
+
+#[test]
+fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
+    use super::rates::Rates;
+    let learned = |prefill: f64, residual: f64| Rates {
+        base_us: 0.0,
+        prefill_us_per_token: prefill,
+        queued_us_per_token: 0.0,
+        request_us: 2_000.0,
+        observations: 60,
+        residual_us: residual,
+    };
+    let none = scores(&[0, 0, 0], 50);
+    let w = Weights::default();
+    for p in 0..30u32 {
+        let key = stable_hash(format!("conversation {p}").as_bytes());
+        let order: Vec<usize> = {
+            let c = fleet(3);
+            let mut o: Vec<usize> = (0..3).collect();
+            o.sort_by_key(|&i| std::cmp::Reverse(c[i].rendezvous_weight(key)));
+            o
+        };
+        let (first, second) = (order[0], order[1]);
+        // The first choice is learned 10 % slower (8 ms on 800 tokens) and has carried more
+        // lately. Its rates typically miss by 10 ms: the difference is noise, the recent
+        // counts decide.
+        let mut c = fleet(3);
+        for x in c.iter_mut() {
+            x.rates = Some(learned(100.0, 10_000.0));
+        }
+        c[first].rates = Some(learned(110.0, 10_000.0));
+        c[first].recent = 3.0;
+        c[second].recent = 6.0;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
+        // Predictions that rarely miss: the faster one wins.
+        for x in c.iter_mut() {
+            x.rates = Some(learned(100.0, 1_000.0));
+        }
+        c[first].rates = Some(learned(110.0, 1_000.0));
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
+        // A replica really slower (twice: 80 ms) loses whatever it carried.
+        c[first].rates = Some(learned(200.0, 10_000.0));
+        c[first].recent = 0.0;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
     }
 }

@@ -77,6 +77,7 @@ impl TtftWeights {
             queued_us_per_token: self.queued_prefill * self.prefill_us_per_token,
             request_us: self.request_us,
             observations: 0,
+            residual_us: 0.0,
         }
     }
 
