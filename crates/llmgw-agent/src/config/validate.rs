@@ -99,7 +99,7 @@ impl Config {
                 if r.snapshot_url.is_some() {
                     return Err(err(
                         f("snapshot_url"),
-                        "snapshots are joined from a replica's ZMQ events, not events = \"jetstream\"",
+                        "snapshot_url is for ZMQ events; with events = \"jetstream\" snapshots come from [jetstream.snapshots]",
                     ));
                 }
                 continue;
@@ -255,6 +255,9 @@ fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
         if js.token.as_deref().unwrap_or("").is_empty() && js.user.is_none() {
             return Err(err("jetstream.token", "a broker off loopback needs a token or a user and password"));
         }
+    }
+    if let Some(s) = &js.snapshots {
+        s.check()?;
     }
     if js.max_queued_bytes < 1 << 20 {
         return Err(err("jetstream.max_queued_bytes", "must be at least 1 MiB"));

@@ -1,13 +1,17 @@
 //! The agent's JetStream consumer: one ordered consumer over all the stream's subjects, its
 //! messages handed to the ingest loop ([`crate::ingest`]) under one hub lock per chunk; after a
 //! lost session it resumes after the last stream sequence applied, and a mirror that started
-//! clean is rebuilt by reading the stream again for it alone.
+//! clean is rebuilt by reading the stream again for it alone. With `[jetstream.snapshots]`, an
+//! engine whose sequence is not known (at the start, or rebuilding) starts from its snapshot in
+//! the bucket ([`super::snapshot_bucket`]) and the stream is read from after the batch it is
+//! exact at instead of from its start.
 
+use super::snapshot_bucket::{load, Loaded};
 use super::{connect, stream_config, JetStreamError, SEQ_HEADER};
 use crate::config::{Config, EngineSpec, JetStreamConfig};
 use crate::hub::{Hub, HubState};
 use crate::ingest::to_hub::HubSink;
-use crate::ingest::{FillOutcome, Ingest, Replay, SourceEvent};
+use crate::ingest::{FillOutcome, Ingest, Replay, Sink, SourceEvent};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use llmgw_core::event::EventBatch;
@@ -29,6 +33,9 @@ pub struct StreamIngest {
     /// Set by the hub when an engine's mirror starts clean (its replica came back up) and must
     /// be rebuilt from what the stream retains.
     rebuild: Vec<(usize, Arc<AtomicBool>)>,
+    /// Engines started from a snapshot: the stream sequence of the batch it is exact at (their
+    /// messages up to it are dropped).
+    joined_at: HashMap<usize, u64>,
 }
 
 /// The stream as a source's replay: it holds what the publisher delivered, in order, so
@@ -67,7 +74,7 @@ impl StreamIngest {
             .filter_map(|e| Some((e.source.subject()?.to_owned(), usize::try_from(e.id).ok()?)))
             .collect();
         let engines = by_subject.values().copied().collect();
-        StreamIngest { by_subject, engines, ingest: Ingest::new(), rebuild: Vec::new() }
+        StreamIngest { by_subject, engines, ingest: Ingest::new(), rebuild: Vec::new(), joined_at: HashMap::new() }
     }
 
     /// Watches the hub's rebuild flags of these engines.
@@ -89,6 +96,7 @@ impl StreamIngest {
         }
         for &i in &asked {
             self.ingest.forget(i);
+            self.joined_at.remove(&i);
         }
         asked
     }
@@ -128,11 +136,55 @@ impl StreamIngest {
     /// Forgets every engine's sequence (a consumer that starts over from the stream's start).
     pub fn forget(&mut self) {
         self.ingest.forget_all();
+        self.joined_at.clear();
     }
 
     /// Forgets these engines' sequences.
     pub fn forget_engines(&mut self, engines: &HashSet<usize>) {
         self.ingest.retain(|i| !engines.contains(&i));
+        self.joined_at.retain(|i, _| !engines.contains(i));
+    }
+
+    /// The engines whose sequence is not known, with their subjects (their snapshots are asked
+    /// for).
+    pub fn unknown(&self) -> Vec<(usize, String)> {
+        let mut v: Vec<(usize, String)> =
+            self.by_subject.iter().filter(|(_, &e)| !self.ingest.knows(e)).map(|(s, &e)| (e, s.clone())).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Starts an engine from its snapshot: applied as its batch S, its sequence then S, and its
+    /// messages up to the snapshot's stream sequence dropped.
+    pub fn join_snapshot(&mut self, st: &mut HubState, engine: usize, loaded: Loaded) {
+        let Loaded { meta, batch } = loaded;
+        let mut sink = sink(st);
+        if Sink::<Option<EventBatch>>::apply(&mut sink, engine, meta.seq, &Some(batch)) {
+            Sink::<Option<EventBatch>>::snapshot_joined(&mut sink, engine, meta.seq, meta.incomplete_from);
+            self.ingest.resume_after(engine, meta.seq);
+            self.joined_at.insert(engine, meta.stream_seq);
+        }
+    }
+
+    /// Whether a message is one an engine's snapshot already holds (dropped); the first past it
+    /// ends the engine's join, so that a sequence going back after it is a restart.
+    pub fn covered(&mut self, engine: Option<usize>, stream_seq: Option<u64>) -> bool {
+        let (Some(e), Some(s)) = (engine, stream_seq) else { return false };
+        match self.joined_at.get(&e) {
+            Some(&t) if s <= t => true,
+            Some(_) => {
+                self.joined_at.remove(&e);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Where the stream may be read from when all of `engines` started from a snapshot: after
+    /// the earliest of their snapshots' stream sequences.
+    fn start_after(&self, engines: &[usize]) -> Option<u64> {
+        let mut at = engines.iter().map(|e| self.joined_at.get(e).copied());
+        at.try_fold(u64::MAX, |m, t| t.map(|t| m.min(t))).filter(|_| !engines.is_empty())
     }
 }
 
@@ -214,8 +266,29 @@ async fn session(
         // Reading from the start again: what the rebuilding engines applied so far comes again.
         ingest.forget_engines(engines);
     }
-    let deliver_policy = match (&pos.catch_up, pos.last.and_then(|s| s.checked_add(1))) {
-        (None, Some(start_sequence)) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
+    // The engines read from the start (all of them at first, or the rebuilding ones): from their
+    // snapshots instead, if the bucket holds them for this stream.
+    let reading: Vec<usize> = match (&pos.catch_up, pos.last) {
+        (Some((_, engines)), _) => engines.iter().copied().collect(),
+        (None, None) => ingest.engines().collect(),
+        (None, Some(_)) => Vec::new(),
+    };
+    let mut snapshots = Vec::new();
+    if let (Some(sc), false) = (&cfg.snapshots, reading.is_empty()) {
+        let info = stream.cached_info();
+        let at = (cfg.stream.as_str(), info.created.unix_timestamp_nanos(), info.state.last_sequence);
+        let wanted: Vec<(usize, String)> = ingest.unknown().into_iter().filter(|(e, _)| reading.contains(e)).collect();
+        snapshots = load(&ctx, sc, at, &wanted).await;
+    }
+    let snapshot_start = {
+        let mut joined: HashMap<usize, u64> = ingest.joined_at.clone();
+        joined.extend(snapshots.iter().filter_map(|(e, r)| Some((*e, r.as_ref().ok()?.meta.stream_seq))));
+        let mut at = reading.iter().map(|e| joined.get(e).copied());
+        at.try_fold(u64::MAX, |m, t| t.map(|t| m.min(t))).filter(|_| !reading.is_empty())
+    };
+    let deliver_policy = match (&pos.catch_up, pos.last.and_then(|s| s.checked_add(1)), snapshot_start) {
+        (None, Some(start_sequence), _) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
+        (_, _, Some(t)) => consumer::DeliverPolicy::ByStartSequence { start_sequence: t.saturating_add(1) },
         _ => consumer::DeliverPolicy::All,
     };
     let max_batch = pull_batch(cfg.max_queued_bytes, client.server_info().max_payload);
@@ -238,6 +311,22 @@ async fn session(
     // Replicas that came up with clean mirrors (the broker back): read again for them.
     if ask_rebuilds(ingest, pos, hub) {
         return Ok(());
+    }
+    if !snapshots.is_empty() {
+        let mut st = hub.state();
+        for (engine, r) in snapshots {
+            match r {
+                Ok(loaded) => ingest.join_snapshot(&mut st, engine, loaded),
+                Err(reason) => Sink::<Option<EventBatch>>::snapshot_failed(&mut sink(&mut st), engine, reason),
+            }
+        }
+    }
+    if let Some(t) = ingest.start_after(&reading) {
+        // Read from after the earliest snapshot: as if everything before it had been applied.
+        match &mut pos.catch_up {
+            Some((until, _)) => *until = (*until).max(t),
+            None => pos.last = pos.last.max(Some(t)),
+        }
     }
     *lost_since = None;
     info!(url = %cfg.url, stream = %cfg.stream, pull_batch = max_batch, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
@@ -292,7 +381,8 @@ async fn session(
         for m in chunk {
             let m = m.map_err(|e| JetStreamError::consumer(&cfg.stream, e))?;
             let stream_seq = m.info().map(|i| i.stream_sequence).ok();
-            if !pos.admit(stream_seq, ingest.engine_of(m.subject.as_str())) {
+            let engine = ingest.engine_of(m.subject.as_str());
+            if !pos.admit(stream_seq, engine) || ingest.covered(engine, stream_seq) {
                 continue;
             }
             let batch = EventBatch::decode(&m.payload).ok();
