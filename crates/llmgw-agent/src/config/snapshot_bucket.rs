@@ -9,8 +9,9 @@
 //! max_object_bytes = 67108864     # an engine's snapshot larger than this is neither written nor read
 //! bucket_max_bytes = 1073741824   # the bucket as a whole
 //! ```
+//!
+//! Its checks are in the configuration's validation.
 
-use super::file::{err, ConfigError};
 use serde::Deserialize;
 
 /// Where and how often the `publish` sidecars write snapshots, and where agents read them.
@@ -38,31 +39,6 @@ fn default_object_bytes() -> u64 {
 }
 fn default_bucket_bytes() -> i64 {
     1 << 30
-}
-
-impl SnapshotBucketConfig {
-    pub(super) fn check(&self) -> Result<(), ConfigError> {
-        let name_ok =
-            !self.bucket.is_empty() && self.bucket.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !name_ok {
-            return Err(err("jetstream.snapshots.bucket", "letters, digits, '_' and '-' only"));
-        }
-        if self.interval_secs == 0 || self.interval_secs > 3600 {
-            return Err(err("jetstream.snapshots.interval_secs", "must be between 1 and 3600"));
-        }
-        if self.max_object_bytes < 1 << 10 || self.max_object_bytes > crate::snapshot::fetch::MAX_SNAPSHOT_BYTES {
-            return Err(err(
-                "jetstream.snapshots.max_object_bytes",
-                format!("must be between 1024 and {}", crate::snapshot::fetch::MAX_SNAPSHOT_BYTES),
-            ));
-        }
-        // An object is rewritten before the old one is deleted: the bucket holds two at once.
-        let two = i64::try_from(self.max_object_bytes.saturating_mul(2)).unwrap_or(i64::MAX);
-        if self.bucket_max_bytes < two {
-            return Err(err("jetstream.snapshots.bucket_max_bytes", "must hold at least two max_object_bytes objects"));
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
