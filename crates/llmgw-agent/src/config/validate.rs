@@ -2,8 +2,8 @@
 //! error names the field it is about.
 
 use super::engine::{is_loopback_host, offset_port, parse_tcp};
-use super::snapshot_bucket::SnapshotBucketConfig;
 use super::file::{err, Config, ConfigError, Events, HashConfig, JetStreamConfig, Mode, Sources};
+use super::snapshot_bucket::SnapshotBucketConfig;
 use llmgw_core::hash::BlockHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -223,8 +223,7 @@ fn check_metrics_url(field: &str, u: Option<&str>) -> Result<(), ConfigError> {
 }
 
 fn check_snapshot_bucket(b: &SnapshotBucketConfig) -> Result<(), ConfigError> {
-    let name_ok =
-        !b.bucket.is_empty() && b.bucket.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    let name_ok = !b.bucket.is_empty() && b.bucket.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     if !name_ok {
         return Err(err("jetstream.snapshots.bucket", "letters, digits, '_' and '-' only"));
     }

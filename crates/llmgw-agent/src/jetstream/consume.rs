@@ -179,13 +179,6 @@ impl StreamIngest {
             None => false,
         }
     }
-
-    /// Where the stream may be read from when all of `engines` started from a snapshot: after
-    /// the earliest of their snapshots' stream sequences.
-    fn start_after(&self, engines: &[usize]) -> Option<u64> {
-        let mut at = engines.iter().map(|e| self.joined_at.get(e).copied());
-        at.try_fold(u64::MAX, |m, t| t.map(|t| m.min(t))).filter(|_| !engines.is_empty())
-    }
 }
 
 /// Where the consumer is in the stream.
@@ -280,17 +273,14 @@ async fn session(
         let wanted: Vec<(usize, String)> = ingest.unknown().into_iter().filter(|(e, _)| reading.contains(e)).collect();
         snapshots = load(&ctx, sc, at, &wanted).await;
     }
+    // When every engine read from the start has a snapshot: the earliest one's stream sequence.
     let snapshot_start = {
         let mut joined: HashMap<usize, u64> = ingest.joined_at.clone();
         joined.extend(snapshots.iter().filter_map(|(e, r)| Some((*e, r.as_ref().ok()?.meta.stream_seq))));
         let mut at = reading.iter().map(|e| joined.get(e).copied());
         at.try_fold(u64::MAX, |m, t| t.map(|t| m.min(t))).filter(|_| !reading.is_empty())
     };
-    let deliver_policy = match (&pos.catch_up, pos.last.and_then(|s| s.checked_add(1)), snapshot_start) {
-        (None, Some(start_sequence), _) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
-        (_, _, Some(t)) => consumer::DeliverPolicy::ByStartSequence { start_sequence: t.saturating_add(1) },
-        _ => consumer::DeliverPolicy::All,
-    };
+    let deliver_policy = start_policy(pos, snapshot_start);
     let max_batch = pull_batch(cfg.max_queued_bytes, client.server_info().max_payload);
     let c = stream
         .create_consumer(consumer::pull::OrderedConfig {
@@ -321,12 +311,9 @@ async fn session(
             }
         }
     }
-    if let Some(t) = ingest.start_after(&reading) {
+    if let (None, None, Some(t)) = (&pos.catch_up, pos.last, snapshot_start) {
         // Read from after the earliest snapshot: as if everything before it had been applied.
-        match &mut pos.catch_up {
-            Some((until, _)) => *until = (*until).max(t),
-            None => pos.last = pos.last.max(Some(t)),
-        }
+        pos.last = Some(t);
     }
     *lost_since = None;
     info!(url = %cfg.url, stream = %cfg.stream, pull_batch = max_batch, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
@@ -396,6 +383,20 @@ async fn session(
         }
     }
     Err(JetStreamError::Ended)
+}
+
+/// Where a session reads the stream from: after the last message applied; for a catch-up or a
+/// first read, from the start, or after the earliest snapshot (`snapshot_start`) when every
+/// engine read from the start has one (a catch-up still reads the other engines' messages after
+/// what was applied).
+fn start_policy(pos: &Position, snapshot_start: Option<u64>) -> consumer::DeliverPolicy {
+    let after = |t: u64| consumer::DeliverPolicy::ByStartSequence { start_sequence: t.saturating_add(1) };
+    match (&pos.catch_up, pos.last, snapshot_start) {
+        (None, Some(last), _) => after(last),
+        (Some((until, _)), _, Some(t)) => after(t.min(*until)),
+        (None, None, Some(t)) => after(t),
+        _ => consumer::DeliverPolicy::All,
+    }
 }
 
 /// The most messages one pull asks for: as many of the broker's largest (`max_payload`) as
@@ -589,6 +590,68 @@ mod tests {
         assert!(pos.admit(Some(11), Some(0)));
         assert_eq!(pos.catch_up, None);
         assert_eq!(pos.last, Some(11));
+    }
+
+    fn loaded(seq: u64, stream_seq: u64, hashes: Vec<u64>) -> Loaded {
+        let meta = super::super::snapshot_bucket::ObjectMeta {
+            seq,
+            incomplete_from: None,
+            stream: "LLMGW_KV".to_owned(),
+            stream_created_ns: 1,
+            stream_seq,
+        };
+        Loaded { meta, batch: EventBatch::decode(&payload(hashes)).unwrap() }
+    }
+
+    #[test]
+    fn a_snapshot_join_is_batch_s_and_the_engines_messages_up_to_its_stream_sequence_are_dropped() {
+        let (hub, mut ingest) = setup();
+        let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
+        assert_eq!(ingest.unknown(), vec![(0, subj.clone())]);
+        ingest.join_snapshot(&mut hub.state(), 0, loaded(7, 100, vec![1, 2]));
+        assert!(ingest.unknown().is_empty());
+        {
+            let st = hub.state();
+            assert_eq!((st.engines[0].mirror.len(), st.engines[0].counters.snapshot_joins), (2, 1));
+        }
+        // Up to the snapshot's stream sequence: held already. After it: batch 8 follows 7.
+        assert!(ingest.covered(Some(0), Some(100)));
+        assert!(!ingest.covered(None, Some(100)) && !ingest.covered(Some(0), None));
+        assert!(!ingest.covered(Some(0), Some(101)));
+        ingest.on_message(&mut hub.state(), &subj, Some("8"), &payload(vec![3]));
+        let st = hub.state();
+        assert_eq!(st.engines[0].mirror.len(), 3);
+        assert!(st.engines[0].counters.resets.is_empty() && st.engines[0].incomplete_from.is_none());
+    }
+
+    #[test]
+    fn after_a_snapshot_join_a_sequence_going_back_is_an_engine_restart() {
+        let (hub, mut ingest) = setup();
+        let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
+        ingest.join_snapshot(&mut hub.state(), 0, loaded(7, 100, vec![1, 2]));
+        assert!(!ingest.covered(Some(0), Some(101)));
+        ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![9]));
+        let st = hub.state();
+        assert_eq!(st.engines[0].counters.resets.get("restart"), Some(&1));
+        assert_eq!(st.engines[0].mirror.len(), 1);
+    }
+
+    #[test]
+    fn the_stream_is_read_from_after_the_earliest_snapshot_and_a_catch_up_never_skips_the_others() {
+        let at = |p: consumer::DeliverPolicy| match p {
+            consumer::DeliverPolicy::ByStartSequence { start_sequence } => Some(start_sequence),
+            _ => None,
+        };
+        let first = Position::default();
+        assert_eq!(at(start_policy(&first, None)), None, "no snapshot: from the start");
+        assert_eq!(at(start_policy(&first, Some(40))), Some(41));
+        let resumed = Position { last: Some(50), catch_up: None };
+        assert_eq!(at(start_policy(&resumed, Some(40))), Some(51), "after what was applied");
+        // Rebuilding engine 1 from a snapshot at 60 while the others applied up to 50: from 51.
+        let catch_up = Position { last: Some(50), catch_up: Some((50, HashSet::from([1]))) };
+        assert_eq!(at(start_policy(&catch_up, Some(60))), Some(51));
+        assert_eq!(at(start_policy(&catch_up, Some(30))), Some(31));
+        assert_eq!(at(start_policy(&catch_up, None)), None);
     }
 
     #[test]
