@@ -95,6 +95,9 @@ pub struct JetStreamConfig {
     /// this over the broker's `max_payload` (at most 500 messages, at least 1).
     #[serde(default = "default_queued_bytes")]
     pub max_queued_bytes: i64,
+    /// Engines' snapshots in an object-store bucket (`[jetstream.snapshots]`); absent: none.
+    #[serde(default)]
+    pub snapshots: Option<super::snapshot_bucket::SnapshotBucketConfig>,
 }
 
 /// Where a discovered replica's event endpoints come from.

@@ -29,6 +29,7 @@
 //! * [`tokenizer`]: the native tokenizer's section.
 //! * [`epp`]: the endpoint picker's section.
 //! * [`seed`]: where the hash seed is read from (the file, a variable, a file of its own).
+//! * [`snapshot_bucket`]: `[jetstream.snapshots]`, engines' snapshots in an object-store bucket.
 //! * [`engine`]: the engines a configuration describes (replica × data-parallel rank) and the
 //!   `tcp://host:port` endpoint rules they follow.
 
@@ -38,6 +39,7 @@ mod file;
 pub mod seed;
 #[cfg(test)]
 mod seed_tests;
+mod snapshot_bucket;
 mod tokenizer;
 mod validate;
 
@@ -47,4 +49,5 @@ pub use file::{
     Config, ConfigError, DiscoveryConfig, Events, FeedConfig, HashConfig, HttpConfig, JetStreamConfig, LoadConfig,
     Mode, ParityConfig, ReplicaConfig, Sources, ZmqConfig,
 };
+pub use snapshot_bucket::SnapshotBucketConfig;
 pub use tokenizer::{TokenizerConfig, TokenizerModelConfig};

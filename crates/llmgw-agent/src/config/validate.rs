@@ -3,6 +3,7 @@
 
 use super::engine::{is_loopback_host, offset_port, parse_tcp};
 use super::file::{err, Config, ConfigError, Events, HashConfig, JetStreamConfig, Mode, Sources};
+use super::snapshot_bucket::SnapshotBucketConfig;
 use llmgw_core::hash::BlockHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -99,7 +100,7 @@ impl Config {
                 if r.snapshot_url.is_some() {
                     return Err(err(
                         f("snapshot_url"),
-                        "snapshots are joined from a replica's ZMQ events, not events = \"jetstream\"",
+                        "snapshot_url is for ZMQ events; with events = \"jetstream\" snapshots come from [jetstream.snapshots]",
                     ));
                 }
                 continue;
@@ -221,6 +222,28 @@ fn check_metrics_url(field: &str, u: Option<&str>) -> Result<(), ConfigError> {
     }
 }
 
+fn check_snapshot_bucket(b: &SnapshotBucketConfig) -> Result<(), ConfigError> {
+    let name_ok = !b.bucket.is_empty() && b.bucket.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !name_ok {
+        return Err(err("jetstream.snapshots.bucket", "letters, digits, '_' and '-' only"));
+    }
+    if b.interval_secs == 0 || b.interval_secs > 3600 {
+        return Err(err("jetstream.snapshots.interval_secs", "must be between 1 and 3600"));
+    }
+    if b.max_object_bytes < 1 << 10 || b.max_object_bytes > crate::snapshot::fetch::MAX_SNAPSHOT_BYTES {
+        return Err(err(
+            "jetstream.snapshots.max_object_bytes",
+            format!("must be between 1024 and {}", crate::snapshot::fetch::MAX_SNAPSHOT_BYTES),
+        ));
+    }
+    // An object is rewritten before the old one is deleted: the bucket holds two at once.
+    let two = i64::try_from(b.max_object_bytes.saturating_mul(2)).unwrap_or(i64::MAX);
+    if b.bucket_max_bytes < two {
+        return Err(err("jetstream.snapshots.bucket_max_bytes", "must hold at least two max_object_bytes objects"));
+    }
+    Ok(())
+}
+
 fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
     let (tls, rest) = if let Some(r) = js.url.strip_prefix("tls://") {
         (true, r)
@@ -255,6 +278,9 @@ fn check_jetstream(js: &JetStreamConfig) -> Result<(), ConfigError> {
         if js.token.as_deref().unwrap_or("").is_empty() && js.user.is_none() {
             return Err(err("jetstream.token", "a broker off loopback needs a token or a user and password"));
         }
+    }
+    if let Some(s) = &js.snapshots {
+        check_snapshot_bucket(s)?;
     }
     if js.max_queued_bytes < 1 << 20 {
         return Err(err("jetstream.max_queued_bytes", "must be at least 1 MiB"));

@@ -133,6 +133,11 @@ impl Ingest {
         self.trackers.entry(engine).or_default().applied(seq);
     }
 
+    /// Whether an engine's sequence is known (a batch or a snapshot was applied).
+    pub fn knows(&self, engine: usize) -> bool {
+        self.trackers.get(&engine).is_some_and(|t| t.expected().is_some())
+    }
+
     /// Acts on one event. Returns false when the sink took no more.
     pub fn handle<P: ?Sized>(
         &mut self,

@@ -1,13 +1,17 @@
 //! The agent's JetStream consumer: one ordered consumer over all the stream's subjects, its
 //! messages handed to the ingest loop ([`crate::ingest`]) under one hub lock per chunk; after a
 //! lost session it resumes after the last stream sequence applied, and a mirror that started
-//! clean is rebuilt by reading the stream again for it alone.
+//! clean is rebuilt by reading the stream again for it alone. With `[jetstream.snapshots]`, an
+//! engine whose sequence is not known (at the start, or rebuilding) starts from its snapshot in
+//! the bucket ([`super::snapshot_bucket`]) and the stream is read from after the batch it is
+//! exact at instead of from its start.
 
+use super::snapshot_bucket::{load, Loaded};
 use super::{connect, stream_config, JetStreamError, SEQ_HEADER};
 use crate::config::{Config, EngineSpec, JetStreamConfig};
 use crate::hub::{Hub, HubState};
 use crate::ingest::to_hub::HubSink;
-use crate::ingest::{FillOutcome, Ingest, Replay, SourceEvent};
+use crate::ingest::{FillOutcome, Ingest, Replay, Sink, SourceEvent};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use llmgw_core::event::EventBatch;
@@ -29,6 +33,9 @@ pub struct StreamIngest {
     /// Set by the hub when an engine's mirror starts clean (its replica came back up) and must
     /// be rebuilt from what the stream retains.
     rebuild: Vec<(usize, Arc<AtomicBool>)>,
+    /// Engines started from a snapshot: the stream sequence of the batch it is exact at (their
+    /// messages up to it are dropped).
+    joined_at: HashMap<usize, u64>,
 }
 
 /// The stream as a source's replay: it holds what the publisher delivered, in order, so
@@ -67,7 +74,7 @@ impl StreamIngest {
             .filter_map(|e| Some((e.source.subject()?.to_owned(), usize::try_from(e.id).ok()?)))
             .collect();
         let engines = by_subject.values().copied().collect();
-        StreamIngest { by_subject, engines, ingest: Ingest::new(), rebuild: Vec::new() }
+        StreamIngest { by_subject, engines, ingest: Ingest::new(), rebuild: Vec::new(), joined_at: HashMap::new() }
     }
 
     /// Watches the hub's rebuild flags of these engines.
@@ -89,6 +96,7 @@ impl StreamIngest {
         }
         for &i in &asked {
             self.ingest.forget(i);
+            self.joined_at.remove(&i);
         }
         asked
     }
@@ -128,11 +136,48 @@ impl StreamIngest {
     /// Forgets every engine's sequence (a consumer that starts over from the stream's start).
     pub fn forget(&mut self) {
         self.ingest.forget_all();
+        self.joined_at.clear();
     }
 
     /// Forgets these engines' sequences.
     pub fn forget_engines(&mut self, engines: &HashSet<usize>) {
         self.ingest.retain(|i| !engines.contains(&i));
+        self.joined_at.retain(|i, _| !engines.contains(i));
+    }
+
+    /// The engines whose sequence is not known, with their subjects (their snapshots are asked
+    /// for).
+    pub fn unknown(&self) -> Vec<(usize, String)> {
+        let mut v: Vec<(usize, String)> =
+            self.by_subject.iter().filter(|(_, &e)| !self.ingest.knows(e)).map(|(s, &e)| (e, s.clone())).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Starts an engine from its snapshot: applied as its batch S, its sequence then S, and its
+    /// messages up to the snapshot's stream sequence dropped.
+    pub fn join_snapshot(&mut self, st: &mut HubState, engine: usize, loaded: Loaded) {
+        let Loaded { meta, batch } = loaded;
+        let mut sink = sink(st);
+        if Sink::<Option<EventBatch>>::apply(&mut sink, engine, meta.seq, &Some(batch)) {
+            Sink::<Option<EventBatch>>::snapshot_joined(&mut sink, engine, meta.seq, meta.incomplete_from);
+            self.ingest.resume_after(engine, meta.seq);
+            self.joined_at.insert(engine, meta.stream_seq);
+        }
+    }
+
+    /// Whether a message is one an engine's snapshot already holds (dropped); the first past it
+    /// ends the engine's join, so that a sequence going back after it is a restart.
+    pub fn covered(&mut self, engine: Option<usize>, stream_seq: Option<u64>) -> bool {
+        let (Some(e), Some(s)) = (engine, stream_seq) else { return false };
+        match self.joined_at.get(&e) {
+            Some(&t) if s <= t => true,
+            Some(_) => {
+                self.joined_at.remove(&e);
+                false
+            }
+            None => false,
+        }
     }
 }
 
@@ -214,10 +259,28 @@ async fn session(
         // Reading from the start again: what the rebuilding engines applied so far comes again.
         ingest.forget_engines(engines);
     }
-    let deliver_policy = match (&pos.catch_up, pos.last.and_then(|s| s.checked_add(1))) {
-        (None, Some(start_sequence)) => consumer::DeliverPolicy::ByStartSequence { start_sequence },
-        _ => consumer::DeliverPolicy::All,
+    // The engines read from the start (all of them at first, or the rebuilding ones): from their
+    // snapshots instead, if the bucket holds them for this stream.
+    let reading: Vec<usize> = match (&pos.catch_up, pos.last) {
+        (Some((_, engines)), _) => engines.iter().copied().collect(),
+        (None, None) => ingest.engines().collect(),
+        (None, Some(_)) => Vec::new(),
     };
+    let mut snapshots = Vec::new();
+    if let (Some(sc), false) = (&cfg.snapshots, reading.is_empty()) {
+        let info = stream.cached_info();
+        let at = (cfg.stream.as_str(), info.created.unix_timestamp_nanos(), info.state.last_sequence);
+        let wanted: Vec<(usize, String)> = ingest.unknown().into_iter().filter(|(e, _)| reading.contains(e)).collect();
+        snapshots = load(&ctx, sc, at, &wanted).await;
+    }
+    // When every engine read from the start has a snapshot: the earliest one's stream sequence.
+    let snapshot_start = {
+        let mut joined: HashMap<usize, u64> = ingest.joined_at.clone();
+        joined.extend(snapshots.iter().filter_map(|(e, r)| Some((*e, r.as_ref().ok()?.meta.stream_seq))));
+        let mut at = reading.iter().map(|e| joined.get(e).copied());
+        at.try_fold(u64::MAX, |m, t| t.map(|t| m.min(t))).filter(|_| !reading.is_empty())
+    };
+    let deliver_policy = start_policy(pos, snapshot_start);
     let max_batch = pull_batch(cfg.max_queued_bytes, client.server_info().max_payload);
     let c = stream
         .create_consumer(consumer::pull::OrderedConfig {
@@ -238,6 +301,19 @@ async fn session(
     // Replicas that came up with clean mirrors (the broker back): read again for them.
     if ask_rebuilds(ingest, pos, hub) {
         return Ok(());
+    }
+    if !snapshots.is_empty() {
+        let mut st = hub.state();
+        for (engine, r) in snapshots {
+            match r {
+                Ok(loaded) => ingest.join_snapshot(&mut st, engine, loaded),
+                Err(reason) => Sink::<Option<EventBatch>>::snapshot_failed(&mut sink(&mut st), engine, reason),
+            }
+        }
+    }
+    if let (None, None, Some(t)) = (&pos.catch_up, pos.last, snapshot_start) {
+        // Read from after the earliest snapshot: as if everything before it had been applied.
+        pos.last = Some(t);
     }
     *lost_since = None;
     info!(url = %cfg.url, stream = %cfg.stream, pull_batch = max_batch, from = ?pos.last, rebuilding = ?pos.catch_up.as_ref().map(|c| c.1.len()), "consuming KV events from jetstream");
@@ -292,7 +368,8 @@ async fn session(
         for m in chunk {
             let m = m.map_err(|e| JetStreamError::consumer(&cfg.stream, e))?;
             let stream_seq = m.info().map(|i| i.stream_sequence).ok();
-            if !pos.admit(stream_seq, ingest.engine_of(m.subject.as_str())) {
+            let engine = ingest.engine_of(m.subject.as_str());
+            if !pos.admit(stream_seq, engine) || ingest.covered(engine, stream_seq) {
                 continue;
             }
             let batch = EventBatch::decode(&m.payload).ok();
@@ -306,6 +383,20 @@ async fn session(
         }
     }
     Err(JetStreamError::Ended)
+}
+
+/// Where a session reads the stream from: after the last message applied; for a catch-up or a
+/// first read, from the start, or after the earliest snapshot (`snapshot_start`) when every
+/// engine read from the start has one (a catch-up still reads the other engines' messages after
+/// what was applied).
+fn start_policy(pos: &Position, snapshot_start: Option<u64>) -> consumer::DeliverPolicy {
+    let after = |t: u64| consumer::DeliverPolicy::ByStartSequence { start_sequence: t.saturating_add(1) };
+    match (&pos.catch_up, pos.last, snapshot_start) {
+        (None, Some(last), _) => after(last),
+        (Some((until, _)), _, Some(t)) => after(t.min(*until)),
+        (None, None, Some(t)) => after(t),
+        _ => consumer::DeliverPolicy::All,
+    }
 }
 
 /// The most messages one pull asks for: as many of the broker's largest (`max_payload`) as
@@ -499,6 +590,68 @@ mod tests {
         assert!(pos.admit(Some(11), Some(0)));
         assert_eq!(pos.catch_up, None);
         assert_eq!(pos.last, Some(11));
+    }
+
+    fn loaded(seq: u64, stream_seq: u64, hashes: Vec<u64>) -> Loaded {
+        let meta = super::super::snapshot_bucket::ObjectMeta {
+            seq,
+            incomplete_from: None,
+            stream: "LLMGW_KV".to_owned(),
+            stream_created_ns: 1,
+            stream_seq,
+        };
+        Loaded { meta, batch: EventBatch::decode(&payload(hashes)).unwrap() }
+    }
+
+    #[test]
+    fn a_snapshot_join_is_batch_s_and_the_engines_messages_up_to_its_stream_sequence_are_dropped() {
+        let (hub, mut ingest) = setup();
+        let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
+        assert_eq!(ingest.unknown(), vec![(0, subj.clone())]);
+        ingest.join_snapshot(&mut hub.state(), 0, loaded(7, 100, vec![1, 2]));
+        assert!(ingest.unknown().is_empty());
+        {
+            let st = hub.state();
+            assert_eq!((st.engines[0].mirror.len(), st.engines[0].counters.snapshot_joins), (2, 1));
+        }
+        // Up to the snapshot's stream sequence: held already. After it: batch 8 follows 7.
+        assert!(ingest.covered(Some(0), Some(100)));
+        assert!(!ingest.covered(None, Some(100)) && !ingest.covered(Some(0), None));
+        assert!(!ingest.covered(Some(0), Some(101)));
+        ingest.on_message(&mut hub.state(), &subj, Some("8"), &payload(vec![3]));
+        let st = hub.state();
+        assert_eq!(st.engines[0].mirror.len(), 3);
+        assert!(st.engines[0].counters.resets.is_empty() && st.engines[0].incomplete_from.is_none());
+    }
+
+    #[test]
+    fn after_a_snapshot_join_a_sequence_going_back_is_an_engine_restart() {
+        let (hub, mut ingest) = setup();
+        let subj = subject("llmgw.kv", "127.0.0.1:8000", 0);
+        ingest.join_snapshot(&mut hub.state(), 0, loaded(7, 100, vec![1, 2]));
+        assert!(!ingest.covered(Some(0), Some(101)));
+        ingest.on_message(&mut hub.state(), &subj, Some("0"), &payload(vec![9]));
+        let st = hub.state();
+        assert_eq!(st.engines[0].counters.resets.get("restart"), Some(&1));
+        assert_eq!(st.engines[0].mirror.len(), 1);
+    }
+
+    #[test]
+    fn the_stream_is_read_from_after_the_earliest_snapshot_and_a_catch_up_never_skips_the_others() {
+        let at = |p: consumer::DeliverPolicy| match p {
+            consumer::DeliverPolicy::ByStartSequence { start_sequence } => Some(start_sequence),
+            _ => None,
+        };
+        let first = Position::default();
+        assert_eq!(at(start_policy(&first, None)), None, "no snapshot: from the start");
+        assert_eq!(at(start_policy(&first, Some(40))), Some(41));
+        let resumed = Position { last: Some(50), catch_up: None };
+        assert_eq!(at(start_policy(&resumed, Some(40))), Some(51), "after what was applied");
+        // Rebuilding engine 1 from a snapshot at 60 while the others applied up to 50: from 51.
+        let catch_up = Position { last: Some(50), catch_up: Some((50, HashSet::from([1]))) };
+        assert_eq!(at(start_policy(&catch_up, Some(60))), Some(51));
+        assert_eq!(at(start_policy(&catch_up, Some(30))), Some(31));
+        assert_eq!(at(start_policy(&catch_up, None)), None);
     }
 
     #[test]

@@ -19,6 +19,7 @@
 //!
 //! * [`consume`]: the agent's consumer.
 //! * [`publish`]: `llmgw-agent publish`.
+//! * [`snapshot_bucket`]: engines' snapshots in an object-store bucket, written by `publish`, read by the consumer.
 
 use crate::config::JetStreamConfig;
 use async_nats::jetstream::stream;
@@ -26,6 +27,7 @@ use std::time::Duration;
 
 pub mod consume;
 pub mod publish;
+pub mod snapshot_bucket;
 
 pub use crate::config::subject;
 

@@ -9,8 +9,11 @@
 //!
 //! With `--snapshot-listen`, each rank's batches also go into a ledger of the engine's blocks
 //! ([`crate::snapshot`]), served as snapshots to agents that start after the engine; without
-//! a `[jetstream]` section the sidecar then only serves snapshots.
+//! a `[jetstream]` section the sidecar then only serves snapshots. With `[jetstream.snapshots]`
+//! the ledgers' snapshots are also written into an object-store bucket
+//! ([`super::snapshot_bucket`]), for agents on the JetStream path.
 
+use super::snapshot_bucket::{write_loop, RankAcks, WrittenRank};
 use super::{connect, stream_config, JetStreamError, SEQ_HEADER};
 use crate::config::{subject, Config, EngineSpec, EventSource, JetStreamConfig, ZmqConfig};
 use crate::ingest::{Fill, FillOutcome, Ingest, Sink, SourceEvent};
@@ -114,8 +117,9 @@ async fn run_async(
     engines: Vec<EngineSpec>,
     snapshot_listen: Option<std::net::SocketAddr>,
 ) -> Result<(), PublishError> {
-    let ledgers = snapshot_listen
-        .map(|_| Arc::new(Ledgers::new(engines.iter().map(|e| e.dp_rank), zmq_cfg.max_blocks_per_engine)));
+    let bucket = js.as_ref().and_then(|j| j.snapshots.clone());
+    let ledgers = (snapshot_listen.is_some() || bucket.is_some())
+        .then(|| Arc::new(Ledgers::new(engines.iter().map(|e| e.dp_rank), zmq_cfg.max_blocks_per_engine)));
     let mut server = None;
     if let (Some(addr), Some(l)) = (snapshot_listen, &ledgers) {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| PublishError::Listen(addr, e))?;
@@ -143,7 +147,9 @@ async fn run_async(
     let zctx = zmq::Context::new();
     let mut threads = Vec::new();
     let mut tasks = Vec::new();
+    let mut written = Vec::new();
     for spec in engines {
+        let acks = Arc::new(RankAcks::default());
         let (tx, rx) = tokio::sync::mpsc::channel::<Item>(QUEUE);
         let mut last = None;
         match (&ctx, &js) {
@@ -154,10 +160,12 @@ async fn run_async(
                 if let Some(seq) = last {
                     info!(subject = %subj, seq, "the stream holds this engine's batches up to seq; continuing after it");
                 }
+                written.push(WrittenRank { dp_rank: spec.dp_rank, subject: subj.clone(), acks: acks.clone() });
+                let rank = Rank { subj, acks: acks.clone() };
                 tasks.push(tokio::spawn(publish_rank(
                     ctx.clone(),
                     js.clone(),
-                    subj,
+                    rank,
                     rx,
                     counters.clone(),
                     stop.clone(),
@@ -174,7 +182,7 @@ async fn run_async(
                 ledger.mark_incomplete(seq.saturating_add(1));
             }
         }
-        let queue = Queue { counters: counters.clone(), tx, epoch: 0, label: spec.label() };
+        let queue = Queue { counters: counters.clone(), tx, epoch: 0, label: spec.label(), acks };
         let reader = Reader {
             replay: ZmqReplay::new(zctx.clone(), zmq_cfg.clone(), &spec),
             queue: Recording { inner: queue, ledgers: ledgers.clone(), dp_rank: spec.dp_rank },
@@ -192,11 +200,20 @@ async fn run_async(
                 .map_err(PublishError::Thread)?,
         );
     }
+    let writer = match (&ctx, &js, bucket, &ledgers) {
+        (Some(ctx), Some(js), Some(b), Some(l)) if !written.is_empty() => {
+            Some(tokio::spawn(write_loop(ctx.clone(), js.clone(), b, l.clone(), written)))
+        }
+        _ => None,
+    };
     let report = tokio::spawn(report(counters.clone()));
     shutdown_signal().await;
     info!("shutting down");
     stop.store(true, Ordering::SeqCst);
     report.abort();
+    if let Some(w) = writer {
+        w.abort();
+    }
     // The ranks finish what they hold together, for 3 s at most.
     let all = futures_util::future::join_all(tasks.iter_mut());
     if tokio::time::timeout(Duration::from_secs(3), all).await.is_err() {
@@ -234,11 +251,17 @@ async fn last_published(ctx: &jetstream::Context, js: &JetStreamConfig, subj: &s
     m.headers.get(SEQ_HEADER)?.as_str().trim().parse().ok()
 }
 
+/// One rank's subject, and where the stream sequences of its acknowledged batches go.
+struct Rank {
+    subj: String,
+    acks: Arc<RankAcks>,
+}
+
 /// Publishes one rank's batches in order, each acknowledged before the next.
 async fn publish_rank(
     ctx: jetstream::Context,
     js: JetStreamConfig,
-    subj: String,
+    Rank { subj, acks }: Rank,
     mut rx: tokio::sync::mpsc::Receiver<Item>,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
@@ -255,11 +278,12 @@ async fn publish_rank(
         let mut delay = Duration::from_millis(50);
         loop {
             let r = match ctx.publish_with_headers(subj.clone(), headers.clone(), payload.clone()).await {
-                Ok(ack) => ack.await.map(|_| ()),
+                Ok(ack) => ack.await,
                 Err(e) => Err(e),
             };
             match r {
-                Ok(()) => {
+                Ok(ack) => {
+                    acks.acked(item.epoch, item.seq, ack.sequence);
                     counters.published.fetch_add(1, Ordering::Relaxed);
                     break;
                 }
@@ -323,6 +347,8 @@ struct Queue {
     epoch: u64,
     /// For logs.
     label: String,
+    /// Told the epoch (the snapshot writer pairs it with the ledger).
+    acks: Arc<RankAcks>,
 }
 
 impl Sink<[u8]> for Queue {
@@ -333,6 +359,7 @@ impl Sink<[u8]> for Queue {
     fn fill_needed(&mut self, _: usize, cause: Cause, _: bool) {
         if cause == Cause::Restart || cause == Cause::Reconnect {
             self.epoch = self.epoch.saturating_add(1);
+            self.acks.set_epoch(self.epoch);
         }
     }
 

@@ -22,6 +22,8 @@ use tokio::sync::Semaphore;
 pub struct RankLedger {
     pub dp_rank: u32,
     pub ledger: Mutex<Ledger>,
+    /// The batch the snapshot last written to the bucket is exact at (-1: none written).
+    pub bucket_seq: std::sync::atomic::AtomicI64,
 }
 
 /// What the sidecar's snapshot endpoint serves, shared with its engine threads.
@@ -34,6 +36,19 @@ pub struct Ledgers {
     unavailable: AtomicU64,
     /// The longest an engine's lock was held to copy its ledger, in microseconds.
     copy_max_us: AtomicU64,
+    /// Writes to the `[jetstream.snapshots]` bucket.
+    pub bucket: BucketCounters,
+}
+
+/// What the sidecar's writes of snapshots into an object-store bucket came to.
+#[derive(Default)]
+pub struct BucketCounters {
+    pub writes: AtomicU64,
+    pub failures: AtomicU64,
+    /// Snapshots over `max_object_bytes`, not written.
+    pub too_large: AtomicU64,
+    /// Bytes of the last snapshot written.
+    pub last_bytes: AtomicU64,
 }
 
 impl Ledgers {
@@ -42,13 +57,18 @@ impl Ledgers {
         Ledgers {
             ranks: ranks
                 .into_iter()
-                .map(|r| RankLedger { dp_rank: r, ledger: Mutex::new(Ledger::new(max_blocks)) })
+                .map(|r| RankLedger {
+                    dp_rank: r,
+                    ledger: Mutex::new(Ledger::new(max_blocks)),
+                    bucket_seq: std::sync::atomic::AtomicI64::new(-1),
+                })
                 .collect(),
             building: Semaphore::new(1),
             served: AtomicU64::new(0),
             busy: AtomicU64::new(0),
             unavailable: AtomicU64::new(0),
             copy_max_us: AtomicU64::new(0),
+            bucket: BucketCounters::default(),
         }
     }
 
@@ -118,6 +138,29 @@ async fn metrics(State(l): State<Arc<Ledgers>>) -> String {
     let _ = writeln!(out, "# TYPE llmgw_publish_snapshot_copy_max_seconds gauge");
     let _ =
         writeln!(out, "llmgw_publish_snapshot_copy_max_seconds {}", l.copy_max_us.load(Ordering::Relaxed) as f64 / 1e6);
+    let _ = writeln!(
+        out,
+        "# HELP llmgw_publish_bucket_writes_total Snapshots written to the object-store bucket, by outcome."
+    );
+    let _ = writeln!(out, "# TYPE llmgw_publish_bucket_writes_total counter");
+    let b = &l.bucket;
+    for (outcome, c) in [("written", &b.writes), ("failed", &b.failures), ("too_large", &b.too_large)] {
+        let _ =
+            writeln!(out, "llmgw_publish_bucket_writes_total{{outcome=\"{outcome}\"}} {}", c.load(Ordering::Relaxed));
+    }
+    let _ = writeln!(out, "# HELP llmgw_publish_bucket_last_bytes Bytes of the last snapshot written to the bucket.");
+    let _ = writeln!(out, "# TYPE llmgw_publish_bucket_last_bytes gauge");
+    let _ = writeln!(out, "llmgw_publish_bucket_last_bytes {}", b.last_bytes.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# HELP llmgw_publish_bucket_seq The batch an engine's last snapshot written to the bucket is exact at (-1: none).");
+    let _ = writeln!(out, "# TYPE llmgw_publish_bucket_seq gauge");
+    for r in &l.ranks {
+        let _ = writeln!(
+            out,
+            "llmgw_publish_bucket_seq{{dp_rank=\"{}\"}} {}",
+            r.dp_rank,
+            r.bucket_seq.load(Ordering::Relaxed)
+        );
+    }
     let _ = writeln!(out, "# HELP llmgw_publish_ledger_blocks Distinct blocks the sidecar's ledger holds per engine.");
     let _ = writeln!(out, "# TYPE llmgw_publish_ledger_blocks gauge");
     let _ = writeln!(out, "# HELP llmgw_publish_ledger_incomplete 1 while an engine's ledger lacks what batches before its incomplete_from stored.");
