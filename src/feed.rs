@@ -156,6 +156,7 @@ impl FeedClient {
             Ok(Applied::Applied) => s.metrics.feed_message(false),
             Ok(Applied::Swapped) => {
                 s.metrics.feed_message(false);
+                s.metrics.feed_snapshot_applied();
                 log::info!("llmgw: resynced index now serving");
             }
             Err(FeedError::Gap { expected, got }) => {

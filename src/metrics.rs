@@ -41,6 +41,7 @@ pub struct Metrics {
     feed_disconnects: Option<u32>,
     feed_messages: Option<u32>,
     feed_rejected: Option<u32>,
+    feed_snapshots: Option<u32>,
     tokenizer_cache_hits: Option<u32>,
     tokenizer_cache_misses: Option<u32>,
     hash_mismatches: Option<u32>,
@@ -96,6 +97,7 @@ impl Metrics {
             feed_disconnects: c("llmgw_feed_disconnects_total"),
             feed_messages: c("llmgw_feed_messages_total"),
             feed_rejected: c("llmgw_feed_rejected_total"),
+            feed_snapshots: c("llmgw_feed_snapshots_applied_total"),
             tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
@@ -221,6 +223,11 @@ impl Metrics {
 
     pub fn feed_disconnect(&self) {
         self.inc(self.feed_disconnects);
+    }
+
+    /// A subscription's snapshot complete: the index built from it now serves.
+    pub fn feed_snapshot_applied(&self) {
+        self.inc(self.feed_snapshots);
     }
 
     pub fn feed_message(&self, rejected: bool) {

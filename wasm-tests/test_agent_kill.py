@@ -104,6 +104,7 @@ def test_agent_sigkill_under_load_comes_back_with_every_engines_own_cache(
         wait_until(lambda: all(before[s["name"]] - sim_keys(s) for s in sims), 60, "every replica evicted",
                    interval=0.2)
 
+        applied = envoy.metric("llmgw_feed_snapshots_applied_total")
         procs.stop(agent.proc, signal.SIGKILL)
         wait_until(lambda: not any(v for v in envoy.stats("llmgw_feed_connected").values()), 10,
                    "every filter VM noticed the agent is gone")
@@ -136,6 +137,11 @@ def test_agent_sigkill_under_load_comes_back_with_every_engines_own_cache(
         r = agent.wait_for(s["name"], lambda r, cache=cache: set(r["block_keys"]) == cache,
                            "the agent's mirror equals the replica's own cache")
         assert r["incomplete_from"] is None and r["snapshot"]["joins"] >= 1, r
+    # Full caches hold as many blocks before the outage as after: the count alone could be the
+    # stale index's. Every VM first swaps in the index of its new subscription's snapshot.
+    vms = len(envoy.index_blocks())
+    wait_until(lambda: envoy.metric("llmgw_feed_snapshots_applied_total") >= applied + vms, 20,
+               "every filter VM serves the returned agent's snapshot")
     total = sum(len(sim_keys(s)) for s in sims)
     wait_until(lambda: envoy.index_blocks() and all(v == total for v in envoy.index_blocks()), 20,
                "every filter VM holds the agent's index")

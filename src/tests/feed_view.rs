@@ -7,6 +7,7 @@ fn after_a_reconnect_the_old_index_serves_until_the_new_snapshot_is_complete() {
     let old: Vec<u32> = (0..16).collect();
     let new: Vec<u32> = (100..116).collect();
     let mut e = synced("", vec![], keys(&old), true);
+    let applied = e.counter("llmgw_feed_snapshots_applied_total");
     let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &old));
     assert_eq!(e.dest().as_deref(), Some(B));
     // The stream closes; the next tick past the backoff resubscribes.
@@ -23,7 +24,9 @@ fn after_a_reconnect_the_old_index_serves_until_the_new_snapshot_is_complete() {
     assert_eq!(e.dest().as_deref(), Some(B));
     let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &new));
     assert_eq!(e.host.samples("llmgw_matched_blocks").last(), Some(&0));
+    assert_eq!(e.counter("llmgw_feed_snapshots_applied_total"), applied, "not before the snapshot is complete");
     e.feed(vec![Msg::SnapshotComplete(SnapshotComplete {})]);
+    assert_eq!(e.counter("llmgw_feed_snapshots_applied_total"), applied + 1);
     let (_c, _) = e.request(COMPLETIONS, &tokens_body("m", &new));
     assert_eq!(e.dest().as_deref(), Some(A));
     assert_eq!(e.host.samples("llmgw_matched_blocks").last(), Some(&4));
