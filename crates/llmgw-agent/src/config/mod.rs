@@ -49,5 +49,5 @@ pub use file::{
     Config, ConfigError, DiscoveryConfig, Events, FeedConfig, HashConfig, HttpConfig, JetStreamConfig, LoadConfig,
     Mode, ParityConfig, ReplicaConfig, Sources, ZmqConfig,
 };
-pub use snapshot_bucket::SnapshotBucketConfig;
+pub use snapshot_bucket::{SnapshotBucketConfig, MAX_SNAPSHOT_BYTES};
 pub use tokenizer::{TokenizerConfig, TokenizerModelConfig};

@@ -14,6 +14,11 @@
 
 use serde::Deserialize;
 
+/// The largest snapshot an agent reads, over HTTP from a sidecar or from the bucket (about 28
+/// million blocks); a larger one is refused. Here, with the settings it bounds, so that the
+/// configuration's checks need nothing from the snapshot code.
+pub const MAX_SNAPSHOT_BYTES: u64 = 256 << 20;
+
 /// Where and how often the `publish` sidecars write snapshots, and where agents read them.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -230,10 +230,10 @@ fn check_snapshot_bucket(b: &SnapshotBucketConfig) -> Result<(), ConfigError> {
     if b.interval_secs == 0 || b.interval_secs > 3600 {
         return Err(err("jetstream.snapshots.interval_secs", "must be between 1 and 3600"));
     }
-    if b.max_object_bytes < 1 << 10 || b.max_object_bytes > crate::snapshot::fetch::MAX_SNAPSHOT_BYTES {
+    if b.max_object_bytes < 1 << 10 || b.max_object_bytes > super::MAX_SNAPSHOT_BYTES {
         return Err(err(
             "jetstream.snapshots.max_object_bytes",
-            format!("must be between 1024 and {}", crate::snapshot::fetch::MAX_SNAPSHOT_BYTES),
+            format!("must be between 1024 and {}", super::MAX_SNAPSHOT_BYTES),
         ));
     }
     // An object is rewritten before the old one is deleted: the bucket holds two at once.

@@ -6,8 +6,7 @@ use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-/// The largest snapshot taken (about 28 million blocks); a larger one is refused.
-pub const MAX_SNAPSHOT_BYTES: u64 = 256 << 20;
+pub use crate::config::MAX_SNAPSHOT_BYTES;
 
 /// Why no snapshot came (the reason is a metric label).
 #[derive(Debug, thiserror::Error)]
