@@ -12,7 +12,7 @@ from llmgw_testkit import free_port, request, toml, wait_port, wait_until
 from llmgw_testkit import get_text as get
 from llmgw_testkit import post_json as post
 from llmgw_testkit.jetstream import start_nats
-from test_warm_start import BUFFER_STEPS, prompt, replay_seqs, snapshot_of
+from test_warm_start import BUFFER_STEPS, prompt, replay_seqs, snapshot_of, start_small_buffer_sim
 
 PER_SUBJECT = 4
 
@@ -28,11 +28,7 @@ def test_an_agent_started_after_the_stream_rolled_joins_from_the_bucket(
         procs, tmp_path, sim_bin, agent_bin, start_agent):
     nats_url = start_nats(procs, tmp_path)
     port, kv, replay, snap = free_port(), free_port(), free_port(), free_port()
-    procs.start([sim_bin, "--port", port, "--name", "r0", "--model", "m", "--blocks", "4096",
-                 "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{kv}",
-                 "--replay-endpoint", f"tcp://127.0.0.1:{replay}", "--decode-ms", "1",
-                 "--buffer-steps", BUFFER_STEPS], "sim")
-    wait_port(port)
+    start_small_buffer_sim(procs, sim_bin, port, kv, replay)
     url = f"http://127.0.0.1:{port}"
     address = f"127.0.0.1:{port}"
     jetstream = {"url": nats_url, "max_messages_per_subject": PER_SUBJECT, "memory_storage": True}

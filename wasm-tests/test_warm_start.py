@@ -20,6 +20,15 @@ from llmgw_testkit.fleet import new_sims, start_router, wait_sims
 BUFFER_STEPS = 4
 
 
+def start_small_buffer_sim(procs, sim_bin, port, kv, replay):
+    """One simulated replica `r0` whose replay buffer holds BUFFER_STEPS batches, listening."""
+    procs.start([sim_bin, "--port", port, "--name", "r0", "--model", "m", "--blocks", "4096",
+                 "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{kv}",
+                 "--replay-endpoint", f"tcp://127.0.0.1:{replay}", "--decode-ms", "1",
+                 "--buffer-steps", BUFFER_STEPS], "sim")
+    wait_port(port)
+
+
 class Recorder:
     """A SUB of its own on the simulator's publisher: every batch by sequence number."""
 
@@ -93,11 +102,7 @@ def prompt(tag: str) -> str:
 
 def test_agent_started_after_the_replay_buffer_rolled_keeps_what_it_holds(procs, sim_bin, start_agent):
     port, kv, replay = free_port(), free_port(), free_port()
-    procs.start([sim_bin, "--port", port, "--name", "r0", "--model", "m", "--blocks", "4096",
-                 "--block-size", "16", "--seed", "0", "--kv-endpoint", f"tcp://[::ffff:127.0.0.1]:{kv}",
-                 "--replay-endpoint", f"tcp://127.0.0.1:{replay}", "--decode-ms", "1",
-                 "--buffer-steps", BUFFER_STEPS], "sim")
-    wait_port(port)
+    start_small_buffer_sim(procs, sim_bin, port, kv, replay)
     url = f"http://127.0.0.1:{port}"
     rec = Recorder(kv)
     try:
