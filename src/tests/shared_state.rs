@@ -5,7 +5,10 @@ use super::*;
 #[test]
 fn a_replica_answering_5xx_is_avoided_from_the_next_request_then_tried_again() {
     let tokens: Vec<u32> = (0..32).collect();
-    let e = synced("", vec![], keys(&tokens), true);
+    // B holds a second prompt nobody sends until the end: routing it shows whether B is avoided
+    // (the first prompt, once routed to A, is held by both as far as the filter knows).
+    let other: Vec<u32> = (100..132).collect();
+    let e = synced("", vec![], [keys(&tokens), keys(&other)].concat(), true);
     e.host.now_ns.set(1_000_000_000);
     let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
     assert_eq!(e.dest().as_deref(), Some(B));
@@ -24,11 +27,11 @@ fn a_replica_answering_5xx_is_avoided_from_the_next_request_then_tried_again() {
     ctx.on_http_response_headers(1, false);
     // A second later it is tried again (and an answer below 500 clears it).
     e.host.now_ns.set(2_000_000_001);
-    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &other));
     assert_eq!(e.dest().as_deref(), Some(B));
     e.host.set_header(Headers::Response, ":status", Some("200"));
     ctx.on_http_response_headers(1, false);
-    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &other));
     assert_eq!(e.dest().as_deref(), Some(B));
 }
 

@@ -81,6 +81,7 @@ pub fn decide_lazy(
     if idx.is_empty() {
         return Decision::new(None, Outcome::NoReplica, 0, 0);
     }
+    let known_new = exact.is_some() && !idx.iter().any(|&i| cands.get(i).is_some_and(|c| c.incomplete));
     // Holders past their load bound give up their claim to the prefix.
     let mut spilled = false;
     if let Some(s) = exact {
@@ -88,7 +89,11 @@ pub fn decide_lazy(
         let any_match = idx.iter().any(|&i| leading(cands, s, i) > 0);
         let holders_within = idx.iter().any(|&i| leading(cands, s, i) > 0 && within(i));
         spilled = any_match && !holders_within;
-        if holders_within && s.total > 0 {
+        // Every eligible replica holds the same leading blocks (a system prompt the whole fleet
+        // has cached): nobody has an advantage, and the rest of the prompt is new.
+        let new_past_common =
+            known_new && any_match && common_leading(cands, s, &idx).is_some() && approx_key().is_some();
+        if holders_within && s.total > 0 && !new_past_common {
             // Holders past the bound are out of this contest; replicas holding nothing stay in.
             let members: Vec<usize> = idx.iter().copied().filter(|&i| within(i) || leading(cands, s, i) == 0).collect();
             let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
@@ -106,7 +111,6 @@ pub fn decide_lazy(
         }
     }
     let total = exact.map_or(0, |s| s.total);
-    let known_new = exact.is_some() && !idx.iter().any(|&i| cands.get(i).is_some_and(|c| c.incomplete));
     if let (true, false, Some(s), Some(key)) = (known_new, spilled, exact.filter(|s| s.total > 0), approx_key()) {
         if let Some(d) = place_new(cands, &idx, s, work, key, w) {
             return d;
@@ -116,7 +120,8 @@ pub fn decide_lazy(
     Decision::new(winner, outcome, 0, total)
 }
 
-/// A prefix known to be new (complete mirrors show nobody holding its first block): among its
+/// A prefix known to be new (complete mirrors show nobody holding its first block, or every
+/// eligible replica holding the same leading blocks and nobody more): among its
 /// first rendezvous choices within the load bound, the one the holder policy prefers (everyone
 /// computes the whole prompt: the fastest predicted, or the least loaded), equally good ones
 /// by fewer recent requests ([`new_prefix_rank`]), then by the prompt's rendezvous order.
@@ -153,12 +158,23 @@ fn place_new(
         PolicyMode::Score => w.holder_policy(),
     };
     let p = policy.pick(&contest)?;
+    // Past blocks the whole fleet holds, the hit is real: exact, with what the winner holds.
+    let matched = leading(cands, s, p.winner);
+    let outcome = if matched > 0 { Outcome::Exact } else { Outcome::Approx };
     Some(Decision {
         predicted_us: p.predicted_us,
         runner_up: p.runner_up,
         basis: p.basis,
-        ..Decision::new(Some(p.winner), Outcome::Approx, 0, s.total)
+        ..Decision::new(Some(p.winner), outcome, matched, s.total)
     })
+}
+
+/// The number of leading blocks every eligible replica holds, when they all hold the same
+/// number (`None` when they differ or there is no eligible replica).
+fn common_leading(cands: &[Candidate<'_>], s: &Scores, idx: &[usize]) -> Option<u32> {
+    let mut held = idx.iter().map(|&i| leading(cands, s, i));
+    let first = held.next()?;
+    held.all(|l| l == first).then_some(first)
 }
 
 /// The order of equally good places for a new prefix (higher first): fewer recent requests,

@@ -461,15 +461,18 @@ fn new_prefixes_spread_evenly_under_equal_load() {
     // New prefixes arrive one after another on an idle fleet; each one's requests are counted
     // where it went (fading as the filter's recent counts do). Rendezvous order alone spreads
     // them as a hash does; the recent counts even them out.
-    for n in [3usize, 4] {
+    // The same when every replica holds the prompts' first block (a system prompt the whole
+    // fleet has cached): past it, each prompt is new.
+    for (n, common) in [(3usize, 0), (4, 0), (3, 1), (4, 1)] {
         for policy in [Weights::default(), score()] {
             let mut c = fleet(n);
-            let none = scores(&vec![0; n], 50);
+            let none = scores(&vec![common; n], 50);
             let mut placed = vec![0u32; n];
             for p in 0..(12 * n as u32) {
                 let key = stable_hash(format!("conversation {p}").as_bytes());
                 let d = ttft(&c, &none, 800, key, &policy);
-                assert_eq!(d.outcome, Outcome::Approx);
+                let expect = if common == 0 { Outcome::Approx } else { Outcome::Exact };
+                assert_eq!((d.outcome, d.matched), (expect, common));
                 let i = d.winner.unwrap();
                 placed[i] += 1;
                 // Every prefix brings four requests, each fading the others' counts.
@@ -483,7 +486,7 @@ fn new_prefixes_spread_evenly_under_equal_load() {
             let (max, min) = (*placed.iter().max().unwrap(), *placed.iter().min().unwrap());
             assert!(
                 f64::from(max) <= 1.25 * f64::from(min),
-                "{n} replicas, {}: {placed:?}",
+                "{n} replicas, {common} common, {}: {placed:?}",
                 policy.holder_policy().name()
             );
         }
