@@ -31,14 +31,15 @@ impl Contest<'_, '_> {
         leading(self.cands, self.scores, i)
     }
 
-    /// The prompt's rendezvous weight of candidate `i`: equally good replicas are ordered by
-    /// it, so every gateway breaks the tie the same way (computed only when asked).
+    /// Candidate `i`'s rank among equally good replicas: fewer recent requests, then the
+    /// prompt's rendezvous weight, so gateways whose counts agree break the tie the same way
+    /// (computed only when asked).
     pub fn tiebreak(&self, i: usize) -> Option<u64> {
         (self.tiebreak)(i)
     }
 
-    /// The greatest member under `better`, its ties broken by more leading blocks, then the
-    /// prompt's rendezvous order, then the lower index.
+    /// The greatest member under `better`, its ties broken by more leading blocks, then
+    /// [`Contest::tiebreak`], then the lower index.
     pub fn best(&self, better: impl Fn(usize, usize) -> std::cmp::Ordering) -> Option<usize> {
         self.members.iter().copied().max_by(|&a, &b| self.order(&better, a, b))
     }

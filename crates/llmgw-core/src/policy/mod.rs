@@ -96,7 +96,9 @@ pub fn decide_lazy(
         if holders_within && s.total > 0 && !new_past_common {
             // Holders past the bound are out of this contest; replicas holding nothing stay in.
             let members: Vec<usize> = idx.iter().copied().filter(|&i| within(i) || leading(cands, s, i) == 0).collect();
-            let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
+            // Equal holders with equal predictions: fewer recent requests, then rendezvous order
+            // (a prefix several replicas hold is served by all of them, not by its first).
+            let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| tie_rank(c, k)));
             let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
             if let Some(p) = w.holder_policy().pick(&contest) {
                 let matched = leading(cands, s, p.winner);
@@ -124,7 +126,7 @@ pub fn decide_lazy(
 /// eligible replica holding the same leading blocks and nobody more): among its
 /// first rendezvous choices within the load bound, the one the holder policy prefers (everyone
 /// computes the whole prompt: the fastest predicted, or the least loaded), equally good ones
-/// by fewer recent requests ([`new_prefix_rank`]), then by the prompt's rendezvous order.
+/// by fewer recent requests ([`tie_rank`]), then by the prompt's rendezvous order.
 ///
 /// Under equal loads rendezvous order alone spreads prefixes as a hash does: 16 prefixes on 3
 /// replicas land 8/5/3 as easily as 6/5/5, and since a holder keeps its prefix until load moves
@@ -140,7 +142,7 @@ fn place_new(
     w: &Weights,
 ) -> Option<Decision> {
     let members = w.fallback.new_prefix_choices(cands, idx, key);
-    let tiebreak = |i: usize| cands.get(i).map(|c| new_prefix_rank(c, key));
+    let tiebreak = |i: usize| cands.get(i).map(|c| tie_rank(c, key));
     let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
     // Every choice computes the whole prompt, so predictions differ only by the replicas'
     // rates and loads. A difference within what a prediction from those rates typically misses
@@ -177,11 +179,11 @@ fn common_leading(cands: &[Candidate<'_>], s: &Scores, idx: &[usize]) -> Option<
     held.all(|l| l == first).then_some(first)
 }
 
-/// The order of equally good places for a new prefix (higher first): fewer recent requests,
-/// then the prompt's rendezvous weight. Recent counts are compared in whole requests: a
+/// The order of equally good places (higher first), for a new prefix and among holders whose
+/// predictions tie: fewer recent requests, then the prompt's rendezvous weight. Recent counts are compared in whole requests: a
 /// difference of less than one is what two workers' reads a moment apart differ by, and there
 /// the rendezvous order, the same on every gateway, decides.
-fn new_prefix_rank(c: &Candidate<'_>, key: u64) -> u64 {
+fn tie_rank(c: &Candidate<'_>, key: u64) -> u64 {
     let recent = c.recent.round().clamp(0.0, f64::from(u32::MAX)) as u32;
     let fewer = u64::from(u32::MAX.saturating_sub(recent));
     (fewer.checked_shl(32).unwrap_or(0)) | (c.rendezvous_weight(key).checked_shr(32).unwrap_or(0))

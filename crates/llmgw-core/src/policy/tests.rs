@@ -504,6 +504,31 @@ fn new_prefixes_spread_evenly_under_equal_load() {
 }
 
 #[test]
+fn replicas_holding_a_prefix_equally_share_its_requests() {
+    // Replicas 0 and 2 hold a long shared prompt, replica 1 nothing; every request has the same
+    // leading text (one rendezvous key). Equal holders with equal predictions take turns by
+    // their recent requests, instead of the prompt's first choice taking them all.
+    let key = stable_hash(b"a shared system prompt");
+    for policy in [Weights::default(), score()] {
+        let mut c = fleet(3);
+        let held = scores(&[40, 0, 40], 50);
+        let mut placed = [0u32; 3];
+        for _ in 0..40 {
+            let d = ttft(&c, &held, 800, key, &policy);
+            assert_eq!((d.outcome, d.matched), (Outcome::Exact, 40));
+            let i = d.winner.unwrap();
+            placed[i] += 1;
+            for x in c.iter_mut() {
+                x.recent *= 1.0 - 1.0 / 96.0;
+            }
+            c[i].recent += 1.0;
+        }
+        assert_eq!(placed[1], 0, "{}: {placed:?}", policy.holder_policy().name());
+        assert!(placed[0].abs_diff(placed[2]) <= 2, "{}: {placed:?}", policy.holder_policy().name());
+    }
+}
+
+#[test]
 fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
     use super::rates::Rates;
     let learned = |prefill: f64, residual: f64| Rates {

@@ -28,8 +28,8 @@ pub struct TtftWeights {
     /// side by side (the simulator).
     pub queued_prefill: f64,
     /// Predictions within `tie_requests` × the per-request rate (the larger of the two
-    /// replicas'), and at least `tie_us`, are equal: the replica holding more, then the prompt's
-    /// rendezvous order picks. In requests, the margin keeps its meaning whatever the fleet's
+    /// replicas'), and at least `tie_us`, are equal: the replica holding more, then the one
+    /// with fewer recent requests, then the prompt's rendezvous order picks. In requests, the margin keeps its meaning whatever the fleet's
     /// speed: gateways that see one request more or less on a replica still agree, and load
     /// beyond that is weighed by the time it costs.
     pub tie_requests: f64,
