@@ -34,7 +34,7 @@ from pathlib import Path
 
 import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
 from llmgw_testkit import http_json, stream_request
-from llmgw_testkit.fleet import peer_command, start_router, stop_on_signals
+from llmgw_testkit.fleet import cpu_seconds, peer_command, start_router, stop_on_signals
 from llmgw_testkit.sessions import run_sessions
 from llmgw_testkit.vllm_serve import VllmReplica
 from llmgw_testkit.workloads import Conversations, SharedPrefix, as_completion, make_sessions
@@ -303,8 +303,17 @@ class Bench:
         requests over the idlest's."""
         sims = [{"port": r.port} for r in self.replicas]
         path = API_PATHS[self.args.api]
+        # CPU the router's processes and the replicas' used over the run: on one machine every
+        # CPU-millisecond a router spends is taken from the replicas' API servers and engines.
+        router_pids = [p.pid for p in router.procs]
+        replica_pids = [r.proc.pid for r in self.replicas if r.proc is not None]
+        cpu0 = cpu_seconds(router_pids), cpu_seconds(replica_pids)
         out = run_sessions(label, lambda body: stream_request(router.port, body, path=path), sims, sessions,
                            self.args.concurrency, width=len(label))
+        cpu1 = cpu_seconds(router_pids), cpu_seconds(replica_pids)
+        n = max(1, out["requests"])
+        out["router_cpu_ms_per_request"] = (cpu1[0] - cpu0[0]) / n * 1000
+        out["replica_cpu_ms_per_request"] = (cpu1[1] - cpu0[1]) / n * 1000
         shares = out["shares"]
         out["max_min"] = max(shares) / min(shares) if shares and min(shares) > 0 else float("inf")
         return out
@@ -472,6 +481,26 @@ def chart(results: list[dict], out: Path) -> Path | None:
     return path
 
 
+def side_table(results: list[dict]) -> list[str]:
+    """Per run and workload, every router's mean TTFT at the client beside the replicas' own
+    mean and its parts: a gap between routers shows as time in the replicas (placement, queueing)
+    or outside them (the router's path)."""
+    rows = [r for r in results if r.get("replica_ttft_mean", float("nan")) == r.get("replica_ttft_mean")]
+    if not rows:
+        return []
+    ms = lambda v: f"{v:.1f}" if v == v else "—"  # noqa: E731
+    lines = ["| run | workload | router | client TTFT mean | replica TTFT mean | queued | prefilling | outside | "
+             "router CPU ms/request | replicas' CPU ms/request |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        outside = r["ttft_mean"] - r["replica_ttft_mean"]
+        lines.append(f"| {r['run']} | {r['workload']} | {ROUTERS[r['router']]} | {ms(r['ttft_mean'])} | "
+                     f"{ms(r['replica_ttft_mean'])} | {ms(r['replica_queue_mean'])} | {ms(r['replica_prefill_mean'])} | "
+                     f"{ms(outside)} | {ms(r.get('router_cpu_ms_per_request', float('nan')))} | "
+                     f"{ms(r.get('replica_cpu_ms_per_request', float('nan')))} |")
+    return lines
+
+
 def report(out: Path, header: list[str], results: list[dict], skipped: dict, oracle: dict) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = [*header,
@@ -501,6 +530,13 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
     if phases:
         md += ["", "**Where llmgw's time goes** (ms: p50 (p99) of each phase, Envoy's histograms over the run; the "
                "phases in docs/src/operations.md; peers: their TTFT at the client only):", "", *phases]
+    sides = side_table(results)
+    if sides:
+        md += ["", "**Every router's time, inside and outside the replicas** (means in ms; replica = vLLM's own "
+               "`time_to_first_token_seconds` from the request's arrival at its API server, of which queued and "
+               "prefilling in the engine; outside = client TTFT − replica TTFT: the router, the network and the "
+               "client; CPU = user + system time of the router's processes (Envoy and the agent for llmgw) and of the "
+               "replicas' (API servers and engines), per request):", "", *sides]
     if skipped:
         md += ["", "**Not run:**", "", *[f"- {ROUTERS[n]}: {why}" for n, why in skipped.items()]]
     text = "\n".join(md) + "\n"

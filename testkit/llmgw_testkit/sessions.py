@@ -1,7 +1,7 @@
 """The session runner of the demo and the benchmarks: sessions (lists of requests one client sends
 one after another) run `concurrency` at a time with a progress line, and the figures routing is
-measured by: prefix-cache hit rate and request shares from the replicas' /metrics deltas, time
-to first token from the clients."""
+measured by: prefix-cache hit rate, request shares and the replicas' own time-to-first-token
+means from the replicas' /metrics deltas, time to first token from the clients."""
 
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int,
     served = d("vllm:request_success_total")
     ttfts = [r[0] for r in results if r[2] == 200 and r[0] == r[0]]
     shares = [s / max(1, sum(served)) for s in served]
+
+    def replica_mean_ms(name: str) -> float:
+        # A vLLM histogram's mean over the run on every replica (its _sum and _count deltas).
+        n = sum(d(f"vllm:{name}_count"))
+        return sum(d(f"vllm:{name}_sum")) / n * 1000 if n else float("nan")
     out = {
         "label": label,
         "hit_rate": h / q if q else 0.0,
@@ -84,6 +89,11 @@ def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int,
         "errors": sum(1 for r in results if r[2] != 200 or r[0] != r[0]),
         "requests": len(results),
         "elapsed_s": elapsed,
+        # The replicas' own view (vLLM's histograms, means in ms): time to first token from the
+        # request's arrival at the API server, and its parts in the engine, queued and prefilling.
+        "replica_ttft_mean": replica_mean_ms("time_to_first_token_seconds"),
+        "replica_queue_mean": replica_mean_ms("request_queue_time_seconds"),
+        "replica_prefill_mean": replica_mean_ms("request_prefill_time_seconds"),
     }
     if summary is not None:
         sys.stdout.write(f"\r{summary(out)}\n")
