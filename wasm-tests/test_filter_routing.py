@@ -283,21 +283,27 @@ def test_filter_load_overrides_prefix_and_survives_agent_restart(procs, envoy_bi
         gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, filter_cfg())
         req = {"model": MODEL, "prompt": PROMPT}
         assert gw.served_by("/v1/completions", req)[0] == fleet[1].port
+        # Every replica the prompt went to holds it as far as the filter knows (its speculative
+        # entries), and equal holders take turns: the ports it was served by.
+        served = {fleet[1].port}
+
+        def served_by() -> int:
+            port = gw.served_by("/v1/completions", req)[0]
+            served.add(port)
+            return port
 
         # The agent reports replica 1 overloaded (queue past max_waiting): it loses its prefix.
         feed.publish({"load": pb.LoadReport(loads=[pb.ReplicaLoad(replica=1, running=8, waiting=500)])})
-        wait_until(lambda: gw.served_by("/v1/completions", req)[0] != fleet[1].port, timeout=5,
-                   what="load report applied")
+        wait_until(lambda: served_by() != fleet[1].port, timeout=5, what="load report applied")
         feed.publish({"load": pb.LoadReport(loads=[pb.ReplicaLoad(replica=1, running=0, waiting=0)])})
-        wait_until(lambda: gw.served_by("/v1/completions", req)[0] == fleet[1].port, timeout=5,
-                   what="load recovered")
+        wait_until(lambda: served_by() == fleet[1].port, timeout=5, what="load recovered")
 
-        # The agent goes away: routing continues from the last index.
+        # The agent goes away: routing continues from the last index (to a holder, exactly).
         connects = gw.envoy.metric("llmgw_feed_connects_total")
         feed.stop()
         wait_until(lambda: gw.envoy.metric("llmgw_feed_disconnects_total") >= 3, what="feed disconnects")
         port, hdrs = gw.served_by("/v1/completions", req)
-        assert port == fleet[1].port and hdrs["x-llmgw-decision"].startswith("outcome=exact"), hdrs
+        assert port in served and hdrs["x-llmgw-decision"].startswith("outcome=exact"), (port, served, hdrs)
 
         # It comes back (same port) with the blocks now on replica 2: every VM resubscribes and
         # resyncs from the new snapshot.
