@@ -16,7 +16,6 @@ picker saturates one core is derived from its CPU time per request, less its idl
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import zmq
 
 import llmgw_testkit as kit
 from llmgw_testkit import free_port, request, wait_until
+from llmgw_testkit.procs import process_cpu_seconds
 
 SHIPPED = kit.ROOT / "envoy" / "llmgw-epp-local.yaml"
 TOPIC = b"kv-events"
@@ -143,8 +143,7 @@ class EppArm:
 
     def cpu_seconds(self) -> float:
         """The agent's user + system CPU time (Linux /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.proc.pid)
 
     def metrics(self) -> dict[str, float]:
         """The picker's counters: decisions by outcome, decision time sum and count, tokenizer calls."""

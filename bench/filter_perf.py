@@ -71,6 +71,7 @@ from pathlib import Path
 import llmgw_testkit as kit  # the project's test kit: processes, configs, the feed stub
 from llmgw_testkit import EnvoyAdmin, Procs, free_port, request, start_envoy, wait_until
 from llmgw_testkit.feed import FeedStub, load_feed_proto
+from llmgw_testkit.procs import process_cpu_seconds
 from llmgw_testkit.stub import StubHandler, StubServer
 from llmgw_testkit.vllm_hash import block_keys
 
@@ -273,26 +274,17 @@ def chunked_feed_class(pb):
 # Processes.
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
 def perf_split(pid: int, url: str, args, script: Path, body: Path, cpu, out: Path,
                vary: bool = False) -> dict[str, float]:
     """CPU per request of the front Envoy by code region (Envoy, kernel, JIT = V8's wasm code,
     libc, ...), sampled with perf during one wrk run."""
     rec = subprocess.Popen(["perf", "record", "-F", "4999", "-p", str(pid), "-o", str(out), "--", "sleep",
                             str(max(args.duration, 3) - 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cpu0 = cpu_seconds(pid)
+    cpu0 = process_cpu_seconds(pid)
     time.sleep(0.5)
     r = run_wrk(url, args.connections, max(args.duration, 3), script, body, cpu, vary)
     rec.wait(timeout=30)
-    busy_us = (cpu_seconds(pid) - cpu0) * 1e6 / max(r["requests"], 1)
+    busy_us = (process_cpu_seconds(pid) - cpu0) * 1e6 / max(r["requests"], 1)
     rep = subprocess.run(["perf", "report", "-i", str(out), "--sort", "dso", "--stdio"], capture_output=True,
                          text=True).stdout
     shares: dict[str, float] = {}
@@ -541,10 +533,10 @@ class Run:
         vary = arm.endswith("_new")
         before = decision_buckets(admin) if arm.startswith("filter") else None
         epp0 = self.epp.metrics() if self.epp is not None and arm.startswith("epp") else None
-        cpu0 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid),
+        cpu0 = (process_cpu_seconds(front.pid), process_cpu_seconds(self.backend.pid),
                 self.epp.cpu_seconds() if self.epp is not None else 0.0)
         r = run_wrk(url, conns, self.args.duration, self.script, self.body_path, self.cpu_rest, vary)
-        cpu1 = (cpu_seconds(front.pid), cpu_seconds(self.backend.pid),
+        cpu1 = (process_cpu_seconds(front.pid), process_cpu_seconds(self.backend.pid),
                 self.epp.cpu_seconds() if self.epp is not None else 0.0)
         n_req = max(r["requests"], 1)
         r["front_cpu_us"] = (cpu1[0] - cpu0[0]) * 1e6 / n_req

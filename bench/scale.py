@@ -32,10 +32,9 @@ from pathlib import Path
 
 import llmgw_testkit as kit
 from llmgw_testkit.agent import agent_config
-from llmgw_testkit.procs import Procs, free_port, wait_port, wait_until
+from llmgw_testkit.procs import Procs, free_port, process_cpu_seconds, wait_port, wait_until
 
 ROOT = kit.ROOT
-CLK = os.sysconf("SC_CLK_TCK")
 # The assumed realistic event rate of one busy replica (see the manual's Scale chapter, docs/src/benchmarks/scale.md):
 # 100 engine steps/s, each publishing 12 stored blocks (2 chains of 6) and 12 evicted ones.
 RATE = 100.0
@@ -51,8 +50,7 @@ def log(msg: str) -> None:
 
 def proc_stat(pid: int) -> dict:
     """CPU seconds (user + system), threads, RSS and open sockets of a process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / CLK
+    cpu = process_cpu_seconds(pid)
     status = Path(f"/proc/{pid}/status").read_text()
     threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
     rss = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1)) * 1024

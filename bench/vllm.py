@@ -34,7 +34,8 @@ from pathlib import Path
 
 import llmgw_testkit as kit  # the project's test kit: processes, configs, clients
 from llmgw_testkit import http_json, stream_request
-from llmgw_testkit.fleet import cpu_seconds, peer_command, start_router, stop_on_signals
+from llmgw_testkit.fleet import peer_command, start_router, stop_on_signals
+from llmgw_testkit.procs import cpu_seconds
 from llmgw_testkit.sessions import run_sessions
 from llmgw_testkit.vllm_serve import VllmReplica
 from llmgw_testkit.workloads import Conversations, SharedPrefix, as_completion, make_sessions

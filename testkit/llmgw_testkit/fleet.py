@@ -3,7 +3,6 @@ Envoy in front, their /metrics, and the peer routers' command lines."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import sys
@@ -84,31 +83,6 @@ def scrape(port: int) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user + system, seconds) the processes `pids` and all their descendants have
-    used so far, read from /proc (0 for what has exited or where /proc is missing)."""
-    parent: dict[int, int] = {}
-    used: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = entry.read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces: the fields start after its closing parenthesis.
-        fields = text[text.rfind(")") + 2:].split()
-        pid = int(entry.parent.name)
-        parent[pid] = int(fields[1])
-        used[pid] = (int(fields[11]) + int(fields[12])) / tick
-    wanted = set(pids)
-    grew = True
-    while grew:
-        more = {p for p, pp in parent.items() if pp in wanted and p not in wanted}
-        wanted |= more
-        grew = bool(more)
-    return sum(used.get(p, 0.0) for p in wanted)
 
 
 def pct(xs: list[float], p: float) -> float:

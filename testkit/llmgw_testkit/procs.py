@@ -1,5 +1,5 @@
 """Processes and waiting: a process group that stops everything it started, free loopback ports,
-polling with a deadline."""
+polling with a deadline, the CPU time processes used."""
 
 from __future__ import annotations
 
@@ -137,3 +137,36 @@ class Procs:
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time (seconds) one process has used so far (NaN when unreadable)."""
+    try:
+        f = _stat_fields(pid)
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time (seconds) the processes `pids` and all their descendants have used
+    so far (what has exited or cannot be read counts 0)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent[int(entry.name)] = int(_stat_fields(int(entry.name))[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    wanted = set(pids)
+    grew = True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in wanted and p not in wanted}
+        wanted |= more
+        grew = bool(more)
+    used = (process_cpu_seconds(p) for p in wanted)
+    return sum(u for u in used if u == u)
