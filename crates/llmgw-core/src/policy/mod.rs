@@ -91,8 +91,7 @@ pub fn decide_lazy(
         spilled = any_match && !holders_within;
         // Every eligible replica holds the same leading blocks (a system prompt the whole fleet
         // has cached): nobody has an advantage, and the rest of the prompt is new.
-        let new_past_common =
-            known_new && any_match && common_leading(cands, s, &idx).is_some() && approx_key().is_some();
+        let new_past_common = known_new && common_leading(cands, s, &idx).is_some() && approx_key().is_some();
         if holders_within && s.total > 0 && !new_past_common {
             // Holders past the bound are out of this contest; replicas holding nothing stay in.
             let members: Vec<usize> = idx.iter().copied().filter(|&i| within(i) || leading(cands, s, i) == 0).collect();
@@ -180,9 +179,9 @@ fn common_leading(cands: &[Candidate<'_>], s: &Scores, idx: &[usize]) -> Option<
 }
 
 /// The order of equally good places (higher first), for a new prefix and among holders whose
-/// predictions tie: fewer recent requests, then the prompt's rendezvous weight. Recent counts are compared in whole requests: a
-/// difference of less than one is what two workers' reads a moment apart differ by, and there
-/// the rendezvous order, the same on every gateway, decides.
+/// predictions tie: fewer recent requests, then the prompt's rendezvous weight. Recent counts
+/// are compared in whole requests: a difference of less than one is what two workers' reads a
+/// moment apart differ by, and there the rendezvous order, the same on every gateway, decides.
 fn tie_rank(c: &Candidate<'_>, key: u64) -> u64 {
     let recent = c.recent.round().clamp(0.0, f64::from(u32::MAX)) as u32;
     let fewer = u64::from(u32::MAX.saturating_sub(recent));
