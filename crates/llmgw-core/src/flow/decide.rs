@@ -34,7 +34,11 @@ pub fn decide(
 ) -> Step {
     let cands = candidates(ctx.feed, ctx.model, ctx.gw);
     let block_size = exact.map_or(0, |(s, _)| u64::try_from(s.block_size).unwrap_or(u64::MAX));
-    let work = exact.map(|(s, _)| policy::Work { tokens: s.tokens, block_size });
+    let work = exact.map(|(s, sc)| policy::Work {
+        tokens: s.tokens,
+        block_size,
+        prompt_key: sc.hashes.last().map_or(0, |h| h.key.0),
+    });
     let d: Decision = policy::decide_lazy(&cands, exact.map(|(_, sc)| &sc.scores), work, approx, ctx.weights);
     let prefill_tokens =
         exact.map_or(0, |(s, _)| s.tokens.saturating_sub(u64::from(d.matched).saturating_mul(block_size)));

@@ -6,11 +6,15 @@ use super::rates::Basis;
 use crate::index::Scores;
 
 /// The prompt a decision is about: its token count and the block size the index counts in
-/// (the `ttft` policy's uncached tokens).
+/// (the `ttft` policy's uncached tokens), and its own key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Work {
     pub tokens: u64,
     pub block_size: u64,
+    /// The hash of the deepest block of the prompt that was hashed (past the blocks any replica
+    /// holds, where the prompt has more): the same on every gateway, and different for prompts
+    /// that differ past a prefix they share. Equal holders are ordered by its rendezvous order.
+    pub prompt_key: u64,
 }
 
 /// The replicas in contest for a request whose blocks the index knows: up, not overloaded
@@ -31,9 +35,9 @@ impl Contest<'_, '_> {
         leading(self.cands, self.scores, i)
     }
 
-    /// Candidate `i`'s rank among equally good replicas: fewer recent requests, then the
-    /// prompt's rendezvous weight, so gateways whose counts agree break the tie the same way
-    /// (computed only when asked).
+    /// Candidate `i`'s rank among equally good replicas (computed only when asked): among
+    /// holders, the prompt's own rendezvous weight, the same on every gateway; for a new
+    /// prefix, fewer recent requests first.
     pub fn tiebreak(&self, i: usize) -> Option<u64> {
         (self.tiebreak)(i)
     }

@@ -95,9 +95,13 @@ pub fn decide_lazy(
         if holders_within && s.total > 0 && !new_past_common {
             // Holders past the bound are out of this contest; replicas holding nothing stay in.
             let members: Vec<usize> = idx.iter().copied().filter(|&i| within(i) || leading(cands, s, i) == 0).collect();
-            // Equal holders with equal predictions: fewer recent requests, then rendezvous order
-            // (a prefix several replicas hold is served by all of them, not by its first).
-            let tiebreak = |i: usize| approx_key().and_then(|k| cands.get(i).map(|c| tie_rank(c, k)));
+            // Equal holders with equal predictions: the prompt's own rendezvous order, so that
+            // prompts sharing a prefix several replicas hold are spread over all of them, and
+            // every gateway sends each prompt to the same one (recent counts are this Envoy's
+            // own: once two gateways' counts part, they would split the gateways' choices).
+            let own = work.map(|w| w.prompt_key).filter(|&k| k != 0);
+            let tiebreak =
+                |i: usize| own.or_else(approx_key).and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
             let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
             if let Some(p) = w.holder_policy().pick(&contest) {
                 let matched = leading(cands, s, p.winner);
@@ -178,9 +182,8 @@ fn common_leading(cands: &[Candidate<'_>], s: &Scores, idx: &[usize]) -> Option<
     held.all(|l| l == first).then_some(first)
 }
 
-/// The order of equally good places (higher first), for a new prefix and among holders whose
-/// predictions tie: fewer recent requests, then the prompt's rendezvous weight. Recent counts
-/// are compared in whole requests: a difference of less than one is what two workers' reads a
+/// The order of equally good places for a new prefix (higher first): fewer recent requests,
+/// then the prompt's rendezvous weight. Recent counts are compared in whole requests: a difference of less than one is what two workers' reads a
 /// moment apart differ by, and there the rendezvous order, the same on every gateway, decides.
 fn tie_rank(c: &Candidate<'_>, key: u64) -> u64 {
     let recent = c.recent.round().clamp(0.0, f64::from(u32::MAX)) as u32;

@@ -108,7 +108,11 @@ impl HolderPolicy for TtftWeights {
 
     fn pick(&self, contest: &Contest<'_, '_>) -> Option<Pick> {
         let s = contest.scores;
-        let work = contest.work.unwrap_or(Work { tokens: u64::from(s.total).saturating_mul(16), block_size: 16 });
+        let work = contest.work.unwrap_or(Work {
+            tokens: u64::from(s.total).saturating_mul(16),
+            block_size: 16,
+            prompt_key: 0,
+        });
         let uncached = |i: usize| {
             let cached = u64::from(contest.leading(i)).saturating_mul(work.block_size);
             work.tokens.saturating_sub(cached)
