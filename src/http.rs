@@ -7,7 +7,7 @@ use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
-use llmgw_core::flow::{Body, Pending, Rejected, Step, TokenizerReply};
+use llmgw_core::flow::{Body, Pending, Rejected, Routed, Step, TokenizerReply};
 use llmgw_core::policy::rates::Basis;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -29,6 +29,9 @@ enum Phase {
     Body,
     /// The tokenizer call `token` is out.
     Tokenizing { token: u32, started_ns: u64, pending: Box<Pending>, target: String },
+    /// Routed; the tokenizer call `token`, made after routing, is out (its answer is kept for
+    /// the next turn of the conversation).
+    Background { token: u32, started_ns: u64, pending: Box<Pending>, target: String },
     /// Decided, answered or passed through: nothing more to do before the response.
     Done,
 }
@@ -109,37 +112,19 @@ impl Request {
             log::debug!("llmgw: tokenizer call failed: {}", f.as_str());
         }
         let action = match step {
-            Step::Route(r) => {
-                let cfg = s.router.config();
-                self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
-                // The rank the decision credited, so vLLM's own balancer does not pick another;
-                // a client's value is removed when the engine is not data-parallel.
-                let rank = r.dp_rank.map(|rank| rank.to_string());
-                self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
-                let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
-                let mut gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
-                self.in_flight_recorded = !gave_up.contains(&SharedKind::InFlight);
-                gave_up.extend(crate::recent::routed(self.host.as_ref(), &r.address).err());
-                s.metrics.shared_update_failed(gave_up);
-                self.prefilling = if self.in_flight_recorded { tokens } else { 0 };
-                if let Some(spec) = &r.speculation {
-                    match crate::speculative::record(self.host.as_ref(), spec) {
-                        Ok(dropped) => s.metrics.speculative_dropped(dropped),
-                        Err(k) => s.metrics.shared_update_failed([k]),
+            Step::Route(r) => self.route(s, r, resuming),
+            Step::RouteThenTokenize(r, t) => {
+                let action = self.route(s, r, resuming);
+                let cluster = &s.router.config().tokenizer_cluster;
+                let timeout = Duration::from_millis(u64::from(t.timeout_ms));
+                match self.host.dispatch_http_call(cluster, &call_headers(s, &t.target, t.path), &t.body, timeout) {
+                    Ok(token) => {
+                        let started_ns = self.host.now_ns();
+                        self.phase = Phase::Background { token, started_ns, pending: t.pending, target: t.target };
                     }
+                    Err(e) => log::debug!("llmgw: tokenizer callout after routing refused: {e:?}"),
                 }
-                if cfg.explain_header {
-                    self.explain = Some(r.explain(&s.vm_tag));
-                }
-                let line = decision_log::routed(&r, self.phases.breakdown().tokenizer_us);
-                self.host.set_property(decision_log::PROPERTY, line.as_bytes());
-                self.learning = r.decision.basis.filter(|b| b.learning.enabled);
-                self.counted = Some(r.address);
-                self.phase = Phase::Done;
-                if resuming {
-                    self.host.resume_http_request();
-                }
-                Action::Continue
+                action
             }
             Step::Reject(r) => {
                 let mut headers = vec![("content-type", "application/json")];
@@ -159,15 +144,8 @@ impl Request {
                 // The decision so far; the call's round trip is not the filter's time.
                 self.record_busy(s, t0);
                 let cluster = &s.router.config().tokenizer_cluster;
-                let headers = [
-                    (":method", "POST"),
-                    (":path", t.path),
-                    (":authority", t.target.as_str()),
-                    ("content-type", "application/json"),
-                    (s.router.config().destination_header.as_str(), t.target.as_str()),
-                ];
                 let timeout = Duration::from_millis(u64::from(t.timeout_ms));
-                match self.host.dispatch_http_call(cluster, &headers, &t.body, timeout) {
+                match self.host.dispatch_http_call(cluster, &call_headers(s, &t.target, t.path), &t.body, timeout) {
                     Ok(token) => {
                         let started_ns = self.host.now_ns();
                         self.phase = Phase::Tokenizing { token, started_ns, pending: t.pending, target: t.target };
@@ -189,6 +167,85 @@ impl Request {
             self.held = None;
         }
         action
+    }
+
+    /// Sets the destination of a routed request and counts it there.
+    fn route(&mut self, s: &mut Shared, r: Routed, resuming: bool) -> Action {
+        let cfg = s.router.config();
+        self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
+        // The rank the decision credited, so vLLM's own balancer does not pick another;
+        // a client's value is removed when the engine is not data-parallel.
+        let rank = r.dp_rank.map(|rank| rank.to_string());
+        self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
+        let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
+        let mut gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
+        self.in_flight_recorded = !gave_up.contains(&SharedKind::InFlight);
+        gave_up.extend(crate::recent::routed(self.host.as_ref(), &r.address).err());
+        s.metrics.shared_update_failed(gave_up);
+        self.prefilling = if self.in_flight_recorded { tokens } else { 0 };
+        if let Some(spec) = &r.speculation {
+            match crate::speculative::record(self.host.as_ref(), spec) {
+                Ok(dropped) => s.metrics.speculative_dropped(dropped),
+                Err(k) => s.metrics.shared_update_failed([k]),
+            }
+        }
+        if cfg.explain_header {
+            self.explain = Some(r.explain(&s.vm_tag));
+        }
+        let line = decision_log::routed(&r, self.phases.breakdown().tokenizer_us);
+        self.host.set_property(decision_log::PROPERTY, line.as_bytes());
+        self.learning = r.decision.basis.filter(|b| b.learning.enabled);
+        self.counted = Some(r.address);
+        self.phase = Phase::Done;
+        if resuming {
+            self.host.resume_http_request();
+        }
+        Action::Continue
+    }
+
+    /// The answer to the tokenizer call made after routing: cached for the next turn; the
+    /// tokenizer's health and latency are counted; the prompt tokens the decision estimated
+    /// are corrected in what the replica's first token will teach its rates.
+    fn background_reply(
+        &mut self,
+        started_ns: u64,
+        pending: Pending,
+        target: &str,
+        num_headers: usize,
+        body_size: usize,
+    ) {
+        let Some(shared) = self.shared.clone() else { return };
+        let Ok(mut s) = shared.try_borrow_mut() else { return };
+        let now = self.host.now_ns();
+        s.metrics.tokenizer_latency_us(now.saturating_sub(started_ns) / 1_000);
+        let host = self.host.clone();
+        let read_body = move || host.buffer(Buffer::CallResponse, body_size);
+        let status = if num_headers == 0 { None } else { self.host.header(Headers::CallResponse, ":status") };
+        let reply = if num_headers == 0 {
+            TokenizerReply::Reset
+        } else {
+            TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
+        };
+        let b = s.router.on_background_reply(pending, &reply, now);
+        if let Some(f) = b.failure {
+            log::debug!("llmgw: tokenizer call after routing failed: {}", f.as_str());
+        }
+        if b.failure.is_none_or(|f| f.strikes()) {
+            if let Err(k) = crate::health::observe_tokenizer(self.host.as_ref(), target, b.failure.is_some()) {
+                s.metrics.shared_update_failed([k]);
+            }
+        }
+        self.learning = match (self.learning.take(), b.tokens, b.estimated_tokens) {
+            (Some(mut basis), Some(tokens), Some(estimated)) => {
+                let u = basis.features.uncached;
+                basis.features.uncached = match tokens.checked_sub(estimated) {
+                    Some(more) => u.saturating_add(more),
+                    None => u.saturating_sub(estimated.saturating_sub(tokens)),
+                };
+                Some(basis)
+            }
+            _ => None,
+        };
     }
 
     /// The replica's first token (or its answer, when not streamed): the request's prefill
@@ -233,8 +290,10 @@ impl Request {
                 match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
                     (true, Some(us), _) => {
                         s.metrics.phase_upstream_first_chunk_us(us);
-                        // The replica's observed time to first token teaches its rates.
-                        if let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) {
+                        // The replica's observed time to first token teaches its rates (not
+                        // while its prompt tokens are an estimate still unanswered).
+                        let estimated = matches!(self.phase, Phase::Background { .. });
+                        if let (Some(basis), Some(addr), false) = (self.learning.take(), &self.counted, estimated) {
                             if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
                                 s.metrics.shared_update_failed([k]);
                             }
@@ -258,11 +317,25 @@ impl Request {
     }
 }
 
+/// The headers of a tokenizer call to `target`.
+fn call_headers<'a>(s: &'a Shared, target: &'a str, path: &'a str) -> [(&'a str, &'a str); 5] {
+    [
+        (":method", "POST"),
+        (":path", path),
+        (":authority", target),
+        ("content-type", "application/json"),
+        (s.router.config().destination_header.as_str(), target),
+    ]
+}
+
 impl Context for Request {
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         let (started_ns, pending, target) = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Tokenizing { token, started_ns, pending, target } if token == token_id => {
                 (started_ns, pending, target)
+            }
+            Phase::Background { token, started_ns, pending, target } if token == token_id => {
+                return self.background_reply(started_ns, *pending, &target, num_headers, body_size);
             }
             other => {
                 self.phase = other;
@@ -339,7 +412,7 @@ impl HttpContext for Request {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         match self.phase {
             Phase::Tokenizing { .. } => return Action::Pause,
-            Phase::Done | Phase::Headers => return Action::Continue,
+            Phase::Done | Phase::Background { .. } | Phase::Headers => return Action::Continue,
             Phase::Body => {}
         }
         if body_size > self.body_limit() {
@@ -361,7 +434,7 @@ impl HttpContext for Request {
         // A body followed by trailers never reports its end: it is complete now.
         match self.phase {
             Phase::Tokenizing { .. } => return Action::Pause,
-            Phase::Done | Phase::Headers => return Action::Continue,
+            Phase::Done | Phase::Background { .. } | Phase::Headers => return Action::Continue,
             Phase::Body => {}
         }
         let body = self.host.buffer(Buffer::Request, self.body_limit());

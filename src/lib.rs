@@ -152,6 +152,8 @@ impl RootContext for Root {
                 let metrics = Metrics::define(self.host.clone(), compiled.metrics, &self.vm_tag);
                 let view = warm_view::initial_view(self.host.as_ref(), &compiled.agent_cluster);
                 let mut router = Router::new(compiled, self.tokcache_key);
+                // The filter's HTTP context outlives the routing: a tokenizer call can follow it.
+                router.set_background_calls(true);
                 if let Some(view) = view {
                     router.feed = view;
                     // Checked against this configuration's allowlist, not the one it came with.

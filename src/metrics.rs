@@ -6,7 +6,7 @@
 
 use crate::host::{Host, SharedKind};
 use crate::phases::Breakdown;
-use llmgw_core::flow::{Fallback, Report, TokenizerFailure};
+use llmgw_core::flow::{CacheLookup, Fallback, Report, TokenizerFailure};
 use llmgw_core::policy::rates::Rates;
 use llmgw_core::policy::Outcome;
 use proxy_wasm::types::MetricType;
@@ -44,6 +44,7 @@ pub struct Metrics {
     feed_snapshots: Option<u32>,
     tokenizer_cache_hits: Option<u32>,
     tokenizer_cache_misses: Option<u32>,
+    tokenizer_cache_earlier_turns: Option<u32>,
     hash_mismatches: Option<u32>,
     tokenizer_failures_request_caused: Option<u32>,
     hybrid_unsupported: Option<u32>,
@@ -100,6 +101,7 @@ impl Metrics {
             feed_snapshots: c("llmgw_feed_snapshots_applied_total"),
             tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
+            tokenizer_cache_earlier_turns: c("llmgw_tokenizer_cache_total.result.earlier_turn"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             tokenizer_failures_request_caused: c("llmgw_tokenizer_failures_request_caused_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
@@ -139,7 +141,11 @@ impl Metrics {
     /// Counts what a routing step reports.
     pub fn report(&self, r: &Report) {
         if let Some(lookup) = r.tokenizer_cache {
-            self.inc(if lookup.is_hit() { self.tokenizer_cache_hits } else { self.tokenizer_cache_misses });
+            self.inc(match lookup {
+                CacheLookup::EarlierTurn => self.tokenizer_cache_earlier_turns,
+                l if l.is_hit() => self.tokenizer_cache_hits,
+                _ => self.tokenizer_cache_misses,
+            });
         }
         if let Some(f) = r.tokenizer_failure {
             self.labelled(&self.tokenizer_failures, f);

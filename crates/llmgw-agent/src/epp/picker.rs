@@ -93,7 +93,8 @@ impl Picker {
         let mut calls = 0u32;
         loop {
             match step {
-                Step::Route(routed) => {
+                // The picker's router makes no calls after routing (`set_background_calls`).
+                Step::Route(routed) | Step::RouteThenTokenize(routed, _) => {
                     let gw = self.gateway.snapshot(subset);
                     if !gw.eligible(&routed.address) {
                         // Every endpoint of the subset is down: the core chose outside it.

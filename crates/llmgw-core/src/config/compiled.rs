@@ -94,6 +94,8 @@ pub struct Compiled {
     /// Byte budget of the tokenization cache (0: off).
     pub tokenizer_cache_bytes: usize,
     pub tokenizer_cache_ttl_ns: u64,
+    /// Route a chat request on an earlier request it extends (see `FilterConfig`).
+    pub route_on_earlier_turns: bool,
     /// Where requests and tokenizer calls may go.
     pub allow: crate::allow::Allowlist,
     pub profiles: Vec<CompiledProfile>,
@@ -154,6 +156,7 @@ impl Compiled {
             metrics: cfg.metrics,
             tokenizer_cache_bytes: usize::try_from(cfg.tokenizer_cache_bytes).unwrap_or(usize::MAX),
             tokenizer_cache_ttl_ns: u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000),
+            route_on_earlier_turns: cfg.route_on_earlier_turns,
             allow,
             profiles,
             memo,

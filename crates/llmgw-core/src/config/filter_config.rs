@@ -203,6 +203,12 @@ pub struct FilterConfig {
     /// tokenizer call. 0 turns the cache off.
     #[serde(default = "default_tokenizer_cache_bytes")]
     pub tokenizer_cache_bytes: u64,
+    /// Routes the next turn of a conversation (a chat request whose messages are an earlier
+    /// one's plus two) on the earlier request's cached tokens at once, and calls the tokenizer
+    /// for it after it is routed (the answer is cached for the turn after it). Needs the
+    /// tokenization cache. False: every new prompt waits for its tokenizer call.
+    #[serde(default = "default_true")]
+    pub route_on_earlier_turns: bool,
     /// How long a cached tokenization is trusted (a chat template or tokenizer changed on the
     /// replicas takes effect within this time).
     #[serde(default = "default_tokenizer_cache_ttl_ms")]

@@ -20,6 +20,7 @@
 
 mod candidates;
 mod decide;
+mod earlier_turns;
 mod exact;
 mod gateway;
 mod hash_plan;
@@ -38,7 +39,7 @@ pub use reasons::{Fallback, TokenizerFailure};
 pub use speculative::{
     checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
 };
-pub use step::{no_replica_body, Body, CacheLookup, Pending, Rejected, Report, Routed, Step, Tokenize};
+pub use step::{no_replica_body, Background, Body, CacheLookup, Pending, Rejected, Report, Routed, Step, Tokenize};
 pub use tokenizer_reply::{tokenizer_answer, tokenizer_tokens, TokenizerReply};
 
 pub use crate::fleet::replica_key;
@@ -89,6 +90,8 @@ pub struct Router {
     /// Engines the feed reset (restarted: their caches are empty), with when this VM learned it:
     /// speculative entries written before do not count. Kept for the entries' TTL.
     resets: Vec<(u64, u64)>,
+    /// The host makes tokenizer calls after routing ([`Step::RouteThenTokenize`]).
+    background_calls: bool,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -135,7 +138,13 @@ impl Router {
             hash_note: None,
             hash_logged: None,
             resets: Vec::new(),
+            background_calls: false,
         }
+    }
+
+    /// The host can call the tokenizer after routing (see `route_on_earlier_turns`).
+    pub fn set_background_calls(&mut self, on: bool) {
+        self.background_calls = on;
     }
 
     pub fn config(&self) -> &Compiled {
@@ -325,6 +334,8 @@ impl Router {
             timeout_ms,
         });
         let call_bytes = call.body.len();
+        let turn_tags = self.turn_tags(pi, spec, &parsed);
+        let earlier = self.route_on_earlier_turn(turn_tags.as_ref(), &parsed, &approx, gw, now_ns, report);
         let pending = Box::new(Pending {
             profile: pi,
             parsed,
@@ -335,11 +346,17 @@ impl Router {
             spec,
             retry,
             call_bytes,
+            turn_tags,
+            estimated_tokens: earlier.as_ref().map(|(_, e)| *e),
         });
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
         report.hash_mismatch = false;
-        Step::Tokenize(Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report })
+        let call = Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report };
+        match earlier {
+            Some((routed, _)) => Step::RouteThenTokenize(routed, Box::new(call)),
+            None => Step::Tokenize(call),
+        }
     }
 
     /// Where profile `pi`'s tokenizer call goes: its dedicated tokenizer unless that is failing,
@@ -418,16 +435,7 @@ impl Router {
             if let Some(tag) = pending.cache_tag.filter(|_| same && cacheable) {
                 let hashes = self.scratch.hashes.clone();
                 self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
-                if let Some(raw) = pending.raw_tag {
-                    let alias = Alias {
-                        tag,
-                        profile: pending.profile,
-                        model: p.model.clone(),
-                        cache_salt: p.cache_salt.clone(),
-                        spec: pending.spec,
-                    };
-                    self.tokcache.add_alias(raw, alias);
-                }
+                self.remember_tokenized(&pending, tag);
             }
         }
         self.finish_scored(model, pending.profile, scored, &approx, gw, report)

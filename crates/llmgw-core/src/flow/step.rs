@@ -50,12 +50,15 @@ pub enum CacheLookup {
     RawBodyHit,
     /// The request's tokenizer call (and salt, model, profile) was seen recently.
     Hit,
+    /// Not seen, but it extends a request seen recently: routed on that one's tokens, its own
+    /// tokenizer call made after it was routed.
+    EarlierTurn,
     Miss,
 }
 
 impl CacheLookup {
     pub fn is_hit(self) -> bool {
-        self != CacheLookup::Miss
+        matches!(self, CacheLookup::RawBodyHit | CacheLookup::Hit)
     }
 }
 
@@ -170,6 +173,32 @@ pub struct Pending {
     pub(super) retry: Option<RetryCall>,
     /// The call's body size (a failure of a very large call is charged to the request).
     pub(super) call_bytes: usize,
+    /// Its entries among the earlier turns (a chat request), written from its tokens.
+    pub(super) turn_tags: Option<TurnTags>,
+    /// The request was routed already, on an earlier request's tokens, with this estimate of
+    /// its prompt tokens: the call only fills the caches.
+    pub(super) estimated_tokens: Option<u64>,
+}
+
+/// The alias tags a chat request reads and writes (see `super::earlier_turns`).
+#[derive(Debug)]
+pub(super) struct TurnTags {
+    /// Its own messages' (written once it is tokenized).
+    pub(super) whole: CacheTag,
+    /// Its messages' less the last two (the previous turn), and the bytes they span.
+    pub(super) previous: Option<(CacheTag, usize)>,
+    /// The bytes of all its messages (for the estimate of its prompt tokens).
+    pub(super) bytes: usize,
+}
+
+/// What a call made after routing told (see [`super::Router::on_background_reply`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Background {
+    pub failure: Option<TokenizerFailure>,
+    /// The request's prompt tokens, when the call succeeded.
+    pub tokens: Option<u64>,
+    /// The estimate the request was routed with.
+    pub estimated_tokens: Option<u64>,
 }
 
 /// A tokenizer call to repeat on a replica. A `/tokenize` body is written again from the
@@ -188,13 +217,16 @@ pub enum Step {
     Route(Routed),
     Reject(Rejected),
     Tokenize(Tokenize),
+    /// Route now, then make the tokenizer call and hand its reply to
+    /// [`super::Router::on_background_reply`] (the request does not wait for it).
+    RouteThenTokenize(Routed, Box<Tokenize>),
 }
 
 impl Step {
     /// What to count for this step.
     pub fn report(&self) -> &Report {
         match self {
-            Step::Route(r) => &r.report,
+            Step::Route(r) | Step::RouteThenTokenize(r, _) => &r.report,
             Step::Reject(r) => &r.report,
             Step::Tokenize(t) => &t.report,
         }

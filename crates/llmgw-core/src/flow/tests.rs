@@ -786,4 +786,5 @@ fn an_adapter_the_replicas_list_is_hashed_with_its_path_as_vllm_does() {
     assert_eq!(ask(&mut r, "base"), (A.to_owned(), Outcome::Exact, 8));
 }
 
+mod earlier_turns;
 mod incomplete;

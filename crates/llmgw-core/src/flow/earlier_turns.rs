@@ -1,0 +1,164 @@
+//! Routing the next turn of a conversation on the tokens of the turn before, without waiting
+//! for the tokenizer.
+//!
+//! A conversation's next chat request repeats the messages of the one before and adds the reply
+//! and a new message. The tokens of the request before are what its replica computed, block for
+//! block, so the replicas holding their blocks are the ones holding the new request's prefix:
+//! the new request is scored on them at once, and its own tokenizer call goes out after it is
+//! routed (the answer is kept for the turn after it). Where the earlier tokens and the new
+//! request's differ (a template that renders history otherwise, a merge across the boundary),
+//! the blocks past the difference match nobody: the decision may credit less than is cached,
+//! never more. A replica holding the whole new prompt already (the same request sent through
+//! another gateway) is credited only with the earlier turn's blocks.
+//!
+//! A tokenized chat request leaves an alias in the tokenization cache, from a tag of the profile,
+//! the hashing, the model, every field that changes the rendering (tools, template, its
+//! arguments, the flags) and its messages, to its tokenization; a request with `n` messages
+//! looks up the alias of its first `n - 2`.
+//!
+//! Requests sharing only a system prompt are not routed this way: their tokens past it are their
+//! own, and the replica holding one of them whole would be found only by its tokenizer call.
+
+use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, TurnTags};
+use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerReply};
+use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
+use crate::tokcache::{Alias, CacheTag, Tokenized};
+use serde_json::value::RawValue;
+
+impl Router {
+    /// The tags of `parsed`'s aliases (`None` for anything but a chat without media, or with
+    /// the cache off).
+    pub(super) fn turn_tags(&self, profile: usize, spec: u64, parsed: &ParsedRequest) -> Option<TurnTags> {
+        let Prompt::Chat(raw) = &parsed.prompt else { return None };
+        if !self.config.route_on_earlier_turns || !self.tokcache.enabled() || parsed.multimodal() {
+            return None;
+        }
+        let messages: Vec<&RawValue> = serde_json::from_str(raw.get()).ok()?;
+        let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
+        let spec = spec.to_le_bytes();
+        let flag = |f: Option<bool>| f.map_or(2u8, u8::from);
+        let flags =
+            [flag(parsed.add_generation_prompt), flag(parsed.continue_final_message), flag(parsed.add_special_tokens)];
+        let context: [&[u8]; 8] = [
+            b"turn",
+            &profile,
+            &spec,
+            parsed.model.as_deref().unwrap_or_default().as_bytes(),
+            raw_text(&parsed.tools),
+            raw_text(&parsed.chat_template),
+            raw_text(&parsed.chat_template_kwargs),
+            &flags,
+        ];
+        let tag = |n: usize| {
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(context.len().saturating_add(n));
+            parts.extend_from_slice(&context);
+            parts.extend(messages.iter().take(n).map(|m| m.get().as_bytes()));
+            self.tokcache.tag(&parts)
+        };
+        let span = |n: usize| messages.iter().take(n).map(|m| m.get().len()).fold(0usize, usize::saturating_add);
+        let n = messages.len();
+        Some(TurnTags {
+            whole: tag(n),
+            previous: n.checked_sub(2).filter(|&k| k > 0).map(|k| (tag(k), span(k))),
+            bytes: span(n),
+        })
+    }
+
+    /// Routes on the previous turn's tokenization, when it is cached under the hashing the
+    /// replicas use now and spans a full block: the route, and the estimate of the request's
+    /// own prompt tokens (the earlier tokens, and its further messages at the bytes per token
+    /// the earlier ones took).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn route_on_earlier_turn(
+        &mut self,
+        tags: Option<&TurnTags>,
+        parsed: &ParsedRequest,
+        approx: &dyn Fn() -> Option<u64>,
+        gw: &dyn GatewayState,
+        now_ns: u64,
+        report: Report,
+    ) -> Option<(Routed, u64)> {
+        if !self.background_calls {
+            return None;
+        }
+        let tags = tags?;
+        let (tag, bytes) = tags.previous?;
+        let alias = self.tokcache.alias(tag).cloned()?;
+        let model = alias.model.as_deref();
+        let mut report = Report { tokenizer_cache: Some(CacheLookup::EarlierTurn), ..report };
+        if alias.model != parsed.model || alias.cache_salt != parsed.cache_salt {
+            return None;
+        }
+        if self.plan_fingerprint(alias.profile, model, &mut report) != alias.spec {
+            return None;
+        }
+        let mut t = self.tokcache.take(alias.tag, now_ns)?;
+        let n = t.tokens.len();
+        let req = ExactRequest {
+            profile: alias.profile,
+            model,
+            cache_salt: alias.cache_salt.as_deref(),
+            tokens: &t.tokens,
+            known: &t.hashes,
+            mm: Vec::new(),
+        };
+        let scored = self.exact(req, gw, &mut report);
+        if scored.is_ok() && self.scratch.hashes.len() > t.hashes.len() {
+            t.hashes.clone_from(&self.scratch.hashes);
+        }
+        self.tokcache.put_back(alias.tag, t);
+        let mut scored = scored.ok().filter(|_| self.scratch.scores.total > 0)?;
+        let per_token = bytes.checked_div(n)?.max(1);
+        let further = tags.bytes.saturating_sub(bytes).checked_div(per_token).unwrap_or(0);
+        let estimated = n.saturating_add(further);
+        scored.tokens = u64::try_from(estimated).unwrap_or(u64::MAX);
+        match self.finish(model, Some(alias.profile), Some(&scored), approx, None, gw, report) {
+            Step::Route(r) => Some((r, scored.tokens)),
+            _ => None,
+        }
+    }
+
+    /// Leaves the aliases of `pending`'s tokenization, just cached under `tag`: its raw body's,
+    /// and its messages' for the turn after it.
+    pub(super) fn remember_tokenized(&mut self, pending: &Pending, tag: CacheTag) {
+        let p = &pending.parsed;
+        let alias = Alias {
+            tag,
+            profile: pending.profile,
+            model: p.model.clone(),
+            cache_salt: p.cache_salt.clone(),
+            spec: pending.spec,
+        };
+        if let Some(turn) = &pending.turn_tags {
+            self.tokcache.add_alias(turn.whole, alias.clone());
+        }
+        if let Some(raw) = pending.raw_tag {
+            self.tokcache.add_alias(raw, alias);
+        }
+    }
+
+    /// The reply to a call made after its request was routed ([`Step::RouteThenTokenize`]):
+    /// the tokenization is cached for the request's next turn (and for the same request sent
+    /// again). What the host learns from it: the failure, if any, and the request's prompt
+    /// tokens against the estimate it was routed with.
+    pub fn on_background_reply(&mut self, pending: Pending, reply: &TokenizerReply<'_>, now_ns: u64) -> Background {
+        let estimated_tokens = pending.estimated_tokens;
+        let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
+            Ok(answer) => answer,
+            Err(f) => return Background { failure: Some(f), tokens: None, estimated_tokens },
+        };
+        let count = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
+        let mut report = Report::default();
+        let same = pending.generation == self.generation
+            && pending.spec == self.plan_fingerprint(pending.profile, pending.parsed.model.as_deref(), &mut report);
+        if let Some(tag) = pending.cache_tag.filter(|_| same && mm.is_empty()) {
+            self.tokcache.insert(tag, Tokenized { tokens, hashes: Vec::new() }, now_ns);
+            self.remember_tokenized(&pending, tag);
+        }
+        Background { failure: None, tokens: Some(count), estimated_tokens }
+    }
+}
+
+fn raw_text(v: &Option<RawJson>) -> &[u8] {
+    v.as_ref().map(|j| j.get().as_bytes()).unwrap_or_default()
+}
