@@ -1,7 +1,8 @@
 //! What the router asks the gateway, read once per decision from this Envoy's shared data: the
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
-//! rates learned per replica (`crate::rates`) and the requests routed lately (`crate::recent`).
+//! rates learned per replica (`crate::rates`) and the requests routed lately (`crate::recent`);
+//! the tokens kept for conversations' next turns (`crate::earlier_turns`) are read when asked.
 
 use crate::health::Health;
 use crate::host::Host;
@@ -9,10 +10,14 @@ use crate::inflight::Counts;
 use crate::rates::Learned;
 use crate::recent::Recent;
 use crate::speculative::Entries;
-use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit};
+use llmgw_core::flow::{
+    EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit,
+};
 use llmgw_core::policy::rates::Rates;
+use std::rc::Rc;
 
 pub struct Snapshot {
+    host: Rc<dyn Host>,
     counts: Counts,
     health: Health,
     tokenizers: Health,
@@ -22,8 +27,10 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn read(host: &dyn Host) -> Snapshot {
+    pub fn read(shared: &Rc<dyn Host>) -> Snapshot {
+        let host = shared.as_ref();
         Snapshot {
+            host: shared.clone(),
             counts: Counts::read(host),
             health: Health::read(host),
             tokenizers: Health::read_tokenizers(host),
@@ -67,5 +74,11 @@ impl SpeculativeEntries for Snapshot {
 impl LearnedRates for Snapshot {
     fn learned_rates(&self, address: &str) -> Option<Rates> {
         self.rates.of(address)
+    }
+}
+
+impl EarlierTurns for Snapshot {
+    fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
+        crate::earlier_turns::lookup(self.host.as_ref(), tag)
     }
 }

@@ -56,10 +56,12 @@ pub enum SharedKind {
     Rates,
     /// Requests routed lately per replica (`crate::recent`).
     Recent,
+    /// Tokens kept for conversations' next turns (`crate::earlier_turns`).
+    EarlierTurns,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 7] = [
+    pub const ALL: [SharedKind; 8] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
@@ -67,6 +69,7 @@ impl SharedKind {
         SharedKind::Speculative,
         SharedKind::Rates,
         SharedKind::Recent,
+        SharedKind::EarlierTurns,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -78,6 +81,7 @@ impl SharedKind {
             SharedKind::Speculative => "speculative",
             SharedKind::Rates => "rates",
             SharedKind::Recent => "recent",
+            SharedKind::EarlierTurns => "earlier_turns",
         }
     }
 }

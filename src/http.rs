@@ -90,7 +90,7 @@ impl Request {
         let Ok(mut s) = shared.try_borrow_mut() else { return self.pass() };
         let t0 = self.host.now_ns();
         self.phases.body(t0);
-        let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
+        let in_flight = gateway_state::Snapshot::read(&self.host);
         let step = s.router.on_body(&Body { path: &self.path, bytes, too_large }, &in_flight, t0);
         self.act(&mut s, step, t0, false)
     }
@@ -154,7 +154,7 @@ impl Request {
                     Err(e) => {
                         log::warn!("llmgw: tokenizer callout to cluster `{cluster}` refused: {e:?}");
                         let t1 = self.host.now_ns();
-                        let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
+                        let in_flight = gateway_state::Snapshot::read(&self.host);
                         let step = s.router.on_tokenizer_reply(*t.pending, &TokenizerReply::Refused, &in_flight, t1);
                         // A refused call yields a route or a 503, never another call.
                         return self.act(s, step, t1, resuming);
@@ -170,7 +170,12 @@ impl Request {
     }
 
     /// Sets the destination of a routed request and counts it there.
-    fn route(&mut self, s: &mut Shared, r: Routed, resuming: bool) -> Action {
+    fn route(&mut self, s: &mut Shared, mut r: Routed, resuming: bool) -> Action {
+        if let Some((tag, tokens)) = r.keep_turn.take() {
+            if !crate::earlier_turns::keep(self.host.as_ref(), tag, &tokens) {
+                s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
+            }
+        }
         let cfg = s.router.config();
         self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
         // The rank the decision credited, so vLLM's own balancer does not pick another;
@@ -227,6 +232,11 @@ impl Request {
             TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
         };
         let b = s.router.on_background_reply(pending, &reply, now);
+        if let Some((tag, tokens)) = &b.keep {
+            if !crate::earlier_turns::keep(self.host.as_ref(), *tag, tokens) {
+                s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
+            }
+        }
         if let Some(f) = b.failure {
             log::debug!("llmgw: tokenizer call after routing failed: {}", f.as_str());
         }
@@ -362,7 +372,7 @@ impl Context for Request {
         } else {
             TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
         };
-        let in_flight = gateway_state::Snapshot::read(self.host.as_ref());
+        let in_flight = gateway_state::Snapshot::read(&self.host);
         let step = s.router.on_tokenizer_reply(*pending, &reply, &in_flight, t0);
         // The tokenizer's circuit breaker: a timeout, reset, 5xx or garbage leaves it alone for
         // a while; a good answer clears it.

@@ -14,6 +14,7 @@
 
 mod body_budget;
 mod decision_log;
+mod earlier_turns;
 mod feed;
 mod gateway_state;
 mod health;
@@ -152,8 +153,9 @@ impl RootContext for Root {
                 let metrics = Metrics::define(self.host.clone(), compiled.metrics, &self.vm_tag);
                 let view = warm_view::initial_view(self.host.as_ref(), &compiled.agent_cluster);
                 let mut router = Router::new(compiled, self.tokcache_key);
-                // The filter's HTTP context outlives the routing: a tokenizer call can follow it.
-                router.set_background_calls(true);
+                // The filter's HTTP context outlives the routing: a tokenizer call can follow it,
+                // and its tokens are kept for every VM under tags of one secret.
+                router.set_background_calls(earlier_turns::shared_key(self.host.as_ref(), self.tokcache_key));
                 if let Some(view) = view {
                     router.feed = view;
                     // Checked against this configuration's allowlist, not the one it came with.

@@ -174,7 +174,8 @@ fn second_vm(e: &Env, on_a: Vec<u64>, on_b: Vec<u64>) -> Env {
 /// In-flight requests and prefill tokens as every VM of this Envoy reads them.
 fn inflight_at(e: &Env, address: &str) -> (u32, u64) {
     use llmgw_core::flow::InFlightCounts;
-    let s = crate::gateway_state::Snapshot::read(e.host.as_ref());
+    let host: Rc<dyn Host> = e.host.clone();
+    let s = crate::gateway_state::Snapshot::read(&host);
     (s.in_flight(address), s.pending_tokens(address))
 }
 
@@ -187,6 +188,7 @@ fn hash_settings(seed: &str) -> llmgw_core::feed::HashSettings {
         lookahead_tokens: 0,
     }
 }
+mod earlier_turns;
 mod feed_view;
 mod routing;
 mod shared_state;

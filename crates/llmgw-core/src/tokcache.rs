@@ -105,6 +105,22 @@ pub struct TokenCache {
     pub stats: CacheStats,
 }
 
+/// A tag of `parts` under the secret `key` (see [`TokenCache::tag`]).
+#[cfg(feature = "xxhash")]
+pub fn keyed_tag(key: u64, parts: &[&[u8]]) -> CacheTag {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(key);
+    for p in parts {
+        h.update(&(p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    CacheTag(h.digest128())
+}
+
+#[cfg(not(feature = "xxhash"))]
+pub fn keyed_tag(_key: u64, _parts: &[&[u8]]) -> CacheTag {
+    CacheTag(0)
+}
+
 impl TokenCache {
     /// `key`: a secret for the entry tags (pass a random value); `ttl_ns`: entry lifetime.
     pub fn new(budget_bytes: usize, ttl_ns: u64, key: u64) -> TokenCache {
@@ -127,19 +143,8 @@ impl TokenCache {
     }
 
     /// The tag of a request: each part is length-prefixed, so part boundaries cannot shift.
-    #[cfg(feature = "xxhash")]
     pub fn tag(&self, parts: &[&[u8]]) -> CacheTag {
-        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(self.key);
-        for p in parts {
-            h.update(&(p.len() as u64).to_le_bytes());
-            h.update(p);
-        }
-        CacheTag(h.digest128())
-    }
-
-    #[cfg(not(feature = "xxhash"))]
-    pub fn tag(&self, _parts: &[&[u8]]) -> CacheTag {
-        CacheTag(0)
+        keyed_tag(self.key, parts)
     }
 
     /// Takes the entry for `tag` out of the cache (hand it back with [`Self::put_back`]), or

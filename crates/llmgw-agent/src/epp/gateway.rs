@@ -118,6 +118,7 @@ impl ReplicaAvoidance for Snapshot {
 
 impl SpeculativeEntries for Snapshot {}
 impl LearnedRates for Snapshot {}
+impl llmgw_core::flow::EarlierTurns for Snapshot {}
 
 #[cfg(test)]
 mod tests {

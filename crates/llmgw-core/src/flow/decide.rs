@@ -88,6 +88,7 @@ pub fn decide(
             speculative_blocks,
             incomplete,
             incomplete_count,
+            keep_turn: None,
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }

@@ -22,7 +22,7 @@
 use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, TurnTags};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerReply};
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
-use crate::tokcache::{Alias, CacheTag, Tokenized};
+use crate::tokcache::{keyed_tag, Alias, CacheTag, Tokenized};
 use serde_json::value::RawValue;
 
 impl Router {
@@ -30,6 +30,7 @@ impl Router {
     /// the cache off).
     pub(super) fn turn_tags(&self, profile: usize, spec: u64, parsed: &ParsedRequest) -> Option<TurnTags> {
         let Prompt::Chat(raw) = &parsed.prompt else { return None };
+        let key = self.background_calls?;
         if !self.config.route_on_earlier_turns || !self.tokcache.enabled() || parsed.multimodal() {
             return None;
         }
@@ -53,11 +54,13 @@ impl Router {
             let mut parts: Vec<&[u8]> = Vec::with_capacity(context.len().saturating_add(n));
             parts.extend_from_slice(&context);
             parts.extend(messages.iter().take(n).map(|m| m.get().as_bytes()));
-            self.tokcache.tag(&parts)
+            keyed_tag(key, &parts)
         };
         let span = |n: usize| messages.iter().take(n).map(|m| m.get().len()).fold(0usize, usize::saturating_add);
         let n = messages.len();
         Some(TurnTags {
+            profile: u64::from_le_bytes(profile).try_into().unwrap_or(usize::MAX),
+            spec: u64::from_le_bytes(spec),
             whole: tag(n),
             previous: n.checked_sub(2).filter(|&k| k > 0).map(|k| (tag(k), span(k))),
             bytes: span(n),
@@ -78,41 +81,51 @@ impl Router {
         now_ns: u64,
         report: Report,
     ) -> Option<(Routed, u64)> {
-        if !self.background_calls {
-            return None;
-        }
         let tags = tags?;
         let (tag, bytes) = tags.previous?;
-        let alias = self.tokcache.alias(tag).cloned()?;
-        let model = alias.model.as_deref();
         let mut report = Report { tokenizer_cache: Some(CacheLookup::EarlierTurn), ..report };
-        if alias.model != parsed.model || alias.cache_salt != parsed.cache_salt {
+        let model = parsed.model.as_deref();
+        let (profile, spec) = (tags.profile, tags.spec);
+        if self.plan_fingerprint(profile, model, &mut report) != spec {
             return None;
         }
-        if self.plan_fingerprint(alias.profile, model, &mut report) != alias.spec {
-            return None;
-        }
-        let mut t = self.tokcache.take(alias.tag, now_ns)?;
-        let n = t.tokens.len();
+        // This VM's tokenization of the turn before (with the hashes computed so far), else the
+        // tokens another VM of this Envoy kept.
+        let alias = self.tokcache.alias(tag).filter(|a| {
+            (a.profile, a.spec) == (profile, spec) && a.model == parsed.model && a.cache_salt == parsed.cache_salt
+        });
+        let cached = alias.map(|a| a.tag).and_then(|t| self.tokcache.take(t, now_ns).map(|v| (t, v)));
+        let (mut t, back, n) = match cached {
+            Some((t, v)) => {
+                let n = v.tokens.len();
+                (v, Some(t), n)
+            }
+            None => {
+                let (tokens, n) = gw.earlier_tokens(tag.0)?;
+                (Tokenized { tokens, hashes: Vec::new() }, None, n)
+            }
+        };
         let req = ExactRequest {
-            profile: alias.profile,
+            profile,
             model,
-            cache_salt: alias.cache_salt.as_deref(),
+            cache_salt: parsed.cache_salt.as_deref(),
             tokens: &t.tokens,
             known: &t.hashes,
             mm: Vec::new(),
         };
         let scored = self.exact(req, gw, &mut report);
-        if scored.is_ok() && self.scratch.hashes.len() > t.hashes.len() {
-            t.hashes.clone_from(&self.scratch.hashes);
+        if let Some(back) = back {
+            if scored.is_ok() && self.scratch.hashes.len() > t.hashes.len() {
+                t.hashes.clone_from(&self.scratch.hashes);
+            }
+            self.tokcache.put_back(back, t);
         }
-        self.tokcache.put_back(alias.tag, t);
         let mut scored = scored.ok().filter(|_| self.scratch.scores.total > 0)?;
         let per_token = bytes.checked_div(n)?.max(1);
         let further = tags.bytes.saturating_sub(bytes).checked_div(per_token).unwrap_or(0);
         let estimated = n.saturating_add(further);
         scored.tokens = u64::try_from(estimated).unwrap_or(u64::MAX);
-        match self.finish(model, Some(alias.profile), Some(&scored), approx, None, gw, report) {
+        match self.finish(model, Some(profile), Some(&scored), approx, None, gw, report) {
             Step::Route(r) => Some((r, scored.tokens)),
             _ => None,
         }
@@ -145,20 +158,35 @@ impl Router {
         let estimated_tokens = pending.estimated_tokens;
         let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
             Ok(answer) => answer,
-            Err(f) => return Background { failure: Some(f), tokens: None, estimated_tokens },
+            Err(f) => return Background { failure: Some(f), tokens: None, estimated_tokens, keep: None },
         };
         let count = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
         let mut report = Report::default();
         let same = pending.generation == self.generation
             && pending.spec == self.plan_fingerprint(pending.profile, pending.parsed.model.as_deref(), &mut report);
+        let keep = kept(&pending, same && mm.is_empty(), &tokens);
         if let Some(tag) = pending.cache_tag.filter(|_| same && mm.is_empty()) {
             self.tokcache.insert(tag, Tokenized { tokens, hashes: Vec::new() }, now_ns);
             self.remember_tokenized(&pending, tag);
         }
-        Background { failure: None, tokens: Some(count), estimated_tokens }
+        Background { failure: None, tokens: Some(count), estimated_tokens, keep }
     }
 }
 
 fn raw_text(v: &Option<RawJson>) -> &[u8] {
     v.as_ref().map(|j| j.get().as_bytes()).unwrap_or_default()
+}
+
+/// The tokens of `pending`'s request to keep for its conversation's next turn, under its turn
+/// tag (`ok`: they were hashed as the replicas hash now, and carry no media).
+pub(super) fn kept(pending: &Pending, ok: bool, tokens: &[u32]) -> Option<(u128, Vec<u32>)> {
+    pending.turn_tags.as_ref().filter(|_| ok).map(|t| (t.whole.0, tokens.to_vec()))
+}
+
+/// `step`, with `keep` for the gateway when it routes.
+pub(super) fn keeping(step: Step, keep: Option<(u128, Vec<u32>)>) -> Step {
+    match step {
+        Step::Route(r) => Step::Route(Routed { keep_turn: keep, ..r }),
+        step => step,
+    }
 }

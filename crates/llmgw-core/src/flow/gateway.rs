@@ -1,5 +1,6 @@
 //! What the gateway around the router knows and the router asks for: the requests this Envoy
-//! has in flight, the replicas it avoids, and the speculative entries it wrote. The filter keeps
+//! has in flight, the replicas it avoids, the speculative entries it wrote, and the
+//! tokenizations it kept for conversations' next turns. The filter keeps
 //! them in Envoy's shared data (every worker sees them); `()` knows nothing.
 
 use super::speculative::Hit;
@@ -48,10 +49,20 @@ pub trait LearnedRates {
     }
 }
 
-/// Everything the router asks the gateway.
-pub trait GatewayState: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates {}
+/// Tokenizations of chat requests this Envoy made, for the next turn of their conversations
+/// (see [`super::earlier_turns`]): every worker sees them.
+pub trait EarlierTurns {
+    /// The leading tokens of the request whose turn tag is `tag`, when still kept, and its
+    /// prompt's token count.
+    fn earlier_tokens(&self, _tag: u128) -> Option<(Vec<u32>, usize)> {
+        None
+    }
+}
 
-impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates> GatewayState for T {}
+/// Everything the router asks the gateway.
+pub trait GatewayState: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates + EarlierTurns {}
+
+impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates + EarlierTurns> GatewayState for T {}
 
 /// Nothing in flight, nothing avoided, no speculative entries.
 impl InFlightCounts for () {
@@ -62,3 +73,4 @@ impl InFlightCounts for () {
 impl ReplicaAvoidance for () {}
 impl SpeculativeEntries for () {}
 impl LearnedRates for () {}
+impl EarlierTurns for () {}

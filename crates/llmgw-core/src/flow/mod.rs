@@ -32,7 +32,7 @@ mod step;
 mod tokenizer_reply;
 mod triage;
 
-pub use gateway::{GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
+pub use gateway::{EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{Fallback, TokenizerFailure};
@@ -90,8 +90,8 @@ pub struct Router {
     /// Engines the feed reset (restarted: their caches are empty), with when this VM learned it:
     /// speculative entries written before do not count. Kept for the entries' TTL.
     resets: Vec<(u64, u64)>,
-    /// The host makes tokenizer calls after routing ([`Step::RouteThenTokenize`]).
-    background_calls: bool,
+    /// With calls after routing ([`Step::RouteThenTokenize`]): the secret of the turn tags.
+    background_calls: Option<u64>,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -138,13 +138,13 @@ impl Router {
             hash_note: None,
             hash_logged: None,
             resets: Vec::new(),
-            background_calls: false,
+            background_calls: None,
         }
     }
 
-    /// The host can call the tokenizer after routing (see `route_on_earlier_turns`).
-    pub fn set_background_calls(&mut self, on: bool) {
-        self.background_calls = on;
+    /// Calls after routing, with the turn tags' secret (shared by the VMs; `route_on_earlier_turns`).
+    pub fn set_background_calls(&mut self, key: Option<u64>) {
+        self.background_calls = key;
     }
 
     pub fn config(&self) -> &Compiled {
@@ -429,16 +429,16 @@ impl Router {
             mm,
         };
         let scored = self.exact(req, gw, &mut report);
-        if scored.is_ok() {
-            let same = pending.generation == self.generation
-                && pending.spec == self.plan_fingerprint(pending.profile, model, &mut report);
-            if let Some(tag) = pending.cache_tag.filter(|_| same && cacheable) {
-                let hashes = self.scratch.hashes.clone();
-                self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
-                self.remember_tokenized(&pending, tag);
-            }
+        let same = scored.is_ok()
+            && pending.generation == self.generation
+            && pending.spec == self.plan_fingerprint(pending.profile, model, &mut report);
+        let keep = earlier_turns::kept(&pending, same && cacheable, &tokens);
+        if let Some(tag) = pending.cache_tag.filter(|_| same && cacheable) {
+            let hashes = self.scratch.hashes.clone();
+            self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);
+            self.remember_tokenized(&pending, tag);
         }
-        self.finish_scored(model, pending.profile, scored, &approx, gw, report)
+        earlier_turns::keeping(self.finish_scored(model, pending.profile, scored, &approx, gw, report), keep)
     }
 
     /// The dedicated tokenizer declined `pending`'s call: the same call to a replica (once).

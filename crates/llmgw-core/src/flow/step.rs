@@ -90,6 +90,9 @@ pub struct Routed {
     /// replica), at most [`MAX_EXPLAINED_INCOMPLETE`], and how many there were.
     pub incomplete: Vec<String>,
     pub incomplete_count: usize,
+    /// The request's tokens, to keep for its conversation's next turn under this turn tag (see
+    /// [`super::EarlierTurns`]).
+    pub keep_turn: Option<(u128, Vec<u32>)>,
 }
 
 /// The most incomplete engines the explain header names (the rest are counted).
@@ -183,6 +186,9 @@ pub struct Pending {
 /// The alias tags a chat request reads and writes (see `super::earlier_turns`).
 #[derive(Debug)]
 pub(super) struct TurnTags {
+    /// The profile and hashing the tags were taken under.
+    pub(super) profile: usize,
+    pub(super) spec: u64,
     /// Its own messages' (written once it is tokenized).
     pub(super) whole: CacheTag,
     /// Its messages' less the last two (the previous turn), and the bytes they span.
@@ -192,13 +198,16 @@ pub(super) struct TurnTags {
 }
 
 /// What a call made after routing told (see [`super::Router::on_background_reply`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Background {
     pub failure: Option<TokenizerFailure>,
     /// The request's prompt tokens, when the call succeeded.
     pub tokens: Option<u64>,
     /// The estimate the request was routed with.
     pub estimated_tokens: Option<u64>,
+    /// The tokens to keep for the conversation's next turn, under this turn tag (see
+    /// [`super::EarlierTurns`]).
+    pub keep: Option<(u128, Vec<u32>)>,
 }
 
 /// A tokenizer call to repeat on a replica. A `/tokenize` body is written again from the

@@ -31,7 +31,7 @@ fn the_next_turn_is_routed_on_the_turn_before_and_tokenized_after() {
     let first: Vec<u32> = (0..24).collect();
     let second: Vec<u32> = (0..40).collect();
     let mut r = router("", keys(&first), true);
-    r.set_background_calls(true);
+    r.set_background_calls(Some(5));
     let call = tokenize(on_body(&mut r, &chat("", &["hi"]), 0));
     let read = reply(&first);
     let step =
@@ -63,7 +63,7 @@ fn a_turn_is_routed_on_an_earlier_one_only_when_everything_but_its_messages_matc
     let first: Vec<u32> = (0..24).collect();
     let turn2 = |extra: &str| chat(extra, &["hi", "hello there", "and then?"]);
     let mut r = router("", keys(&first), true);
-    r.set_background_calls(true);
+    r.set_background_calls(Some(5));
     let call = tokenize(on_body(&mut r, &chat("", &["hi"]), 0));
     let read = reply(&first);
     let _ =
@@ -88,14 +88,14 @@ fn a_turn_is_routed_on_an_earlier_one_only_when_everything_but_its_messages_matc
     );
     assert!(matches!(on_body(&mut waits, &turn2(""), 2), Step::Tokenize(_)));
     let mut off = router(r#""route_on_earlier_turns":false,"#, keys(&first), true);
-    off.set_background_calls(true);
+    off.set_background_calls(Some(5));
     let call = tokenize(on_body(&mut off, &chat("", &["hi"]), 0));
     let _ =
         off.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), 1);
     assert!(matches!(on_body(&mut off, &turn2(""), 2), Step::Tokenize(_)));
     // A failed call after routing caches nothing: the turn after it waits for its own call.
     let mut r = router("", keys(&first), true);
-    r.set_background_calls(true);
+    r.set_background_calls(Some(5));
     let call = tokenize(on_body(&mut r, &chat("", &["hi"]), 0));
     let _ =
         r.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), 1);
@@ -103,5 +103,50 @@ fn a_turn_is_routed_on_an_earlier_one_only_when_everything_but_its_messages_matc
     let b = r.on_background_reply(*call.pending, &TokenizerReply::Reset, 3);
     assert!(b.failure.is_some() && b.tokens.is_none());
     let step = on_body(&mut r, &chat("", &["hi", "hello there", "and then?", "then this", "ok"]), 4);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+}
+
+#[test]
+fn the_next_turn_is_routed_on_tokens_another_vm_kept() {
+    use crate::flow::{EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
+    use std::cell::RefCell;
+    /// A gateway whose other VMs kept turns, as the filter keeps them in shared data.
+    #[derive(Default)]
+    struct Kept(RefCell<Vec<(u128, Vec<u32>)>>);
+    impl InFlightCounts for Kept {
+        fn in_flight(&self, _address: &str) -> u32 {
+            0
+        }
+    }
+    impl ReplicaAvoidance for Kept {}
+    impl SpeculativeEntries for Kept {}
+    impl LearnedRates for Kept {}
+    impl EarlierTurns for Kept {
+        fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
+            self.0.borrow().iter().find(|(t, _)| *t == tag).map(|(_, v)| (v.clone(), v.len()))
+        }
+    }
+    let first: Vec<u32> = (0..24).collect();
+    let gw = Kept::default();
+    // VM 1 tokenizes turn 1 and hands its tokens to the gateway; VM 2 (the same turn secret,
+    // its own cache) routes turn 2 on them.
+    let mut vm1 = router("", keys(&first), true);
+    vm1.set_background_calls(Some(5));
+    let call = tokenize(vm1.on_body(&Body { path: CHAT, bytes: &chat("", &["hi"]), too_large: false }, &gw, 0));
+    let read = reply(&first);
+    let step =
+        vm1.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &gw, 1);
+    let Step::Route(turn1) = step else { panic!("{step:?}") };
+    gw.0.borrow_mut().push(turn1.keep_turn.clone().expect("turn 1's tokens are kept"));
+    let mut vm2 = router("", keys(&first), true);
+    vm2.set_background_calls(Some(5));
+    let turn2 = chat("", &["hi", "hello there", "and then?"]);
+    let step = vm2.on_body(&Body { path: CHAT, bytes: &turn2, too_large: false }, &gw, 2);
+    let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
+    assert_eq!((routed.address.as_str(), routed.decision.matched), (B, 6));
+    // A VM with another secret computes other tags: it waits for the tokenizer.
+    let mut other = router("", keys(&first), true);
+    other.set_background_calls(Some(6));
+    let step = other.on_body(&Body { path: CHAT, bytes: &turn2, too_large: false }, &gw, 2);
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
 }
