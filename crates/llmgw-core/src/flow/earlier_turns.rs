@@ -19,8 +19,10 @@
 //! Requests sharing only a system prompt are not routed this way: their tokens past it are their
 //! own, and the replica holding one of them whole would be found only by its tokenizer call.
 
-use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, TurnTags};
+use super::candidates::candidates;
+use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, Tokenize, TurnTags};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerReply};
+use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
 use crate::tokcache::{keyed_tag, Alias, CacheTag, Tokenized};
 use serde_json::value::RawValue;
@@ -129,6 +131,24 @@ impl Router {
             Step::Route(r) => Some((r, scored.tokens)),
             _ => None,
         }
+    }
+
+    /// The call for `call`'s request: after routing it (`routed`), else before. A call after
+    /// routing goes to another replica than the one computing the request when there is one
+    /// (a replica's API server tokenizing the call would delay the request's own start there),
+    /// unless it goes to the dedicated tokenizer.
+    pub(super) fn then_tokenize(&self, routed: Option<Routed>, mut call: Tokenize, gw: &dyn GatewayState) -> Step {
+        let Some(routed) = routed else { return Step::Tokenize(call) };
+        if call.target == routed.address && call.pending.retry.is_none() {
+            let model = call.pending.parsed.model.as_deref();
+            let w = self.config.profile(call.pending.profile).map_or(&self.default_weights, |p| &p.weights);
+            let mut cands = candidates(self.feed.serving(), model, gw);
+            cands.retain(|c| c.up && c.address != routed.address && !gw.tokenizer_avoided(c.address));
+            if let Some(c) = least_loaded(&cands, &w.limits).and_then(|i| cands.get(i)) {
+                call.target = c.address.to_owned();
+            }
+        }
+        Step::RouteThenTokenize(routed, Box::new(call))
     }
 
     /// Leaves the aliases of `pending`'s tokenization, just cached under `tag`: its raw body's,

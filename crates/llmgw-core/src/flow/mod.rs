@@ -353,10 +353,7 @@ impl Router {
         // decision once the reply is back.
         report.hash_mismatch = false;
         let call = Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report };
-        match earlier {
-            Some((routed, _)) => Step::RouteThenTokenize(routed, Box::new(call)),
-            None => Step::Tokenize(call),
-        }
+        self.then_tokenize(earlier.map(|(routed, _)| routed), call, gw)
     }
 
     /// Where profile `pi`'s tokenizer call goes: its dedicated tokenizer unless that is failing,

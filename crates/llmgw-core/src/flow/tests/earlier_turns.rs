@@ -1,6 +1,6 @@
 //! The next turn of a conversation is routed on the turn before, and tokenized after routing.
 
-use super::{keys, ok_reply, router, tokenize, B};
+use super::{keys, ok_reply, router, tokenize, A, B};
 use crate::flow::{Body, CacheLookup, Router, Step, TokenizerReply};
 use crate::policy::Outcome;
 
@@ -25,6 +25,18 @@ fn reply(tokens: &[u32]) -> impl Fn() -> Vec<u8> {
     move || answer.clone()
 }
 
+/// A gateway with one request in flight on A.
+struct ABusy;
+impl crate::flow::InFlightCounts for ABusy {
+    fn in_flight(&self, address: &str) -> u32 {
+        u32::from(address == A)
+    }
+}
+impl crate::flow::ReplicaAvoidance for ABusy {}
+impl crate::flow::SpeculativeEntries for ABusy {}
+impl crate::flow::LearnedRates for ABusy {}
+impl crate::flow::EarlierTurns for ABusy {}
+
 #[test]
 fn the_next_turn_is_routed_on_the_turn_before_and_tokenized_after() {
     // Turn 1's prompt is 24 tokens (6 blocks), all held by B; turn 2 extends it to 40.
@@ -38,11 +50,15 @@ fn the_next_turn_is_routed_on_the_turn_before_and_tokenized_after() {
         r.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), 1);
     let Step::Route(turn1) = step else { panic!("{step:?}") };
     assert_eq!(turn1.address, B);
-    // Turn 2: routed at once, exactly, on turn 1's blocks; its own call follows.
-    let step = on_body(&mut r, &chat("", &["hi", "hello there", "and then?"]), 2);
+    // Turn 2: routed at once, exactly, on turn 1's blocks; its own call follows. (A has a
+    // request in flight: B is the least loaded, yet the call goes to A.)
+    let bytes = chat("", &["hi", "hello there", "and then?"]);
+    let step = r.on_body(&Body { path: CHAT, bytes: &bytes, too_large: false }, &ABusy, 2);
     let Step::RouteThenTokenize(turn2, call) = step else { panic!("{step:?}") };
     assert_eq!((turn2.address.as_str(), turn2.decision.outcome), (B, Outcome::Exact));
     assert_eq!((turn2.decision.matched, turn2.report.tokenizer_cache), (6, Some(CacheLookup::EarlierTurn)));
+    // Its call goes to the other replica, not to the one computing it.
+    assert_eq!(call.target, A);
     // Its prompt estimated from turn 1's bytes per token: more than turn 1's tokens.
     assert!(turn2.prefill_tokens > 0, "{turn2:?}");
     let read = reply(&second);
