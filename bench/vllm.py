@@ -212,6 +212,13 @@ class Router:
             return {}
         phases = parse_phases(text)
         out: dict = {"phases_us": phases}
+        # How its requests got their tokens: cached, routed on the conversation's turn before, or
+        # waiting for a call.
+        try:
+            text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter={CACHE_FILTER}")
+            out["tokenizer_cache"] = {m.group(1): int(m.group(2)) for m in re.finditer(CACHE_LINE, text)}
+        except OSError:
+            pass
         if self.name == "llmgw-native":
             # What the native tokenizer did: answered, checked against a replica, differed.
             try:
@@ -236,6 +243,8 @@ PHASES = {"body": "llmgw_phase_body_us", "tokenizer": "llmgw_tokenizer_latency_u
           "gateway": "llmgw_phase_gateway_us", "first_byte": "llmgw_phase_upstream_first_byte_us",
           "first_chunk": "llmgw_phase_upstream_first_chunk_us"}
 PHASE_FILTER = r"^wasmcustom\.(" + "|".join(PHASES.values()) + r")$"
+CACHE_FILTER = r"^wasmcustom\.llmgw_tokenizer_cache_total"
+CACHE_LINE = re.compile(r"wasmcustom\.llmgw_tokenizer_cache_total\.result\.(\w+): (\d+)")
 _QUANTILES = re.compile(r"^wasmcustom\.(\w+): .*?P50\([^,]*,([^)]*)\).*?P99\([^,]*,([^)]*)\)")
 
 

@@ -7,7 +7,7 @@ use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
-use llmgw_core::flow::{Body, Pending, Rejected, Routed, Step, TokenizerReply};
+use llmgw_core::flow::{Body, Pending, Rejected, Report, Routed, Step, TokenizerReply};
 use llmgw_core::policy::rates::Basis;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -115,15 +115,7 @@ impl Request {
             Step::Route(r) => self.route(s, r, resuming),
             Step::RouteThenTokenize(r, t) => {
                 let action = self.route(s, r, resuming);
-                let cluster = &s.router.config().tokenizer_cluster;
-                let timeout = Duration::from_millis(u64::from(t.timeout_ms));
-                match self.host.dispatch_http_call(cluster, &call_headers(s, &t.target, t.path), &t.body, timeout) {
-                    Ok(token) => {
-                        let started_ns = self.host.now_ns();
-                        self.phase = Phase::Background { token, started_ns, pending: t.pending, target: t.target };
-                    }
-                    Err(e) => log::debug!("llmgw: tokenizer callout after routing refused: {e:?}"),
-                }
+                self.call_after_routing(s, *t);
                 action
             }
             Step::Reject(r) => {
@@ -163,7 +155,7 @@ impl Request {
             }
         };
         self.record_busy(s, t0);
-        if matches!(self.phase, Phase::Done) {
+        if matches!(self.phase, Phase::Done | Phase::Background { .. }) {
             self.held = None;
         }
         action
@@ -208,6 +200,19 @@ impl Request {
         Action::Continue
     }
 
+    /// Makes the tokenizer call of a routed request (its answer is for the next turn).
+    fn call_after_routing(&mut self, s: &Shared, t: llmgw_core::flow::Tokenize) {
+        let cluster = &s.router.config().tokenizer_cluster;
+        let timeout = Duration::from_millis(u64::from(t.timeout_ms));
+        match self.host.dispatch_http_call(cluster, &call_headers(s, &t.target, t.path), &t.body, timeout) {
+            Ok(token) => {
+                let started_ns = self.host.now_ns();
+                self.phase = Phase::Background { token, started_ns, pending: t.pending, target: t.target };
+            }
+            Err(e) => log::debug!("llmgw: tokenizer callout after routing refused: {e:?}"),
+        }
+    }
+
     /// The answer to the tokenizer call made after routing: cached for the next turn; the
     /// tokenizer's health and latency are counted; the prompt tokens the decision estimated
     /// are corrected in what the replica's first token will teach its rates.
@@ -231,7 +236,9 @@ impl Request {
         } else {
             TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
         };
-        let b = s.router.on_background_reply(pending, &reply, now);
+        let in_flight = gateway_state::Snapshot::read(&self.host);
+        let b = s.router.on_background_reply(pending, &reply, &in_flight, now);
+        s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
         if let Some((tag, tokens)) = &b.keep {
             if !crate::earlier_turns::keep(self.host.as_ref(), *tag, tokens) {
                 s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
@@ -244,6 +251,9 @@ impl Request {
             if let Err(k) = crate::health::observe_tokenizer(self.host.as_ref(), target, b.failure.is_some()) {
                 s.metrics.shared_update_failed([k]);
             }
+        }
+        if let Some(t) = b.retry {
+            return self.call_after_routing(&s, *t);
         }
         self.learning = match (self.learning.take(), b.tokens, b.estimated_tokens) {
             (Some(mut basis), Some(tokens), Some(estimated)) => {
@@ -276,7 +286,7 @@ impl Request {
     fn record_busy(&mut self, s: &Shared, since_ns: u64) {
         let now = self.host.now_ns();
         self.phases.busy(since_ns, now);
-        if matches!(self.phase, Phase::Done) {
+        if matches!(self.phase, Phase::Done | Phase::Background { .. }) {
             self.phases.decided(now);
             let b = self.phases.breakdown();
             s.metrics.decision_us(b.decision_us.unwrap_or(0));

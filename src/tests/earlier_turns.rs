@@ -30,8 +30,11 @@ fn the_next_turn_goes_at_once_on_any_vm_and_its_call_follows() {
     ctx.on_log();
     // Turn 2 on the other VM: routed before any call, exactly; its call goes out after.
     let calls = e.host.calls.borrow().len();
+    let decided = e.host.samples("llmgw_phase_gateway_us").len();
     let (mut ctx, action) = e2.request(CHAT, &chat(&["hi", "hello there", "and then?"]));
     assert_eq!(action, Action::Continue);
+    // Its time in the gateway is recorded at the decision, before its call answers.
+    assert_eq!(e.host.samples("llmgw_phase_gateway_us").len(), decided + 1);
     assert_eq!(e2.dest().as_deref(), Some(B));
     assert_eq!(e.host.calls.borrow().len(), calls + 1, "the call after routing");
     assert_eq!(e2.counter("llmgw_tokenizer_cache_total.result.earlier_turn"), 1);

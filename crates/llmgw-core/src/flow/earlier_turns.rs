@@ -21,7 +21,7 @@
 
 use super::candidates::candidates;
 use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, Tokenize, TurnTags};
-use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerReply};
+use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
 use crate::tokcache::{keyed_tag, Alias, CacheTag, Tokenized};
@@ -174,11 +174,26 @@ impl Router {
     /// the tokenization is cached for the request's next turn (and for the same request sent
     /// again). What the host learns from it: the failure, if any, and the request's prompt
     /// tokens against the estimate it was routed with.
-    pub fn on_background_reply(&mut self, pending: Pending, reply: &TokenizerReply<'_>, now_ns: u64) -> Background {
+    pub fn on_background_reply(
+        &mut self,
+        pending: Pending,
+        reply: &TokenizerReply<'_>,
+        gw: &dyn GatewayState,
+        now_ns: u64,
+    ) -> Background {
         let estimated_tokens = pending.estimated_tokens;
+        let failed = |f, retry| Background { failure: Some(f), tokens: None, estimated_tokens, keep: None, retry };
         let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
             Ok(answer) => answer,
-            Err(f) => return Background { failure: Some(f), tokens: None, estimated_tokens, keep: None },
+            // The dedicated tokenizer declined: the same call once to a replica.
+            Err(TokenizerFailure::Declined) if pending.retry.is_some() => {
+                let retry = match self.retry_on_replica(pending, gw, Report::default()) {
+                    Step::Tokenize(t) => Some(Box::new(t)),
+                    _ => None,
+                };
+                return failed(TokenizerFailure::Declined, retry);
+            }
+            Err(f) => return failed(f, None),
         };
         let count = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
         let mut report = Report::default();
@@ -189,7 +204,7 @@ impl Router {
             self.tokcache.insert(tag, Tokenized { tokens, hashes: Vec::new() }, now_ns);
             self.remember_tokenized(&pending, tag);
         }
-        Background { failure: None, tokens: Some(count), estimated_tokens, keep }
+        Background { failure: None, tokens: Some(count), estimated_tokens, keep, retry: None }
     }
 }
 

@@ -198,7 +198,7 @@ pub(super) struct TurnTags {
 }
 
 /// What a call made after routing told (see [`super::Router::on_background_reply`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Background {
     pub failure: Option<TokenizerFailure>,
     /// The request's prompt tokens, when the call succeeded.
@@ -208,6 +208,9 @@ pub struct Background {
     /// The tokens to keep for the conversation's next turn, under this turn tag (see
     /// [`super::EarlierTurns`]).
     pub keep: Option<(u128, Vec<u32>)>,
+    /// The call again, on a replica (the dedicated tokenizer declined it): its reply comes
+    /// back here too.
+    pub retry: Option<Box<Tokenize>>,
 }
 
 /// A tokenizer call to repeat on a replica. A `/tokenize` body is written again from the

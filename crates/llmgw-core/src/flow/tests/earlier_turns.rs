@@ -62,7 +62,8 @@ fn the_next_turn_is_routed_on_the_turn_before_and_tokenized_after() {
     // Its prompt estimated from turn 1's bytes per token: more than turn 1's tokens.
     assert!(turn2.prefill_tokens > 0, "{turn2:?}");
     let read = reply(&second);
-    let b = r.on_background_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, 3);
+    let b =
+        r.on_background_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), 3);
     assert_eq!((b.failure, b.tokens), (None, Some(40)));
     assert!(b.estimated_tokens.is_some_and(|e| e > 24), "{b:?}");
     // Turn 2 sent again is a cache hit; turn 3 is routed on turn 2's tokens (10 blocks, of
@@ -116,7 +117,7 @@ fn a_turn_is_routed_on_an_earlier_one_only_when_everything_but_its_messages_matc
     let _ =
         r.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), 1);
     let Step::RouteThenTokenize(_, call) = on_body(&mut r, &turn2(""), 2) else { panic!() };
-    let b = r.on_background_reply(*call.pending, &TokenizerReply::Reset, 3);
+    let b = r.on_background_reply(*call.pending, &TokenizerReply::Reset, &(), 3);
     assert!(b.failure.is_some() && b.tokens.is_none());
     let step = on_body(&mut r, &chat("", &["hi", "hello there", "and then?", "then this", "ok"]), 4);
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
