@@ -9,16 +9,10 @@
 //! bytes, 16 MiB, however many conversations there are; the leading tokens are what routing
 //! reads (the replica holding them holds the conversation).
 //!
-//! Requests with the same messages but the last (a system prompt, then each its own question)
-//! share a second set of [`SLOTS`] values, `llmgw.turn_parent.N`: the parent tag (u128), how
-//! many requests were merged (u32), and the leading tokens they all had in common (at most
-//! [`MAX_TOKENS`]). Once two have been merged, the next sibling is routed on them.
-//!
 //! Turn tags are keyed by a secret this Envoy's VMs share ([`shared_key`]): the first VM to
 //! configure writes one, the others read it.
 
 use crate::host::{update_shared, Host};
-use llmgw_core::flow::Kept;
 
 /// Slots kept.
 pub const SLOTS: u64 = 1024;
@@ -30,62 +24,15 @@ fn slot(tag: u128) -> String {
     format!("llmgw.turn.{}", (tag as u64) % SLOTS)
 }
 
-/// Keeps a tokenized chat request's tokens: for its next turn, and merged into what its
-/// siblings share. `false`: the host refused.
-pub fn keep(host: &dyn Host, kept: &Kept) -> bool {
-    let whole = keep_whole(host, kept.whole, &kept.tokens);
-    whole && kept.parent.is_none_or(|p| merge_parent(host, p, &kept.tokens))
-}
-
-fn parent_slot(tag: u128) -> String {
-    format!("llmgw.turn_parent.{}", (tag as u64) % SLOTS)
-}
-
-/// Merges `tokens` into what the siblings of parent tag `tag` share (their longest common
-/// prefix); a slot holding another parent is taken over.
-fn merge_parent(host: &dyn Host, tag: u128, tokens: &[u32]) -> bool {
-    let tokens = tokens.get(..MAX_TOKENS).unwrap_or(tokens);
-    update_shared(host, &parent_slot(tag), |v| {
-        let (merged, common) = match parse(v).filter(|(t, _, _)| *t == tag) {
-            Some((_, n, old)) => {
-                let common = old.iter().zip(tokens).take_while(|(a, b)| a == b).count();
-                (n.saturating_add(1), old.get(..common).unwrap_or_default().to_vec())
-            }
-            None => (1, tokens.to_vec()),
-        };
-        Some(encode(tag, merged, &common))
-    })
-}
-
-/// What two or more siblings of parent tag `tag` shared.
-pub fn lookup_parent(host: &dyn Host, tag: u128) -> Option<Vec<u32>> {
-    let (value, _) = host.shared_data(&parent_slot(tag))?;
-    let (t, merged, tokens) = parse(&value?)?;
-    (t == tag && merged >= 2 && !tokens.is_empty()).then_some(tokens)
-}
-
-/// (tag, count, tokens) of a slot's value.
-fn parse(v: &[u8]) -> Option<(u128, u32, Vec<u32>)> {
-    let (head, rest) = v.split_first_chunk::<16>()?;
-    let (count, rest) = rest.split_first_chunk::<4>()?;
-    let tokens = rest.chunks_exact(4).filter_map(|c| c.try_into().ok()).map(u32::from_le_bytes).collect();
-    Some((u128::from_le_bytes(*head), u32::from_le_bytes(*count), tokens))
-}
-
-fn encode(tag: u128, count: u32, tokens: &[u32]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(20usize.saturating_add(tokens.len().saturating_mul(4)));
+/// Keeps `tokens` for the request whose turn tag is `tag`. `false`: the host refused.
+pub fn keep(host: &dyn Host, tag: u128, tokens: &[u32]) -> bool {
+    let kept = tokens.get(..MAX_TOKENS).unwrap_or(tokens);
+    let mut v = Vec::with_capacity(20usize.saturating_add(kept.len().saturating_mul(4)));
     v.extend_from_slice(&tag.to_le_bytes());
-    v.extend_from_slice(&count.to_le_bytes());
-    for t in tokens {
+    v.extend_from_slice(&u32::try_from(tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
+    for t in kept {
         v.extend_from_slice(&t.to_le_bytes());
     }
-    v
-}
-
-/// Keeps `tokens` for the request whose turn tag is `tag`.
-fn keep_whole(host: &dyn Host, tag: u128, tokens: &[u32]) -> bool {
-    let head = tokens.get(..MAX_TOKENS).unwrap_or(tokens);
-    let v = encode(tag, u32::try_from(tokens.len()).unwrap_or(u32::MAX), head);
     host.set_shared_data(&slot(tag), &v, None).is_ok()
 }
 
@@ -123,38 +70,20 @@ mod tests {
     fn a_kept_request_is_found_by_its_tag_only_and_long_prompts_keep_their_head() {
         let host = FakeHost::default();
         let tokens: Vec<u32> = (0..100).collect();
-        assert!(keep_whole(&host, 7, &tokens));
+        assert!(keep(&host, 7, &tokens));
         assert_eq!(lookup(&host, 7), Some((tokens.clone(), 100)));
         // Another tag in the same slot replaces it; the old tag finds nothing.
         let other = 7 + u128::from(SLOTS);
         assert_eq!(lookup(&host, other), None);
-        assert!(keep_whole(&host, other, &[1, 2, 3]));
+        assert!(keep(&host, other, &[1, 2, 3]));
         assert_eq!(lookup(&host, 7), None);
         assert_eq!(lookup(&host, other), Some((vec![1, 2, 3], 3)));
         // A prompt past the bound keeps its leading tokens and its whole count.
         let long: Vec<u32> = (0..(MAX_TOKENS as u32 + 10)).collect();
-        assert!(keep_whole(&host, 9, &long));
+        assert!(keep(&host, 9, &long));
         let (head, count) = lookup(&host, 9).unwrap();
         assert_eq!((head.len(), count), (MAX_TOKENS, MAX_TOKENS + 10));
         assert_eq!(head[..], long[..MAX_TOKENS]);
-    }
-
-    #[test]
-    fn siblings_share_their_common_prefix_once_two_were_merged() {
-        let host = FakeHost::default();
-        let kept = |parent, tokens: Vec<u32>| Kept { whole: 1, parent: Some(parent), tokens };
-        assert!(keep(&host, &kept(5, (0..40).collect())));
-        // One request alone: its tokens past the shared messages are its own.
-        assert_eq!(lookup_parent(&host, 5), None);
-        let mut other: Vec<u32> = (0..30).collect();
-        other.extend([99, 98]);
-        assert!(keep(&host, &kept(5, other)));
-        assert_eq!(lookup_parent(&host, 5), Some((0..30).collect()));
-        // A third narrows it further; another parent in the slot takes it over.
-        assert!(keep(&host, &kept(5, (0..20).chain([7]).collect())));
-        assert_eq!(lookup_parent(&host, 5), Some((0..20).collect()));
-        assert!(keep(&host, &kept(5 + u128::from(SLOTS), vec![1, 2])));
-        assert_eq!(lookup_parent(&host, 5), None);
     }
 
     #[test]

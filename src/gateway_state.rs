@@ -81,8 +81,4 @@ impl EarlierTurns for Snapshot {
     fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
         crate::earlier_turns::lookup(self.host.as_ref(), tag)
     }
-
-    fn shared_prefix(&self, tag: u128) -> Option<Vec<u32>> {
-        crate::earlier_turns::lookup_parent(self.host.as_ref(), tag)
-    }
 }

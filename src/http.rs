@@ -163,8 +163,8 @@ impl Request {
 
     /// Sets the destination of a routed request and counts it there.
     fn route(&mut self, s: &mut Shared, mut r: Routed, resuming: bool) -> Action {
-        if let Some(kept) = r.keep_turn.take() {
-            if !crate::earlier_turns::keep(self.host.as_ref(), &kept) {
+        if let Some((tag, tokens)) = r.keep_turn.take() {
+            if !crate::earlier_turns::keep(self.host.as_ref(), tag, &tokens) {
                 s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
             }
         }
@@ -239,8 +239,8 @@ impl Request {
         let in_flight = gateway_state::Snapshot::read(&self.host);
         let b = s.router.on_background_reply(pending, &reply, &in_flight, now);
         s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
-        if let Some(kept) = &b.keep {
-            if !crate::earlier_turns::keep(self.host.as_ref(), kept) {
+        if let Some((tag, tokens)) = &b.keep {
+            if !crate::earlier_turns::keep(self.host.as_ref(), *tag, tokens) {
                 s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
             }
         }

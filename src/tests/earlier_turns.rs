@@ -53,22 +53,3 @@ fn the_next_turn_goes_at_once_on_any_vm_and_its_call_follows() {
     let (_ctx, action) = off.request(CHAT, &chat(&["hi", "hello there", "and then?"]));
     assert_eq!(action, Action::Pause);
 }
-
-#[test]
-fn a_third_question_after_one_system_prompt_goes_at_once_on_what_the_first_two_shared() {
-    let system: Vec<u32> = (0..24).collect();
-    let with = |q: u32| -> Vec<u32> { system.iter().copied().chain(100 * q..100 * q + 8).collect() };
-    let e = synced("", vec![], keys(&system), true);
-    let e2 = second_vm(&e, vec![], keys(&system));
-    for q in 0..2 {
-        let (mut ctx, action) = e.request(CHAT, &chat(&[&format!("question {q}")]));
-        assert_eq!(action, Action::Pause, "question {q} waits for its call");
-        e.answer(&mut ctx, Some("200"), &tokenize_answer(&with(q)));
-        ctx.on_log();
-    }
-    // The other VM: the third question is routed before its call, on the shared 6 blocks.
-    let (_ctx, action) = e2.request(CHAT, &chat(&["question 2"]));
-    assert_eq!(action, Action::Continue);
-    assert_eq!(e2.dest().as_deref(), Some(B));
-    assert_eq!(e2.counter("llmgw_tokenizer_cache_total.result.shared_prefix"), 1);
-}

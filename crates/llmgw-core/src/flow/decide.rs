@@ -37,7 +37,7 @@ pub fn decide(
     let work = exact.map(|(s, sc)| policy::Work {
         tokens: s.tokens,
         block_size,
-        prompt_key: s.own_key.unwrap_or_else(|| sc.hashes.last().map_or(0, |h| h.key.0)),
+        prompt_key: sc.hashes.last().map_or(0, |h| h.key.0),
     });
     let d: Decision = policy::decide_lazy(&cands, exact.map(|(_, sc)| &sc.scores), work, approx, ctx.weights);
     let prefill_tokens =

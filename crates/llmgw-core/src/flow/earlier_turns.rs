@@ -20,11 +20,10 @@
 //! own, and the replica holding one of them whole would be found only by its tokenizer call.
 
 use super::candidates::candidates;
-use super::step::{Background, CacheLookup, Kept, Pending, Report, Routed, Step, Tokenize, TurnTags};
+use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, Tokenize, TurnTags};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
-use crate::stable_hash::stable_hash;
 use crate::tokcache::{keyed_tag, Alias, CacheTag, Tokenized};
 use serde_json::value::RawValue;
 
@@ -53,9 +52,8 @@ impl Router {
             raw_text(&parsed.chat_template_kwargs),
             &flags,
         ];
-        let tag = |kind: &[u8], n: usize| {
-            let mut parts: Vec<&[u8]> = Vec::with_capacity(context.len().saturating_add(n).saturating_add(1));
-            parts.push(kind);
+        let tag = |n: usize| {
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(context.len().saturating_add(n));
             parts.extend_from_slice(&context);
             parts.extend(messages.iter().take(n).map(|m| m.get().as_bytes()));
             keyed_tag(key, &parts)
@@ -65,10 +63,8 @@ impl Router {
         Some(TurnTags {
             profile: u64::from_le_bytes(profile).try_into().unwrap_or(usize::MAX),
             spec: u64::from_le_bytes(spec),
-            whole: tag(b"whole", n),
-            previous: n.checked_sub(2).filter(|&k| k > 0).map(|k| (tag(b"whole", k), span(k))),
-            parent: n.checked_sub(1).filter(|&k| k > 0).map(|k| (tag(b"parent", k), span(k))),
-            own_key: messages.last().map_or(0, |m| stable_hash(m.get().as_bytes())),
+            whole: tag(n),
+            previous: n.checked_sub(2).filter(|&k| k > 0).map(|k| (tag(k), span(k))),
             bytes: span(n),
         })
     }
@@ -88,35 +84,29 @@ impl Router {
         report: Report,
     ) -> Option<(Routed, u64)> {
         let tags = tags?;
+        let (tag, bytes) = tags.previous?;
         let mut report = Report { tokenizer_cache: Some(CacheLookup::EarlierTurn), ..report };
         let model = parsed.model.as_deref();
         let (profile, spec) = (tags.profile, tags.spec);
         if self.plan_fingerprint(profile, model, &mut report) != spec {
             return None;
         }
-        // The turn before: this VM's tokenization (with the hashes computed so far), else the
-        // tokens another VM of this Envoy kept; else what this request's siblings shared.
-        let previous = tags.previous.and_then(|(tag, bytes)| {
-            let alias = self.tokcache.alias(tag).filter(|a| {
-                (a.profile, a.spec) == (profile, spec) && a.model == parsed.model && a.cache_salt == parsed.cache_salt
-            });
-            match alias.map(|a| a.tag).and_then(|t| self.tokcache.take(t, now_ns).map(|v| (t, v))) {
-                Some((t, v)) => Some((v.tokens.len(), v, Some(t), bytes)),
-                None => gw
-                    .earlier_tokens(tag.0)
-                    .map(|(tokens, n)| (n, Tokenized { tokens, hashes: Vec::new() }, None, bytes)),
-            }
+        // This VM's tokenization of the turn before (with the hashes computed so far), else the
+        // tokens another VM of this Envoy kept.
+        let alias = self.tokcache.alias(tag).filter(|a| {
+            (a.profile, a.spec) == (profile, spec) && a.model == parsed.model && a.cache_salt == parsed.cache_salt
         });
-        let shared = || {
-            let (tag, bytes) = tags.parent?;
-            let tokens = gw.shared_prefix(tag.0)?;
-            Some((tokens.len(), Tokenized { tokens, hashes: Vec::new() }, None, bytes))
+        let cached = alias.map(|a| a.tag).and_then(|t| self.tokcache.take(t, now_ns).map(|v| (t, v)));
+        let (mut t, back, n) = match cached {
+            Some((t, v)) => {
+                let n = v.tokens.len();
+                (v, Some(t), n)
+            }
+            None => {
+                let (tokens, n) = gw.earlier_tokens(tag.0)?;
+                (Tokenized { tokens, hashes: Vec::new() }, None, n)
+            }
         };
-        let siblings = previous.is_none();
-        let (n, mut t, back, bytes) = previous.or_else(shared)?;
-        if siblings {
-            report.tokenizer_cache = Some(CacheLookup::SharedPrefix);
-        }
         let req = ExactRequest {
             profile,
             model,
@@ -137,8 +127,6 @@ impl Router {
         let further = tags.bytes.saturating_sub(bytes).checked_div(per_token).unwrap_or(0);
         let estimated = n.saturating_add(further);
         scored.tokens = u64::try_from(estimated).unwrap_or(u64::MAX);
-        // Siblings share the blocks scored: each goes by its own last message among equals.
-        scored.own_key = siblings.then_some(tags.own_key);
         match self.finish(model, Some(profile), Some(&scored), approx, None, gw, report) {
             Step::Route(r) => Some((r, scored.tokens)),
             _ => None,
@@ -226,13 +214,12 @@ fn raw_text(v: &Option<RawJson>) -> &[u8] {
 
 /// The tokens of `pending`'s request to keep for its conversation's next turn, under its turn
 /// tag (`ok`: they were hashed as the replicas hash now, and carry no media).
-pub(super) fn kept(pending: &Pending, ok: bool, tokens: &[u32]) -> Option<Kept> {
-    let t = pending.turn_tags.as_ref().filter(|_| ok)?;
-    Some(Kept { whole: t.whole.0, parent: t.parent.map(|(p, _)| p.0), tokens: tokens.to_vec() })
+pub(super) fn kept(pending: &Pending, ok: bool, tokens: &[u32]) -> Option<(u128, Vec<u32>)> {
+    pending.turn_tags.as_ref().filter(|_| ok).map(|t| (t.whole.0, tokens.to_vec()))
 }
 
 /// `step`, with `keep` for the gateway when it routes.
-pub(super) fn keeping(step: Step, keep: Option<Kept>) -> Step {
+pub(super) fn keeping(step: Step, keep: Option<(u128, Vec<u32>)>) -> Step {
     match step {
         Step::Route(r) => Step::Route(Routed { keep_turn: keep, ..r }),
         step => step,

@@ -41,9 +41,6 @@ pub struct Scored {
     /// Some replica has KV-cache groups hybrid scoring does not model: it was scored by its
     /// first group alone.
     pub hybrid_unsupported: bool,
-    /// The key equal holders are ordered by, when not the deepest block hashed (a request
-    /// scored on what it shares with others: its own last message's).
-    pub own_key: Option<u64>,
 }
 
 /// Hashes and scores `prompt` into `scratch` with `hasher` (the plan's).
@@ -84,7 +81,7 @@ pub fn score(
     }
     credit_speculative(ctx, want, scratch);
     let tokens = u64::try_from(tokens.len()).unwrap_or(u64::MAX);
-    Ok(Scored { tokens, block_size, hybrid_unsupported, own_key: None })
+    Ok(Scored { tokens, block_size, hybrid_unsupported })
 }
 
 /// Raises the leading run of each engine a speculative entry names to the entry's checkpoint.

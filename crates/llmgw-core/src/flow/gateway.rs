@@ -57,11 +57,6 @@ pub trait EarlierTurns {
     fn earlier_tokens(&self, _tag: u128) -> Option<(Vec<u32>, usize)> {
         None
     }
-    /// The leading tokens two or more requests with the messages of parent tag `tag` (and
-    /// another last one each) had in common, when still kept.
-    fn shared_prefix(&self, _tag: u128) -> Option<Vec<u32>> {
-        None
-    }
 }
 
 /// Everything the router asks the gateway.

@@ -39,9 +39,7 @@ pub use reasons::{Fallback, TokenizerFailure};
 pub use speculative::{
     checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
 };
-pub use step::{
-    no_replica_body, Background, Body, CacheLookup, Kept, Pending, Rejected, Report, Routed, Step, Tokenize,
-};
+pub use step::{no_replica_body, Background, Body, CacheLookup, Pending, Rejected, Report, Routed, Step, Tokenize};
 pub use tokenizer_reply::{tokenizer_answer, tokenizer_tokens, TokenizerReply};
 
 pub use crate::fleet::replica_key;

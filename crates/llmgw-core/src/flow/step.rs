@@ -53,9 +53,6 @@ pub enum CacheLookup {
     /// Not seen, but it extends a request seen recently: routed on that one's tokens, its own
     /// tokenizer call made after it was routed.
     EarlierTurn,
-    /// Not seen, but requests with the same messages but the last were: routed on the tokens
-    /// they had in common, its own tokenizer call made after it was routed.
-    SharedPrefix,
     Miss,
 }
 
@@ -93,19 +90,9 @@ pub struct Routed {
     /// replica), at most [`MAX_EXPLAINED_INCOMPLETE`], and how many there were.
     pub incomplete: Vec<String>,
     pub incomplete_count: usize,
-    /// The request's tokens, to keep for its conversation's next turn and its siblings (see
+    /// The request's tokens, to keep for its conversation's next turn under this turn tag (see
     /// [`super::EarlierTurns`]).
-    pub keep_turn: Option<Kept>,
-}
-
-/// A chat request's tokens for the requests after it (see [`super::EarlierTurns`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Kept {
-    /// Its turn tag: the next turn of its conversation looks it up.
-    pub whole: u128,
-    /// The tag of its messages but the last: requests sharing them use what they have in common.
-    pub parent: Option<u128>,
-    pub tokens: Vec<u32>,
+    pub keep_turn: Option<(u128, Vec<u32>)>,
 }
 
 /// The most incomplete engines the explain header names (the rest are counted).
@@ -206,10 +193,6 @@ pub(super) struct TurnTags {
     pub(super) whole: CacheTag,
     /// Its messages' less the last two (the previous turn), and the bytes they span.
     pub(super) previous: Option<(CacheTag, usize)>,
-    /// Its messages' less the last (shared with its siblings), and the bytes they span.
-    pub(super) parent: Option<(CacheTag, usize)>,
-    /// A stable hash of its last message: requests routed on what they share are spread by it.
-    pub(super) own_key: u64,
     /// The bytes of all its messages (for the estimate of its prompt tokens).
     pub(super) bytes: usize,
 }
@@ -224,7 +207,7 @@ pub struct Background {
     pub estimated_tokens: Option<u64>,
     /// The tokens to keep for the conversation's next turn, under this turn tag (see
     /// [`super::EarlierTurns`]).
-    pub keep: Option<Kept>,
+    pub keep: Option<(u128, Vec<u32>)>,
     /// The call again, on a replica (the dedicated tokenizer declined it): its reply comes
     /// back here too.
     pub retry: Option<Box<Tokenize>>,

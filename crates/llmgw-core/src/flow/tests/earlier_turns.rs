@@ -129,7 +129,7 @@ fn the_next_turn_is_routed_on_tokens_another_vm_kept() {
     use std::cell::RefCell;
     /// A gateway whose other VMs kept turns, as the filter keeps them in shared data.
     #[derive(Default)]
-    struct Kept(RefCell<Vec<crate::flow::Kept>>);
+    struct Kept(RefCell<Vec<(u128, Vec<u32>)>>);
     impl InFlightCounts for Kept {
         fn in_flight(&self, _address: &str) -> u32 {
             0
@@ -140,18 +140,7 @@ fn the_next_turn_is_routed_on_tokens_another_vm_kept() {
     impl LearnedRates for Kept {}
     impl EarlierTurns for Kept {
         fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
-            self.0.borrow().iter().find(|k| k.whole == tag).map(|k| (k.tokens.clone(), k.tokens.len()))
-        }
-        fn shared_prefix(&self, tag: u128) -> Option<Vec<u32>> {
-            let kept = self.0.borrow();
-            let mut siblings = kept.iter().filter(|k| k.parent == Some(tag)).map(|k| k.tokens.clone());
-            let first = siblings.next()?;
-            let mut n = 0;
-            let common = siblings.fold(first, |acc, t| {
-                n += 1;
-                acc.iter().zip(&t).take_while(|(a, b)| a == b).map(|(a, _)| *a).collect()
-            });
-            (n >= 1).then_some(common)
+            self.0.borrow().iter().find(|(t, _)| *t == tag).map(|(_, v)| (v.clone(), v.len()))
         }
     }
     let first: Vec<u32> = (0..24).collect();
@@ -177,57 +166,4 @@ fn the_next_turn_is_routed_on_tokens_another_vm_kept() {
     other.set_background_calls(Some(6));
     let step = other.on_body(&Body { path: CHAT, bytes: &turn2, too_large: false }, &gw, 2);
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
-}
-
-#[test]
-fn a_request_sharing_all_but_its_last_message_with_two_earlier_ones_is_routed_on_what_they_share() {
-    use crate::flow::{EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
-    use std::cell::RefCell;
-    #[derive(Default)]
-    struct Kept(RefCell<Vec<crate::flow::Kept>>);
-    impl InFlightCounts for Kept {
-        fn in_flight(&self, _address: &str) -> u32 {
-            0
-        }
-    }
-    impl ReplicaAvoidance for Kept {}
-    impl SpeculativeEntries for Kept {}
-    impl LearnedRates for Kept {}
-    impl EarlierTurns for Kept {
-        fn shared_prefix(&self, tag: u128) -> Option<Vec<u32>> {
-            let kept = self.0.borrow();
-            let siblings: Vec<&crate::flow::Kept> = kept.iter().filter(|k| k.parent == Some(tag)).collect();
-            let (a, b) = (siblings.first()?, siblings.get(1)?);
-            Some(a.tokens.iter().zip(&b.tokens).take_while(|(x, y)| x == y).map(|(x, _)| *x).collect())
-        }
-    }
-    // A system prompt of 24 tokens (6 blocks, held by B), then each request's own question.
-    let system: Vec<u32> = (0..24).collect();
-    let with = |q: u32| -> Vec<u32> { system.iter().copied().chain(100 * q..100 * q + 8).collect() };
-    let gw = Kept::default();
-    let mut r = router("", keys(&system), true);
-    r.set_background_calls(Some(5));
-    let ask = |r: &mut Router, q: u32| {
-        let bytes = chat("", &[&format!("question {q}")]);
-        r.on_body(&Body { path: CHAT, bytes: &bytes, too_large: false }, &gw, u64::from(q))
-    };
-    for q in 0..2 {
-        let call = tokenize(ask(&mut r, q));
-        let read = reply(&with(q));
-        let step = r.on_tokenizer_reply(
-            *call.pending,
-            &TokenizerReply::Answered { status: Some(b"200"), body: &read },
-            &gw,
-            1,
-        );
-        let Step::Route(routed) = step else { panic!("{step:?}") };
-        let kept = routed.keep_turn.expect("kept");
-        assert!(kept.parent.is_some());
-        gw.0.borrow_mut().push(kept);
-    }
-    // The third: at once, on the 6 blocks the first two shared.
-    let step = ask(&mut r, 2);
-    let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
-    assert_eq!((routed.address.as_str(), routed.decision.matched), (B, 6));
-    assert_eq!(routed.report.tokenizer_cache, Some(CacheLookup::SharedPrefix));
 }
