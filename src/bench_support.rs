@@ -7,6 +7,7 @@
 
 use crate::fake::FakeHost;
 use crate::gateway_state::Snapshot;
+use crate::host::Host;
 use crate::inflight::{self, VmId};
 use crate::{health, rates, speculative};
 use llmgw_core::config::Compiled;
@@ -14,11 +15,14 @@ use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, Snapshot
 use llmgw_core::flow::{Body, Router, Speculation, Step};
 use llmgw_core::policy::rates::{Basis, Features};
 use llmgw_core::policy::TtftWeights;
+use std::rc::Rc;
 
 /// A router over `replicas` replicas and a host whose shared records are empty, or filled as
 /// `vms` worker VMs routing to every replica leave them.
 pub struct Decision {
-    host: FakeHost,
+    host: Rc<FakeHost>,
+    /// The same host, as the filter's glue holds it.
+    shared: Rc<dyn Host>,
     router: Router,
     body: Vec<u8>,
 }
@@ -54,18 +58,19 @@ impl Decision {
         for (seq, body) in (0u64..).zip(msgs) {
             router.feed.apply(&FeedMessage { seq, body: Some(body) }).map_err(|e| format!("{e:?}"))?;
         }
-        let host = FakeHost::new();
+        let host = Rc::new(FakeHost::new());
         if filled {
             fill(&host, replicas, vms)?;
         }
         let body = format!(r#"{{"model":"m","prompt":{tokens:?}}}"#).into_bytes();
-        Ok(Decision { host, router, body })
+        let shared: Rc<dyn Host> = host.clone();
+        Ok(Decision { host, shared, router, body })
     }
 
     /// One decision: the shared records read, the router's step. `true` when it routed.
     pub fn decide(&mut self) -> bool {
         let now = self.host.now_ns.get();
-        let gw = Snapshot::read(&self.host);
+        let gw = Snapshot::read(&self.shared);
         let step =
             self.router.on_body(&Body { path: "/v1/completions", bytes: &self.body, too_large: false }, &gw, now);
         matches!(step, Step::Route(_))
