@@ -36,7 +36,7 @@ fuzz_target!(|data: &[u8]| {
     for bytes in prompts {
         let step = router.on_body(&Body { path: "/v1/completions", bytes, too_large: false }, &llmgw_fuzz::Counts, 5);
         let target = match &step {
-            Step::Route(r) => Some(&r.address),
+            Step::Route(r) | Step::RouteThenTokenize(r, _) => Some(&r.address),
             Step::Tokenize(t) => Some(&t.target),
             Step::Reject(_) => None,
         };

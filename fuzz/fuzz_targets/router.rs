@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
             step = router.on_tokenizer_reply(*t.pending, &reply, &llmgw_fuzz::Counts, now);
         }
         match &step {
-            Step::Route(r) => {
+            Step::Route(r) | Step::RouteThenTokenize(r, _) => {
                 assert!(r.address == llmgw_fuzz::A || r.address == llmgw_fuzz::B, "routed to {}", r.address);
                 let _ = r.explain("vm");
             }
