@@ -200,6 +200,18 @@ impl Request {
         Action::Continue
     }
 
+    /// `f` over the reply to a tokenizer call (its body read only if `f` asks): a reset or
+    /// overflowed callout has no headers at all.
+    fn with_call_reply<R>(&self, num_headers: usize, body_size: usize, f: impl FnOnce(&TokenizerReply<'_>) -> R) -> R {
+        let host = self.host.clone();
+        let read_body = move || host.buffer(Buffer::CallResponse, body_size);
+        if num_headers == 0 {
+            return f(&TokenizerReply::Reset);
+        }
+        let status = self.host.header(Headers::CallResponse, ":status");
+        f(&TokenizerReply::Answered { status: status.as_deref(), body: &read_body })
+    }
+
     /// Makes the tokenizer call of a routed request (its answer is for the next turn).
     fn call_after_routing(&mut self, s: &Shared, t: llmgw_core::flow::Tokenize) {
         let cluster = &s.router.config().tokenizer_cluster;
@@ -228,16 +240,10 @@ impl Request {
         let Ok(mut s) = shared.try_borrow_mut() else { return };
         let now = self.host.now_ns();
         s.metrics.tokenizer_latency_us(now.saturating_sub(started_ns) / 1_000);
-        let host = self.host.clone();
-        let read_body = move || host.buffer(Buffer::CallResponse, body_size);
-        let status = if num_headers == 0 { None } else { self.host.header(Headers::CallResponse, ":status") };
-        let reply = if num_headers == 0 {
-            TokenizerReply::Reset
-        } else {
-            TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
-        };
         let in_flight = gateway_state::Snapshot::read(&self.host);
-        let b = s.router.on_background_reply(pending, &reply, &in_flight, now);
+        let b = self.with_call_reply(num_headers, body_size, |reply| {
+            s.router.on_background_reply(pending, reply, &in_flight, now)
+        });
         s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
         if let Some((tag, tokens)) = &b.keep {
             if !crate::earlier_turns::keep(self.host.as_ref(), *tag, tokens) {
@@ -373,17 +379,10 @@ impl Context for Request {
         let t0 = self.host.now_ns();
         s.metrics.tokenizer_latency_us(t0.saturating_sub(started_ns) / 1_000);
         self.phases.tokenizer(started_ns, t0);
-        // A reset or overflowed callout has no headers at all.
-        let host = self.host.clone();
-        let read_body = move || host.buffer(Buffer::CallResponse, body_size);
-        let status = if num_headers == 0 { None } else { self.host.header(Headers::CallResponse, ":status") };
-        let reply = if num_headers == 0 {
-            TokenizerReply::Reset
-        } else {
-            TokenizerReply::Answered { status: status.as_deref(), body: &read_body }
-        };
         let in_flight = gateway_state::Snapshot::read(&self.host);
-        let step = s.router.on_tokenizer_reply(*pending, &reply, &in_flight, t0);
+        let step = self.with_call_reply(num_headers, body_size, |reply| {
+            s.router.on_tokenizer_reply(*pending, reply, &in_flight, t0)
+        });
         // The tokenizer's circuit breaker: a timeout, reset, 5xx or garbage leaves it alone for
         // a while; a good answer clears it.
         let failure = step.report().tokenizer_failure;
