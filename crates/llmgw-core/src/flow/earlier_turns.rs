@@ -37,15 +37,15 @@ impl Router {
             return None;
         }
         let messages: Vec<&RawValue> = serde_json::from_str(raw.get()).ok()?;
-        let profile = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
-        let spec = spec.to_le_bytes();
+        let profile_bytes = u64::try_from(profile).unwrap_or(u64::MAX).to_le_bytes();
+        let spec_bytes = spec.to_le_bytes();
         let flag = |f: Option<bool>| f.map_or(2u8, u8::from);
         let flags =
             [flag(parsed.add_generation_prompt), flag(parsed.continue_final_message), flag(parsed.add_special_tokens)];
         let context: [&[u8]; 8] = [
             b"turn",
-            &profile,
-            &spec,
+            &profile_bytes,
+            &spec_bytes,
             parsed.model.as_deref().unwrap_or_default().as_bytes(),
             raw_text(&parsed.tools),
             raw_text(&parsed.chat_template),
@@ -61,8 +61,8 @@ impl Router {
         let span = |n: usize| messages.iter().take(n).map(|m| m.get().len()).fold(0usize, usize::saturating_add);
         let n = messages.len();
         Some(TurnTags {
-            profile: u64::from_le_bytes(profile).try_into().unwrap_or(usize::MAX),
-            spec: u64::from_le_bytes(spec),
+            profile,
+            spec,
             whole: tag(n),
             previous: n.checked_sub(2).filter(|&k| k > 0).map(|k| (tag(k), span(k))),
             bytes: span(n),
