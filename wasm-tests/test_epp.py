@@ -61,6 +61,13 @@ def start_sims(procs, sim_bin, n=3):
     return sims
 
 
+def wait_connected(agent, n: int):
+    """Until the agent has n replicas, each with its publisher connected (an event published
+    before its connection is lost: a PUB socket drops what no subscriber takes)."""
+    wait_until(lambda: len(agent.replicas()) == n and all(r["connected"] for r in agent.replicas()),
+               20, "every publisher connected to the agent")
+
+
 @pytest.fixture(params=["full_duplex", "buffered"])
 def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
     sims = start_sims(procs, sim_bin)
@@ -73,6 +80,11 @@ def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
     listen, admin = kit.free_port(), kit.free_port()
     config = epp_config(listen, admin, epp_port, [s["port"] for s in sims], buffered=request.param == "buffered")
     _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy", config, admin, feed=False)
+    # Ready to route: every publisher connected, and Envoy's gRPC health check of the ext_proc
+    # service passing, which it does once the picker's index is synced.
+    wait_connected(agent, len(sims))
+    wait_until(lambda: f"llmgw_epp::127.0.0.1:{epp_port}::health_flags::healthy" in envoy.get("/clusters"),
+               20, "the picker's gRPC health check")
     return {"sims": sims, "listen": listen, "agent": agent, "envoy": envoy, "epp": epp_port}
 
 
@@ -81,15 +93,12 @@ SYSTEM = " ".join(f"policy{i}" for i in range(300))
 
 def test_a_followup_lands_exactly_on_its_prefix_holder(epp_fleet):
     agent = epp_fleet["agent"]
-    # Envoy's gRPC health check of the ext_proc service name passes once the index is synced.
-    wait_until(lambda: f"llmgw_epp::127.0.0.1:{epp_fleet['epp']}::health_flags::healthy"
-               in epp_fleet["envoy"].get("/clusters"), 20, "the picker's gRPC health check")
     for n in range(3):
         first = [{"role": "system", "content": f"conversation {n} " + SYSTEM},
                  {"role": "user", "content": f"question {n} " * 20}]
         status, served_by, _ = chat(epp_fleet["listen"], first)
         assert status == 200 and served_by, (status, served_by)
-        wait_until(lambda s=served_by: agent.replica(s)["blocks"] > 0, 20, "the agent mirrored the blocks")
+        agent.wait_for(served_by, lambda r: r["blocks"] > 0, "the agent mirrored the blocks")
         exact_before = metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}')
         followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
         status, again, reply = chat(epp_fleet["listen"], followup)
@@ -106,7 +115,7 @@ def test_a_client_destination_header_is_never_honoured(epp_fleet, decoy):
                  {"role": "user", "content": f"where do I go {n} " * 20}]
         status, holder, _ = chat(epp_fleet["listen"], first, {"x-gateway-destination-endpoint": decoy.address})
         assert status == 200 and holder in {s["name"] for s in sims}
-        wait_until(lambda h=holder: agent.replica(h)["blocks"] > 0, 20, "the agent mirrored the blocks")
+        agent.wait_for(holder, lambda r: r["blocks"] > 0, "the agent mirrored the blocks")
         # The client names another replica of the pool (one the gateway could reach): ignored.
         other = next(s for s in sims if s["name"] != holder)
         followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
@@ -155,6 +164,7 @@ def test_a_connect_failure_to_the_primary_is_retried_on_the_fallback_list(procs,
                       load={"enabled": False}, epp={"listen": f"127.0.0.1:{epp_port}", "routing": str(routing)})
     agent.wait_ready()
     kit.wait_port(epp_port)
+    wait_connected(agent, len(sims))
     listen, admin = kit.free_port(), kit.free_port()
     _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy",
                             epp_config(listen, admin, epp_port, [s["port"] for s in sims[:3]] + [dead]), admin,
@@ -163,7 +173,7 @@ def test_a_connect_failure_to_the_primary_is_retried_on_the_fallback_list(procs,
     body = json.dumps({"model": MODEL, "messages": first, "max_tokens": 4}).encode()
     urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{sims[3]['port']}/v1/chat/completions", data=body,
                                                   headers={"content-type": "application/json"}), timeout=30).read()
-    wait_until(lambda: agent.replica("r3")["blocks"] > 0, 20, "the agent mirrored r3's blocks")
+    agent.wait_for("r3", lambda r: r["blocks"] > 0, "the agent mirrored r3's blocks")
     exact_before = metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}')
     followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
     status, served_by, _ = chat(listen, followup)
