@@ -27,7 +27,7 @@ import network_policy
 import llmgw_testkit as kit
 import seed_wiring
 from llmgw_testkit import wait_until
-from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, wait_publishers
 from llmgw_testkit.stub import StubHandler, StubServer
 
 KINDS = list(deploy.MANIFESTS)
@@ -900,6 +900,7 @@ def fleet(procs, tmp_path, agent_bin, sim_bin):
         procs.start(sim_command(sim_bin, s, MODEL, blocks=256, seed="0", decode_ms=1), s["name"])
     for s in sims:
         kit.wait_port(s["port"])
+    wait_publishers(agent, len(sims))
     return sims, agent
 
 
@@ -964,6 +965,7 @@ def test_a_clients_envoy_headers_are_not_honoured(procs, tmp_path, agent_bin, si
     agent = fleet_agent(procs, agent_bin, tmp_path, sims, MODEL)
     procs.start(sim_command(sim_bin, sims[0], MODEL, seed="0", decode_ms=100), sims[0]["name"])
     kit.wait_port(sims[0]["port"])
+    wait_publishers(agent, 1)
     listen, admin = kit.free_port(), kit.free_port()
     config = yaml.safe_load(kit.shipped_config(wasm_path, listen, admin, agent.feed, kit.filter_config()))
     # Envoy honours x-envoy-* request headers from clients it deems internal: say loopback is,

@@ -16,7 +16,7 @@ import pytest
 import llmgw_testkit as kit
 from llmgw_testkit.stub import Decoy
 from llmgw_testkit import wait_until
-from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router, wait_publishers
 
 MODEL = "demo-model"
 
@@ -61,13 +61,6 @@ def start_sims(procs, sim_bin, n=3):
     return sims
 
 
-def wait_connected(agent, n: int):
-    """Until the agent has n replicas, each with its publisher connected (an event published
-    before its connection is lost: a PUB socket drops what no subscriber takes)."""
-    wait_until(lambda: len(agent.replicas()) == n and all(r["connected"] for r in agent.replicas()),
-               20, "every publisher connected to the agent")
-
-
 @pytest.fixture(params=["full_duplex", "buffered"])
 def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
     sims = start_sims(procs, sim_bin)
@@ -82,7 +75,7 @@ def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
     _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy", config, admin, feed=False)
     # Ready to route: every publisher connected, and Envoy's gRPC health check of the ext_proc
     # service passing, which it does once the picker's index is synced.
-    wait_connected(agent, len(sims))
+    wait_publishers(agent, len(sims))
     wait_until(lambda: f"llmgw_epp::127.0.0.1:{epp_port}::health_flags::healthy" in envoy.get("/clusters"),
                20, "the picker's gRPC health check")
     return {"sims": sims, "listen": listen, "agent": agent, "envoy": envoy, "epp": epp_port}
@@ -164,7 +157,7 @@ def test_a_connect_failure_to_the_primary_is_retried_on_the_fallback_list(procs,
                       load={"enabled": False}, epp={"listen": f"127.0.0.1:{epp_port}", "routing": str(routing)})
     agent.wait_ready()
     kit.wait_port(epp_port)
-    wait_connected(agent, len(sims))
+    wait_publishers(agent, len(sims))
     listen, admin = kit.free_port(), kit.free_port()
     _, envoy = start_router(procs, envoy_bin, tmp_path, "envoy",
                             epp_config(listen, admin, epp_port, [s["port"] for s in sims[:3]] + [dead]), admin,

@@ -10,7 +10,7 @@ import pytest
 
 import llmgw_testkit as kit
 from llmgw_testkit import wait_until
-from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router
+from llmgw_testkit.fleet import fleet_agent, new_sims, sim_command, start_router, wait_publishers
 
 MODEL = "demo-model"
 
@@ -33,6 +33,7 @@ def fleet(procs, tmp_path, agent_bin, sim_bin, wasm_path, envoy_bin):
         procs.start(sim_command(sim_bin, s, MODEL, blocks=256, seed=s["seed"], decode_ms=1), s["name"])
     for s in sims:
         kit.wait_port(s["port"])
+    wait_publishers(agent, len(sims))
     listen, admin = kit.free_port(), kit.free_port()
     config = kit.shipped_config(wasm_path, listen, admin, agent.feed,
                                 kit.filter_config({"name": "demo"}, explain_header=True))

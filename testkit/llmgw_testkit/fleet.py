@@ -59,6 +59,14 @@ def fleet_agent(procs, agent_bin, workdir: Path, sims: list[dict], model: str, n
     return agent.wait_ready()
 
 
+def wait_publishers(agent, n: int, timeout: float = 20.0) -> None:
+    """Until the agent lists n replicas, each with its publisher connected: what a replica
+    publishes before its connection is lost (a PUB socket drops what no subscriber takes), so a
+    test that reads the mirror after a request waits for this first."""
+    wait_until(lambda: len(agent.replicas()) == n and all(r["connected"] for r in agent.replicas()),
+               timeout, "every publisher connected to the agent")
+
+
 def start_router(procs, envoy_bin, workdir: Path, name: str, config: str, admin: int, feed: bool,
                  timeout: float = 30.0, feed_timeout: float = 20.0):
     """Writes `config` to workdir/NAME.yaml, starts Envoy on it and waits until it is ready and,
