@@ -14,7 +14,7 @@ import pytest
 
 import llmgw_testkit as kit
 from llmgw_testkit import wait_until
-from llmgw_testkit.fleet import new_sims
+from llmgw_testkit.fleet import new_sims, wait_publishers
 from llmgw_testkit.jetstream import start_nats
 from llmgw_testkit.gateways import agent_blocks, bound_sim_command, burst, indexes_equal_agents, start_gateways
 
@@ -47,9 +47,8 @@ def fleet(request, procs, tmp_path, agent_bin, sim_bin, wasm_path, envoy_bin):
     # Loads scraped every 100 ms, as the shipped sidecar agents do: fast enough for a burst.
     gws = start_gateways(procs, agent_bin, envoy_bin, wasm_path, tmp_path, sims, MODEL, N_GATEWAYS,
                          nats=nats, load={"interval_ms": 100})
-    wait_until(lambda: all(len(g.agent.replicas()) == N_SIMS and all(r["connected"]
-                                                                    for r in g.agent.replicas()) for g in gws),
-               20, "every agent subscribed to every replica (or to the stream)")
+    for g in gws:
+        wait_publishers(g.agent, N_SIMS)
     return sims, gws
 
 

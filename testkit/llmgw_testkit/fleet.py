@@ -60,11 +60,13 @@ def fleet_agent(procs, agent_bin, workdir: Path, sims: list[dict], model: str, n
 
 
 def wait_publishers(agent, n: int, timeout: float = 20.0) -> None:
-    """Until the agent lists n replicas, each with its publisher connected: what a replica
-    publishes before its connection is lost (a PUB socket drops what no subscriber takes), so a
-    test that reads the mirror after a request waits for this first."""
-    wait_until(lambda: len(agent.replicas()) == n and all(r["connected"] for r in agent.replicas()),
-               timeout, "every publisher connected to the agent")
+    """Until the agent lists n replicas, each with its events connected (its publisher, or the
+    stream). Over ZMQ, what a replica publishes before then is dropped (a PUB socket drops what no
+    subscriber takes), so a test that reads the mirror after a request waits for this first."""
+    def connected() -> bool:
+        replicas = agent.replicas()
+        return len(replicas) == n and all(r["connected"] for r in replicas)
+    wait_until(connected, timeout, "every replica's events connected to the agent")
 
 
 def start_router(procs, envoy_bin, workdir: Path, name: str, config: str, admin: int, feed: bool,

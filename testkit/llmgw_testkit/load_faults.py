@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .client import DECISION_HEADER
 from .envoy import filter_config, shipped_config
-from .fleet import fleet_agent, new_sims, sim_command, start_router, wait_sims
+from .fleet import fleet_agent, new_sims, sim_command, start_router, wait_publishers, wait_sims
 from .http import http_json, post_json
 from .procs import free_port, wait_until
 
@@ -142,8 +142,7 @@ class SimFleet:
                                                 buffer_steps=buffer_steps, **(sim_flags or {})) for s in self.sims}
         self.sim_procs = {s["name"]: procs.start(self.sim_cmds[s["name"]], s["name"]) for s in self.sims}
         wait_sims(self.sims)
-        wait_until(lambda: all(r["connected"] for r in self.agent.replicas()), connected_timeout,
-                   "every replica's publisher connected")
+        wait_publishers(self.agent, n, connected_timeout)
         self.listen, self.admin = free_port(), free_port()
         self.filter_cfg = filter_config(profile, explain_header=True)
 
