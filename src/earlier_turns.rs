@@ -1,8 +1,9 @@
 //! The tokens of chat requests this Envoy tokenized, kept in proxy-wasm shared data for the
 //! next turn of their conversations (`llmgw_core::flow::EarlierTurns`), so the next turn is
-//! routed at once whichever worker it reaches.
+//! routed at once whichever worker it reaches; and, under their own tags, the tokens sibling
+//! requests (the same messages but the last) share.
 //!
-//! A fixed set of [`SLOTS`] values, `llmgw.turn.N`, each holding one request: its turn tag
+//! A fixed set of [`SLOTS`] values, `llmgw.turn.N`, each holding one token list: its tag
 //! (u128), its prompt's token count (u32) and at most [`MAX_TOKENS`] of its leading tokens (u32
 //! each), little-endian. A request's slot is its tag modulo [`SLOTS`]; a later request with the
 //! same slot replaces it (the lookup checks the tag). At most `SLOTS × (20 + 4 × MAX_TOKENS)`

@@ -2,7 +2,8 @@
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
 //! rates learned per replica (`crate::rates`) and the requests routed lately (`crate::recent`);
-//! the tokens kept for conversations' next turns (`crate::earlier_turns`) are read when asked.
+//! the tokens kept for conversations' next turns (`crate::earlier_turns`) and the text prompts
+//! the other VMs handed on (`crate::earlier_prompts`) are read when asked.
 
 use crate::health::Health;
 use crate::host::Host;
@@ -11,7 +12,7 @@ use crate::rates::Learned;
 use crate::recent::Recent;
 use crate::speculative::Entries;
 use llmgw_core::flow::{
-    EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, SpeculativeHit,
+    EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SharedPrompt, SpeculativeEntries, SpeculativeHit,
 };
 use llmgw_core::policy::rates::Rates;
 use std::rc::Rc;
@@ -80,5 +81,9 @@ impl LearnedRates for Snapshot {
 impl EarlierTurns for Snapshot {
     fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
         crate::earlier_turns::lookup(self.host.as_ref(), tag)
+    }
+
+    fn prompts_since(&self, seen: u64, out: &mut Vec<SharedPrompt>) -> u64 {
+        crate::earlier_prompts::since(self.host.as_ref(), seen, out)
     }
 }

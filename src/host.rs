@@ -58,10 +58,12 @@ pub enum SharedKind {
     Recent,
     /// Tokens kept for conversations' next turns (`crate::earlier_turns`).
     EarlierTurns,
+    /// Text prompts handed to the other VMs (`crate::earlier_prompts`).
+    EarlierPrompts,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 8] = [
+    pub const ALL: [SharedKind; 9] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
@@ -70,6 +72,7 @@ impl SharedKind {
         SharedKind::Rates,
         SharedKind::Recent,
         SharedKind::EarlierTurns,
+        SharedKind::EarlierPrompts,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -82,6 +85,7 @@ impl SharedKind {
             SharedKind::Rates => "rates",
             SharedKind::Recent => "recent",
             SharedKind::EarlierTurns => "earlier_turns",
+            SharedKind::EarlierPrompts => "earlier_prompts",
         }
     }
 }

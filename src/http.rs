@@ -7,7 +7,7 @@ use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
-use llmgw_core::flow::{Body, Pending, Rejected, Report, Routed, Step, TokenizerReply};
+use llmgw_core::flow::{Body, Keep, Pending, Rejected, Report, Routed, Step, TokenizerReply};
 use llmgw_core::policy::rates::Basis;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -163,11 +163,7 @@ impl Request {
 
     /// Sets the destination of a routed request and counts it there.
     fn route(&mut self, s: &mut Shared, mut r: Routed, resuming: bool) -> Action {
-        if let Some((tag, tokens)) = r.keep_turn.take() {
-            if !crate::earlier_turns::keep(self.host.as_ref(), tag, &tokens) {
-                s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
-            }
-        }
+        s.metrics.shared_update_failed(keep_shared(self.host.as_ref(), &std::mem::take(&mut r.keep)));
         let cfg = s.router.config();
         self.host.set_header(Headers::Request, &cfg.destination_header, Some(&r.address));
         // The rank the decision credited, so vLLM's own balancer does not pick another;
@@ -245,11 +241,7 @@ impl Request {
             s.router.on_background_reply(pending, reply, &in_flight, now)
         });
         s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
-        if let Some((tag, tokens)) = &b.keep {
-            if !crate::earlier_turns::keep(self.host.as_ref(), *tag, tokens) {
-                s.metrics.shared_update_failed([SharedKind::EarlierTurns]);
-            }
-        }
+        s.metrics.shared_update_failed(keep_shared(self.host.as_ref(), &b.keep));
         if let Some(f) = b.failure {
             log::debug!("llmgw: tokenizer call after routing failed: {}", f.as_str());
         }
@@ -512,4 +504,18 @@ impl HttpContext for Request {
             }
         }
     }
+}
+
+/// Writes what the router keeps for the other VMs into shared data: the kinds the host refused.
+fn keep_shared(host: &dyn Host, keep: &Keep) -> Vec<SharedKind> {
+    let mut failed = Vec::new();
+    for (tag, tokens) in &keep.tokens {
+        if !crate::earlier_turns::keep(host, *tag, tokens) {
+            failed.push(SharedKind::EarlierTurns);
+        }
+    }
+    if keep.prompt.as_ref().is_some_and(|p| !crate::earlier_prompts::share(host, p)) {
+        failed.push(SharedKind::EarlierPrompts);
+    }
+    failed
 }

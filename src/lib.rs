@@ -14,6 +14,7 @@
 
 mod body_budget;
 mod decision_log;
+mod earlier_prompts;
 mod earlier_turns;
 mod feed;
 mod gateway_state;

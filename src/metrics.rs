@@ -45,11 +45,13 @@ pub struct Metrics {
     tokenizer_cache_hits: Option<u32>,
     tokenizer_cache_misses: Option<u32>,
     tokenizer_cache_earlier_turns: Option<u32>,
+    tokenizer_cache_shared_prefix: Option<u32>,
     hash_mismatches: Option<u32>,
     tokenizer_failures_request_caused: Option<u32>,
     hybrid_unsupported: Option<u32>,
     incomplete_decisions: Option<u32>,
     speculative_dropped: Option<u32>,
+    shared_prefixes_evicted: Option<u32>,
     body_budget_exhausted: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
@@ -102,11 +104,13 @@ impl Metrics {
             tokenizer_cache_hits: c("llmgw_tokenizer_cache_total.result.hit"),
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             tokenizer_cache_earlier_turns: c("llmgw_tokenizer_cache_total.result.earlier_turn"),
+            tokenizer_cache_shared_prefix: c("llmgw_tokenizer_cache_total.result.shared_prefix"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             tokenizer_failures_request_caused: c("llmgw_tokenizer_failures_request_caused_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
             incomplete_decisions: c("llmgw_decisions_with_incomplete_engine_total"),
             speculative_dropped: c("llmgw_speculative_dropped_total"),
+            shared_prefixes_evicted: c("llmgw_shared_prefixes_evicted_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
@@ -143,6 +147,7 @@ impl Metrics {
         if let Some(lookup) = r.tokenizer_cache {
             self.inc(match lookup {
                 CacheLookup::EarlierTurn => self.tokenizer_cache_earlier_turns,
+                CacheLookup::SharedPrefix => self.tokenizer_cache_shared_prefix,
                 l if l.is_hit() => self.tokenizer_cache_hits,
                 _ => self.tokenizer_cache_misses,
             });
@@ -180,14 +185,23 @@ impl Metrics {
         }
     }
 
-    /// Unexpired speculative index entries the bound dropped.
     /// A body routed by its leading bytes because the VM's body budget was spent.
     pub fn body_budget_exhausted(&self) {
         self.inc(self.body_budget_exhausted);
     }
 
+    /// Unexpired speculative index entries the bound dropped.
     pub fn speculative_dropped(&self, n: usize) {
-        if let (Some(id), Ok(n)) = (self.speculative_dropped, i64::try_from(n)) {
+        self.add(self.speculative_dropped, n);
+    }
+
+    /// Siblings' common prefixes the VM's bound dropped.
+    pub fn shared_prefixes_evicted(&self, n: u64) {
+        self.add(self.shared_prefixes_evicted, n);
+    }
+
+    fn add(&self, id: Option<u32>, n: impl TryInto<i64>) {
+        if let (Some(id), Ok(n)) = (id, n.try_into()) {
             if n > 0 {
                 self.host.increment_metric(id, n);
             }

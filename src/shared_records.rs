@@ -20,7 +20,16 @@ pub trait SharedRecord: Sized {
 /// Reads one record's fields in order.
 pub struct FieldReader<'a>(&'a [u8]);
 
-impl FieldReader<'_> {
+impl<'a> FieldReader<'a> {
+    pub fn new(bytes: &'a [u8]) -> Self {
+        FieldReader(bytes)
+    }
+
+    /// What is left unread.
+    pub fn rest(&self) -> &'a [u8] {
+        self.0
+    }
+
     pub fn u32(&mut self) -> Option<u32> {
         let (head, tail) = self.0.split_first_chunk::<4>()?;
         self.0 = tail;

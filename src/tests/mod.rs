@@ -191,4 +191,5 @@ fn hash_settings(seed: &str) -> llmgw_core::feed::HashSettings {
 mod earlier_turns;
 mod feed_view;
 mod routing;
+mod shared_prefix;
 mod shared_state;

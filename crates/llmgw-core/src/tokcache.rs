@@ -121,6 +121,33 @@ pub fn keyed_tag(_key: u64, _parts: &[&[u8]]) -> CacheTag {
     CacheTag(0)
 }
 
+/// The tags of `parts` followed by each of `text`'s leading `ends` bytes (ascending; an end past
+/// the text counts as its whole length), in one pass over the text.
+#[cfg(feature = "xxhash")]
+pub fn keyed_prefix_tags(key: u64, parts: &[&[u8]], text: &[u8], ends: &[usize]) -> Vec<CacheTag> {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(key);
+    for p in parts {
+        h.update(&(p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    let mut at = 0;
+    let mut tags = Vec::with_capacity(ends.len());
+    for &end in ends {
+        let end = end.min(text.len()).max(at);
+        if let Some(more) = text.get(at..end) {
+            h.update(more);
+            at = end;
+        }
+        tags.push(CacheTag(h.digest128()));
+    }
+    tags
+}
+
+#[cfg(not(feature = "xxhash"))]
+pub fn keyed_prefix_tags(_key: u64, _parts: &[&[u8]], _text: &[u8], ends: &[usize]) -> Vec<CacheTag> {
+    vec![CacheTag(0); ends.len()]
+}
+
 impl TokenCache {
     /// `key`: a secret for the entry tags (pass a random value); `ttl_ns`: entry lifetime.
     pub fn new(budget_bytes: usize, ttl_ns: u64, key: u64) -> TokenCache {

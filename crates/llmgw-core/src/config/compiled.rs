@@ -96,6 +96,8 @@ pub struct Compiled {
     pub tokenizer_cache_ttl_ns: u64,
     /// Route a chat request on an earlier request it extends (see `FilterConfig`).
     pub route_on_earlier_turns: bool,
+    /// Route a chat request on what its siblings share (see `FilterConfig`).
+    pub route_on_shared_prefixes: bool,
     /// Where requests and tokenizer calls may go.
     pub allow: crate::allow::Allowlist,
     pub profiles: Vec<CompiledProfile>,
@@ -157,6 +159,7 @@ impl Compiled {
             tokenizer_cache_bytes: usize::try_from(cfg.tokenizer_cache_bytes).unwrap_or(usize::MAX),
             tokenizer_cache_ttl_ns: u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000),
             route_on_earlier_turns: cfg.route_on_earlier_turns,
+            route_on_shared_prefixes: cfg.route_on_shared_prefixes,
             allow,
             profiles,
             memo,

@@ -205,10 +205,18 @@ pub struct FilterConfig {
     pub tokenizer_cache_bytes: u64,
     /// Routes the next turn of a conversation (a chat request whose messages are an earlier
     /// one's plus two) on the earlier request's cached tokens at once, and calls the tokenizer
-    /// for it after it is routed (the answer is cached for the turn after it). Needs the
-    /// tokenization cache. False: every new prompt waits for its tokenizer call.
+    /// for it after it is routed (the answer is cached for the turn after it); and a text
+    /// prompt that begins with an earlier one, on its tokens. Needs the tokenization cache.
+    /// False: every new prompt waits for its tokenizer call.
     #[serde(default = "default_true")]
     pub route_on_earlier_turns: bool,
+    /// Routes a chat request at once on the tokens its siblings share (earlier requests with
+    /// the same messages but the last, such as a system prompt): when at most one replica holds
+    /// all of them, no replica can hold more of the request, and its tokenizer call is made
+    /// after routing. Needs the tokenization cache and at least two siblings that differ. A
+    /// text prompt sharing leading text with an earlier one is routed the same way.
+    #[serde(default = "default_true")]
+    pub route_on_shared_prefixes: bool,
     /// How long a cached tokenization is trusted (a chat template or tokenizer changed on the
     /// replicas takes effect within this time).
     #[serde(default = "default_tokenizer_cache_ttl_ms")]

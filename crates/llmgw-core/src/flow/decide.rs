@@ -8,7 +8,7 @@ use super::gateway::GatewayState;
 use super::prefix::Scratch;
 use super::reasons::Fallback;
 use super::speculative::{checkpoints, Speculation, MAX_BLOCKS};
-use super::step::{no_replica_body, Rejected, Report, Routed, Step, MAX_EXPLAINED_INCOMPLETE};
+use super::step::{no_replica_body, Keep, Rejected, Report, Routed, Step, MAX_EXPLAINED_INCOMPLETE};
 use crate::feed::FeedState;
 use crate::fleet::replica_key;
 use crate::policy::{self, Decision, Outcome, Weights};
@@ -88,7 +88,7 @@ pub fn decide(
             speculative_blocks,
             incomplete,
             incomplete_count,
-            keep_turn: None,
+            keep: Keep::default(),
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }

@@ -17,10 +17,10 @@
 //! looks up the alias of its first `n - 2`.
 //!
 //! Requests sharing only a system prompt are not routed this way: their tokens past it are their
-//! own, and the replica holding one of them whole would be found only by its tokenizer call.
+//! own (see [`super::shared_prefix`]).
 
 use super::candidates::candidates;
-use super::step::{Background, CacheLookup, Pending, Report, Routed, Step, Tokenize, TurnTags};
+use super::step::{Background, CacheLookup, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
@@ -33,7 +33,8 @@ impl Router {
     pub(super) fn turn_tags(&self, profile: usize, spec: u64, parsed: &ParsedRequest) -> Option<TurnTags> {
         let Prompt::Chat(raw) = &parsed.prompt else { return None };
         let key = self.background_calls?;
-        if !self.config.route_on_earlier_turns || !self.tokcache.enabled() || parsed.multimodal() {
+        let (turns, siblings) = (self.config.route_on_earlier_turns, self.config.route_on_shared_prefixes);
+        if !(turns || siblings) || !self.tokcache.enabled() || parsed.multimodal() {
             return None;
         }
         let messages: Vec<&RawValue> = serde_json::from_str(raw.get()).ok()?;
@@ -42,8 +43,7 @@ impl Router {
         let flag = |f: Option<bool>| f.map_or(2u8, u8::from);
         let flags =
             [flag(parsed.add_generation_prompt), flag(parsed.continue_final_message), flag(parsed.add_special_tokens)];
-        let context: [&[u8]; 8] = [
-            b"turn",
+        let context: [&[u8]; 7] = [
             &profile_bytes,
             &spec_bytes,
             parsed.model.as_deref().unwrap_or_default().as_bytes(),
@@ -52,29 +52,58 @@ impl Router {
             raw_text(&parsed.chat_template_kwargs),
             &flags,
         ];
-        let tag = |n: usize| {
-            let mut parts: Vec<&[u8]> = Vec::with_capacity(context.len().saturating_add(n));
+        // Turn tags, and siblings' tags apart from them (`label`): both kinds are kept in the
+        // same shared slots.
+        let labelled = |label: &'static [u8], n: usize| {
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(context.len().saturating_add(n).saturating_add(1));
+            parts.push(label);
             parts.extend_from_slice(&context);
             parts.extend(messages.iter().take(n).map(|m| m.get().as_bytes()));
             keyed_tag(key, &parts)
         };
+        let tag = |n: usize| labelled(b"turn", n);
         let span = |n: usize| messages.iter().take(n).map(|m| m.get().len()).fold(0usize, usize::saturating_add);
         let n = messages.len();
         Some(TurnTags {
             profile,
             spec,
             whole: tag(n),
-            previous: n.checked_sub(2).filter(|&k| k > 0).map(|k| (tag(k), span(k))),
+            previous: n.checked_sub(2).filter(|&k| k > 0 && turns).map(|k| (tag(k), span(k))),
+            siblings: n.checked_sub(1).filter(|&k| k > 0 && siblings).map(|k| (labelled(b"siblings", k), span(k))),
             bytes: span(n),
         })
+    }
+
+    /// Routes before the tokenizer answers, by the prompt's kind: a chat request on its
+    /// previous turn's tokens, else on what its siblings share ([`super::shared_prefix`]); a
+    /// text prompt on an earlier prompt's ([`super::earlier_prompts`]). The route, and the
+    /// estimate of the request's own prompt tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn route_before_tokenizing(
+        &mut self,
+        profile: usize,
+        spec: u64,
+        tags: Option<&TurnTags>,
+        parsed: &ParsedRequest,
+        approx: &dyn Fn() -> Option<u64>,
+        gw: &dyn GatewayState,
+        now_ns: u64,
+        report: Report,
+    ) -> Option<(Routed, u64)> {
+        match parsed.prompt {
+            Prompt::Chat(_) => self
+                .route_on_earlier_turn(tags, parsed, approx, gw, now_ns, report)
+                .or_else(|| self.route_on_shared_prefix(tags, parsed, approx, gw, report)),
+            Prompt::Text(_) => self.route_on_earlier_prompt(profile, spec, parsed, approx, gw, report),
+            Prompt::Tokens(_) | Prompt::None => None,
+        }
     }
 
     /// Routes on the previous turn's tokenization, when it is cached under the hashing the
     /// replicas use now and spans a full block: the route, and the estimate of the request's
     /// own prompt tokens (the earlier tokens, and its further messages at the bytes per token
     /// the earlier ones took).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn route_on_earlier_turn(
+    fn route_on_earlier_turn(
         &mut self,
         tags: Option<&TurnTags>,
         parsed: &ParsedRequest,
@@ -123,10 +152,7 @@ impl Router {
             self.tokcache.put_back(back, t);
         }
         let mut scored = scored.ok().filter(|_| self.scratch.scores.total > 0)?;
-        let per_token = bytes.checked_div(n)?.max(1);
-        let further = tags.bytes.saturating_sub(bytes).checked_div(per_token).unwrap_or(0);
-        let estimated = n.saturating_add(further);
-        scored.tokens = u64::try_from(estimated).unwrap_or(u64::MAX);
+        scored.tokens = estimated_tokens(n, bytes, tags.bytes)?;
         match self.finish(model, Some(profile), Some(&scored), approx, None, gw, report) {
             Step::Route(r) => Some((r, scored.tokens)),
             _ => None,
@@ -182,7 +208,8 @@ impl Router {
         now_ns: u64,
     ) -> Background {
         let estimated_tokens = pending.estimated_tokens;
-        let failed = |f, retry| Background { failure: Some(f), tokens: None, estimated_tokens, keep: None, retry };
+        let failed =
+            |f, retry| Background { failure: Some(f), tokens: None, estimated_tokens, keep: Keep::default(), retry };
         let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
             Ok(answer) => answer,
             // The dedicated tokenizer declined: the same call once to a replica.
@@ -199,7 +226,7 @@ impl Router {
         let mut report = Report::default();
         let same = pending.generation == self.generation
             && pending.spec == self.plan_fingerprint(pending.profile, pending.parsed.model.as_deref(), &mut report);
-        let keep = kept(&pending, same && mm.is_empty(), &tokens);
+        let keep = self.kept(&pending, same && mm.is_empty(), &tokens, gw);
         if let Some(tag) = pending.cache_tag.filter(|_| same && mm.is_empty()) {
             self.tokcache.insert(tag, Tokenized { tokens, hashes: Vec::new() }, now_ns);
             self.remember_tokenized(&pending, tag);
@@ -212,16 +239,46 @@ fn raw_text(v: &Option<RawJson>) -> &[u8] {
     v.as_ref().map(|j| j.get().as_bytes()).unwrap_or_default()
 }
 
-/// The tokens of `pending`'s request to keep for its conversation's next turn, under its turn
-/// tag (`ok`: they were hashed as the replicas hash now, and carry no media).
-pub(super) fn kept(pending: &Pending, ok: bool, tokens: &[u32]) -> Option<(u128, Vec<u32>)> {
-    pending.turn_tags.as_ref().filter(|_| ok).map(|t| (t.whole.0, tokens.to_vec()))
+/// A request's prompt tokens, estimated from the `n` tokens its leading messages (`bytes` long)
+/// took: those, and its further messages (up to `all_bytes`) at the same bytes per token.
+pub(super) fn estimated_tokens(n: usize, bytes: usize, all_bytes: usize) -> Option<u64> {
+    let per_token = bytes.checked_div(n)?.max(1);
+    let further = all_bytes.saturating_sub(bytes).checked_div(per_token).unwrap_or(0);
+    Some(u64::try_from(n.saturating_add(further)).unwrap_or(u64::MAX))
+}
+
+impl Router {
+    /// What to keep in the gateway's shared data from `pending`'s tokens (`ok`: they were
+    /// hashed as the replicas hash now, and carry no media): the tokens under its turn tag, for
+    /// its conversation's next turn, and its siblings' common prefix where they changed it
+    /// (learned from the one another VM kept when this VM knows none). A text prompt's tokens
+    /// are kept in the VM for the prompts after it ([`super::earlier_prompts`]).
+    pub(super) fn kept(&mut self, pending: &Pending, ok: bool, tokens: &[u32], gw: &dyn GatewayState) -> Keep {
+        if !ok {
+            return Keep::default();
+        }
+        let mut keep = Keep {
+            tokens: Vec::new(),
+            prompt: self.learn_prompt(pending.profile, pending.spec, &pending.parsed, tokens),
+        };
+        let Some(tags) = pending.turn_tags.as_ref() else { return keep };
+        if self.config.route_on_earlier_turns {
+            keep.tokens.push((tags.whole.0, tokens.to_vec()));
+        }
+        if let Some((tag, _)) = tags.siblings {
+            let kept = || gw.earlier_tokens(tag.0).map(|(t, _)| t);
+            if let Some(common) = self.shared_prefixes.learn(tag.0, tokens, kept) {
+                keep.tokens.push((tag.0, common));
+            }
+        }
+        keep
+    }
 }
 
 /// `step`, with `keep` for the gateway when it routes.
-pub(super) fn keeping(step: Step, keep: Option<(u128, Vec<u32>)>) -> Step {
+pub(super) fn keeping(step: Step, keep: Keep) -> Step {
     match step {
-        Step::Route(r) => Step::Route(Routed { keep_turn: keep, ..r }),
+        Step::Route(r) => Step::Route(Routed { keep, ..r }),
         step => step,
     }
 }

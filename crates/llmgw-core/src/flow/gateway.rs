@@ -3,6 +3,7 @@
 //! tokenizations it kept for conversations' next turns. The filter keeps
 //! them in Envoy's shared data (every worker sees them); `()` knows nothing.
 
+use super::shared_prompt::SharedPrompt;
 use super::speculative::Hit;
 use crate::policy::rates::Rates;
 
@@ -49,13 +50,20 @@ pub trait LearnedRates {
     }
 }
 
-/// Tokenizations of chat requests this Envoy made, for the next turn of their conversations
-/// (see [`super::earlier_turns`]): every worker sees them.
+/// Tokenizations this Envoy made, for the next turn of chat conversations (see
+/// [`super::earlier_turns`]) and for text prompts that begin alike (see
+/// [`super::earlier_prompts`]): every worker sees them.
 pub trait EarlierTurns {
     /// The leading tokens of the request whose turn tag is `tag`, when still kept, and its
     /// prompt's token count.
     fn earlier_tokens(&self, _tag: u128) -> Option<(Vec<u32>, usize)> {
         None
+    }
+    /// The text prompts other VMs of this Envoy learned since `seen` (a position this method
+    /// returned before; 0 at first), pushed onto `out`; the position now. Those shared long
+    /// before may be gone.
+    fn prompts_since(&self, seen: u64, _out: &mut Vec<SharedPrompt>) -> u64 {
+        seen
     }
 }
 

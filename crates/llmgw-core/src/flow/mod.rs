@@ -20,6 +20,7 @@
 
 mod candidates;
 mod decide;
+mod earlier_prompts;
 mod earlier_turns;
 mod exact;
 mod gateway;
@@ -27,19 +28,28 @@ mod hash_plan;
 mod hybrid;
 mod prefix;
 mod reasons;
+mod recent;
+mod shared_prefix;
+mod shared_prompt;
 mod speculative;
 mod step;
 mod tokenizer_reply;
+mod tokenizer_target;
 mod triage;
 
 pub use gateway::{EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{Fallback, TokenizerFailure};
+pub use shared_prompt::{
+    EarlierPrompt, SharedPrompt, MAX_MARKS as MAX_PROMPT_MARKS, MAX_PROMPT_TAGS, MAX_TOKENS as MAX_PROMPT_TOKENS,
+};
 pub use speculative::{
     checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
 };
-pub use step::{no_replica_body, Background, Body, CacheLookup, Pending, Rejected, Report, Routed, Step, Tokenize};
+pub use step::{
+    no_replica_body, Background, Body, CacheLookup, Keep, Pending, Rejected, Report, Routed, Step, Tokenize,
+};
 pub use tokenizer_reply::{tokenizer_answer, tokenizer_tokens, TokenizerReply};
 
 pub use crate::fleet::replica_key;
@@ -47,23 +57,14 @@ pub use crate::fleet::replica_key;
 use crate::config::{Compiled, TokenizerEndpoint, DEFAULT_APPROX_PREFIX_BYTES};
 use crate::feed::{Applied, FeedError, FeedMessage, FeedView};
 use crate::hash::{BlockHash, MmFeature, RequestExtras};
-use crate::policy::{self, Weights};
+use crate::policy::Weights;
 use crate::request::{parse_request, ApiKind, ParsedRequest, Prompt, TokenizerAnswer, TokenizerCall, TOKENIZE_PATH};
 use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 use decide::{decide, Deciding};
 use exact::{PromptBlocks, Scored, Scoring};
 use hash_plan::{HashPlan, Hashers, PlanStatus, Plans};
-use step::RetryCall;
+use step::{RetryCall, TokenizerTarget};
 use triage::{approx_key, fallback_reason};
-
-/// Where a tokenizer call goes.
-enum TokenizerTarget {
-    At(String),
-    /// Every tokenizer the request could use is failing: no call.
-    CircuitOpen,
-    /// No replica to call (nor to route to).
-    Nobody,
-}
 
 /// A tokenizer call body past this size (about 250,000 tokens of text) that fails is charged
 /// to its request, not to the tokenizer's circuit breaker.
@@ -92,6 +93,10 @@ pub struct Router {
     resets: Vec<(u64, u64)>,
     /// With calls after routing ([`Step::RouteThenTokenize`]): the secret of the turn tags.
     background_calls: Option<u64>,
+    /// What sibling chat requests' tokens begin with ([`shared_prefix`]).
+    shared_prefixes: shared_prefix::SharedPrefixes,
+    /// Earlier text prompts' tokens ([`earlier_prompts`]).
+    earlier_prompts: earlier_prompts::EarlierPrompts,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -139,6 +144,8 @@ impl Router {
             hash_logged: None,
             resets: Vec::new(),
             background_calls: None,
+            shared_prefixes: shared_prefix::SharedPrefixes::default(),
+            earlier_prompts: earlier_prompts::EarlierPrompts::default(),
         }
     }
 
@@ -155,10 +162,17 @@ impl Router {
     /// (profiles may have changed what a tokenization means), and so do the hash plans.
     pub fn reconfigure(&mut self, config: Compiled) {
         self.tokcache = token_cache(&config, self.tokcache_key);
+        self.shared_prefixes.clear();
+        self.earlier_prompts.clear();
         self.hashers = Hashers::new(config.memo);
         self.feed.set_allowlist(&config.allow);
         self.config = config;
         self.generation = self.generation.wrapping_add(1);
+    }
+
+    /// Siblings' common prefixes and earlier prompts' tags dropped for room since the last call.
+    pub fn take_shared_prefixes_evicted(&mut self) -> u64 {
+        self.shared_prefixes.take_evicted().saturating_add(self.earlier_prompts.take_evicted())
     }
 
     pub fn tokenizer_cache(&self) -> &TokenCache {
@@ -335,7 +349,7 @@ impl Router {
         });
         let call_bytes = call.body.len();
         let turn_tags = self.turn_tags(pi, spec, &parsed);
-        let earlier = self.route_on_earlier_turn(turn_tags.as_ref(), &parsed, &approx, gw, now_ns, report);
+        let earlier = self.route_before_tokenizing(pi, spec, turn_tags.as_ref(), &parsed, &approx, gw, now_ns, report);
         let pending = Box::new(Pending {
             profile: pi,
             parsed,
@@ -354,33 +368,6 @@ impl Router {
         report.hash_mismatch = false;
         let call = Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report };
         self.then_tokenize(earlier.map(|(routed, _)| routed), call, gw)
-    }
-
-    /// Where profile `pi`'s tokenizer call goes: its dedicated tokenizer unless that is failing,
-    /// else the least-loaded healthy replica serving `model` whose tokenizer is not failing.
-    fn tokenizer_target(&self, pi: usize, model: Option<&str>, gw: &dyn GatewayState) -> TokenizerTarget {
-        let p = self.config.profile(pi);
-        if let Some(a) = p.and_then(|p| p.tokenizer_address.as_deref()) {
-            if !gw.tokenizer_avoided(a) {
-                return TokenizerTarget::At(a.to_owned());
-            }
-        }
-        self.replica_tokenizer(pi, model, gw)
-    }
-
-    /// The least-loaded healthy replica serving `model` whose tokenizer is not failing.
-    fn replica_tokenizer(&self, pi: usize, model: Option<&str>, gw: &dyn GatewayState) -> TokenizerTarget {
-        let p = self.config.profile(pi);
-        let w = p.map_or(&self.default_weights, |p| &p.weights);
-        let mut cands = candidates::candidates(self.feed.serving(), model, gw);
-        if !cands.iter().any(|c| c.up) {
-            return TokenizerTarget::Nobody;
-        }
-        cands.retain(|c| c.up && !gw.tokenizer_avoided(c.address));
-        match policy::least_loaded(&cands, &w.limits).and_then(|i| cands.get(i)) {
-            Some(c) => TokenizerTarget::At(c.address.to_owned()),
-            None => TokenizerTarget::CircuitOpen,
-        }
     }
 
     /// Decides once the tokenizer call for `pending` came back (or could not be made).
@@ -429,7 +416,7 @@ impl Router {
         let same = scored.is_ok()
             && pending.generation == self.generation
             && pending.spec == self.plan_fingerprint(pending.profile, model, &mut report);
-        let keep = earlier_turns::kept(&pending, same && cacheable, &tokens);
+        let keep = self.kept(&pending, same && cacheable, &tokens, gw);
         if let Some(tag) = pending.cache_tag.filter(|_| same && cacheable) {
             let hashes = self.scratch.hashes.clone();
             self.tokcache.insert(tag, Tokenized { tokens, hashes }, now_ns);

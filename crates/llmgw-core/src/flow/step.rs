@@ -2,6 +2,7 @@
 //! tokenizer), with the [`Report`] of what to count, the explain header and the 503 body.
 
 use super::reasons::{Fallback, TokenizerFailure};
+use super::shared_prompt::SharedPrompt;
 use super::speculative::Speculation;
 use crate::policy::{Decision, Outcome};
 use crate::request::ParsedRequest;
@@ -53,6 +54,9 @@ pub enum CacheLookup {
     /// Not seen, but it extends a request seen recently: routed on that one's tokens, its own
     /// tokenizer call made after it was routed.
     EarlierTurn,
+    /// Not seen, but earlier requests with the same messages but the last (its siblings) were:
+    /// routed on the tokens they share, its own call made after it was routed.
+    SharedPrefix,
     Miss,
 }
 
@@ -90,9 +94,19 @@ pub struct Routed {
     /// replica), at most [`MAX_EXPLAINED_INCOMPLETE`], and how many there were.
     pub incomplete: Vec<String>,
     pub incomplete_count: usize,
-    /// The request's tokens, to keep for its conversation's next turn under this turn tag (see
-    /// [`super::EarlierTurns`]).
-    pub keep_turn: Option<(u128, Vec<u32>)>,
+    /// What to keep in the gateway's shared data for the other VMs.
+    pub keep: Keep,
+}
+
+/// What the gateway keeps in its shared data for every VM of the Envoy (see
+/// [`super::EarlierTurns`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Keep {
+    /// Tokens under their tags: the request's own, for its conversation's next turn, and its
+    /// siblings' common prefix where it changed.
+    pub tokens: Vec<(u128, Vec<u32>)>,
+    /// A text prompt's tokens, for the text prompts after it.
+    pub prompt: Option<SharedPrompt>,
 }
 
 /// The most incomplete engines the explain header names (the rest are counted).
@@ -100,7 +114,8 @@ pub const MAX_EXPLAINED_INCOMPLETE: usize = 8;
 
 impl Routed {
     /// The explain header's value: the candidate engines whose mirror is incomplete
-    /// (`incomplete=IP:PORT,IP:PORT#1,+3`); with the `ttft` policy, the winner's predicted time
+    /// (`incomplete=IP:PORT,IP:PORT#1,+3`); what a request routed before its tokenizer answered
+    /// was scored on (`scored_on=earlier_turn|shared_prefix`); with the `ttft` policy, the winner's predicted time
     /// to first token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), and
     /// the rates the winner's prediction used (`rates=profile`, or `rates=learned/N …`).
     pub fn explain(&self, vm: &str) -> String {
@@ -115,6 +130,13 @@ impl Routed {
             if let Some(more) = self.incomplete_count.checked_sub(self.incomplete.len()).filter(|&n| n > 0) {
                 out.push_str(&format!(",+{more}"));
             }
+        }
+        // Scored before its tokenizer answered, on a leading part of its prompt: the blocks
+        // matched are a lower bound of what the replica holds of it.
+        match self.report.tokenizer_cache {
+            Some(CacheLookup::EarlierTurn) => out.push_str("; scored_on=earlier_turn"),
+            Some(CacheLookup::SharedPrefix) => out.push_str("; scored_on=shared_prefix"),
+            _ => {}
         }
         out.push_str(&format!("; vm={vm}"));
         if let Some(us) = d.predicted_us {
@@ -193,6 +215,8 @@ pub(super) struct TurnTags {
     pub(super) whole: CacheTag,
     /// Its messages' less the last two (the previous turn), and the bytes they span.
     pub(super) previous: Option<(CacheTag, usize)>,
+    /// Its messages' less the last (what its siblings share), and the bytes they span.
+    pub(super) siblings: Option<(CacheTag, usize)>,
     /// The bytes of all its messages (for the estimate of its prompt tokens).
     pub(super) bytes: usize,
 }
@@ -205,9 +229,8 @@ pub struct Background {
     pub tokens: Option<u64>,
     /// The estimate the request was routed with.
     pub estimated_tokens: Option<u64>,
-    /// The tokens to keep for the conversation's next turn, under this turn tag (see
-    /// [`super::EarlierTurns`]).
-    pub keep: Option<(u128, Vec<u32>)>,
+    /// What to keep in the gateway's shared data, as [`Routed::keep`].
+    pub keep: Keep,
     /// The call again, on a replica (the dedicated tokenizer declined it): its reply comes
     /// back here too.
     pub retry: Option<Box<Tokenize>>,
@@ -256,4 +279,13 @@ pub fn no_replica_body(model: Option<&str>) -> Vec<u8> {
         }
     });
     serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// Where a tokenizer call goes.
+pub(super) enum TokenizerTarget {
+    At(String),
+    /// Every tokenizer the request could use is failing: no call.
+    CircuitOpen,
+    /// No replica to call (nor to route to).
+    Nobody,
 }

@@ -125,24 +125,7 @@ fn a_turn_is_routed_on_an_earlier_one_only_when_everything_but_its_messages_matc
 
 #[test]
 fn the_next_turn_is_routed_on_tokens_another_vm_kept() {
-    use crate::flow::{EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
-    use std::cell::RefCell;
-    /// A gateway whose other VMs kept turns, as the filter keeps them in shared data.
-    #[derive(Default)]
-    struct Kept(RefCell<Vec<(u128, Vec<u32>)>>);
-    impl InFlightCounts for Kept {
-        fn in_flight(&self, _address: &str) -> u32 {
-            0
-        }
-    }
-    impl ReplicaAvoidance for Kept {}
-    impl SpeculativeEntries for Kept {}
-    impl LearnedRates for Kept {}
-    impl EarlierTurns for Kept {
-        fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
-            self.0.borrow().iter().find(|(t, _)| *t == tag).map(|(_, v)| (v.clone(), v.len()))
-        }
-    }
+    use super::shared_data::Kept;
     let first: Vec<u32> = (0..24).collect();
     let gw = Kept::default();
     // VM 1 tokenizes turn 1 and hands its tokens to the gateway; VM 2 (the same turn secret,
@@ -154,7 +137,8 @@ fn the_next_turn_is_routed_on_tokens_another_vm_kept() {
     let step =
         vm1.on_tokenizer_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &gw, 1);
     let Step::Route(turn1) = step else { panic!("{step:?}") };
-    gw.0.borrow_mut().push(turn1.keep_turn.clone().expect("turn 1's tokens are kept"));
+    assert!(!turn1.keep.tokens.is_empty(), "turn 1's tokens are kept");
+    gw.keep(turn1.keep);
     let mut vm2 = router("", keys(&first), true);
     vm2.set_background_calls(Some(5));
     let turn2 = chat("", &["hi", "hello there", "and then?"]);

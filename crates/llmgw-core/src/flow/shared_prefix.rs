@@ -1,0 +1,200 @@
+//! Routing a chat request on the tokens its siblings share, without waiting for the tokenizer.
+//!
+//! Siblings are chat requests with the same messages but the last (and the same model, tools,
+//! template, template arguments and flags): most often a system prompt followed by different
+//! questions. The tokens every tokenized sibling begins with (their longest common prefix, kept
+//! per VM once two siblings that differ were tokenized) are what a new sibling's prompt begins
+//! with too. The request is scored on them at once, and its own tokenizer call is made after it
+//! is routed; its answer narrows the common prefix if the request began otherwise.
+//!
+//! Only when that loses nothing: the replicas' cached blocks chain from block 0, so a replica
+//! can hold blocks of the request past the common prefix only if it holds the whole prefix.
+//! When no replica holds the whole prefix, or exactly one does, the prefix alone decides as the
+//! request's own tokens would (that one replica may hold more of it, and is credited with less).
+//! When two or more hold it all, which of them holds more of the request only the request's
+//! tokens tell: it waits for its call. Where every sibling so far happened to begin its last
+//! message alike, the prefix runs past what the next one shares, until a sibling that differs
+//! is tokenized.
+
+use super::earlier_turns::estimated_tokens;
+use super::recent::Recent;
+use super::step::{CacheLookup, Report, Routed, Step, TurnTags};
+use super::{ExactRequest, GatewayState, Router};
+use crate::index::Scores;
+use crate::request::ParsedRequest;
+
+/// Common prefixes kept per VM: at most this many, each of at most [`MAX_TOKENS`] tokens (4 MiB
+/// per VM at most).
+pub const MAX_PREFIXES: usize = 256;
+pub const MAX_TOKENS: usize = 4096;
+
+/// The common prefixes of sibling requests' tokens, by the tag of their shared messages.
+#[derive(Debug)]
+pub struct SharedPrefixes {
+    /// Single requests' tokens are dropped for room before common prefixes.
+    entries: Recent<Prefix>,
+}
+
+#[derive(Debug)]
+struct Prefix {
+    tokens: Vec<u32>,
+    /// Tokenized siblings that differ, that `tokens` is the common prefix of (counted up to 2).
+    siblings: u8,
+}
+
+impl Default for SharedPrefixes {
+    fn default() -> Self {
+        SharedPrefixes { entries: Recent::new(MAX_PREFIXES, |p| p.siblings >= 2) }
+    }
+}
+
+impl SharedPrefixes {
+    /// Learns the tokens of a tokenized request whose shared messages' tag is `tag`; a tag this
+    /// VM has no entry for starts from the common prefix another VM kept (`kept`), if any. The
+    /// common prefix when it changed (for the other VMs).
+    pub fn learn(&mut self, tag: u128, tokens: &[u32], kept: impl FnOnce() -> Option<Vec<u32>>) -> Option<Vec<u32>> {
+        if !self.entries.contains(tag) {
+            match kept().filter(|t| !t.is_empty()) {
+                Some(common) => self.insert(tag, common, 2),
+                None => {
+                    self.insert(tag, tokens.to_vec(), 1);
+                    return None;
+                }
+            }
+        }
+        let p = self.entries.get(tag)?;
+        let before = (p.tokens.len(), p.siblings);
+        let common = p.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        // The same prompt tokenized again is no second sibling.
+        if common < p.tokens.len() || p.siblings >= 2 {
+            p.tokens.truncate(common);
+            p.siblings = p.siblings.saturating_add(1).min(2);
+        }
+        (p.siblings >= 2 && (p.tokens.len(), p.siblings) != before).then(|| p.tokens.clone())
+    }
+
+    fn insert(&mut self, tag: u128, mut tokens: Vec<u32>, siblings: u8) {
+        tokens.truncate(MAX_TOKENS);
+        self.entries.insert(tag, Prefix { tokens, siblings });
+    }
+
+    /// The tokens at least two differing siblings of `tag` begin with.
+    pub fn common(&mut self, tag: u128) -> Option<&[u32]> {
+        let p = self.entries.get(tag).filter(|p| p.siblings >= 2 && !p.tokens.is_empty())?;
+        Some(&p.tokens)
+    }
+
+    /// Prefixes dropped for room since the last call.
+    pub fn take_evicted(&mut self) -> u64 {
+        self.entries.take_evicted()
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+}
+
+/// No replica can hold blocks of the request past its common prefix unless it holds the whole
+/// prefix: scored on the prefix, the request is scored as its own tokens would score it when at
+/// most one replica holds it all (and some replica holds part of it).
+pub(super) fn the_prefix_decides(scores: &Scores) -> bool {
+    let deepest = scores.leading.iter().copied().max().unwrap_or(0);
+    let whole = scores.leading.iter().filter(|&&l| l >= scores.total).count();
+    deepest > 0 && (deepest < scores.total || whole == 1)
+}
+
+impl Router {
+    /// Routes on the common prefix of `parsed`'s siblings, when it decides as the request's own
+    /// tokens would: the route, and the estimate of the request's prompt tokens.
+    pub(super) fn route_on_shared_prefix(
+        &mut self,
+        tags: Option<&TurnTags>,
+        parsed: &ParsedRequest,
+        approx: &dyn Fn() -> Option<u64>,
+        gw: &dyn GatewayState,
+        report: Report,
+    ) -> Option<(Routed, u64)> {
+        let tags = tags?;
+        let (tag, bytes) = tags.siblings?;
+        // This VM's, else the one another VM of this Envoy kept.
+        let tokens = match self.shared_prefixes.common(tag.0) {
+            Some(t) => t.to_vec(),
+            None => gw.earlier_tokens(tag.0).map(|(t, _)| t).filter(|t| !t.is_empty())?,
+        };
+        let mut report = Report { tokenizer_cache: Some(CacheLookup::SharedPrefix), ..report };
+        let model = parsed.model.as_deref();
+        let req = ExactRequest {
+            profile: tags.profile,
+            model,
+            cache_salt: parsed.cache_salt.as_deref(),
+            tokens: &tokens,
+            known: &[],
+            mm: Vec::new(),
+        };
+        let mut scored = self.exact(req, gw, &mut report).ok().filter(|_| the_prefix_decides(&self.scratch.scores))?;
+        scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
+        match self.finish(model, Some(tags.profile), Some(&scored), approx, None, gw, report) {
+            Step::Route(r) => Some((r, scored.tokens)),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_common_prefix_needs_two_siblings_that_differ() {
+        let mut s = SharedPrefixes::default();
+        s.learn(1, &[1, 2, 3, 4], || None);
+        assert_eq!(s.common(1), None);
+        // The same prompt again is not a second sibling.
+        s.learn(1, &[1, 2, 3, 4], || None);
+        assert_eq!(s.common(1), None);
+        s.learn(1, &[1, 2, 9, 9, 9], || None);
+        assert_eq!(s.common(1), Some(&[1, 2][..]));
+        // A third sibling narrows it; one that shares it all leaves it.
+        s.learn(1, &[1, 2, 3], || None);
+        assert_eq!(s.common(1), Some(&[1, 2][..]));
+        s.learn(1, &[1, 7], || None);
+        assert_eq!(s.common(1), Some(&[1][..]));
+        assert_eq!(s.common(2), None);
+    }
+
+    #[test]
+    fn a_vm_starts_from_the_prefix_another_kept_and_hands_on_what_changed() {
+        let mut s = SharedPrefixes::default();
+        // Nothing kept elsewhere: a single request, nothing to hand on.
+        assert_eq!(s.learn(1, &[1, 2, 3], || None), None);
+        // Known elsewhere: this VM's first sibling narrows it, and the narrower prefix is handed on.
+        assert_eq!(s.learn(2, &[1, 2, 7], || Some(vec![1, 2, 3])), Some(vec![1, 2]));
+        assert_eq!(s.common(2), Some(&[1, 2][..]));
+        // A sibling sharing it all changes nothing: nothing to hand on.
+        assert_eq!(s.learn(2, &[1, 2, 8], || None), None);
+        // The second sibling of a tag known here only hands its prefix on.
+        assert_eq!(s.learn(1, &[1, 2, 4], || None), Some(vec![1, 2]));
+    }
+
+    #[test]
+    fn single_requests_are_evicted_before_common_prefixes() {
+        let mut s = SharedPrefixes::default();
+        s.learn(0, &[1, 2], || None);
+        s.learn(0, &[1, 3], || None);
+        for t in 1..=MAX_PREFIXES as u128 + 5 {
+            s.learn(t, &[5], || None);
+        }
+        assert_eq!(s.entries.len(), MAX_PREFIXES);
+        assert_eq!(s.common(0), Some(&[1][..]));
+        assert_eq!((s.take_evicted(), s.take_evicted()), (6, 0));
+    }
+
+    #[test]
+    fn the_prefix_decides_unless_several_replicas_hold_it_whole() {
+        let scores = |leading: &[u32]| Scores { leading: leading.to_vec(), total: 4 };
+        assert!(the_prefix_decides(&scores(&[4, 1, 0])));
+        assert!(the_prefix_decides(&scores(&[2, 2, 0])));
+        assert!(!the_prefix_decides(&scores(&[4, 4, 0])));
+        assert!(!the_prefix_decides(&scores(&[0, 0, 0])));
+    }
+}

@@ -1,0 +1,112 @@
+//! A chat request is routed at once on what its siblings' tokens share, only where that prefix
+//! decides as its own tokens would.
+
+use super::{keys, ok_reply, router, tokenize, A, B};
+use crate::feed::{BlockDelta, Body as Msg, FeedMessage};
+use crate::flow::{Body, CacheLookup, Router, Step, TokenizerReply};
+use crate::policy::Outcome;
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// A chat body: a system prompt, then `question`.
+fn chat(extra: &str, question: &str) -> Vec<u8> {
+    format!(
+        r#"{{"model":"m",{extra}"messages":[{{"role":"system","content":"be brief"}},{{"role":"user","content":"{question}"}}]}}"#
+    )
+    .into_bytes()
+}
+
+/// The tokens of a sibling: 16 of the system prompt (4 blocks), then 8 of its own.
+fn sibling(i: u32) -> Vec<u32> {
+    (0..16).chain((0..8).map(|k| 100 * (i + 1) + k)).collect()
+}
+
+fn answered(r: &mut Router, step: Step, tokens: &[u32], now_ns: u64) -> Step {
+    let read = ok_reply(tokens);
+    let read = || read.clone();
+    r.on_tokenizer_reply(
+        *tokenize(step).pending,
+        &TokenizerReply::Answered { status: Some(b"200"), body: &read },
+        &(),
+        now_ns,
+    )
+}
+
+/// A router whose B holds the first sibling whole, with the first two siblings tokenized.
+fn with_two_siblings(extra: &str) -> Router {
+    let mut r = router(extra, keys(&sibling(0)), true);
+    r.set_background_calls(Some(5));
+    for i in 0..2 {
+        let step = r.on_body(&Body { path: CHAT, bytes: &chat("", &format!("q{i}")), too_large: false }, &(), 0);
+        // The first two wait for their calls: one sibling alone shows nothing shared.
+        let routed = answered(&mut r, step, &sibling(i), 1);
+        assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+    }
+    r
+}
+
+#[test]
+fn a_sibling_is_routed_at_once_on_the_prefix_its_siblings_share() {
+    let mut r = with_two_siblings("");
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, &(), 2);
+    let Step::RouteThenTokenize(routed, call) = step else { panic!("{step:?}") };
+    assert_eq!((routed.address.as_str(), routed.decision.outcome), (B, Outcome::Exact));
+    assert_eq!((routed.decision.matched, routed.report.tokenizer_cache), (4, Some(CacheLookup::SharedPrefix)));
+    assert!(routed.prefill_tokens > 0, "{routed:?}");
+    assert_eq!(call.target, A);
+    // Its own tokens (which begin otherwise) narrow the prefix for the next sibling.
+    let read = ok_reply(&[0, 1, 2, 3, 4, 5, 6, 7, 50, 51, 52, 53, 54, 55, 56, 57]);
+    let read = || read.clone();
+    let b =
+        r.on_background_reply(*call.pending, &TokenizerReply::Answered { status: Some(b"200"), body: &read }, &(), 3);
+    assert_eq!((b.failure, b.tokens), (None, Some(16)));
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q3"), too_large: false }, &(), 4);
+    let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
+    assert_eq!((routed.decision.matched, routed.decision.total), (2, 2));
+}
+
+#[test]
+fn a_sibling_waits_for_its_tokens_where_several_replicas_hold_the_prefix() {
+    // A holds the system prompt's blocks too: which of A and B holds more of the request only
+    // its own tokens tell.
+    let mut r = with_two_siblings("");
+    let on_a = keys(&sibling(1)).into_iter().take(4).collect();
+    let delta = Msg::Delta(BlockDelta { replica: 0, added: on_a, removed: vec![] });
+    r.feed.apply(&FeedMessage { seq: 3, body: Some(delta) }).unwrap();
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, &(), 2);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+    // Off, or with other messages before the last, it waits too.
+    let mut off = with_two_siblings(r#""route_on_shared_prefixes":false,"#);
+    let step = off.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, &(), 2);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+    let mut r = with_two_siblings("");
+    let step = r.on_body(
+        &Body { path: CHAT, bytes: &chat(r#""chat_template_kwargs":{"x":1},"#, "q2"), too_large: false },
+        &(),
+        2,
+    );
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+}
+
+#[test]
+fn a_vm_routes_a_sibling_on_the_prefix_another_vm_kept() {
+    use super::shared_data::Kept;
+    let gw = Kept::default();
+    let mut vm1 = router("", keys(&sibling(0)), true);
+    vm1.set_background_calls(Some(5));
+    for i in 0..2 {
+        let step = vm1.on_body(&Body { path: CHAT, bytes: &chat("", &format!("q{i}")), too_large: false }, &gw, 0);
+        let read = ok_reply(&sibling(i));
+        let read = || read.clone();
+        let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+        let Step::Route(routed) = vm1.on_tokenizer_reply(*tokenize(step).pending, &reply, &gw, 1) else { panic!() };
+        gw.keep(routed.keep);
+    }
+    // VM 2 (the same secret, nothing tokenized itself) routes the third at once.
+    let mut vm2 = router("", keys(&sibling(0)), true);
+    vm2.set_background_calls(Some(5));
+    let step = vm2.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, &gw, 2);
+    let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
+    assert_eq!((routed.address.as_str(), routed.decision.matched), (B, 4));
+    assert_eq!(routed.report.tokenizer_cache, Some(CacheLookup::SharedPrefix));
+}

@@ -1,0 +1,77 @@
+//! A chat request whose siblings (the same messages but the last) were tokenized goes at once on
+//! the tokens they share, and its own call follows; a text prompt on an earlier prompt it begins
+//! with.
+
+use super::{keys, second_vm, synced, tokenize_answer, B};
+use proxy_wasm::traits::HttpContext;
+use proxy_wasm::types::Action;
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn chat(question: &str) -> Vec<u8> {
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"system","content":"be brief"}},{{"role":"user","content":"{question}"}}]}}"#
+    )
+    .into_bytes()
+}
+
+/// A sibling's tokens: 16 shared (the system prompt), then 8 of its own.
+fn sibling(i: u32) -> Vec<u32> {
+    (0..16).chain((0..8).map(|k| 100 * (i + 1) + k)).collect()
+}
+
+#[test]
+fn a_sibling_goes_at_once_once_two_were_tokenized() {
+    let e = synced("", vec![], keys(&sibling(0)), true);
+    // The first two wait for their calls.
+    for i in 0..2 {
+        let (mut ctx, action) = e.request(CHAT, &chat(&format!("q{i}")));
+        assert_eq!(action, Action::Pause, "sibling {i}");
+        e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(i)));
+        assert_eq!(e.dest().as_deref(), Some(B));
+        ctx.on_log();
+    }
+    // The third is routed before any call, to the replica holding the shared blocks; its call
+    // goes out after.
+    let calls = e.host.calls.borrow().len();
+    let (mut ctx, action) = e.request(CHAT, &chat("q2"));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.calls.borrow().len(), calls + 1, "the call after routing");
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.shared_prefix"), 1);
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(2)));
+    ctx.on_log();
+    // Without the option, every sibling waits.
+    let off = synced(r#""route_on_shared_prefixes":false,"#, vec![], keys(&sibling(0)), true);
+    for i in 0..3 {
+        let (mut ctx, action) = off.request(CHAT, &chat(&format!("q{i}")));
+        assert_eq!(action, Action::Pause, "sibling {i}");
+        off.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(i)));
+        ctx.on_log();
+    }
+}
+
+#[test]
+fn a_text_prompt_goes_at_once_on_an_earlier_prompt_it_begins_with_on_any_vm() {
+    const COMPLETIONS: &str = "/v1/completions";
+    let first = format!("system: {}\\nuser: hello?\\nassistant:", "be brief. ".repeat(14));
+    let second = format!("{first} hi.\\nuser: more?\\nassistant:");
+    let completion = |prompt: &str| format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes();
+    let e = synced("", vec![], keys(&sibling(0)), true);
+    let e2 = second_vm(&e, vec![], keys(&sibling(0)));
+    let (mut ctx, action) = e.request(COMPLETIONS, &completion(&first));
+    assert_eq!(action, Action::Pause);
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(0)));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    ctx.on_log();
+    // The next turn, written out as text, on the other VM: routed before its call, which goes
+    // out after.
+    let calls = e.host.calls.borrow().len();
+    let (mut ctx, action) = e2.request(COMPLETIONS, &completion(&second));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e2.dest().as_deref(), Some(B));
+    assert_eq!(e.host.calls.borrow().len(), calls + 1, "the call after routing");
+    assert_eq!(e2.counter("llmgw_tokenizer_cache_total.result.earlier_turn"), 1);
+    e2.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(1)));
+    ctx.on_log();
+}
