@@ -50,6 +50,7 @@ ROUTERS = {
     "llmgw": "llmgw (KV events)",
     "llmgw-render": "llmgw, tokenizer: vllm launch render",
     "llmgw-native": "llmgw, native tokenizer (agent)",
+    "llmgw-waits": "llmgw, every new prompt waits for its tokenizer",
     "sglang": "sglang-router cache_aware",
     "smg": "SMG cache_aware",
     "vllm-ca": "vllm-router cache_aware",
@@ -161,7 +162,7 @@ class Router:
             text = kit.lb_config(self.port, admin, [r.port for r in reps], "ROUND_ROBIN")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-rr", text, admin, feed=False)
             self.procs.append(proc)
-        elif self.name in ("llmgw", "llmgw-render", "llmgw-native"):
+        elif self.name in ("llmgw", "llmgw-render", "llmgw-native", "llmgw-waits"):
             sections = {}
             if self.name == "llmgw-native":
                 # The agent's native tokenizer beside Envoy, on the model's own tokenizer files.
@@ -179,7 +180,10 @@ class Router:
                 profile["tokenizer_address"] = f"127.0.0.1:{b.render.port}"
             if self.name == "llmgw-native":
                 profile["tokenizer_address"] = f"127.0.0.1:{self.tokenizer_port}"
-            cfg = kit.filter_config(profile, explain_header=True)
+            # The ablation: no routing before the tokenizer answers (neither on a conversation's
+            # turn before nor on what a request's siblings share).
+            waits = {"route_on_earlier_turns": False, "route_on_shared_prefixes": False} if self.name == "llmgw-waits" else {}
+            cfg = kit.filter_config(profile, explain_header=True, **waits)
             text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_interval="0.5s")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
             self.procs.append(proc)
@@ -318,12 +322,15 @@ class Bench:
         router_pids = [p.pid for p in router.procs]
         replica_pids = [r.proc.pid for r in self.replicas if r.proc is not None]
         cpu0 = cpu_seconds(router_pids), cpu_seconds(replica_pids)
+        # Each of the router's processes alone too (llmgw: the agent, then Envoy).
+        each0 = [cpu_seconds([p]) for p in router_pids]
         out = run_sessions(label, lambda body: stream_request(router.port, body, path=path), sims, sessions,
                            self.args.concurrency, width=len(label))
         cpu1 = cpu_seconds(router_pids), cpu_seconds(replica_pids)
         n = max(1, out["requests"])
         out["router_cpu_ms_per_request"] = (cpu1[0] - cpu0[0]) / n * 1000
         out["replica_cpu_ms_per_request"] = (cpu1[1] - cpu0[1]) / n * 1000
+        out["router_cpu_ms_per_request_each"] = [(cpu_seconds([p]) - c) / n * 1000 for p, c in zip(router_pids, each0)]
         shares = out["shares"]
         out["max_min"] = max(shares) / min(shares) if shares and min(shares) > 0 else float("inf")
         return out
@@ -504,9 +511,12 @@ def side_table(results: list[dict]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         outside = r["ttft_mean"] - r["replica_ttft_mean"]
+        each = r.get("router_cpu_ms_per_request_each") or []
+        # llmgw's two processes: the agent's share, then Envoy's.
+        split = f" ({' + '.join(ms(v) for v in each)})" if len(each) > 1 else ""
         lines.append(f"| {r['run']} | {r['workload']} | {ROUTERS[r['router']]} | {ms(r['ttft_mean'])} | "
                      f"{ms(r['replica_ttft_mean'])} | {ms(r['replica_queue_mean'])} | {ms(r['replica_prefill_mean'])} | "
-                     f"{ms(outside)} | {ms(r.get('router_cpu_ms_per_request', float('nan')))} | "
+                     f"{ms(outside)} | {ms(r.get('router_cpu_ms_per_request', float('nan')))}{split} | "
                      f"{ms(r.get('replica_cpu_ms_per_request', float('nan')))} |")
     return lines
 
@@ -545,7 +555,7 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
         md += ["", "**Every router's time, inside and outside the replicas** (means in ms; replica = vLLM's own "
                "`time_to_first_token_seconds` from the request's arrival at its API server, of which queued and "
                "prefilling in the engine; outside = client TTFT − replica TTFT: the router, the network and the "
-               "client; CPU = user + system time of the router's processes (Envoy and the agent for llmgw) and of the "
+               "client; CPU = user + system time of the router's processes (for llmgw the agent's + Envoy's in brackets) and of the "
                "replicas' (API servers and engines), per request):", "", *sides]
     if skipped:
         md += ["", "**Not run:**", "", *[f"- {ROUTERS[n]}: {why}" for n, why in skipped.items()]]
@@ -564,7 +574,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="runs of every router on every workload (default 3)")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    ap.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=list(ROUTERS))
+    ap.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=[r for r in ROUTERS if r != "llmgw-waits"],
+                    help="default: every router but the llmgw-waits ablation")
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--api", choices=list(API_PATHS), default="chat",

@@ -196,7 +196,14 @@ class Fleet:
         # event confirmed them yet) are a claim about the near future, not about the index: the
         # index's own credit must be exact, and the speculative part no more than was cached.
         spec = kit.speculative_blocks(headers.get(kit.DECISION_HEADER))
-        if outcome == "exact" and spec == 0:
+        # Routed before its tokenizer answered, on a leading part of its prompt (the turn before,
+        # or text it shares with earlier prompts): credited with those blocks, never more than
+        # the replica had cached (it may hold more of the prompt).
+        if outcome == "exact" and kit.scored_before_tokenizing(headers.get(kit.DECISION_HEADER)):
+            assert (matched - spec) * BLOCK <= cached, (
+                f"the index credited {r.name} with {matched - spec} blocks of the prompt's leading part, "
+                f"vLLM served with {cached} cached tokens")
+        elif outcome == "exact" and spec == 0:
             assert matched * BLOCK == cached, (f"filter credited {r.name} with {matched} blocks, "
                                                f"vLLM served with {cached} cached tokens")
         elif outcome == "exact":

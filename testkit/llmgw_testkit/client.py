@@ -92,6 +92,13 @@ def parse_decision(header: str | None) -> Decision:
     return Decision(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)))
 
 
+def scored_before_tokenizing(header: str | None) -> bool:
+    """Whether a decision header says the request was routed before its tokenizer answered, on a
+    leading part of its prompt ("scored_on=earlier_turn" or "scored_on=shared_prefix"): its
+    blocks matched are then a lower bound of what the replica held of it."""
+    return "; scored_on=" in (header or "")
+
+
 def speculative_blocks(header: str | None) -> int:
     """Of the blocks a decision header says were matched ("matched=8/12; speculative=3"), those
     only speculative entries credit: the filter just sent them there, no KV event confirmed them."""
