@@ -72,6 +72,7 @@ impl FeedClient {
         let now = s.host.now_ns();
         self.check_staleness(s, now);
         s.metrics.shared_prefixes_evicted(s.router.take_shared_prefixes_evicted());
+        s.metrics.earlier_prompts_evicted(s.router.take_earlier_prompts_evicted());
         let feed = s.router.feed.serving();
         let bytes = u64::try_from(feed.index.memory_bytes()).unwrap_or(u64::MAX);
         let refused = u64::try_from(feed.refused().len()).unwrap_or(u64::MAX);

@@ -52,6 +52,7 @@ pub struct Metrics {
     incomplete_decisions: Option<u32>,
     speculative_dropped: Option<u32>,
     shared_prefixes_evicted: Option<u32>,
+    earlier_prompts_evicted: Option<u32>,
     body_budget_exhausted: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
@@ -111,6 +112,7 @@ impl Metrics {
             incomplete_decisions: c("llmgw_decisions_with_incomplete_engine_total"),
             speculative_dropped: c("llmgw_speculative_dropped_total"),
             shared_prefixes_evicted: c("llmgw_shared_prefixes_evicted_total"),
+            earlier_prompts_evicted: c("llmgw_earlier_prompts_evicted_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
@@ -198,6 +200,11 @@ impl Metrics {
     /// Siblings' common prefixes the VM's bound dropped.
     pub fn shared_prefixes_evicted(&self, n: u64) {
         self.add(self.shared_prefixes_evicted, n);
+    }
+
+    /// Earlier text prompts' tags the VM's bound dropped.
+    pub fn earlier_prompts_evicted(&self, n: u64) {
+        self.add(self.earlier_prompts_evicted, n);
     }
 
     fn add(&self, id: Option<u32>, n: impl TryInto<i64>) {

@@ -170,9 +170,14 @@ impl Router {
         self.generation = self.generation.wrapping_add(1);
     }
 
-    /// Siblings' common prefixes and earlier prompts' tags dropped for room since the last call.
+    /// Siblings' common prefixes dropped for room since the last call.
     pub fn take_shared_prefixes_evicted(&mut self) -> u64 {
-        self.shared_prefixes.take_evicted().saturating_add(self.earlier_prompts.take_evicted())
+        self.shared_prefixes.take_evicted()
+    }
+
+    /// Earlier text prompts' tags dropped for room since the last call.
+    pub fn take_earlier_prompts_evicted(&mut self) -> u64 {
+        self.earlier_prompts.take_evicted()
     }
 
     pub fn tokenizer_cache(&self) -> &TokenCache {
