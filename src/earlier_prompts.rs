@@ -67,12 +67,6 @@ fn encode(seq: u64, shared: &SharedPrompt) -> Option<Vec<u8>> {
     Some(out)
 }
 
-fn read_u128(f: &mut FieldReader<'_>) -> Option<u128> {
-    let lo = f.u64()?;
-    let hi = f.u64()?;
-    Some(u128::from(lo) | (u128::from(hi) << 64))
-}
-
 fn read_count(f: &mut FieldReader<'_>, max: usize) -> Option<usize> {
     usize::try_from(f.u32()?).ok().filter(|&n| n <= max)
 }
@@ -85,17 +79,17 @@ fn decode(seq: u64, v: &[u8]) -> Option<SharedPrompt> {
         return None;
     }
     let n = read_count(&mut f, MAX_PROMPT_TAGS)?;
-    let tags = (0..n).map(|_| read_u128(&mut f)).collect::<Option<Vec<_>>>()?;
+    let tags = (0..n).map(|_| f.u128()).collect::<Option<Vec<_>>>()?;
     let bytes = usize::try_from(f.u32()?).ok()?;
-    let whole = read_u128(&mut f)?;
+    let whole = f.u128()?;
     let count = usize::try_from(f.u32()?).ok()?;
     let n = read_count(&mut f, MAX_PROMPT_MARKS)?;
     let marks = (0..n).map(|_| f.u64()).collect::<Option<Vec<_>>>()?;
-    let rest = f.rest();
-    if !rest.len().is_multiple_of(4) || rest.len() / 4 > MAX_PROMPT_TOKENS {
+    let rest = f.rest().len();
+    if !rest.is_multiple_of(4) || rest / 4 > MAX_PROMPT_TOKENS {
         return None;
     }
-    let tokens = rest.chunks_exact(4).filter_map(|c| c.try_into().ok()).map(u32::from_le_bytes).collect();
+    let tokens = f.rest_u32s();
     let shared = SharedPrompt { tags, prompt: Arc::new(EarlierPrompt { bytes, whole, tokens, count, marks }) };
     shared.is_bounded().then_some(shared)
 }

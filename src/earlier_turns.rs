@@ -14,6 +14,7 @@
 //! configure writes one, the others read it.
 
 use crate::host::{update_shared, Host};
+use crate::shared_records::FieldReader;
 
 /// Slots kept.
 pub const SLOTS: u64 = 1024;
@@ -41,13 +42,13 @@ pub fn keep(host: &dyn Host, tag: u128, tokens: &[u32]) -> bool {
 pub fn lookup(host: &dyn Host, tag: u128) -> Option<(Vec<u32>, usize)> {
     let (value, _) = host.shared_data(&slot(tag))?;
     let value = value?;
-    let (head, rest) = value.split_first_chunk::<16>()?;
-    if u128::from_le_bytes(*head) != tag {
+    let mut f = FieldReader::new(&value);
+    if f.u128()? != tag {
         return None;
     }
-    let (count, rest) = rest.split_first_chunk::<4>()?;
-    let tokens: Vec<u32> = rest.chunks_exact(4).filter_map(|c| c.try_into().ok()).map(u32::from_le_bytes).collect();
-    let count = usize::try_from(u32::from_le_bytes(*count)).unwrap_or(usize::MAX).max(tokens.len());
+    let count = f.u32()?;
+    let tokens = f.rest_u32s();
+    let count = usize::try_from(count).unwrap_or(usize::MAX).max(tokens.len());
     (!tokens.is_empty()).then_some((tokens, count))
 }
 

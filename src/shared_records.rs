@@ -1,7 +1,8 @@
 //! The one codec of the records the filter keeps in proxy-wasm shared data (in-flight counts,
 //! VM heartbeats, replica and tokenizer health, speculative entries): a shared value is a run of
 //! fixed-width records, each a run of little-endian `u32` and `u64` fields. A trailing partial
-//! record (a value written by another build) is ignored.
+//! record (a value written by another build) is ignored. The variable-length values (the tokens
+//! kept for next turns, the text prompts handed on) are read with the same [`FieldReader`].
 
 use llmgw_core::stable_hash::stable_hash;
 use std::collections::{HashMap, HashSet};
@@ -40,6 +41,17 @@ impl<'a> FieldReader<'a> {
         let (head, tail) = self.0.split_first_chunk::<8>()?;
         self.0 = tail;
         Some(u64::from_le_bytes(*head))
+    }
+
+    pub fn u128(&mut self) -> Option<u128> {
+        let (head, tail) = self.0.split_first_chunk::<16>()?;
+        self.0 = tail;
+        Some(u128::from_le_bytes(*head))
+    }
+
+    /// The rest as `u32` fields (a trailing partial field is ignored).
+    pub fn rest_u32s(&self) -> Vec<u32> {
+        self.0.chunks_exact(4).filter_map(|c| c.try_into().ok()).map(u32::from_le_bytes).collect()
     }
 }
 

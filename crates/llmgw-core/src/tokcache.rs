@@ -105,15 +105,22 @@ pub struct TokenCache {
     pub stats: CacheStats,
 }
 
-/// A tag of `parts` under the secret `key` (see [`TokenCache::tag`]).
+/// A hasher under the secret `key` that has taken `parts`, each after its length (so that no
+/// two lists of parts run together alike).
 #[cfg(feature = "xxhash")]
-pub fn keyed_tag(key: u64, parts: &[&[u8]]) -> CacheTag {
+fn keyed_hasher(key: u64, parts: &[&[u8]]) -> xxhash_rust::xxh3::Xxh3 {
     let mut h = xxhash_rust::xxh3::Xxh3::with_seed(key);
     for p in parts {
         h.update(&(p.len() as u64).to_le_bytes());
         h.update(p);
     }
-    CacheTag(h.digest128())
+    h
+}
+
+/// A tag of `parts` under the secret `key` (see [`TokenCache::tag`]).
+#[cfg(feature = "xxhash")]
+pub fn keyed_tag(key: u64, parts: &[&[u8]]) -> CacheTag {
+    CacheTag(keyed_hasher(key, parts).digest128())
 }
 
 #[cfg(not(feature = "xxhash"))]
@@ -125,11 +132,7 @@ pub fn keyed_tag(_key: u64, _parts: &[&[u8]]) -> CacheTag {
 /// the text counts as its whole length), in one pass over the text.
 #[cfg(feature = "xxhash")]
 pub fn keyed_prefix_tags(key: u64, parts: &[&[u8]], text: &[u8], ends: &[usize]) -> Vec<CacheTag> {
-    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(key);
-    for p in parts {
-        h.update(&(p.len() as u64).to_le_bytes());
-        h.update(p);
-    }
+    let mut h = keyed_hasher(key, parts);
     let mut at = 0;
     let mut tags = Vec::with_capacity(ends.len());
     for &end in ends {

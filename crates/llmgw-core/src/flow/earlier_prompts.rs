@@ -24,7 +24,7 @@
 use super::recent::Recent;
 use super::shared_prefix::the_prefix_decides;
 use super::shared_prompt::{EarlierPrompt, SharedPrompt, FIRST_BOUNDARY, MARK, MAX_MARKS, MAX_TOKENS};
-use super::step::{CacheLookup, Report, Routed, Step};
+use super::step::{CacheLookup, Report, Routed};
 use super::{ExactRequest, GatewayState, Router};
 use crate::request::{ParsedRequest, Prompt};
 use crate::tokcache::{keyed_prefix_tags, CacheTag};
@@ -259,10 +259,7 @@ impl Router {
         let mut scored = scored.filter(|_| decides)?;
         let (count, bytes) = claim.per;
         scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len())?;
-        match self.finish(model, Some(profile), Some(&scored), approx, None, gw, report) {
-            Step::Route(r) => Some((r, scored.tokens)),
-            _ => None,
-        }
+        self.route_early(model, profile, &scored, approx, gw, report)
     }
 }
 

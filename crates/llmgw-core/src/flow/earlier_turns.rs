@@ -20,6 +20,7 @@
 //! own (see [`super::shared_prefix`]).
 
 use super::candidates::candidates;
+use super::exact::Scored;
 use super::step::{Background, CacheLookup, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::policy::least_loaded;
@@ -153,10 +154,7 @@ impl Router {
         }
         let mut scored = scored.ok().filter(|_| self.scratch.scores.total > 0)?;
         scored.tokens = estimated_tokens(n, bytes, tags.bytes)?;
-        match self.finish(model, Some(profile), Some(&scored), approx, None, gw, report) {
-            Step::Route(r) => Some((r, scored.tokens)),
-            _ => None,
-        }
+        self.route_early(model, profile, &scored, approx, gw, report)
     }
 
     /// The call for `call`'s request: after routing it (`routed`), else before. A call after
@@ -248,6 +246,23 @@ pub(super) fn estimated_tokens(n: usize, bytes: usize, all_bytes: usize) -> Opti
 }
 
 impl Router {
+    /// Finishes a request scored before its tokenizer answered, on leading tokens, with its own
+    /// prompt tokens estimated in `scored.tokens`: the route, and that estimate.
+    pub(super) fn route_early(
+        &self,
+        model: Option<&str>,
+        profile: usize,
+        scored: &Scored,
+        approx: &dyn Fn() -> Option<u64>,
+        gw: &dyn GatewayState,
+        report: Report,
+    ) -> Option<(Routed, u64)> {
+        match self.finish(model, Some(profile), Some(scored), approx, None, gw, report) {
+            Step::Route(r) => Some((r, scored.tokens)),
+            _ => None,
+        }
+    }
+
     /// What to keep in the gateway's shared data from `pending`'s tokens (`ok`: they were
     /// hashed as the replicas hash now, and carry no media): the tokens under its turn tag, for
     /// its conversation's next turn, and its siblings' common prefix where they changed it

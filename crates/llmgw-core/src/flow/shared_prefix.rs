@@ -18,7 +18,7 @@
 
 use super::earlier_turns::estimated_tokens;
 use super::recent::Recent;
-use super::step::{CacheLookup, Report, Routed, Step, TurnTags};
+use super::step::{CacheLookup, Report, Routed, TurnTags};
 use super::{ExactRequest, GatewayState, Router};
 use crate::index::Scores;
 use crate::request::ParsedRequest;
@@ -133,10 +133,7 @@ impl Router {
         };
         let mut scored = self.exact(req, gw, &mut report).ok().filter(|_| the_prefix_decides(&self.scratch.scores))?;
         scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
-        match self.finish(model, Some(tags.profile), Some(&scored), approx, None, gw, report) {
-            Step::Route(r) => Some((r, scored.tokens)),
-            _ => None,
-        }
+        self.route_early(model, tags.profile, &scored, approx, gw, report)
     }
 }
 
