@@ -272,6 +272,28 @@ def parse_phases(stats_text: str) -> dict[str, tuple[float, float]]:
 # ----------------------------------------------------------------------------------------------
 
 
+# The series llmgw-agent asks vLLM's /metrics for by name (crates/llmgw-agent/src/load.rs).
+LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+
+
+def call_costs(r: Replica, calls: int = 50) -> dict:
+    """The CPU a replica's processes spend per call (ms, the mean of `calls`), idle, before the
+    runs: its whole /metrics page, the page of the load series by name as llmgw-agent asks for
+    it, and a /tokenize of a 300-word prompt."""
+    named = f"{r.url}/metrics/?" + "&".join("name%5B%5D=" + s.replace(":", "%3A") for s in LOAD_SERIES)
+    body = {"model": MODEL, "prompt": " ".join(f"w{i}" for i in range(300))}
+
+    def cost(call) -> float:
+        c0 = cpu_seconds([r.proc.pid])
+        for _ in range(calls):
+            call()
+        return (cpu_seconds([r.proc.pid]) - c0) / calls * 1000
+    return {"metrics_whole_ms": cost(lambda: kit.get_text(f"{r.url}/metrics")),
+            "metrics_by_name_ms": cost(lambda: kit.get_text(named)),
+            "tokenize_ms": cost(lambda: http_json(f"{r.url}/tokenize", body, timeout=10))}
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -281,6 +303,7 @@ class Bench:
         self.results: list[dict] = []
         self.skipped: dict[str, str] = {}
         self.oracle: dict[str, float] = {}
+        self.call_costs: dict[str, float] = {}
 
     def start_fleet(self) -> None:
         a = self.args
@@ -343,6 +366,8 @@ class Bench:
                 self.start_render()
             except (TimeoutError, OSError, RuntimeError) as e:
                 self.skipped["llmgw-render"] = f"{type(e).__name__}: {e}"
+        self.call_costs = call_costs(self.replicas[0])
+        log("  a replica's CPU per call: " + ", ".join(f"{k} {v:.2f}" for k, v in self.call_costs.items()))
         sessions = {w: make_workload(w, a.seed, a.scale, a.max_tokens, a.api) for w in a.workloads}
         for w in a.workloads:
             self.oracle[w] = oracle_hit_rate(self.replicas[0].url, sessions[w])
@@ -623,6 +648,11 @@ def main() -> int:
               f"computed token; {a.blocks} KV blocks of {BLOCK} tokens; max {a.max_num_seqs} sequences), concurrency "
               f"{a.concurrency}, {a.max_tokens} output tokens, {a.api} API, seed {a.seed}, {a.runs} runs. Everything shares this machine's "
               "cores: compare routers within a run."]
+    if bench.call_costs:
+        c = bench.call_costs
+        header += ["", f"A replica's CPU per call (its API server and engine, idle, before the runs): the whole /metrics page "
+                       f"{c['metrics_whole_ms']:.1f} ms, the load series by name as llmgw-agent asks for them "
+                       f"{c['metrics_by_name_ms']:.1f} ms, a /tokenize of a 300-word prompt {c['tokenize_ms']:.1f} ms."]
     return report(args.out, header, bench.results, bench.skipped, bench.oracle)
 
 

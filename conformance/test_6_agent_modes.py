@@ -1,6 +1,7 @@
 """Issue 6, item 6: both ways of wiring the agent to vLLM's publisher work with the real vLLM
 (A: the agent binds, vLLM connects; B: vLLM binds tcp://[::ffff:127.0.0.1]:PORT on loopback and
-the agent connects), and a gap in the live stream is repaired through vLLM's real replay socket."""
+the agent connects), and a gap in the live stream is repaired through vLLM's real replay socket;
+the agent reads each replica's load from the series it asks for by name."""
 
 import random
 import threading
@@ -9,6 +10,19 @@ import pytest
 import zmq
 
 from conftest import Agent, agent_hash, agent_toml, free_port, wait_until, words
+
+
+def test_the_agent_reads_the_replicas_load_by_name(fleet):
+    """The agent asks the real vLLM's `/metrics` for the series it reads by name (vLLM renders
+    the whole 48 KB page for about ten times the API server's CPU): every replica's load comes
+    from those pages, and no replica's page had to be read whole."""
+    for name in fleet.replicas:
+        wait_until(lambda: fleet.agent.replica(name)["load"] is not None, 30, f"a load read from {name}")
+    log = open(fleet.agent_proc.log_path, encoding="utf-8", errors="replace").read()
+    by_name = [line for line in log.splitlines() if "by name" in line]
+    assert not [line for line in by_name if "does not serve" in line], by_name
+    for name in fleet.replicas:
+        assert any("reading the load by name" in line and f"replica={name}#" in line for line in by_name), (name, by_name)
 
 
 @pytest.mark.parametrize("name", ["a", "b"])
