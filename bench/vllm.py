@@ -166,8 +166,12 @@ class Router:
             sections = {}
             if self.name == "llmgw-native":
                 # The agent's native tokenizer beside Envoy, on the model's own tokenizer files.
+                # Measured as it runs once past its start: its first answers are each checked
+                # against a replica (`verify_first`, 200 by default: longer than a run here, so
+                # every request would call a replica's /tokenize as well); after those, the
+                # default share (1 %).
                 self.tokenizer_port = kit.free_port()
-                sections["tokenizer"] = {"listen": f"127.0.0.1:{self.tokenizer_port}",
+                sections["tokenizer"] = {"listen": f"127.0.0.1:{self.tokenizer_port}", "verify_first": 16,
                                          "models": [{"names": [MODEL], "dir": str(a.model_dir)}]}
             agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name="agent",
                               hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}, **sections).wait_ready()
