@@ -155,6 +155,7 @@ impl Page {
 pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
     let Some(url) = spec.metrics_url.clone() else { return };
     let mut page = Page::new(url.clone());
+    let label = spec.label();
     let idx = usize::try_from(spec.id).unwrap_or(usize::MAX);
     // Held while this scraper runs: the engine's slot is not reused before it is dropped.
     let Some(stop) = hub.state().engines.get(idx).map(|e| e.stop.clone()) else { return };
@@ -171,7 +172,7 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
         if stop.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
-        let got = page.get(&spec.label(), Duration::from_millis(cfg.timeout_ms)).await;
+        let got = page.get(&label, Duration::from_millis(cfg.timeout_ms)).await;
         if stop.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
@@ -276,27 +277,36 @@ vllm:num_requests_running_other 99
         assert_eq!(parse_load("vllm:cache_config_info{num_gpu_blocks=\"None\"} 1.0\n", 0).cache_blocks, None);
     }
 
+    /// A hub of one replica at `addr` (its publisher never connects).
+    fn one_replica(addr: &str) -> Arc<Hub> {
+        let cfg = crate::config::Config::parse(&format!(
+            "[[replicas]]\nname = \"r\"\naddress = \"{addr}\"\nendpoint = \"tcp://127.0.0.1:1\"\n"
+        ))
+        .unwrap();
+        Hub::new(cfg.engines(), 64, 10)
+    }
+
+    /// Scrapes `hub`'s one replica every `interval_ms` until the task is aborted.
+    fn start_scraper(
+        hub: &Arc<Hub>,
+        interval_ms: u64,
+        down_after_ms: u64,
+        timeout_ms: u64,
+    ) -> tokio::task::JoinHandle<()> {
+        let spec = hub.state().engines[0].spec.clone();
+        let load = LoadConfig { enabled: true, interval_ms, down_after_ms, timeout_ms, models_interval_ms: 0 };
+        tokio::spawn(scrape_engine(hub.clone(), spec, load))
+    }
+
     /// After an agent (re)start a replica that never answers is down at its first failed
     /// scrape, not after `down_after_ms` of being shown up.
     #[tokio::test]
     async fn a_replica_never_seen_up_is_down_at_its_first_failed_scrape() {
         // A loopback port nobody listens on (bound, then closed).
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let cfg = crate::config::Config::parse(&format!(
-            "[[replicas]]\nname = \"dead\"\naddress = \"127.0.0.1:{port}\"\nendpoint = \"tcp://127.0.0.1:1\"\n"
-        ))
-        .unwrap();
-        let hub = Hub::new(cfg.engines(), 64, 10);
+        let hub = one_replica(&format!("127.0.0.1:{port}"));
         assert!(hub.state().engines[0].up, "shown up until something says otherwise");
-        let spec = hub.state().engines[0].spec.clone();
-        let load = LoadConfig {
-            enabled: true,
-            interval_ms: 50,
-            down_after_ms: 3_600_000,
-            timeout_ms: 500,
-            models_interval_ms: 0,
-        };
-        let task = tokio::spawn(scrape_engine(hub.clone(), spec, load));
+        let task = start_scraper(&hub, 50, 3_600_000, 500);
         // Readiness: the table change. Bounded: one scrape's timeout and then some.
         let deadline = Instant::now() + Duration::from_secs(5);
         while hub.state().engines[0].up {
@@ -365,20 +375,8 @@ vllm:num_requests_running_other 99
 
     /// Scrapes the server at `addr` until it was asked `n` times; the paths asked.
     async fn scrape_until(addr: &str, paths: &Paths, n: usize) -> (Vec<String>, Option<ReplicaLoad>) {
-        let cfg = crate::config::Config::parse(&format!(
-            "[[replicas]]\nname = \"r\"\naddress = \"{addr}\"\nendpoint = \"tcp://127.0.0.1:1\"\n"
-        ))
-        .unwrap();
-        let hub = Hub::new(cfg.engines(), 64, 10);
-        let spec = hub.state().engines[0].spec.clone();
-        let load = LoadConfig {
-            enabled: true,
-            interval_ms: 10,
-            down_after_ms: 60_000,
-            timeout_ms: 2_000,
-            models_interval_ms: 0,
-        };
-        let task = tokio::spawn(scrape_engine(hub.clone(), spec, load));
+        let hub = one_replica(addr);
+        let task = start_scraper(&hub, 10, 60_000, 2_000);
         let deadline = Instant::now() + Duration::from_secs(10);
         while paths.lock().unwrap().len() < n {
             assert!(Instant::now() < deadline, "asked {:?}", paths.lock().unwrap());
