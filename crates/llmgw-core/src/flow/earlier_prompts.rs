@@ -24,7 +24,7 @@
 use super::recent::Recent;
 use super::shared_prefix::the_prefix_decides;
 use super::shared_prompt::{EarlierPrompt, SharedPrompt, FIRST_BOUNDARY, MARK, MAX_MARKS, MAX_TOKENS};
-use super::step::{CacheLookup, Report, Routed};
+use super::step::{CacheLookup, EarlyRequest, Report, Routed};
 use super::{ExactRequest, GatewayState, Router};
 use crate::request::{ParsedRequest, Prompt};
 use crate::tokcache::{keyed_prefix_tags, CacheTag};
@@ -229,15 +229,8 @@ impl Router {
 
     /// Routes a text prompt on the tokens it shares with an earlier one, where that decides as
     /// its own tokens would: the route, and the estimate of its prompt tokens.
-    pub(super) fn route_on_earlier_prompt(
-        &mut self,
-        profile: usize,
-        spec: u64,
-        parsed: &ParsedRequest,
-        approx: &dyn Fn() -> Option<u64>,
-        gw: &dyn GatewayState,
-        report: Report,
-    ) -> Option<(Routed, u64)> {
+    pub(super) fn route_on_earlier_prompt(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+        let EarlyRequest { profile, spec, parsed, gw, .. } = *req;
         let c = self.prompt_context(profile, spec, parsed)?;
         let (whole_ok, part_ok) = (self.config.route_on_earlier_turns, self.config.route_on_shared_prefixes);
         self.earlier_prompts.take_up(gw);
@@ -245,7 +238,7 @@ impl Router {
         let lookup = if claim.whole { CacheLookup::EarlierTurn } else { CacheLookup::SharedPrefix };
         let mut report = Report { tokenizer_cache: Some(lookup), ..report };
         let model = parsed.model.as_deref();
-        let req = ExactRequest {
+        let exact = ExactRequest {
             profile,
             model,
             cache_salt: parsed.cache_salt.as_deref(),
@@ -253,13 +246,13 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let scored = self.exact(req, gw, &mut report).ok();
+        let scored = self.exact(exact, gw, &mut report).ok();
         let scores = &self.scratch.scores;
         let decides = if claim.whole { scores.total > 0 } else { the_prefix_decides(scores) };
         let mut scored = scored.filter(|_| decides)?;
         let (count, bytes) = claim.per;
         scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len())?;
-        self.route_early(model, profile, &scored, approx, gw, report)
+        self.route_early(req, &scored, report)
     }
 }
 

@@ -21,7 +21,7 @@
 
 use super::candidates::candidates;
 use super::exact::Scored;
-use super::step::{Background, CacheLookup, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags};
+use super::step::{Background, CacheLookup, EarlyRequest, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
@@ -79,23 +79,12 @@ impl Router {
     /// previous turn's tokens, else on what its siblings share ([`super::shared_prefix`]); a
     /// text prompt on an earlier prompt's ([`super::earlier_prompts`]). The route, and the
     /// estimate of the request's own prompt tokens.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn route_before_tokenizing(
-        &mut self,
-        profile: usize,
-        spec: u64,
-        tags: Option<&TurnTags>,
-        parsed: &ParsedRequest,
-        approx: &dyn Fn() -> Option<u64>,
-        gw: &dyn GatewayState,
-        now_ns: u64,
-        report: Report,
-    ) -> Option<(Routed, u64)> {
-        match parsed.prompt {
-            Prompt::Chat(_) => self
-                .route_on_earlier_turn(tags, parsed, approx, gw, now_ns, report)
-                .or_else(|| self.route_on_shared_prefix(tags, parsed, approx, gw, report)),
-            Prompt::Text(_) => self.route_on_earlier_prompt(profile, spec, parsed, approx, gw, report),
+    pub(super) fn route_before_tokenizing(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+        match req.parsed.prompt {
+            Prompt::Chat(_) => {
+                self.route_on_earlier_turn(req, report).or_else(|| self.route_on_shared_prefix(req, report))
+            }
+            Prompt::Text(_) => self.route_on_earlier_prompt(req, report),
             Prompt::Tokens(_) | Prompt::None => None,
         }
     }
@@ -104,16 +93,9 @@ impl Router {
     /// replicas use now and spans a full block: the route, and the estimate of the request's
     /// own prompt tokens (the earlier tokens, and its further messages at the bytes per token
     /// the earlier ones took).
-    fn route_on_earlier_turn(
-        &mut self,
-        tags: Option<&TurnTags>,
-        parsed: &ParsedRequest,
-        approx: &dyn Fn() -> Option<u64>,
-        gw: &dyn GatewayState,
-        now_ns: u64,
-        report: Report,
-    ) -> Option<(Routed, u64)> {
-        let tags = tags?;
+    fn route_on_earlier_turn(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+        let EarlyRequest { parsed, gw, now_ns, .. } = *req;
+        let tags = req.tags?;
         let (tag, bytes) = tags.previous?;
         let mut report = Report { tokenizer_cache: Some(CacheLookup::EarlierTurn), ..report };
         let model = parsed.model.as_deref();
@@ -137,7 +119,7 @@ impl Router {
                 (Tokenized { tokens, hashes: Vec::new() }, None, n)
             }
         };
-        let req = ExactRequest {
+        let exact = ExactRequest {
             profile,
             model,
             cache_salt: parsed.cache_salt.as_deref(),
@@ -145,7 +127,7 @@ impl Router {
             known: &t.hashes,
             mm: Vec::new(),
         };
-        let scored = self.exact(req, gw, &mut report);
+        let scored = self.exact(exact, gw, &mut report);
         if let Some(back) = back {
             if scored.is_ok() && self.scratch.hashes.len() > t.hashes.len() {
                 t.hashes.clone_from(&self.scratch.hashes);
@@ -154,7 +136,7 @@ impl Router {
         }
         let mut scored = scored.ok().filter(|_| self.scratch.scores.total > 0)?;
         scored.tokens = estimated_tokens(n, bytes, tags.bytes)?;
-        self.route_early(model, profile, &scored, approx, gw, report)
+        self.route_early(req, &scored, report)
     }
 
     /// The call for `call`'s request: after routing it (`routed`), else before. A call after
@@ -248,16 +230,9 @@ pub(super) fn estimated_tokens(n: usize, bytes: usize, all_bytes: usize) -> Opti
 impl Router {
     /// Finishes a request scored before its tokenizer answered, on leading tokens, with its own
     /// prompt tokens estimated in `scored.tokens`: the route, and that estimate.
-    pub(super) fn route_early(
-        &self,
-        model: Option<&str>,
-        profile: usize,
-        scored: &Scored,
-        approx: &dyn Fn() -> Option<u64>,
-        gw: &dyn GatewayState,
-        report: Report,
-    ) -> Option<(Routed, u64)> {
-        match self.finish(model, Some(profile), Some(scored), approx, None, gw, report) {
+    pub(super) fn route_early(&self, req: &EarlyRequest<'_>, scored: &Scored, report: Report) -> Option<(Routed, u64)> {
+        let model = req.parsed.model.as_deref();
+        match self.finish(model, Some(req.profile), Some(scored), req.approx, None, req.gw, report) {
             Step::Route(r) => Some((r, scored.tokens)),
             _ => None,
         }

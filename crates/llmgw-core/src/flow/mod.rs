@@ -63,7 +63,7 @@ use crate::tokcache::{Alias, CacheTag, TokenCache, Tokenized};
 use decide::{decide, Deciding};
 use exact::{PromptBlocks, Scored, Scoring};
 use hash_plan::{HashPlan, Hashers, PlanStatus, Plans};
-use step::{RetryCall, TokenizerTarget};
+use step::{EarlyRequest, RetryCall, TokenizerTarget};
 use triage::{approx_key, fallback_reason};
 
 /// A tokenizer call body past this size (about 250,000 tokens of text) that fails is charged
@@ -354,7 +354,9 @@ impl Router {
         });
         let call_bytes = call.body.len();
         let turn_tags = self.turn_tags(pi, spec, &parsed);
-        let earlier = self.route_before_tokenizing(pi, spec, turn_tags.as_ref(), &parsed, &approx, gw, now_ns, report);
+        let early =
+            EarlyRequest { profile: pi, spec, tags: turn_tags.as_ref(), parsed: &parsed, approx: &approx, gw, now_ns };
+        let earlier = self.route_before_tokenizing(&early, report);
         let pending = Box::new(Pending {
             profile: pi,
             parsed,

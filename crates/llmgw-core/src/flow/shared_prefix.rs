@@ -18,10 +18,9 @@
 
 use super::earlier_turns::estimated_tokens;
 use super::recent::Recent;
-use super::step::{CacheLookup, Report, Routed, TurnTags};
-use super::{ExactRequest, GatewayState, Router};
+use super::step::{CacheLookup, EarlyRequest, Report, Routed};
+use super::{ExactRequest, Router};
 use crate::index::Scores;
-use crate::request::ParsedRequest;
 
 /// Common prefixes kept per VM: at most this many, each of at most [`MAX_TOKENS`] tokens (4 MiB
 /// per VM at most).
@@ -106,15 +105,9 @@ pub(super) fn the_prefix_decides(scores: &Scores) -> bool {
 impl Router {
     /// Routes on the common prefix of `parsed`'s siblings, when it decides as the request's own
     /// tokens would: the route, and the estimate of the request's prompt tokens.
-    pub(super) fn route_on_shared_prefix(
-        &mut self,
-        tags: Option<&TurnTags>,
-        parsed: &ParsedRequest,
-        approx: &dyn Fn() -> Option<u64>,
-        gw: &dyn GatewayState,
-        report: Report,
-    ) -> Option<(Routed, u64)> {
-        let tags = tags?;
+    pub(super) fn route_on_shared_prefix(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+        let EarlyRequest { parsed, gw, .. } = *req;
+        let tags = req.tags?;
         let (tag, bytes) = tags.siblings?;
         // This VM's, else the one another VM of this Envoy kept.
         let tokens = match self.shared_prefixes.common(tag.0) {
@@ -123,7 +116,7 @@ impl Router {
         };
         let mut report = Report { tokenizer_cache: Some(CacheLookup::SharedPrefix), ..report };
         let model = parsed.model.as_deref();
-        let req = ExactRequest {
+        let exact = ExactRequest {
             profile: tags.profile,
             model,
             cache_salt: parsed.cache_salt.as_deref(),
@@ -131,9 +124,10 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let mut scored = self.exact(req, gw, &mut report).ok().filter(|_| the_prefix_decides(&self.scratch.scores))?;
+        let mut scored =
+            self.exact(exact, gw, &mut report).ok().filter(|_| the_prefix_decides(&self.scratch.scores))?;
         scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
-        self.route_early(model, tags.profile, &scored, approx, gw, report)
+        self.route_early(req, &scored, report)
     }
 }
 

@@ -1,6 +1,7 @@
 //! What the request path hands back: a [`Step`] (route, answer locally, or call the
 //! tokenizer), with the [`Report`] of what to count, the explain header and the 503 body.
 
+use super::gateway::GatewayState;
 use super::reasons::{Fallback, TokenizerFailure};
 use super::shared_prompt::SharedPrompt;
 use super::speculative::Speculation;
@@ -219,6 +220,19 @@ pub(super) struct TurnTags {
     pub(super) siblings: Option<(CacheTag, usize)>,
     /// The bytes of all its messages (for the estimate of its prompt tokens).
     pub(super) bytes: usize,
+}
+
+/// What routing a request before its tokenizer answers works from: its profile and the hashing
+/// the replicas use under it, its chat tags (if any), the request, its approximate key (computed
+/// only if the decision needs it), the gateway's state and the time.
+pub(super) struct EarlyRequest<'a> {
+    pub(super) profile: usize,
+    pub(super) spec: u64,
+    pub(super) tags: Option<&'a TurnTags>,
+    pub(super) parsed: &'a ParsedRequest,
+    pub(super) approx: &'a dyn Fn() -> Option<u64>,
+    pub(super) gw: &'a dyn GatewayState,
+    pub(super) now_ns: u64,
 }
 
 /// What a call made after routing told (see [`super::Router::on_background_reply`]).
