@@ -535,9 +535,10 @@ def side_table(results: list[dict]) -> list[str]:
     if not rows:
         return []
     ms = lambda v: f"{v:.1f}" if v == v else "—"  # noqa: E731
+    steps = lambda r: f"{r['engine_steps'] / r['requests']:.1f}" if r.get("engine_steps") and r.get("requests") else "—"  # noqa: E731
     lines = ["| run | workload | router | client TTFT mean | replica TTFT mean | queued | prefilling | outside | "
-             "router CPU ms/request | replicas' CPU ms/request |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "router CPU ms/request | replicas' CPU ms/request | engine steps/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         outside = r["ttft_mean"] - r["replica_ttft_mean"]
         each = r.get("router_cpu_ms_per_request_each") or []
@@ -546,7 +547,7 @@ def side_table(results: list[dict]) -> list[str]:
         lines.append(f"| {r['run']} | {r['workload']} | {ROUTERS[r['router']]} | {ms(r['ttft_mean'])} | "
                      f"{ms(r['replica_ttft_mean'])} | {ms(r['replica_queue_mean'])} | {ms(r['replica_prefill_mean'])} | "
                      f"{ms(outside)} | {ms(r.get('router_cpu_ms_per_request', float('nan')))}{split} | "
-                     f"{ms(r.get('replica_cpu_ms_per_request', float('nan')))} |")
+                     f"{ms(r.get('replica_cpu_ms_per_request', float('nan')))} | {steps(r)} |")
     return lines
 
 
@@ -585,7 +586,9 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
                "`time_to_first_token_seconds` from the request's arrival at its API server, of which queued and "
                "prefilling in the engine; outside = client TTFT − replica TTFT: the router, the network and the "
                "client; CPU = user + system time of the router's processes (for llmgw the agent's + Envoy's in brackets) and of the "
-               "replicas' (API servers and engines), per request):", "", *sides]
+               "replicas' (API servers and engines), per request; engine steps = the steps the replicas' engines ran "
+               "(`vllm:iteration_tokens_total` observations), per request: each costs the engine's loop its CPU, so a "
+               "router that spreads requests over more replicas runs more of them):", "", *sides]
     if skipped:
         md += ["", "**Not run:**", "", *[f"- {ROUTERS[n]}: {why}" for n, why in skipped.items()]]
     text = "\n".join(md) + "\n"

@@ -94,6 +94,8 @@ def run_sessions(label: str, send, sims: list[dict], sessions, concurrency: int,
         "replica_ttft_mean": replica_mean_ms("time_to_first_token_seconds"),
         "replica_queue_mean": replica_mean_ms("request_queue_time_seconds"),
         "replica_prefill_mean": replica_mean_ms("request_prefill_time_seconds"),
+        # The engine steps the replicas ran (vLLM observes every step's tokens once).
+        "engine_steps": sum(d("vllm:iteration_tokens_total_count")),
     }
     if summary is not None:
         sys.stdout.write(f"\r{summary(out)}\n")
