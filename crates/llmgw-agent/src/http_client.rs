@@ -95,31 +95,35 @@ fn malformed(e: hyper::Error) -> HttpError {
     }
 }
 
+/// A loopback HTTP server for tests, the agent's replicas and tokenizers in small.
 #[cfg(test)]
-mod tests {
-    use super::{get, post_json, HttpError};
-    use std::time::Duration;
+pub(crate) mod test_server {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+    /// The request heads a server read, in order.
+    pub(crate) type Heads = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
 
-    /// A server answering every connection with `answer` once it has read the request head
-    /// (and a body of Content-Length), then holding the connection open for `linger`; the
-    /// request heads it read are in the returned list.
-    async fn server(answer: &'static [u8], linger: Duration) -> (String, Heads) {
+    /// A server answering every connection with `answer(head)` once it has read the request
+    /// head (and a body of Content-Length), then holding the connection open for `linger`.
+    /// Its URL (`http://addr`), and the heads it read.
+    pub(crate) async fn serve(
+        answer: impl Fn(&str) -> Vec<u8> + Send + Sync + 'static,
+        linger: std::time::Duration,
+    ) -> (String, Heads) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let heads = Heads::default();
         let seen = heads.clone();
+        let answer = std::sync::Arc::new(answer);
         tokio::spawn(async move {
             loop {
-                let (mut s, _) = l.accept().await.unwrap();
-                let seen = seen.clone();
+                let Ok((mut s, _)) = l.accept().await else { return };
+                let (seen, answer) = (seen.clone(), answer.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
                     let head = loop {
-                        let n = s.read(&mut chunk).await.unwrap();
+                        let n = s.read(&mut chunk).await.unwrap_or(0);
                         buf.extend_from_slice(&chunk[..n]);
                         let text = String::from_utf8_lossy(&buf).to_string();
                         if let Some((head, body)) = text.split_once("\r\n\r\n") {
@@ -134,21 +138,38 @@ mod tests {
                             if body.len() >= len || n == 0 {
                                 break head.to_owned();
                             }
+                        } else if n == 0 {
+                            return;
                         }
                     };
-                    // Envoy answers an HTTP/1.0 request 426 unless told to accept it.
-                    let reply: &[u8] = if head.lines().next().unwrap().ends_with("HTTP/1.0") {
-                        b"HTTP/1.1 426 Upgrade Required\r\ncontent-length: 0\r\n\r\n"
-                    } else {
-                        answer
-                    };
+                    let reply = answer(&head);
                     seen.lock().unwrap().push(head);
-                    s.write_all(reply).await.unwrap();
+                    let _ = s.write_all(&reply).await;
                     tokio::time::sleep(linger).await;
                 });
             }
         });
         (format!("http://{addr}"), heads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_server::{serve, Heads};
+    use super::{get, post_json, HttpError};
+    use std::time::Duration;
+
+    /// A server answering every connection with `answer`, but an HTTP/1.0 request with 426
+    /// (as Envoy does unless told to accept it).
+    async fn server(answer: &'static [u8], linger: Duration) -> (String, Heads) {
+        let answer = move |head: &str| -> Vec<u8> {
+            if head.lines().next().is_some_and(|l| l.ends_with("HTTP/1.0")) {
+                b"HTTP/1.1 426 Upgrade Required\r\ncontent-length: 0\r\n\r\n".to_vec()
+            } else {
+                answer.to_vec()
+            }
+        };
+        serve(answer, linger).await
     }
 
     #[tokio::test]

@@ -332,58 +332,45 @@ vllm:num_requests_running_other 99
         }
     }
 
-    type Paths = Arc<std::sync::Mutex<Vec<String>>>;
+    use crate::http_client::test_server::{serve, Heads};
 
-    /// A replica's metrics server: the paths it was asked for. With `by_name`, it answers
-    /// `/metrics/?…` with the running series alone (as vLLM does); without, 404.
-    async fn metrics_server(by_name: bool) -> (String, Paths) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let paths: Paths = Arc::default();
-        let seen = paths.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut s, _)) = l.accept().await else { return };
-                let mut head = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let head = String::from_utf8_lossy(&head).into_owned();
-                let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
-                seen.lock().unwrap().push(path.clone());
-                let body = if path == "/metrics" {
-                    Some(PAGE)
-                } else if by_name && path.starts_with("/metrics/?") {
-                    Some("vllm:num_requests_running{engine=\"0\"} 3.0\n")
-                } else {
-                    None
-                };
-                let answer = match body {
-                    Some(b) => format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{b}", b.len()),
-                    None => "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_owned(),
-                };
-                let _ = s.write_all(answer.as_bytes()).await;
+    /// The path a request head asks for.
+    fn path(head: &str) -> &str {
+        head.split_whitespace().nth(1).unwrap_or("")
+    }
+
+    /// A replica's metrics server: its address, and the request heads it read. With `by_name`,
+    /// it answers `/metrics/?…` with the running series alone (as vLLM does); without, 404.
+    async fn metrics_server(by_name: bool) -> (String, Heads) {
+        let answer = move |head: &str| {
+            let p = path(head);
+            let body = if p == "/metrics" {
+                Some(PAGE)
+            } else if by_name && p.starts_with("/metrics/?") {
+                Some("vllm:num_requests_running{engine=\"0\"} 3.0\n")
+            } else {
+                None
+            };
+            match body {
+                Some(b) => format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{b}", b.len()).into_bytes(),
+                None => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
             }
-        });
-        (addr, paths)
+        };
+        let (url, heads) = serve(answer, Duration::ZERO).await;
+        (url.trim_start_matches("http://").to_owned(), heads)
     }
 
     /// Scrapes the server at `addr` until it was asked `n` times; the paths asked.
-    async fn scrape_until(addr: &str, paths: &Paths, n: usize) -> (Vec<String>, Option<ReplicaLoad>) {
+    async fn scrape_until(addr: &str, heads: &Heads, n: usize) -> (Vec<String>, Option<ReplicaLoad>) {
         let hub = one_replica(addr);
         let task = start_scraper(&hub, 10, 60_000, 2_000);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while paths.lock().unwrap().len() < n {
-            assert!(Instant::now() < deadline, "asked {:?}", paths.lock().unwrap());
+        while heads.lock().unwrap().len() < n {
+            assert!(Instant::now() < deadline, "asked {:?}", heads.lock().unwrap());
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         task.abort();
-        let got = paths.lock().unwrap().clone();
+        let got = heads.lock().unwrap().iter().map(|h| path(h).to_owned()).collect();
         let load = hub.state().engines[0].load.clone();
         (got, load)
     }
