@@ -220,6 +220,13 @@ class Router:
             return {}
         phases = parse_phases(text)
         out: dict = {"phases_us": phases}
+        # Their means too: means add up where medians do not (the time outside the replicas is a
+        # difference of means).
+        try:
+            text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats/prometheus?filter={PHASE_FILTER}")
+            out["phase_means_us"] = parse_phase_means(text)
+        except OSError:
+            pass
         # How its requests got their tokens: cached, routed on the conversation's turn before, or
         # waiting for a call.
         try:
@@ -271,6 +278,25 @@ def parse_phases(stats_text: str) -> dict[str, tuple[float, float]]:
             if p50 == p50 and p99 == p99:  # not nan
                 out[by_stat[m.group(1)]] = (p50, p99)
     return {k: out[k] for k in PHASES if k in out}
+
+
+def parse_phase_means(prom_text: str) -> dict[str, float]:
+    """Envoy's /stats/prometheus text to {phase: mean µs} over the whole run (each histogram's
+    `_sum` over its `_count`, summed over its label sets); a phase with no values is left out."""
+    sums: dict[str, list[float]] = {}
+    for line in prom_text.splitlines():
+        m = _PROM_SAMPLE.match(line.strip())
+        if m:
+            sums.setdefault(m.group(1), [0.0, 0.0])[m.group(2) == "_count"] += float(m.group(3))
+    out = {}
+    for phase, stat in PHASES.items():
+        total, count = sums.get(stat, (0.0, 0.0))
+        if count > 0:
+            out[phase] = total / count
+    return out
+
+
+_PROM_SAMPLE = re.compile(r"^(\w+?)(_sum|_count)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,9 +562,18 @@ def side_table(results: list[dict]) -> list[str]:
         return []
     ms = lambda v: f"{v:.1f}" if v == v else "—"  # noqa: E731
     steps = lambda r: f"{r['engine_steps'] / r['requests']:.1f}" if r.get("engine_steps") and r.get("requests") else "—"  # noqa: E731
+    def gateway(r: dict) -> str:
+        # llmgw's part of the time outside: headers in to the decision, mean, and how many
+        # requests waited there for a tokenizer answer (the cache's misses).
+        mean = (r.get("phase_means_us") or {}).get("gateway")
+        if mean is None:
+            return "—"
+        misses = (r.get("tokenizer_cache") or {}).get("miss")
+        waited = f" ({misses} of {r['requests']} waited)" if misses is not None and r.get("requests") else ""
+        return f"{mean / 1000:.1f}{waited}"
     lines = ["| run | workload | router | client TTFT mean | replica TTFT mean | queued | prefilling | outside | "
-             "router CPU ms/request | replicas' CPU ms/request | engine steps/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "of which llmgw's gateway phase | router CPU ms/request | replicas' CPU ms/request | engine steps/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         outside = r["ttft_mean"] - r["replica_ttft_mean"]
         each = r.get("router_cpu_ms_per_request_each") or []
@@ -546,7 +581,7 @@ def side_table(results: list[dict]) -> list[str]:
         split = f" ({' + '.join(ms(v) for v in each)})" if len(each) > 1 else ""
         lines.append(f"| {r['run']} | {r['workload']} | {ROUTERS[r['router']]} | {ms(r['ttft_mean'])} | "
                      f"{ms(r['replica_ttft_mean'])} | {ms(r['replica_queue_mean'])} | {ms(r['replica_prefill_mean'])} | "
-                     f"{ms(outside)} | {ms(r.get('router_cpu_ms_per_request', float('nan')))}{split} | "
+                     f"{ms(outside)} | {gateway(r)} | {ms(r.get('router_cpu_ms_per_request', float('nan')))}{split} | "
                      f"{ms(r.get('replica_cpu_ms_per_request', float('nan')))} | {steps(r)} |")
     return lines
 
@@ -585,7 +620,8 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
         md += ["", "**Every router's time, inside and outside the replicas** (means in ms; replica = vLLM's own "
                "`time_to_first_token_seconds` from the request's arrival at its API server, of which queued and "
                "prefilling in the engine; outside = client TTFT − replica TTFT: the router, the network and the "
-               "client; CPU = user + system time of the router's processes (for llmgw the agent's + Envoy's in brackets) and of the "
+               "client; of which llmgw's gateway phase = its request headers in to its decision, of which some "
+               "requests waited for a tokenizer answer; CPU = user + system time of the router's processes (for llmgw the agent's + Envoy's in brackets) and of the "
                "replicas' (API servers and engines), per request; engine steps = the steps the replicas' engines ran "
                "(`vllm:iteration_tokens_total` observations), per request: each costs the engine's loop its CPU, so a "
                "router that spreads requests over more replicas runs more of them):", "", *sides]

@@ -529,6 +529,11 @@ def test_filter_records_where_the_time_goes_in_histograms_and_the_access_log(pro
         assert list(phases) == list(bench.PHASES), phases
         assert phases["tokenizer"][0] >= 50_000 and phases["gateway"][1] >= 50_000, phases
         assert all(0 <= p50 <= p99 for p50, p99 in phases.values()), phases
+        # And their means (the report's time outside the replicas is a difference of means): the
+        # gateway's over both requests, the tokenizer's over the one call.
+        means = bench.parse_phase_means(gw.envoy.get(f"/stats/prometheus?filter={bench.PHASE_FILTER}"))
+        assert list(means) == list(bench.PHASES), means
+        assert means["tokenizer"] >= 50_000 and 25_000 <= means["gateway"] < means["tokenizer"], means
         gw.assert_no_panic()
     finally:
         feed.stop()
