@@ -282,21 +282,13 @@ def parse_phases(stats_text: str) -> dict[str, tuple[float, float]]:
 
 def parse_phase_means(prom_text: str) -> dict[str, float]:
     """Envoy's /stats/prometheus text to {phase: mean µs} over the whole run (each histogram's
-    `_sum` over its `_count`, summed over its label sets); a phase with no values is left out."""
-    sums: dict[str, list[float]] = {}
-    for line in prom_text.splitlines():
-        m = _PROM_SAMPLE.match(line.strip())
-        if m:
-            sums.setdefault(m.group(1), [0.0, 0.0])[m.group(2) == "_count"] += float(m.group(3))
+    `_sum` over its `_count`); a phase with no values is left out."""
     out = {}
     for phase, stat in PHASES.items():
-        total, count = sums.get(stat, (0.0, 0.0))
+        count = kit.prom_sum(prom_text, f"{stat}_count")
         if count > 0:
-            out[phase] = total / count
+            out[phase] = kit.prom_sum(prom_text, f"{stat}_sum") / count
     return out
-
-
-_PROM_SAMPLE = re.compile(r"^(\w+?)(_sum|_count)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -129,35 +129,13 @@ fn main() {
     }
 
     // agent_config: the configuration reference in crates/llmgw-agent/README.md and the
-    // accepted configuration of crates/llmgw-agent/src/config/mod.rs's tests.
+    // accepted configuration the configuration tests start from (crates/llmgw-agent/src/config/file/tests.rs).
     let readme = fs::read_to_string("../crates/llmgw-agent/README.md").unwrap();
     let toml = readme.split("```toml\n").nth(1).and_then(|s| s.split("```").next()).unwrap();
     write("agent_config", "readme", toml.as_bytes());
-    write(
-        "agent_config",
-        "tests-ok",
-        br#"
-[hash]
-algo = "sha256_cbor"
-seed = "0"
-
-[[replicas]]
-name = "a"
-address = "127.0.0.1:8000"
-models = ["m"]
-endpoint = "tcp://127.0.0.1:5557"
-replay_endpoint = "tcp://127.0.0.1:5558"
-topic = "kv-events"
-dp_ranks = 2
-
-[[replicas]]
-name = "b"
-address = "127.0.0.1:8001"
-endpoint = "tcp://127.0.0.1:6000"
-mode = "bind"
-metrics_url = ""
-"#,
-    );
+    let tests = fs::read_to_string("../crates/llmgw-agent/src/config/file/tests.rs").unwrap();
+    let ok = tests.split("const OK: &str = r#\"").nth(1).and_then(|s| s.split("\"#;").next()).unwrap();
+    write("agent_config", "tests-ok", ok.as_bytes());
 
     // discovery: crates/llmgw-agent/src/discovery.rs's tests (first byte: the replica address).
     let sources: [&str; 4] = [

@@ -26,7 +26,7 @@
 from .agent import Agent, AgentAPI, agent_config, merged, sim_replica, toml
 from .client import (DECISION_HEADER, Decision, parse_decision, plain_request, scored_before_tokenizing,
                      speculative_blocks, stream_request)
-from .envoy import EnvoyAdmin, epp_bootstrap, filter_config, lb_config, shipped_config, start_envoy
+from .envoy import EnvoyAdmin, epp_bootstrap, filter_config, lb_config, prom_sum, shipped_config, start_envoy
 from .http import get_text, http_json, post_json, request
 from .paths import ROOT, VLLM_DATA, WASM_TARGET, binary_path, built, envoy_bin, target_dir, wasm
 from .procs import Procs, free_port, tail, wait_port, wait_until
@@ -34,6 +34,6 @@ from .procs import Procs, free_port, tail, wait_port, wait_until
 __all__ = [
     "ROOT", "VLLM_DATA", "WASM_TARGET", "Agent", "AgentAPI", "DECISION_HEADER", "Decision", "EnvoyAdmin", "Procs",
     "agent_config", "binary_path", "built", "envoy_bin", "epp_bootstrap", "filter_config", "free_port", "get_text", "http_json",
-    "lb_config", "merged", "parse_decision", "plain_request", "post_json", "request", "shipped_config", "scored_before_tokenizing", "speculative_blocks",
+    "lb_config", "merged", "parse_decision", "plain_request", "post_json", "prom_sum", "request", "shipped_config", "scored_before_tokenizing", "speculative_blocks",
     "sim_replica", "start_envoy", "stream_request", "tail", "target_dir", "toml", "wait_port", "wait_until", "wasm",
 ]

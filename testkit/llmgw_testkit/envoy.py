@@ -131,6 +131,17 @@ def start_envoy(procs, envoy_bin, config: Path, name: str = "envoy", concurrency
 _PROM = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
+def prom_sum(text: str, name: str, labels: str = "") -> float:
+    """Sum of the values of series `name` in Prometheus text, over the label sets containing
+    `labels` (all of them when empty)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = _PROM.match(line)
+        if m and not line.startswith("#") and m.group(1) == name and (not labels or labels in (m.group(2) or "")):
+            total += float(m.group(3))
+    return total
+
+
 class EnvoyAdmin:
     """Envoy's admin API at 127.0.0.1:port."""
 
@@ -174,12 +185,7 @@ class EnvoyAdmin:
     def metric(self, name: str, labels: str = "") -> float:
         """Sum of a Prometheus series' values (e.g. name='llmgw_prefix_decisions_total',
         labels='outcome="exact"')."""
-        total = 0.0
-        for line in self.prom().splitlines():
-            m = _PROM.match(line)
-            if m and not line.startswith("#") and m.group(1) == name and (not labels or labels in (m.group(2) or "")):
-                total += float(m.group(3))
-        return total
+        return prom_sum(self.prom(), name, labels)
 
     def feed_connected(self) -> bool:
         """True when every filter VM reports its feed subscription up."""
