@@ -167,7 +167,7 @@ pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::file::default_feed_listen;
+    use super::super::file::field_defaults::default_feed_listen;
     use super::super::file::tests::OK;
     use super::*;
 

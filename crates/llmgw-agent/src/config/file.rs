@@ -1,8 +1,10 @@
-//! The agent's configuration file as written: its sections and fields, their defaults, and the
-//! loading and parsing that [`super::validate`] completes.
+//! The agent's configuration file as written: its sections and fields, each section's `Default`
+//! (the values a field left out takes are in `field_defaults`), and the loading and parsing
+//! that [`super::validate`] completes.
 
 use super::seed::SeedLookup;
-use llmgw_core::hash::{defaults, HashAlgo};
+use field_defaults::*;
+use llmgw_core::hash::HashAlgo;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -147,9 +149,6 @@ pub struct DiscoveryConfig {
     pub snapshot_port: Option<u16>,
 }
 
-fn default_refresh() -> u64 {
-    10_000
-}
 fn default_sources() -> Sources {
     Sources::KvEventSources
 }
@@ -356,89 +355,8 @@ pub struct ReplicaConfig {
     pub snapshot_url: Option<String>,
 }
 
-fn default_js_stream() -> String {
-    "LLMGW_KV".to_owned()
-}
-fn default_js_prefix() -> String {
-    "llmgw.kv".to_owned()
-}
-fn default_js_per_subject() -> i64 {
-    10_000
-}
-fn default_js_max_bytes() -> i64 {
-    -1
-}
-pub(super) fn default_feed_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 7070))
-}
-fn default_http_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 9464))
-}
-fn default_queue() -> usize {
-    4096
-}
-fn default_max_subscribers() -> usize {
-    1024
-}
-fn default_backlog_bytes() -> usize {
-    64 << 20
-}
-fn default_heartbeat() -> f64 {
-    5.0
-}
-fn default_algo() -> HashAlgo {
-    defaults::ALGO
-}
-fn default_block_size() -> u32 {
-    defaults::BLOCK_SIZE
-}
-fn default_rcvhwm() -> i32 {
-    100_000
-}
-fn default_reconnect_max() -> i32 {
-    1000
-}
-fn default_replay_timeout() -> u64 {
-    2000
-}
-fn default_publisher_down() -> u64 {
-    30_000
-}
-fn default_max_blocks() -> usize {
-    16 << 20
-}
-fn default_max_message_bytes() -> i64 {
-    4 << 20
-}
-fn default_queued_bytes() -> i64 {
-    1 << 30
-}
-fn default_true() -> bool {
-    true
-}
-fn default_interval() -> u64 {
-    500
-}
-fn default_down_after() -> u64 {
-    10_000
-}
-fn default_scrape_timeout() -> u64 {
-    1000
-}
-fn default_models_interval() -> u64 {
-    30_000
-}
-fn default_parity_threshold() -> f64 {
-    0.01
-}
-fn default_parity_min() -> u64 {
-    16
-}
 fn default_mode() -> Mode {
     Mode::Connect
-}
-fn default_dp() -> u32 {
-    1
 }
 
 impl Default for FeedConfig {
@@ -597,6 +515,8 @@ impl Config {
         Duration::from_millis(self.zmq.replay_timeout_ms)
     }
 }
+
+pub(super) mod field_defaults;
 
 #[cfg(test)]
 pub(super) mod tests;

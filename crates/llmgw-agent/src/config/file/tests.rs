@@ -1,6 +1,7 @@
 //! Tests of `file.rs`.
 
 use super::*;
+use llmgw_core::hash::defaults;
 
 pub(in crate::config) const OK: &str = r#"
 [hash]
