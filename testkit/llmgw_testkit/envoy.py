@@ -99,13 +99,19 @@ def listener_yaml(name: str, port: int, cluster: str, buffer_limit: int | None =
 
 
 def cluster_yaml(name: str, ports: list[int], lb: str = "ROUND_ROBIN") -> str:
-    """One item of static_resources.clusters: 127.0.0.1 at `ports`, balanced by `lb` (an Envoy lb_policy)."""
+    """One item of static_resources.clusters: 127.0.0.1 at `ports`, balanced by `lb` (an Envoy lb_policy).
+    Idle connections close after 4 s, below vLLM's keep-alive, as in the shipped configs."""
     eps = "".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
                   for p in ports)
     return f"""  - name: {name}
     type: STATIC
     lb_policy: {lb}
     connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options: {{idle_timeout: 4s}}
+        explicit_http_config: {{http_protocol_options: {{}}}}
     load_assignment:
       cluster_name: {name}
       endpoints:
