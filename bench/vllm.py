@@ -136,12 +136,22 @@ class Replica(VllmReplica):
 
 
 def reset_caches(replicas: list[Replica]) -> None:
-    """Empties every replica's prefix cache (retried while requests still hold blocks)."""
+    """Empties every replica's prefix cache (retried while requests still hold blocks), then
+    has each engine run one step. vLLM publishes the reset (`AllBlocksCleared`) with the events of
+    its next step, not when the cache is emptied: without a step before the run, llmgw learns of
+    the reset from the run's first batches, and drops the speculative entries of what it routed
+    before (entries written before a reset it learns of are stale), so a conversation's next
+    turn could go where its first was not. The step's prompt is shorter than a block, so it
+    leaves nothing cached."""
     for r in replicas:
         def done(r=r) -> bool:
             status, _, reply = http_json(f"{r.url}/reset_prefix_cache", {}, timeout=10)
             return status == 200 and bool(reply.get("success"))
         kit.wait_until(done, 30, f"{r.name} to empty its prefix cache")
+        status, _, reply = http_json(f"{r.url}/v1/completions", {"model": MODEL, "prompt": "reset", "max_tokens": 1},
+                                     timeout=30)
+        if status != 200:
+            raise RuntimeError(f"{r.name}: the step after the reset failed: HTTP {status}: {reply}")
 
 
 # ----------------------------------------------------------------------------------------------
