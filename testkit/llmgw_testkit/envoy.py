@@ -98,9 +98,18 @@ def listener_yaml(name: str, port: int, cluster: str, buffer_limit: int | None =
 """
 
 
+def shipped_idle_timeout() -> str:
+    """The upstream idle timeout the shipped bootstrap gives the clusters that talk to vLLM."""
+    m = re.search(r"common_http_protocol_options: \{idle_timeout: (\w+)\}", SHIPPED.read_text())
+    if m is None:
+        raise RuntimeError(f"{SHIPPED.relative_to(ROOT)}: no upstream idle_timeout")
+    return m.group(1)
+
+
 def cluster_yaml(name: str, ports: list[int], lb: str = "ROUND_ROBIN") -> str:
     """One item of static_resources.clusters: 127.0.0.1 at `ports`, balanced by `lb` (an Envoy lb_policy).
-    Idle connections close after 4 s, below vLLM's keep-alive, as in the shipped configs."""
+    Idle connections close after the shipped bootstrap's idle timeout (below vLLM's keep-alive)."""
+    idle = shipped_idle_timeout()
     eps = "".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
                   for p in ports)
     return f"""  - name: {name}
@@ -110,7 +119,7 @@ def cluster_yaml(name: str, ports: list[int], lb: str = "ROUND_ROBIN") -> str:
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        common_http_protocol_options: {{idle_timeout: 4s}}
+        common_http_protocol_options: {{idle_timeout: {idle}}}
         explicit_http_config: {{http_protocol_options: {{}}}}
     load_assignment:
       cluster_name: {name}

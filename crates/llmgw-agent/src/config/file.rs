@@ -1,6 +1,7 @@
-//! The agent's configuration file as written: its sections and fields, each section's `Default`
-//! (the values a field left out takes are in `field_defaults`), and the loading and parsing
-//! that [`super::validate`] completes.
+//! The agent's configuration file as written: its sections and fields, each section's `Default`,
+//! and the loading and parsing that [`super::validate`] completes. The values a field left out
+//! takes are in `field_defaults`, but for the two of this file's own enums (`Sources`, `Mode`),
+//! kept beside them so that `field_defaults` needs nothing from here.
 
 use super::seed::SeedLookup;
 use field_defaults::*;
