@@ -9,7 +9,7 @@ use crate::fake::FakeHost;
 use crate::gateway_state::Snapshot;
 use crate::host::Host;
 use crate::inflight::{self, VmId};
-use crate::{health, rates, speculative};
+use crate::{health, rates, returns, speculative};
 use llmgw_core::config::Compiled;
 use llmgw_core::feed::{Body as Msg, FeedMessage, Replica, ReplicaTable, SnapshotChunk, SnapshotComplete};
 use llmgw_core::flow::{Body, Router, Speculation, Step};
@@ -85,6 +85,8 @@ impl Decision {
             "llmgw.tokenizer_health",
             "llmgw.speculative",
             "llmgw.rates",
+            "llmgw.returns.ends",
+            "llmgw.returns.gaps",
         ]
         .iter()
         .filter_map(|k| self.host.shared_value(k))
@@ -122,6 +124,21 @@ fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
     for vm in 0..vms {
         inflight::heartbeat(host, VmId(vm), host.now_ns.get()).ok_or("heartbeat")?;
     }
+    // Requests answered on every replica (up to the records' bound), the gaps learned from
+    // earlier ones that were followed: every candidate's returns are computed.
+    for id in 0..u64::from(replicas) {
+        let a = address(u32::try_from(id).unwrap_or(0));
+        for k in 0..(returns::PER_REPLICA as u64).saturating_add(8) {
+            let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id.wrapping_add(1).wrapping_mul(0xA24B_AED4_963E_E407);
+            first_failed(returns::started(host, &a, key))?;
+            if k % 2 == 0 {
+                first_failed(returns::ended(host, key))?;
+            }
+            if k < 8 {
+                first_failed(returns::followed(host, key))?;
+            }
+        }
+    }
     let per_replica =
         u64::try_from(speculative::MAX_RECORDS).unwrap_or(0).checked_div(u64::from(replicas)).unwrap_or(0);
     for id in 0..u64::from(replicas) {
@@ -130,4 +147,9 @@ fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
             .map_err(|k| k.as_str().to_string())?;
     }
     Ok(())
+}
+
+/// The first shared kind an update gave up on, as an error.
+fn first_failed(failed: Vec<crate::host::SharedKind>) -> Result<(), String> {
+    failed.first().map_or(Ok(()), |k| Err(k.as_str().to_string()))
 }

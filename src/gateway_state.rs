@@ -1,7 +1,7 @@
 //! What the router asks the gateway, read once per decision from this Envoy's shared data: the
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
-//! rates learned per replica (`crate::rates`) and the requests routed lately (`crate::recent`);
+//! rates learned per replica (`crate::rates`) the requests routed lately (`crate::recent`) and the requests that ended lately (`crate::returns`);
 //! the tokens kept for conversations' next turns (`crate::earlier_turns`) and the text prompts
 //! the other VMs handed on (`crate::earlier_prompts`) are read when asked.
 
@@ -10,11 +10,13 @@ use crate::host::Host;
 use crate::inflight::Counts;
 use crate::rates::Learned;
 use crate::recent::Recent;
+use crate::returns::Returns;
 use crate::speculative::Entries;
 use llmgw_core::flow::{
     EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SharedPrompt, SpeculativeEntries, SpeculativeHit,
 };
 use llmgw_core::policy::rates::Rates;
+use llmgw_core::policy::returns::Returning;
 use std::rc::Rc;
 
 pub struct Snapshot {
@@ -25,6 +27,7 @@ pub struct Snapshot {
     speculative: Entries,
     rates: Learned,
     recent: Recent,
+    returns: Returns,
 }
 
 impl Snapshot {
@@ -38,6 +41,7 @@ impl Snapshot {
             speculative: Entries::read(host),
             rates: Learned::read(host),
             recent: Recent::read(host),
+            returns: Returns::read(host),
         }
     }
 }
@@ -53,6 +57,15 @@ impl InFlightCounts for Snapshot {
 
     fn recent_requests(&self, address: &str) -> f64 {
         self.recent.of(address)
+    }
+
+    fn returning(&self, address: &str) -> Returning {
+        let (in_flight, pending_tokens) = self.counts.of(address);
+        self.returns.of(address, in_flight, pending_tokens > 0)
+    }
+
+    fn ended_request(&self, key: u64) -> bool {
+        self.returns.ended(key)
     }
 }
 

@@ -56,6 +56,8 @@ pub enum SharedKind {
     Rates,
     /// Requests routed lately per replica (`crate::recent`).
     Recent,
+    /// Requests that ended lately and how soon next ones followed (`crate::returns`).
+    Returns,
     /// Tokens kept for conversations' next turns (`crate::earlier_turns`).
     EarlierTurns,
     /// Text prompts handed to the other VMs (`crate::earlier_prompts`).
@@ -63,7 +65,7 @@ pub enum SharedKind {
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 9] = [
+    pub const ALL: [SharedKind; 10] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
@@ -71,6 +73,7 @@ impl SharedKind {
         SharedKind::Speculative,
         SharedKind::Rates,
         SharedKind::Recent,
+        SharedKind::Returns,
         SharedKind::EarlierTurns,
         SharedKind::EarlierPrompts,
     ];
@@ -84,6 +87,7 @@ impl SharedKind {
             SharedKind::Speculative => "speculative",
             SharedKind::Rates => "rates",
             SharedKind::Recent => "recent",
+            SharedKind::Returns => "returns",
             SharedKind::EarlierTurns => "earlier_turns",
             SharedKind::EarlierPrompts => "earlier_prompts",
         }

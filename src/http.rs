@@ -57,6 +57,10 @@ pub struct Request {
     /// What the prediction for its replica rested on, while its observed time to first token
     /// can still be learned (a streamed 200 answer's first chunk; `crate::rates`).
     learning: Option<Box<Basis>>,
+    /// The key it is recorded under from its first token, for the next request extending its
+    /// prompt (`crate::returns`); whether that record was written (its end is then recorded).
+    ends_as: Option<u64>,
+    returns_started: bool,
 }
 
 impl Request {
@@ -73,6 +77,8 @@ impl Request {
             phases: Phases::default(),
             held: None,
             learning: None,
+            ends_as: None,
+            returns_started: false,
         }
     }
 
@@ -174,6 +180,10 @@ impl Request {
         let mut gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
         self.in_flight_recorded = !gave_up.contains(&SharedKind::InFlight);
         gave_up.extend(crate::recent::routed(self.host.as_ref(), &r.address).err());
+        if let Some(key) = r.follows {
+            gave_up.extend(crate::returns::followed(self.host.as_ref(), key));
+        }
+        self.ends_as = r.ends_as;
         s.metrics.shared_update_failed(gave_up);
         self.prefilling = if self.in_flight_recorded { tokens } else { 0 };
         if let Some(spec) = &r.speculation {
@@ -271,6 +281,13 @@ impl Request {
     fn first_token(&mut self) {
         let tokens = std::mem::take(&mut self.prefilling);
         let Some(addr) = &self.counted else { return };
+        if let Some(key) = self.ends_as.filter(|_| !self.returns_started) {
+            self.returns_started = true;
+            let failed = crate::returns::started(self.host.as_ref(), addr, key);
+            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
+                s.metrics.shared_update_failed(failed);
+            }
+        }
         if tokens == 0 {
             return;
         }
@@ -473,6 +490,10 @@ impl HttpContext for Request {
             let streamed = self.host.header(Headers::Response, "content-type").is_some_and(|v| {
                 v.len() >= 17 && v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
             });
+            // An error is nobody's turn to follow.
+            if code != Some(200) {
+                self.ends_as = None;
+            }
             if end_of_stream || !streamed {
                 self.first_token();
             }
@@ -498,6 +519,12 @@ impl HttpContext for Request {
 
     fn on_log(&mut self) {
         let tokens = std::mem::take(&mut self.prefilling);
+        if let Some(key) = self.ends_as.take().filter(|_| std::mem::take(&mut self.returns_started)) {
+            let failed = crate::returns::ended(self.host.as_ref(), key);
+            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
+                s.metrics.shared_update_failed(failed);
+            }
+        }
         if let Some(addr) = self.counted.take().filter(|_| std::mem::take(&mut self.in_flight_recorded)) {
             if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                 s.metrics.shared_update_failed(inflight::decrement(self.host.as_ref(), s.vm, &addr, tokens));

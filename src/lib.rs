@@ -26,6 +26,7 @@ mod metrics;
 mod phases;
 mod rates;
 mod recent;
+mod returns;
 mod shared_records;
 mod speculative;
 mod warm_view;

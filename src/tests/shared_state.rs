@@ -258,3 +258,85 @@ fn a_streams_first_chunk_teaches_its_replicas_rates_to_every_worker() {
     e2.root.on_tick();
     assert_eq!(e2.host.gauge(&format!("llmgw_rates_observations.replica.{tag}")), Some(22));
 }
+
+#[test]
+fn a_request_extending_one_that_ended_is_its_next_one_for_every_worker() {
+    use crate::returns::Returns;
+    let first: Vec<u32> = (0..48).collect();
+    let next: Vec<u32> = (0..80).collect();
+    let failed: Vec<u32> = (500..548).collect();
+    let key = *keys(&first).last().unwrap();
+    let e = synced("", vec![], vec![], true);
+    let ended = |e: &Env, key: u64| Returns::read(e.host.as_ref()).ended(key);
+    e.host.now_ns.set(100_000_000_000);
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &first));
+    assert!(e.dest().is_some());
+    assert!(!ended(&e, key), "recorded before it ended");
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    ctx.on_http_response_headers(1, false);
+    ctx.on_log();
+    assert!(ended(&e, key));
+    // An error is nobody's turn to follow: its end is not recorded.
+    let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &failed));
+    e.host.set_header(Headers::Response, ":status", Some("500"));
+    ctx.on_http_response_headers(1, false);
+    ctx.on_log();
+    assert!(!ended(&e, *keys(&failed).last().unwrap()));
+    // The next request comes to another worker 6 ms after the first ended.
+    let vm2 = second_vm(&e, vec![], vec![]);
+    e.host.now_ns.set(100_006_000_000);
+    let (_ctx, _) = vm2.request(COMPLETIONS, &tokens_body("m", &next));
+    assert!(vm2.dest().is_some());
+    assert!(!ended(&e, key), "followed, the record goes");
+    let gaps = e.host.shared_data("llmgw.returns.gaps").and_then(|(v, _)| v).unwrap_or_default();
+    // One observation from the first token and one from the end (a non-streamed answer: the
+    // same instant), in the [4, 8) ms bucket (the fourth) of each.
+    let weight = |b: usize| f64::from_bits(u64::from_le_bytes(gaps[b * 8..b * 8 + 8].try_into().unwrap()));
+    assert_eq!((weight(3), weight(25 + 3)), (1.0, 1.0));
+    assert_eq!((0..50).map(weight).sum::<f64>(), 2.0);
+}
+
+#[test]
+fn a_new_prompt_is_not_computed_where_a_conversation_is_about_to_come_back() {
+    // 1 ms a prompt token, not learned: a new 400-token prompt takes 400 ms to compute.
+    let weights = r#""weights":{"prefill_us_per_token":1000,"learn_rates":false}"#;
+    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{weights}}}"#));
+    let e = synced_with(&cfg, vec![], vec![], true);
+    let mut now = 100_000_000_000u64;
+    let mut answer = |e: &Env, mut ctx: Request, now: &mut u64| -> String {
+        e.host.set_header(Headers::Response, ":status", Some("200"));
+        ctx.on_http_response_headers(1, false);
+        ctx.on_log();
+        *now += 1_000_000;
+        e.host.now_ns.set(*now);
+        e.dest().unwrap()
+    };
+    // Conversations whose next turn comes 5 ms after each answer: learned.
+    for i in 0..20u32 {
+        let first: Vec<u32> = (i * 1000..i * 1000 + 40).collect();
+        let (ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &first));
+        answer(&e, ctx, &mut now);
+        now += 4_000_000;
+        e.host.now_ns.set(now);
+        let next: Vec<u32> = (i * 1000..i * 1000 + 48).collect();
+        let (ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &next));
+        answer(&e, ctx, &mut now);
+        now += 1_000_000_000;
+        e.host.now_ns.set(now);
+    }
+    // A turn answered 1 ms ago: a new prompt goes to the other replica, whatever its order.
+    for j in 0..10u32 {
+        let turn: Vec<u32> = (100_000 + j * 1000..100_000 + j * 1000 + 40).collect();
+        let (ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &turn));
+        let answered_on = answer(&e, ctx, &mut now);
+        let new: Vec<u32> = (500_000 + j * 1000..500_000 + j * 1000 + 400).collect();
+        let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &new));
+        assert_ne!(e.dest(), Some(answered_on), "prompt {j}");
+        ctx.on_http_response_headers(1, false);
+        let explain = e.host.response_header("x-llmgw-decision").unwrap_or_default();
+        assert!(explain.contains("; returning_ms=0.0 "), "{explain}");
+        ctx.on_log();
+        now += 1_000_000_000;
+        e.host.now_ns.set(now);
+    }
+}

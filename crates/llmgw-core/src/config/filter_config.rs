@@ -389,7 +389,6 @@ mod tests {
             (r#"{"policy":"score","prefill_us_per_token":-1}"#, "prefill_us_per_token"),
             (r#"{"policy":"ttft","prefix":-1}"#, "prefix"),
             (r#"{"max_kv_usage":-1}"#, "max_kv_usage"),
-            (r#"{"approx_choices":0}"#, "approx_choices"),
         ] {
             let e = err(&format!(r#"{{"profiles":[{{"name":"a","models":["m"],"weights":{weights}}}]}}"#));
             assert!(e.contains(&format!("`profiles[0].weights.{field}`")), "{weights}: {e}");

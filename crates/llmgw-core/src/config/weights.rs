@@ -18,6 +18,7 @@ pub struct WeightsConfig {
     pub queued_prefill: Option<f64>,
     pub tie_us: Option<f64>,
     pub tie_requests: Option<f64>,
+    pub returning: Option<f64>,
     pub learn_rates: Option<bool>,
     pub rates_prior_weight: Option<f64>,
     pub rates_memory: Option<f64>,
@@ -51,6 +52,7 @@ impl WeightsConfig {
                 queued_prefill: self.queued_prefill.unwrap_or(t.queued_prefill),
                 tie_us: self.tie_us.unwrap_or(t.tie_us),
                 tie_requests: self.tie_requests.unwrap_or(t.tie_requests),
+                returning: self.returning.unwrap_or(t.returning),
                 learning: Learning {
                     enabled: self.learn_rates.unwrap_or(t.learning.enabled),
                     prior_weight: self.rates_prior_weight.unwrap_or(t.learning.prior_weight),

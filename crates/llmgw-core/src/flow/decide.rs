@@ -58,6 +58,8 @@ pub fn decide(
         let reset_ns = ctx.resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
         (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
     });
+    // The deepest block that ended a request lately: this request is its next one.
+    let follows = exact.and_then(|(_, sc)| sc.hashes.iter().rev().map(|h| h.key.0).find(|&k| ctx.gw.ended_request(k)));
     let incomplete_count = cands.iter().filter(|c| c.incomplete).count();
     let incomplete: Vec<String> = cands
         .iter()
@@ -89,6 +91,8 @@ pub fn decide(
             incomplete,
             incomplete_count,
             keep: Keep::default(),
+            ends_as: work.map(|w| w.prompt_key).filter(|&k| k != 0),
+            follows,
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }

@@ -6,6 +6,7 @@
 use super::shared_prompt::SharedPrompt;
 use super::speculative::Hit;
 use crate::policy::rates::Rates;
+use crate::policy::returns::Returning;
 
 /// The requests this gateway has sent to a replica and not yet finished.
 pub trait InFlightCounts {
@@ -18,6 +19,16 @@ pub trait InFlightCounts {
     /// [`crate::policy::Candidate::recent`]); 0 when the gateway keeps no such count.
     fn recent_requests(&self, _address: &str) -> f64 {
         0.0
+    }
+    /// The requests expected back on the replica (see [`crate::policy::returns`]); none when
+    /// the gateway keeps no record of requests' ends.
+    fn returning(&self, _address: &str) -> Returning {
+        Returning::default()
+    }
+    /// Whether `key` (a prompt's last full block) is that of a request that ended lately and
+    /// has not been followed yet: a request whose blocks include it is its next one.
+    fn ended_request(&self, _key: u64) -> bool {
+        false
     }
 }
 

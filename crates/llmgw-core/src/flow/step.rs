@@ -97,6 +97,11 @@ pub struct Routed {
     pub incomplete_count: usize,
     /// What to keep in the gateway's shared data for the other VMs.
     pub keep: Keep,
+    /// The key its end is recorded under (its prompt's last full block), when hashed: the
+    /// next request extending its prompt includes it ([`crate::policy::returns`]).
+    pub ends_as: Option<u64>,
+    /// The key of the request that ended lately whose next request this is.
+    pub follows: Option<u64>,
 }
 
 /// What the gateway keeps in its shared data for every VM of the Envoy (see
@@ -117,7 +122,9 @@ impl Routed {
     /// The explain header's value: the candidate engines whose mirror is incomplete
     /// (`incomplete=IP:PORT,IP:PORT#1,+3`); what a request routed before its tokenizer answered
     /// was scored on (`scored_on=earlier_turn|shared_prefix`); with the `ttft` policy, the winner's predicted time
-    /// to first token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), and
+    /// to first token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), what
+    /// a new prefix's prefill would cost the requests expected back on each
+    /// (`returning_ms=40.2 0.0`, when either is not 0), and
     /// the rates the winner's prediction used (`rates=profile`, or `rates=learned/N …`).
     pub fn explain(&self, vm: &str) -> String {
         let d = &self.decision;
@@ -144,6 +151,12 @@ impl Routed {
             out.push_str(&format!("; predicted_ms={:.1}; prefill_tokens={}", us as f64 / 1000.0, self.prefill_tokens));
             if let (Some(addr), Some((_, r))) = (&self.runner_up, d.runner_up) {
                 out.push_str(&format!("; runner_up={addr} {:.1}", r as f64 / 1000.0));
+            }
+            // Counted besides the predictions: what the prefill would cost the requests
+            // expected back on the winner and on the runner-up.
+            let (w, r) = d.returning_us;
+            if w > 0 || r > 0 {
+                out.push_str(&format!("; returning_ms={:.1} {:.1}", w as f64 / 1000.0, r as f64 / 1000.0));
             }
             if let Some(b) = &d.basis {
                 out.push_str(&format!("; {}", b.rates.explain()));

@@ -1,6 +1,7 @@
 //! One replica as a policy sees it: its address and rank, whether it is up, and its load.
 
 use super::rates::Rates;
+use super::returns::Returning;
 use crate::index::ReplicaId;
 use crate::stable_hash::{mix64, stable_hash};
 
@@ -32,6 +33,10 @@ pub struct Candidate<'a> {
     /// New prefixes go, among equally fast choices, where it is lowest. 0 when the gateway keeps
     /// no such count.
     pub recent: f64,
+    /// The requests expected back on this replica within windows from now: ended there, not
+    /// yet followed by their next request ([`super::returns`]). None when the gateway keeps no
+    /// such record.
+    pub returning: Returning,
 }
 
 impl Candidate<'_> {

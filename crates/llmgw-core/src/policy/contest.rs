@@ -73,6 +73,9 @@ pub struct Pick {
     pub runner_up: Option<(usize, u64)>,
     /// What the winner's prediction was made of, and the rates it used.
     pub basis: Option<Box<Basis>>,
+    /// What computing the request would cost the requests expected back on the winner and on
+    /// the runner-up (µs; [`super::returns`]), counted in the contest besides the predictions.
+    pub returning_us: (u64, u64),
 }
 
 /// How replicas in contest for a request whose blocks the index knows are compared.

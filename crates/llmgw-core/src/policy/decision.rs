@@ -50,10 +50,22 @@ pub struct Decision {
     /// What the winner's prediction was made of and the rates it used: the observed time to
     /// first token is learned against it.
     pub basis: Option<Box<Basis>>,
+    /// What the request would cost the requests expected back on the winner and on the
+    /// runner-up (µs), counted besides the predictions (new prefixes only).
+    pub returning_us: (u64, u64),
 }
 
 impl Decision {
     pub(super) fn new(winner: Option<usize>, outcome: Outcome, matched: u32, total: u32) -> Decision {
-        Decision { winner, outcome, matched, total, predicted_us: None, runner_up: None, basis: None }
+        Decision {
+            winner,
+            outcome,
+            matched,
+            total,
+            predicted_us: None,
+            runner_up: None,
+            basis: None,
+            returning_us: (0, 0),
+        }
     }
 }

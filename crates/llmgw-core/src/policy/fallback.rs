@@ -23,10 +23,14 @@ pub struct FallbackWeights {
     pub spill_factor: f64,
     pub spill_slack: u32,
     /// A prefix the index shows no replica holds goes to one of its first `approx_choices`
-    /// replicas in rendezvous order (every gateway computes the same order): the one the holder
-    /// policy predicts fastest, equally fast ones by fewer recent requests
-    /// ([`super::Candidate::recent`]), then by that order ([`FallbackWeights::new_prefix_choices`]).
-    /// Fallbacks without exact data always take the first.
+    /// replicas in rendezvous order (every gateway computes the same order), 0 (the default)
+    /// meaning every replica within the load bound: the one the holder policy predicts fastest,
+    /// equally fast ones by fewer recent requests ([`super::Candidate::recent`]), then by that
+    /// order ([`FallbackWeights::new_prefix_choices`]). Every replica, because what tells them
+    /// apart is their own state (predicted time, the requests expected back there,
+    /// [`super::returns`]), known for each: limiting the choice to a prompt's first few leaves
+    /// out the one replica where nothing is about to come back. Fallbacks without exact data
+    /// always take the first.
     pub approx_choices: u32,
     /// Replicas holding a request's blocks keep it while their pressure stays within
     /// `holder_spill_factor` × the mean pressure (+ 2 × `spill_slack`); when every holder is past
@@ -36,7 +40,7 @@ pub struct FallbackWeights {
 
 impl Default for FallbackWeights {
     fn default() -> Self {
-        FallbackWeights { spill_factor: 1.25, spill_slack: 2, approx_choices: 2, holder_spill_factor: 1.5 }
+        FallbackWeights { spill_factor: 1.25, spill_slack: 2, approx_choices: 0, holder_spill_factor: 1.5 }
     }
 }
 
@@ -44,9 +48,6 @@ impl FallbackWeights {
     pub fn validate(&self) -> Result<(), InvalidWeight> {
         if !self.spill_factor.is_finite() || self.spill_factor < 1.0 {
             return Err(InvalidWeight { field: "spill_factor", message: "must be a finite number of at least 1" });
-        }
-        if self.approx_choices == 0 {
-            return Err(InvalidWeight { field: "approx_choices", message: "must be at least 1" });
         }
         let h = self.holder_spill_factor;
         if !h.is_finite() || (h != 0.0 && h < 1.0) {
@@ -105,8 +106,7 @@ impl FallbackWeights {
             .map(|(c, i)| (c.rendezvous_weight(key), i))
             .collect();
         order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let choices = usize::try_from(self.approx_choices.max(1)).unwrap_or(1);
-        order.into_iter().take(choices).map(|(_, i)| i).collect()
+        order.into_iter().take(choice_count(self.approx_choices)).map(|(_, i)| i).collect()
     }
 
     /// Rendezvous order with bounded-load spillover: among the replicas within the load bound,
@@ -120,7 +120,7 @@ impl FallbackWeights {
         let mut order: Vec<(u64, usize)> =
             idx.iter().filter_map(|&i| cands.get(i).map(|c| (c.rendezvous_weight(key), i))).collect();
         order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let choices = usize::try_from(choices.max(1)).unwrap_or(1);
+        let choices = choice_count(choices);
         order
             .iter()
             .filter_map(|&(_, i)| cands.get(i).map(|c| (i, c)))
@@ -157,4 +157,12 @@ fn load_cap(cands: &[Candidate<'_>], idx: &[usize], factor: f64, slack: u32) -> 
     let mean = (total.saturating_add(1)) as f64 / n as f64;
     let cap = (factor * mean).ceil() as u64;
     cap.saturating_add(u64::from(slack))
+}
+
+/// How many of a prefix's rendezvous order may take it: `approx_choices`, 0 meaning all.
+fn choice_count(approx_choices: u32) -> usize {
+    match approx_choices {
+        0 => usize::MAX,
+        n => usize::try_from(n).unwrap_or(usize::MAX),
+    }
 }

@@ -20,6 +20,7 @@ mod decision;
 pub mod fallback;
 pub mod limits;
 pub mod rates;
+pub mod returns;
 pub mod score;
 pub mod ttft;
 mod validation;
@@ -103,13 +104,24 @@ pub fn decide_lazy(
             let tiebreak =
                 |i: usize| own.or_else(approx_key).and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
             let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
-            if let Some(p) = w.holder_policy().pick(&contest) {
+            // A conversation's next turn stays with its holders by predicted time alone: the
+            // requests expected back weigh where a new prefix starts (see `place_new`).
+            let holders_ttft;
+            let policy: &dyn HolderPolicy = match w.policy {
+                PolicyMode::Ttft => {
+                    holders_ttft = TtftWeights { returning: 0.0, ..w.ttft.clone() };
+                    &holders_ttft
+                }
+                PolicyMode::Score => w.holder_policy(),
+            };
+            if let Some(p) = policy.pick(&contest) {
                 let matched = leading(cands, s, p.winner);
                 let outcome = if matched > 0 { Outcome::Exact } else { Outcome::Load };
                 return Decision {
                     predicted_us: p.predicted_us,
                     runner_up: p.runner_up,
                     basis: p.basis,
+                    returning_us: p.returning_us,
                     ..Decision::new(Some(p.winner), outcome, matched, s.total)
                 };
             }
@@ -170,6 +182,7 @@ fn place_new(
         predicted_us: p.predicted_us,
         runner_up: p.runner_up,
         basis: p.basis,
+        returning_us: p.returning_us,
         ..Decision::new(Some(p.winner), outcome, matched, s.total)
     })
 }

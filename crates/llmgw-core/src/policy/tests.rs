@@ -18,6 +18,7 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             rates: None,
             incomplete: false,
             recent: 0.0,
+            returning: Default::default(),
         })
         .collect()
 }
@@ -148,12 +149,13 @@ fn approx_spills_under_load_then_returns() {
     let mut c3 = fleet(3);
     c3[home].running = 40;
     assert_eq!(decide(&c3, None, Some(key), &w).winner, Some(spill));
-    // A prefix the index shows nobody holds, with two choices (the default): the faster
-    // predicted of the first two in its order (one request more is within the tie margin);
-    // equal ones keep the first. Without exact data (a fallback) the first choice stays, load
-    // bound permitting.
-    let w2 = Weights::default();
-    assert_eq!(w2.fallback.approx_choices, 2);
+    // A prefix the index shows nobody holds, with two choices (the default is every replica):
+    // the faster predicted of the first two in its order (one request more is within the tie
+    // margin); equal ones keep the first. Without exact data (a fallback) the first choice
+    // stays, load bound permitting.
+    assert_eq!(Weights::default().fallback.approx_choices, 0);
+    let mut w2 = Weights::default();
+    w2.fallback.approx_choices = 2;
     let none = scores(&[0, 0, 0], 7);
     assert_eq!(decide(&fleet(3), Some(&none), Some(key), &w2).winner, Some(home));
     let mut c4 = fleet(3);
@@ -164,6 +166,9 @@ fn approx_spills_under_load_then_returns() {
     assert_eq!(decide(&c4, None, Some(key), &w2).winner, Some(home));
     c4[spill].in_flight = 2;
     assert_eq!(decide(&c4, Some(&none), Some(key), &w2).winner, Some(home));
+    // Every replica a choice: the third, idle, wins.
+    let third = (0..3).find(|&i| i != home && i != spill).unwrap();
+    assert_eq!(decide(&c4, Some(&none), Some(key), &Weights::default()).winner, Some(third));
 }
 
 #[test]
@@ -542,7 +547,10 @@ fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
         residual_us: residual,
     };
     let none = scores(&[0, 0, 0], 50);
-    let w = Weights::default();
+    // The first two in each prompt's order are its choices (the third would be one too by
+    // default, and win as the least recently sent to).
+    let mut w = Weights::default();
+    w.fallback.approx_choices = 2;
     for p in 0..30u32 {
         let key = stable_hash(format!("conversation {p}").as_bytes());
         let order: Vec<usize> = {
@@ -573,5 +581,38 @@ fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
         c[first].rates = Some(learned(200.0, 10_000.0));
         c[first].recent = 0.0;
         assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
+    }
+}
+
+#[test]
+fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_prefill() {
+    use super::returns::{Returning, WINDOWS};
+    let none = scores(&[0, 0, 0], 50);
+    // The first two in each prompt's order are its choices.
+    let mut w = Weights::default();
+    w.fallback.approx_choices = 2;
+    // One request expected back within 4 ms and later (a loop's next step), none sooner.
+    let soon = Returning { within: std::array::from_fn(|k| if k >= 2 { 1.0 } else { 0.0 }), ..Default::default() };
+    assert_eq!(soon.within.len(), WINDOWS);
+    for p in 0..30u32 {
+        let key = stable_hash(format!("conversation {p}").as_bytes());
+        let mut c = fleet(3);
+        let mut o: Vec<usize> = (0..3).collect();
+        o.sort_by_key(|&i| std::cmp::Reverse(c[i].rendezvous_weight(key)));
+        let (first, second) = (o[0], o[1]);
+        c[second].recent = 5.0;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
+        // 800 tokens at 100 µs: the request coming back would wait about 80 ms.
+        c[first].returning = soon;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
+        let mut ignoring = w.clone();
+        ignoring.ttft.returning = 0.0;
+        assert_eq!(ttft(&c, &none, 800, key, &ignoring).winner, Some(first), "prompt {p}");
+        // A prompt short enough to be done before it comes back is not moved.
+        assert_eq!(ttft(&c, &none, 16, key, &w).winner, Some(first), "prompt {p}");
+        // Waiting behind 2,000 tokens of queued prefill (200 ms) costs more than delaying it.
+        c[second].in_flight = 1;
+        c[second].pending_tokens = 2_000;
+        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
     }
 }

@@ -34,6 +34,10 @@ pub struct TtftWeights {
     /// beyond that is weighed by the time it costs.
     pub tie_requests: f64,
     pub tie_us: f64,
+    /// The share of the delay a request's prefill would cause the requests expected back on a
+    /// replica within it ([`super::returns`]) that counts against the replica: 1 counts it all,
+    /// 0 ignores what is about to come back.
+    pub returning: f64,
     /// Rates learned per replica from observed times to first token, with the rates above as
     /// their prior ([`super::rates`]).
     pub learning: Learning,
@@ -47,6 +51,7 @@ impl Default for TtftWeights {
             queued_prefill: 1.0,
             tie_requests: 1.1,
             tie_us: 0.0,
+            returning: 1.0,
             learning: Learning::default(),
         }
     }
@@ -60,6 +65,7 @@ impl TtftWeights {
             ("queued_prefill", self.queued_prefill),
             ("tie_us", self.tie_us),
             ("tie_requests", self.tie_requests),
+            ("returning", self.returning),
             ("rates_prior_weight", self.learning.prior_weight),
         ])?;
         if self.learning.memory.is_finite() && self.learning.memory >= 1.0 {
@@ -99,6 +105,16 @@ impl TtftWeights {
     pub fn predicted_us(&self, c: &Candidate<'_>, uncached: u64) -> f64 {
         self.rates(c).predict(&Self::features(c, uncached))
     }
+
+    /// What computing `uncached` prompt tokens on `c` costs the requests expected back there
+    /// meanwhile (µs): each waits about the prefill's time.
+    pub fn returning_cost_us(&self, c: &Candidate<'_>, uncached: u64) -> f64 {
+        let prefill_us = self.rates(c).prefill_us_per_token * uncached as f64;
+        if prefill_us.is_nan() || prefill_us <= 0.0 || self.returning <= 0.0 {
+            return 0.0;
+        }
+        self.returning * c.returning.expected_within(prefill_us) * prefill_us
+    }
 }
 
 impl HolderPolicy for TtftWeights {
@@ -121,10 +137,12 @@ impl HolderPolicy for TtftWeights {
             let Some(c) = contest.cands.get(i) else { return f64::INFINITY };
             self.predicted_us(c, uncached(i))
         };
+        let returning = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.returning_cost_us(c, uncached(i)));
+        let cost = |i: usize| predicted(i) + returning(i);
         let request_us = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.rates(c).request_us);
         // Lower is better; predictions within the tie margin are equal.
         let (best, second) = contest.best_two(|a, b| {
-            let (pa, pb) = (predicted(a), predicted(b));
+            let (pa, pb) = (cost(a), cost(b));
             let tie = self.tie_us.max(self.tie_requests * request_us(a).max(request_us(b)));
             if (pa - pb).abs() <= tie {
                 std::cmp::Ordering::Equal
@@ -144,6 +162,7 @@ impl HolderPolicy for TtftWeights {
                     learning: self.learning,
                 })
             }),
+            returning_us: (returning(b) as u64, second.map_or(0, |r| returning(r) as u64)),
         })
     }
 }
