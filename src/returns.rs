@@ -18,18 +18,18 @@
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, IdSet, SharedRecord};
-use llmgw_core::policy::returns::{Gaps, Returning, WINDOWS};
+use llmgw_core::policy::returns::{Answered, Gaps, ReturnCurves, Returning, MAX_ANSWERED};
+use std::sync::Arc;
 
 const ENDS: &str = "llmgw.returns.ends";
 const GAPS: &str = "llmgw.returns.gaps";
-/// Requests remembered per replica: those answered last. What is learned is how soon a next
-/// request follows before this many more are answered there, and that is what is predicted.
-pub const PER_REPLICA: usize = 4;
+/// Requests remembered per replica: those answered last (see [`MAX_ANSWERED`]).
+pub const PER_REPLICA: usize = MAX_ANSWERED;
 /// At most this many records in all (the oldest go first).
 pub const MAX_RECORDS: usize = 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Answered {
+struct Record {
     replica: u64,
     key: u64,
     first_ns: u64,
@@ -37,10 +37,10 @@ struct Answered {
     end_ns: u64,
 }
 
-impl SharedRecord for Answered {
+impl SharedRecord for Record {
     const SIZE: usize = 32;
     fn read(f: &mut FieldReader<'_>) -> Option<Self> {
-        Some(Answered { replica: f.u64()?, key: f.u64()?, first_ns: f.u64()?, end_ns: f.u64()? })
+        Some(Record { replica: f.u64()?, key: f.u64()?, first_ns: f.u64()?, end_ns: f.u64()? })
     }
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.replica.to_le_bytes());
@@ -118,7 +118,7 @@ fn learn(host: &dyn Host, observations: &[Observation]) -> Result<(), SharedKind
 }
 
 /// A record that goes without a next request.
-fn never(a: &Answered) -> Observation {
+fn never(a: &Record) -> Observation {
     Observation { from_first: None, from_end: (a.end_ns != 0).then_some(None) }
 }
 
@@ -129,8 +129,8 @@ pub fn started(host: &dyn Host, address: &str, key: u64) -> Vec<SharedKind> {
     let mut gone = Vec::new();
     let ok = update_shared(host, ENDS, |v| {
         gone.clear();
-        let mut all: Vec<Answered> = decode::<Answered>(v).filter(|a| a.key != key).collect();
-        all.push(Answered { replica, key, first_ns: now, end_ns: 0 });
+        let mut all: Vec<Record> = decode::<Record>(v).filter(|a| a.key != key).collect();
+        all.push(Record { replica, key, first_ns: now, end_ns: 0 });
         let mine = all.iter().filter(|a| a.replica == replica).count();
         let mut drop_mine = mine.saturating_sub(PER_REPLICA);
         let mut drop_any = all.len().saturating_sub(drop_mine).saturating_sub(MAX_RECORDS);
@@ -165,7 +165,7 @@ pub fn started(host: &dyn Host, address: &str, key: u64) -> Vec<SharedKind> {
 pub fn ended(host: &dyn Host, key: u64) -> Vec<SharedKind> {
     let now = host.now_ns();
     let ok = update_shared(host, ENDS, |v| {
-        let mut all: Vec<Answered> = decode::<Answered>(v).collect();
+        let mut all: Vec<Record> = decode::<Record>(v).collect();
         let a = all.iter_mut().find(|a| a.key == key && a.end_ns == 0)?;
         a.end_ns = now.max(1);
         Some(encode(all))
@@ -182,7 +182,7 @@ pub fn followed(host: &dyn Host, key: u64) -> Vec<SharedKind> {
     let now = host.now_ns();
     let mut seen = None;
     let ok = update_shared(host, ENDS, |v| {
-        let all: Vec<Answered> = decode::<Answered>(v).collect();
+        let all: Vec<Record> = decode::<Record>(v).collect();
         let a = all.iter().find(|a| a.key == key)?;
         seen = Some(Observation {
             from_first: Some(now.saturating_sub(a.first_ns) / 1_000),
@@ -200,15 +200,13 @@ pub fn followed(host: &dyn Host, key: u64) -> Vec<SharedKind> {
     failed
 }
 
-/// The records and gaps, read once per decision.
+/// The records and the curves learned, read once per decision.
 #[derive(Default)]
 pub struct Returns {
     keys: IdSet,
-    /// Per replica: its records' times since the first token, or since the end (`true`).
-    by_replica: IdMap<Vec<(u64, bool)>>,
-    learned: Learned,
-    /// The chance that a request comes back within each window of its first token.
-    after_first: [f32; WINDOWS],
+    /// Per replica: its records (the first `.1`, at most [`PER_REPLICA`]).
+    by_replica: IdMap<([Answered; PER_REPLICA], usize)>,
+    curves: Option<Arc<ReturnCurves>>,
 }
 
 impl Returns {
@@ -217,13 +215,26 @@ impl Returns {
         let gaps = host.shared_data(GAPS).and_then(|(v, _)| v).unwrap_or_default();
         let now = host.now_ns();
         let learned = read_learned(&gaps);
-        let after_first = learned.from_first.from_start();
-        let mut r = Returns { learned, after_first, ..Returns::default() };
-        for a in decode::<Answered>(&ends) {
+        let curves = Some(Arc::new(ReturnCurves::new(&learned.from_first, &learned.from_end)));
+        let n = ends.len() / Record::SIZE;
+        let mut r = Returns {
+            keys: IdSet::with_capacity_and_hasher(n, Default::default()),
+            by_replica: IdMap::with_capacity_and_hasher(n.div_ceil(PER_REPLICA), Default::default()),
+            curves,
+        };
+        for a in decode::<Record>(&ends) {
             r.keys.insert(a.key);
             let since = |t: u64| now.saturating_sub(t) / 1_000;
-            let seen = if a.end_ns != 0 { (since(a.end_ns), true) } else { (since(a.first_ns), false) };
-            r.by_replica.entry(a.replica).or_default().push(seen);
+            let seen = if a.end_ns != 0 {
+                Answered { since_us: since(a.end_ns), ended: true }
+            } else {
+                Answered { since_us: since(a.first_ns), ended: false }
+            };
+            let (list, n) = r.by_replica.entry(a.replica).or_default();
+            if let Some(slot) = list.get_mut(*n) {
+                *slot = seen;
+                *n = n.saturating_add(1);
+            }
         }
         r
     }
@@ -237,21 +248,12 @@ impl Returns {
     /// which some are still computing their prefill (`prefilling`: its prefill tokens queued
     /// there are not 0).
     pub fn of(&self, address: &str, in_flight: u32, prefilling: bool) -> Returning {
-        let none = Vec::new();
-        let seen = self.by_replica.get(&address_id(address)).unwrap_or(&none);
-        let recent = || seen.iter().take(PER_REPLICA);
-        let mut r = self.learned.from_end.outlook(recent().filter(|s| s.1).map(|s| s.0));
-        let streaming = self.learned.from_first.outlook(recent().filter(|s| !s.1).map(|s| s.0));
-        for (a, b) in r.within.iter_mut().zip(streaming.within) {
-            *a += b;
-        }
-        if prefilling {
-            // In flight and not streaming (as far as the records tell): computing its prefill.
-            let streams = u32::try_from(recent().filter(|s| !s.1).count()).unwrap_or(u32::MAX);
-            r.prefilling = in_flight.saturating_sub(streams).max(1);
-            r.after_first = self.after_first;
-        }
-        r
+        let (answered, count) = self.by_replica.get(&address_id(address)).copied().unwrap_or_default();
+        // In flight and not streaming (as far as the records tell): computing its prefill.
+        let streams = answered.iter().take(count).filter(|a| !a.ended).count();
+        let prefilling =
+            if prefilling { in_flight.saturating_sub(u32::try_from(streams).unwrap_or(u32::MAX)).max(1) } else { 0 };
+        Returning { answered, count, prefilling, curves: self.curves.clone() }
     }
 }
 
@@ -290,7 +292,7 @@ mod tests {
         assert!(r.ended(999) && !r.ended(3));
         let streaming = r.of(A, 0, false).expected_within(300_000.0);
         assert!(streaming > 0.9, "{streaming}");
-        assert_eq!(r.of(B, 0, false), Returning::default());
+        assert_eq!(r.of(B, 0, false).expected_within(1e9), 0.0);
         // Two requests computing their prefill on B come back within 300 ms of their first
         // token, so within a new request's 300 ms prefill queued behind them.
         let behind = r.of(B, 2, true).expected_within(300_000.0);
@@ -318,7 +320,7 @@ mod tests {
             }
         }
         let ends = host.shared_data(ENDS).and_then(|(v, _)| v).unwrap_or_default();
-        assert_eq!(ends.len(), PER_REPLICA * Answered::SIZE);
+        assert_eq!(ends.len(), PER_REPLICA * Record::SIZE);
         let l = learned(&host);
         // Three went: all three from the first token, the two that had ended from the end.
         assert!((l.from_first.never - 3.0).abs() < 0.1, "{}", l.from_first.never);
@@ -333,7 +335,7 @@ mod tests {
         host.set_shared_data(GAPS, &[0xff; 7 + 16 * (GAP_BUCKETS + 1)], None).ok();
         host.set_shared_data(ENDS, &[0xff; 40], None).ok();
         let r = Returns::read(&host);
-        assert_eq!(r.of(A, 0, false), Returning::default());
+        assert_eq!(r.of(A, 0, false).expected_within(1e9), 0.0);
         assert!(started(&host, A, 1).is_empty());
         assert!(followed(&host, 1).is_empty());
     }

@@ -303,7 +303,7 @@ fn a_new_prompt_is_not_computed_where_a_conversation_is_about_to_come_back() {
     let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{weights}}}"#));
     let e = synced_with(&cfg, vec![], vec![], true);
     let mut now = 100_000_000_000u64;
-    let mut answer = |e: &Env, mut ctx: Request, now: &mut u64| -> String {
+    let answer = |e: &Env, mut ctx: Request, now: &mut u64| -> String {
         e.host.set_header(Headers::Response, ":status", Some("200"));
         ctx.on_http_response_headers(1, false);
         ctx.on_log();

@@ -5,17 +5,21 @@
 //! The gateway learns how soon next requests follow: [`Gaps`] holds the times between a
 //! request's end and the arrival of the next request extending its prompt, and the share of
 //! requests no such request followed, fading by observation (so it follows the traffic, whatever
-//! the fleet's speed). From it, each candidate carries the returns to expect within windows of
-//! 1, 2, 4, … ms from now ([`Returning`]): for each request that ended there and has not come
-//! back, the chance that it comes back within the window given that it has not yet.
+//! the fleet's speed). From it, each candidate carries what the returns to expect on it are
+//! computed from ([`Returning`]): for each request answered there that has not come back, the
+//! chance that it comes back within a window given that it has not yet.
 //!
 //! The `ttft` policy counts what a request's prefill would cost them: the returns expected
 //! within the prefill's predicted time, each delayed by about that time. Traffic with human
 //! think times (seconds) expects none within a prefill; a loop that sends its next request
 //! milliseconds after the last answer expects one on the replica it just left.
 
-/// Windows of `2^k` ms, `k` in `0..WINDOWS`: 1 ms to about 4 s.
-pub const WINDOWS: usize = 13;
+use std::sync::Arc;
+
+/// The requests answered lately on a replica that are kept: those answered last there. What is
+/// learned is how soon a next request follows before this many more are answered there, and
+/// that is what is predicted.
+pub const MAX_ANSWERED: usize = 4;
 /// Gap buckets: `[0, 1)` ms, then `[2^(b−1), 2^b)` ms; the last holds everything longer
 /// (about 2.3 hours and up).
 pub const GAP_BUCKETS: usize = 24;
@@ -24,45 +28,59 @@ pub const MEMORY: f64 = 256.0;
 /// Below this many observations nothing is expected: too few to tell a loop from people.
 pub const MIN_OBSERVATIONS: f64 = 16.0;
 
-/// The returns expected on one replica within each window (`within[k]`: within `2^k` ms).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Returning {
-    /// From the requests answered there lately, not yet followed.
-    pub within: [f32; WINDOWS],
-    /// Requests there still computing their prefill. A new request's prefill starts after
-    /// theirs; each comes back within the new one's prefill as a request comes back within
-    /// that time of its first token (`after_first`).
-    pub prefilling: u32,
-    /// The chance that a request comes back within each window of its first token (learned
-    /// over the fleet).
-    pub after_first: [f32; WINDOWS],
+/// A request answered on a replica and not yet followed: the time since its end, or since its
+/// first token while it streams (µs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Answered {
+    pub since_us: u64,
+    pub ended: bool,
 }
 
-/// A curve over the windows at `window_us`, interpolated on a log scale (a window under 1 ms
-/// takes a share of the first).
-fn at_window(curve: &[f32; WINDOWS], window_us: f64) -> f64 {
-    if window_us.is_nan() || window_us <= 0.0 {
-        return 0.0;
+/// The gaps learned from the first token and from the end, summed for lookups; shared by every
+/// candidate of a decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReturnCurves {
+    from_first: Option<Cumulative>,
+    from_end: Option<Cumulative>,
+}
+
+impl ReturnCurves {
+    pub fn new(from_first: &Gaps, from_end: &Gaps) -> ReturnCurves {
+        ReturnCurves { from_first: Cumulative::of(from_first), from_end: Cumulative::of(from_end) }
     }
-    let ms = window_us / 1_000.0;
-    let at = |k: usize| curve.get(k).map_or(0.0, |&v| if v.is_finite() && v > 0.0 { f64::from(v) } else { 0.0 });
-    if ms <= 1.0 {
-        return at(0) * ms;
-    }
-    let x = ms.log2();
-    let last = WINDOWS.saturating_sub(1);
-    if x >= last as f64 {
-        return at(last);
-    }
-    let k = x.floor() as usize;
-    let f = x - x.floor();
-    at(k) * (1.0 - f) + at(k.saturating_add(1)) * f
+}
+
+/// The requests expected back on one replica: computed only for the windows a decision asks.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Returning {
+    /// The requests answered there lately and not yet followed (the first `count`).
+    pub answered: [Answered; MAX_ANSWERED],
+    pub count: usize,
+    /// Requests there still computing their prefill. A new request's prefill starts after
+    /// theirs; each comes back within the new one's prefill as a request comes back within
+    /// that time of its first token.
+    pub prefilling: u32,
+    /// What was learned (none: nothing is expected).
+    pub curves: Option<Arc<ReturnCurves>>,
 }
 
 impl Returning {
-    /// The returns expected within a new request's prefill of `window_us`.
+    /// The returns expected within a new request's prefill of `window_us`: for each request,
+    /// the chance that it comes back within the window given that it has not yet.
     pub fn expected_within(&self, window_us: f64) -> f64 {
-        at_window(&self.within, window_us) + f64::from(self.prefilling) * at_window(&self.after_first, window_us)
+        let Some(c) = &self.curves else { return 0.0 };
+        if window_us.is_nan() || window_us <= 0.0 {
+            return 0.0;
+        }
+        let w = window_us as u64;
+        let chance = |curve: &Option<Cumulative>, since: u64| curve.as_ref().map_or(0.0, |k| k.chance(since, w));
+        let answered: f64 = self
+            .answered
+            .iter()
+            .take(self.count)
+            .map(|a| chance(if a.ended { &c.from_end } else { &c.from_first }, a.since_us))
+            .sum();
+        answered + f64::from(self.prefilling) * chance(&c.from_first, 0)
     }
 }
 
@@ -124,61 +142,55 @@ impl Gaps {
         self.buckets.iter().map(|&b| sane(b)).sum::<f64>() + sane(self.never)
     }
 
-    /// The weight of gaps up to `us`, the bucket holding it counted in proportion (the last
-    /// bucket, unbounded, counts whole only past its start).
-    fn mass_upto(&self, us: f64) -> f64 {
-        let mut m = 0.0;
-        for (b, &w) in self.buckets.iter().enumerate() {
-            let (lo, hi) = bucket_bounds_us(b);
-            let w = sane(w);
-            if us >= hi && b.saturating_add(1) < GAP_BUCKETS {
-                m += w;
-            } else if us > lo {
-                let share = if b.saturating_add(1) < GAP_BUCKETS { (us - lo) / (hi - lo) } else { 0.0 };
-                m += w * share.clamp(0.0, 1.0);
-                break;
-            } else {
-                break;
-            }
+    /// The chance that a request that ended `elapsed_us` ago and has not come back comes back
+    /// within the next `window_us` (0 below [`MIN_OBSERVATIONS`]).
+    pub fn chance(&self, elapsed_us: u64, window_us: u64) -> f64 {
+        Cumulative::of(self).map_or(0.0, |c| c.chance(elapsed_us, window_us))
+    }
+}
+
+/// The gaps' weights summed up to each bucket, so that a chance costs two lookups.
+#[derive(Debug, Clone, PartialEq)]
+struct Cumulative {
+    /// `below[b]`: the weight of the buckets before `b`.
+    below: [f64; GAP_BUCKETS],
+    weights: [f64; GAP_BUCKETS],
+    total: f64,
+}
+
+impl Cumulative {
+    /// `None` below [`MIN_OBSERVATIONS`].
+    fn of(g: &Gaps) -> Option<Cumulative> {
+        let mut c = Cumulative { below: [0.0; GAP_BUCKETS], weights: [0.0; GAP_BUCKETS], total: 0.0 };
+        let mut sum = 0.0;
+        for ((below, weight), &w) in c.below.iter_mut().zip(c.weights.iter_mut()).zip(g.buckets.iter()) {
+            *below = sum;
+            *weight = sane(w);
+            sum += *weight;
         }
-        m
+        c.total = sum + sane(g.never);
+        (c.total >= MIN_OBSERVATIONS).then_some(c)
     }
 
-    /// The chance that a request that ended `elapsed_us` ago and has not come back comes back
-    /// within the next `window_us`.
-    pub fn chance(&self, elapsed_us: u64, window_us: u64) -> f64 {
-        let total = self.total();
-        if total < MIN_OBSERVATIONS {
-            return 0.0;
-        }
+    /// The weight of gaps up to `us`, the bucket holding it counted in proportion (the last
+    /// bucket, unbounded, counts whole only past its start).
+    fn upto(&self, us: f64) -> f64 {
+        let b = bucket_of(us as u64);
+        let (lo, hi) = bucket_bounds_us(b);
+        let below = self.below.get(b).copied().unwrap_or(0.0);
+        let w = self.weights.get(b).copied().unwrap_or(0.0);
+        let share = if b.saturating_add(1) < GAP_BUCKETS { ((us - lo) / (hi - lo)).clamp(0.0, 1.0) } else { 0.0 };
+        below + w * share
+    }
+
+    fn chance(&self, elapsed_us: u64, window_us: u64) -> f64 {
         let e = elapsed_us as f64;
-        let before = self.mass_upto(e);
-        let left = total - before;
+        let before = self.upto(e);
+        let left = self.total - before;
         if left <= 0.0 {
             return 0.0;
         }
-        ((self.mass_upto(e + window_us as f64) - before) / left).clamp(0.0, 1.0)
-    }
-
-    /// The chance, per window, that a request comes back within it (of its end or first token).
-    pub fn from_start(&self) -> [f32; WINDOWS] {
-        self.outlook(std::iter::once(0)).within
-    }
-
-    /// The returns expected within each window from requests that ended `elapsed_us` ago (one
-    /// item per request).
-    pub fn outlook(&self, elapsed_us: impl Iterator<Item = u64>) -> Returning {
-        let mut r = Returning::default();
-        if self.total() < MIN_OBSERVATIONS {
-            return r;
-        }
-        for e in elapsed_us {
-            for (k, w) in r.within.iter_mut().enumerate() {
-                let window_us = 1_000u64.checked_shl(k as u32).unwrap_or(u64::MAX);
-                *w += self.chance(e, window_us) as f32;
-            }
-        }
-        r
+        ((self.upto(e + window_us as f64) - before) / left).clamp(0.0, 1.0)
     }
 }
 
@@ -209,6 +221,16 @@ mod tests {
         g
     }
 
+    /// Requests that ended `since_us` ago, the gaps from their end `g`.
+    fn ended(g: &Gaps, since_us: &[u64]) -> Returning {
+        let mut r = Returning { curves: Some(Arc::new(ReturnCurves::new(&Gaps::default(), g))), ..Default::default() };
+        for (a, &us) in r.answered.iter_mut().zip(since_us) {
+            *a = Answered { since_us: us, ended: true };
+        }
+        r.count = since_us.len().min(MAX_ANSWERED);
+        r
+    }
+
     #[test]
     fn a_loop_returning_within_milliseconds_is_expected_soon_after_it_ended_and_not_later() {
         // Three in four requests followed 4-12 ms after the answer.
@@ -217,16 +239,27 @@ mod tests {
         assert!(just_ended > 0.7, "{just_ended}");
         // 50 ms on, whatever was coming has come: only the requests nobody followed are left.
         assert!(g.chance(50_000, 400_000) < 0.01);
-        let r = g.outlook([1_000u64, 50_000].into_iter());
+        let r = ended(&g, &[1_000, 50_000]);
         let in_prefill = r.expected_within(400_000.0);
         assert!((0.7..1.01).contains(&in_prefill), "{in_prefill}");
         assert!(r.expected_within(1_000.0) < 0.1, "{}", r.expected_within(1_000.0));
     }
 
     #[test]
+    fn requests_still_computing_their_prefill_come_back_as_from_a_first_token() {
+        // Each request followed 40 ms after its first token.
+        let first = learned(&[40, 40, 40], 0);
+        let curves = Some(Arc::new(ReturnCurves::new(&first, &Gaps::default())));
+        let r = Returning { prefilling: 2, curves, ..Default::default() };
+        let within = r.expected_within(300_000.0);
+        assert!((1.9..2.01).contains(&within), "{within}");
+        assert!(r.expected_within(10_000.0) < 0.01);
+    }
+
+    #[test]
     fn people_thinking_for_seconds_are_not_expected_within_a_prefill() {
         let g = learned(&[3_000, 5_000, 9_000, 20_000, 60_000], 1);
-        let r = g.outlook([2_000u64].into_iter());
+        let r = ended(&g, &[2_000]);
         assert!(r.expected_within(400_000.0) < 0.02, "{}", r.expected_within(400_000.0));
         assert!(r.expected_within(4_000_000.0) > 0.1, "{}", r.expected_within(4_000_000.0));
     }
@@ -237,7 +270,7 @@ mod tests {
         for _ in 0..10 {
             g.observe(Some(5_000));
         }
-        assert_eq!(g.outlook([1_000u64].into_iter()), Returning::default());
+        assert_eq!(ended(&g, &[1_000]).expected_within(400_000.0), 0.0);
         assert_eq!(Returning::default().expected_within(1e6), 0.0);
     }
 
@@ -257,8 +290,11 @@ mod tests {
         g.observe(Some(u64::MAX));
         assert!(g.total() > 0.99 && g.total() < 1.01);
         assert_eq!(bucket_of(u64::MAX), GAP_BUCKETS - 1);
-        let r = Returning { within: [f32::NAN; WINDOWS], prefilling: 3, after_first: [f32::INFINITY; WINDOWS] };
+        let r = ended(&learned(&[5, 5, 5], 0), &[u64::MAX, 0]);
+        assert!(r.expected_within(5e5) > 0.9);
         assert_eq!(r.expected_within(f64::NAN), 0.0);
-        assert_eq!(r.expected_within(5e5), 0.0);
+        assert!(r.expected_within(f64::INFINITY) <= 2.0);
+        let r = Returning { count: usize::MAX, ..r };
+        assert!(r.expected_within(5e5) <= MAX_ANSWERED as f64);
     }
 }

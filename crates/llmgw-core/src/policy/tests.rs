@@ -586,14 +586,24 @@ fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
 
 #[test]
 fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_prefill() {
-    use super::returns::{Returning, WINDOWS};
+    use super::returns::{Answered, Gaps, ReturnCurves, Returning};
     let none = scores(&[0, 0, 0], 50);
     // The first two in each prompt's order are its choices.
     let mut w = Weights::default();
     w.fallback.approx_choices = 2;
-    // One request expected back within 4 ms and later (a loop's next step), none sooner.
-    let soon = Returning { within: std::array::from_fn(|k| if k >= 2 { 1.0 } else { 0.0 }), ..Default::default() };
-    assert_eq!(soon.within.len(), WINDOWS);
+    // A request answered 1 ms ago, where every request so far came back 5 ms after its answer
+    // (a loop's next step).
+    let mut gaps = Gaps::default();
+    for _ in 0..32 {
+        gaps.observe(Some(5_000));
+    }
+    let mut soon = Returning {
+        curves: Some(std::sync::Arc::new(ReturnCurves::new(&Gaps::default(), &gaps))),
+        count: 1,
+        ..Default::default()
+    };
+    soon.answered[0] = Answered { since_us: 1_000, ended: true };
+    assert!(soon.expected_within(80_000.0) > 0.99);
     for p in 0..30u32 {
         let key = stable_hash(format!("conversation {p}").as_bytes());
         let mut c = fleet(3);
@@ -603,7 +613,7 @@ fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_pref
         c[second].recent = 5.0;
         assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
         // 800 tokens at 100 µs: the request coming back would wait about 80 ms.
-        c[first].returning = soon;
+        c[first].returning = soon.clone();
         assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(second), "prompt {p}");
         let mut ignoring = w.clone();
         ignoring.ttft.returning = 0.0;
