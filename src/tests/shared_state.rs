@@ -282,6 +282,10 @@ fn a_request_extending_one_that_ended_is_its_next_one_for_every_worker() {
     ctx.on_http_response_headers(1, false);
     ctx.on_log();
     assert!(!ended(&e, *keys(&failed).last().unwrap()));
+    // The same prompt again is no next turn: nothing is learned.
+    let (_ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &first));
+    assert!(ended(&e, key));
+    assert!(e.host.shared_data("llmgw.returns.gaps").and_then(|(v, _)| v).is_none_or(|v| v.is_empty()));
     // The next request comes to another worker 6 ms after the first ended.
     let vm2 = second_vm(&e, vec![], vec![]);
     e.host.now_ns.set(100_006_000_000);

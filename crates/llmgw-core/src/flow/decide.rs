@@ -58,8 +58,10 @@ pub fn decide(
         let reset_ns = ctx.resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
         (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
     });
-    // The deepest block that ended a request lately: this request is its next one.
-    let follows = exact.and_then(|(_, sc)| sc.hashes.iter().rev().map(|h| h.key.0).find(|&k| ctx.gw.ended_request(k)));
+    // The deepest block that ended a request lately, short of this one's last (the same prompt
+    // again is no next turn): this request is its next one.
+    let follows =
+        exact.and_then(|(_, sc)| sc.hashes.iter().rev().skip(1).map(|h| h.key.0).find(|&k| ctx.gw.ended_request(k)));
     let incomplete_count = cands.iter().filter(|c| c.incomplete).count();
     let incomplete: Vec<String> = cands
         .iter()
