@@ -1,7 +1,8 @@
 //! What the router asks the gateway, read once per decision from this Envoy's shared data: the
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
-//! rates learned per replica (`crate::rates`) the requests routed lately (`crate::recent`) and the requests that ended lately (`crate::returns`);
+//! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`) and
+//! the requests answered lately (`crate::returns`);
 //! the tokens kept for conversations' next turns (`crate::earlier_turns`) and the text prompts
 //! the other VMs handed on (`crate::earlier_prompts`) are read when asked.
 

@@ -26,6 +26,10 @@ pub struct Contest<'c, 'a> {
     pub scores: &'c Scores,
     /// The prompt's size; without it a policy counts the request's full blocks at 16 tokens.
     pub work: Option<Work>,
+    /// Whether what the request's prefill would cost the requests expected back on each member
+    /// counts ([`super::returns`]): for a new prefix, not for a conversation's next turn, which
+    /// stays with its holders by predicted time alone.
+    pub counts_returns: bool,
     pub(super) tiebreak: &'c dyn Fn(usize) -> Option<u64>,
 }
 

@@ -103,18 +103,9 @@ pub fn decide_lazy(
             let own = work.map(|w| w.prompt_key).filter(|&k| k != 0);
             let tiebreak =
                 |i: usize| own.or_else(approx_key).and_then(|k| cands.get(i).map(|c| c.rendezvous_weight(k)));
-            let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
-            // A conversation's next turn stays with its holders by predicted time alone: the
-            // requests expected back weigh where a new prefix starts (see `place_new`).
-            let holders_ttft;
-            let policy: &dyn HolderPolicy = match w.policy {
-                PolicyMode::Ttft => {
-                    holders_ttft = TtftWeights { returning: 0.0, ..w.ttft.clone() };
-                    &holders_ttft
-                }
-                PolicyMode::Score => w.holder_policy(),
-            };
-            if let Some(p) = policy.pick(&contest) {
+            let contest =
+                Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak, counts_returns: false };
+            if let Some(p) = w.holder_policy().pick(&contest) {
                 let matched = leading(cands, s, p.winner);
                 let outcome = if matched > 0 { Outcome::Exact } else { Outcome::Load };
                 return Decision {
@@ -158,7 +149,7 @@ fn place_new(
 ) -> Option<Decision> {
     let members = w.fallback.new_prefix_choices(cands, idx, key);
     let tiebreak = |i: usize| cands.get(i).map(|c| tie_rank(c, key));
-    let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak };
+    let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak, counts_returns: true };
     // Every choice computes the whole prompt, so predictions differ only by the replicas'
     // rates and loads. A difference within what a prediction from those rates typically misses
     // by (the observed mean absolute residual of the rates on either side) is no evidence that

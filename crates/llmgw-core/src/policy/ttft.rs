@@ -137,7 +137,10 @@ impl HolderPolicy for TtftWeights {
             let Some(c) = contest.cands.get(i) else { return f64::INFINITY };
             self.predicted_us(c, uncached(i))
         };
-        let returning = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.returning_cost_us(c, uncached(i)));
+        let returning = |i: usize| {
+            let c = contest.cands.get(i).filter(|_| contest.counts_returns);
+            c.map_or(0.0, |c| self.returning_cost_us(c, uncached(i)))
+        };
         let cost = |i: usize| predicted(i) + returning(i);
         let request_us = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.rates(c).request_us);
         // Lower is better; predictions within the tie margin are equal.
