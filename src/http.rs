@@ -245,7 +245,9 @@ impl Request {
         let Some(shared) = self.shared.clone() else { return };
         let Ok(mut s) = shared.try_borrow_mut() else { return };
         let now = self.host.now_ns();
-        s.metrics.tokenizer_latency_us(now.saturating_sub(started_ns) / 1_000);
+        let round_trip_us = now.saturating_sub(started_ns) / 1_000;
+        s.metrics.tokenizer_latency_us(round_trip_us);
+        s.router.tokenizer_answered(round_trip_us);
         let in_flight = gateway_state::Snapshot::read(&self.host);
         let b = self.with_call_reply(num_headers, body_size, |reply| {
             s.router.on_background_reply(pending, reply, &in_flight, now)
@@ -386,7 +388,9 @@ impl Context for Request {
             return;
         };
         let t0 = self.host.now_ns();
-        s.metrics.tokenizer_latency_us(t0.saturating_sub(started_ns) / 1_000);
+        let round_trip_us = t0.saturating_sub(started_ns) / 1_000;
+        s.metrics.tokenizer_latency_us(round_trip_us);
+        s.router.tokenizer_answered(round_trip_us);
         self.phases.tokenizer(started_ns, t0);
         let in_flight = gateway_state::Snapshot::read(&self.host);
         let step = self.with_call_reply(num_headers, body_size, |reply| {

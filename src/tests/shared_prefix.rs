@@ -52,6 +52,30 @@ fn a_sibling_goes_at_once_once_two_were_tokenized() {
 }
 
 #[test]
+fn where_two_replicas_hold_the_prefix_a_sibling_goes_at_once_once_calls_are_known_to_take_longer_than_its_further_blocks(
+) {
+    // A and B both hold the system prompt: each sibling waits for its call, which takes 5 ms.
+    let system: Vec<u64> = keys(&sibling(0)).into_iter().take(4).collect();
+    let e = synced("", system.clone(), system, true);
+    let mut i = 0;
+    loop {
+        let (mut ctx, action) = e.request(CHAT, &chat(&format!("q{i}")));
+        if action == Action::Continue {
+            break;
+        }
+        e.host.now_ns.set(e.host.now_ns.get() + 5_000_000);
+        e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(i)));
+        ctx.on_log();
+        i += 1;
+        assert!(i <= 8, "still waiting after {i} calls");
+    }
+    // Once 8 calls were timed: its one further block (4 tokens at 100 µs) is worth less than
+    // a call.
+    assert_eq!(i, 8);
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.shared_prefix"), 1);
+}
+
+#[test]
 fn a_text_prompt_goes_at_once_on_an_earlier_prompt_it_begins_with_on_any_vm() {
     const COMPLETIONS: &str = "/v1/completions";
     let first = format!("system: {}\\nuser: hello?\\nassistant:", "be brief. ".repeat(14));

@@ -35,6 +35,7 @@ mod speculative;
 mod step;
 mod tokenizer_reply;
 mod tokenizer_target;
+mod tokenizer_wait;
 mod triage;
 
 pub use gateway::{EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
@@ -97,6 +98,8 @@ pub struct Router {
     shared_prefixes: shared_prefix::SharedPrefixes,
     /// Earlier text prompts' tokens ([`earlier_prompts`]).
     earlier_prompts: earlier_prompts::EarlierPrompts,
+    /// How long tokenizer calls take ([`tokenizer_wait`]).
+    tokenizer_wait: tokenizer_wait::TokenizerWait,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -146,7 +149,13 @@ impl Router {
             background_calls: None,
             shared_prefixes: shared_prefix::SharedPrefixes::default(),
             earlier_prompts: earlier_prompts::EarlierPrompts::default(),
+            tokenizer_wait: tokenizer_wait::TokenizerWait::default(),
         }
+    }
+
+    /// A tokenizer call answered or failed `round_trip_us` after it was sent.
+    pub fn tokenizer_answered(&mut self, round_trip_us: u64) {
+        self.tokenizer_wait.observe(round_trip_us);
     }
 
     /// Calls after routing, with the turn tags' secret (shared by the VMs; `route_on_earlier_turns`).

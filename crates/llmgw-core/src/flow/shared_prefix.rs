@@ -12,15 +12,21 @@
 //! When no replica holds the whole prefix, or exactly one does, the prefix alone decides as the
 //! request's own tokens would (that one replica may hold more of it, and is credited with less).
 //! When two or more hold it all, which of them holds more of the request only the request's
-//! tokens tell: it waits for its call. Where every sibling so far happened to begin its last
+//! tokens tell: it waits for its call, unless waiting cannot pay. What a holder can hold past
+//! the prefix is at most the request's further whole blocks. Computed at the costliest of those
+//! holders' prefill rates, if that is less than the tokenizer's usual round trip
+//! ([`super::tokenizer_wait`]), the request goes at once (`ttft` policy only: `score` has no
+//! time to weigh). Where every sibling so far happened to begin its last
 //! message alike, the prefix runs past what the next one shares, until a sibling that differs
 //! is tokenized.
 
+use super::candidates::candidates;
 use super::earlier_turns::estimated_tokens;
 use super::recent::Recent;
 use super::step::{CacheLookup, EarlyRequest, Report, Routed};
-use super::{ExactRequest, Router};
+use super::{ExactRequest, GatewayState, Router};
 use crate::index::Scores;
+use crate::policy::PolicyMode;
 
 /// Common prefixes kept per VM: at most this many, each of at most [`MAX_TOKENS`] tokens (4 MiB
 /// per VM at most).
@@ -102,6 +108,11 @@ pub(super) fn the_prefix_decides(scores: &Scores) -> bool {
     deepest > 0 && (deepest < scores.total || whole == 1)
 }
 
+/// Two or more replicas hold every block of the prefix.
+fn several_hold_it_whole(scores: &Scores) -> bool {
+    scores.total > 0 && scores.leading.iter().filter(|&&l| l >= scores.total).count() >= 2
+}
+
 impl Router {
     /// Routes on the common prefix of `parsed`'s siblings, when it decides as the request's own
     /// tokens would: the route, and the estimate of the request's prompt tokens.
@@ -124,10 +135,44 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let mut scored =
-            self.exact(exact, gw, &mut report).ok().filter(|_| the_prefix_decides(&self.scratch.scores))?;
+        let mut scored = self.exact(exact, gw, &mut report).ok()?;
         scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
+        let scores = &self.scratch.scores;
+        let decides = the_prefix_decides(scores)
+            || (several_hold_it_whole(scores) && self.waiting_cannot_pay(tags.profile, model, scores, &scored, gw));
+        if !decides {
+            return None;
+        }
         self.route_early(req, &scored, report)
+    }
+
+    /// Two or more replicas hold the whole prefix: whether the most any of them can hold past it
+    /// (the request's further whole blocks, of its `scored.tokens`) costs less to compute, at
+    /// the costliest of those holders' prefill rates, than the tokenizer's median round trip.
+    fn waiting_cannot_pay(
+        &self,
+        profile: usize,
+        model: Option<&str>,
+        scores: &Scores,
+        scored: &super::exact::Scored,
+        gw: &dyn GatewayState,
+    ) -> bool {
+        let Some(wait_us) = self.tokenizer_wait.median_us() else { return false };
+        let Some(w) = self.config.profile(profile).map(|p| &p.weights) else { return false };
+        if w.policy != PolicyMode::Ttft {
+            return false;
+        }
+        let block = u64::try_from(scored.block_size).unwrap_or(u64::MAX).max(1);
+        // vLLM reuses whole blocks short of a prompt's last token.
+        let further =
+            scored.tokens.saturating_sub(1).checked_div(block).unwrap_or(0).saturating_sub(u64::from(scores.total));
+        let rate = candidates(self.feed.serving(), model, gw)
+            .iter()
+            .filter(|c| scores.leading.get(usize::from(c.id)).is_some_and(|&l| l >= scores.total))
+            .map(|c| w.ttft.rates(c).prefill_us_per_token)
+            .filter(|r| r.is_finite())
+            .fold(0.0_f64, f64::max);
+        (further.saturating_mul(block) as f64) * rate < wait_us as f64
     }
 }
 

@@ -1,8 +1,9 @@
 //! A chat request is routed at once on what its siblings' tokens share, only where that prefix
 //! decides as its own tokens would.
 
-use super::{keys, ok_reply, router, tokenize, A, B};
-use crate::feed::{BlockDelta, Body as Msg, FeedMessage};
+use super::{keys, ok_reply, replica, router, tokenize, A, B, BS};
+use crate::config::{Compiled, MemoSettings};
+use crate::feed::{BlockDelta, Body as Msg, FeedMessage, ReplicaTable, SnapshotChunk, SnapshotComplete};
 use crate::flow::{Body, CacheLookup, Router, Step, TokenizerReply};
 use crate::policy::Outcome;
 
@@ -34,7 +35,34 @@ fn answered(r: &mut Router, step: Step, tokens: &[u32], now_ns: u64) -> Step {
 
 /// A router whose B holds the first sibling whole, with the first two siblings tokenized.
 fn with_two_siblings(extra: &str) -> Router {
-    let mut r = router(extra, keys(&sibling(0)), true);
+    two_siblings_tokenized(router(extra, keys(&sibling(0)), true))
+}
+
+/// As [`with_two_siblings`], the profile with these `weights`, and A holding the system prompt
+/// too.
+fn both_holding_with(weights: &str) -> Router {
+    let json = format!(
+        r#"{{"profiles":[{{"name":"p","models":["m"],"kv_events":true,"block_size":{BS},"seed":"0","weights":{weights}}}]}}"#
+    );
+    let config = Compiled::from_json(json.as_bytes(), Some(MemoSettings { slots: 64, key: 1 })).unwrap();
+    let mut r = Router::new(config, 2);
+    r.feed.begin_subscription();
+    let system: Vec<u64> = keys(&sibling(0)).into_iter().take(4).collect();
+    for (seq, body) in [
+        Msg::Replicas(ReplicaTable { replicas: vec![replica(0, A, true), replica(1, B, true)] }),
+        Msg::Snapshot(SnapshotChunk { replica: 0, first: true, blocks: system }),
+        Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: keys(&sibling(0)) }),
+        Msg::SnapshotComplete(SnapshotComplete {}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        r.feed.apply(&FeedMessage { seq: seq as u64, body: Some(body) }).unwrap();
+    }
+    two_siblings_tokenized(r)
+}
+
+fn two_siblings_tokenized(mut r: Router) -> Router {
     r.set_background_calls(Some(5));
     for i in 0..2 {
         let step = r.on_body(&Body { path: CHAT, bytes: &chat("", &format!("q{i}")), too_large: false }, &(), 0);
@@ -86,6 +114,37 @@ fn a_sibling_waits_for_its_tokens_where_several_replicas_hold_the_prefix() {
         2,
     );
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+}
+
+#[test]
+fn a_sibling_goes_at_once_where_several_hold_the_prefix_when_its_further_blocks_cost_less_than_the_call() {
+    // A and B both hold the system prompt (4 blocks); what either holds past it is at most the
+    // question's one further whole block (4 tokens): 4 × 100 µs at the default rate, against
+    // calls taking 5 ms.
+    let mut r = both_holding_with(r#"{"learn_rates":false}"#);
+    let sibling_step =
+        |r: &mut Router| r.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, &(), 2);
+    // Until enough calls were timed, it waits.
+    for _ in 0..7 {
+        r.tokenizer_answered(5_000);
+    }
+    assert!(matches!(sibling_step(&mut r), Step::Tokenize(_)));
+    r.tokenizer_answered(5_000);
+    let step = sibling_step(&mut r);
+    let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
+    assert_eq!((routed.decision.matched, routed.report.tokenizer_cache), (4, Some(CacheLookup::SharedPrefix)));
+    // Where that block costs more than a call (2 ms a token), it waits.
+    let mut dear = both_holding_with(r#"{"learn_rates":false,"prefill_us_per_token":2000}"#);
+    for _ in 0..8 {
+        dear.tokenizer_answered(5_000);
+    }
+    assert!(matches!(sibling_step(&mut dear), Step::Tokenize(_)));
+    // So does the `score` policy, which weighs no time.
+    let mut score = both_holding_with(r#"{"policy":"score"}"#);
+    for _ in 0..8 {
+        score.tokenizer_answered(5_000);
+    }
+    assert!(matches!(sibling_step(&mut score), Step::Tokenize(_)));
 }
 
 #[test]
