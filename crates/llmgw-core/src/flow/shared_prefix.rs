@@ -109,7 +109,7 @@ pub(super) fn the_prefix_decides(scores: &Scores) -> bool {
 }
 
 /// Two or more replicas hold every block of the prefix.
-fn several_hold_it_whole(scores: &Scores) -> bool {
+pub(super) fn several_hold_it_whole(scores: &Scores) -> bool {
     scores.total > 0 && scores.leading.iter().filter(|&&l| l >= scores.total).count() >= 2
 }
 
@@ -149,7 +149,7 @@ impl Router {
     /// Two or more replicas hold the whole prefix: whether the most any of them can hold past it
     /// (the request's further whole blocks, of its `scored.tokens`) costs less to compute, at
     /// the costliest of those holders' prefill rates, than the tokenizer's median round trip.
-    fn waiting_cannot_pay(
+    pub(super) fn waiting_cannot_pay(
         &self,
         profile: usize,
         model: Option<&str>,
