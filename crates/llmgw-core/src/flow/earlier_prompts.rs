@@ -22,7 +22,6 @@
 //! a conversation whose turns reach different workers goes at once on each.
 
 use super::recent::Recent;
-use super::shared_prefix::{several_hold_it_whole, the_prefix_decides};
 use super::shared_prompt::{EarlierPrompt, SharedPrompt, FIRST_BOUNDARY, MARK, MAX_MARKS, MAX_TOKENS};
 use super::step::{CacheLookup, EarlyRequest, Report, Routed};
 use super::{ExactRequest, GatewayState, Router};
@@ -249,13 +248,8 @@ impl Router {
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
         let (count, bytes) = claim.per;
         scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len())?;
-        let scores = &self.scratch.scores;
-        let decides = if claim.whole {
-            scores.total > 0
-        } else {
-            the_prefix_decides(scores)
-                || (several_hold_it_whole(scores) && self.waiting_cannot_pay(profile, model, scores, &scored, gw))
-        };
+        let decides =
+            if claim.whole { self.scratch.scores.total > 0 } else { self.the_prefix_decides(profile, &scored, gw) };
         if !decides {
             return None;
         }

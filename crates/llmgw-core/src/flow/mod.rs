@@ -153,11 +153,6 @@ impl Router {
         }
     }
 
-    /// A tokenizer call answered or failed `round_trip_us` after it was sent.
-    pub fn tokenizer_answered(&mut self, round_trip_us: u64) {
-        self.tokenizer_wait.observe(round_trip_us);
-    }
-
     /// Calls after routing, with the turn tags' secret (shared by the VMs; `route_on_earlier_turns`).
     pub fn set_background_calls(&mut self, key: Option<u64>) {
         self.background_calls = key;

@@ -20,8 +20,8 @@
 //! message alike, the prefix runs past what the next one shares, until a sibling that differs
 //! is tokenized.
 
-use super::candidates::candidates;
 use super::earlier_turns::estimated_tokens;
+use super::exact::Scored;
 use super::recent::Recent;
 use super::step::{CacheLookup, EarlyRequest, Report, Routed};
 use super::{ExactRequest, GatewayState, Router};
@@ -102,15 +102,14 @@ impl SharedPrefixes {
 /// No replica can hold blocks of the request past its common prefix unless it holds the whole
 /// prefix: scored on the prefix, the request is scored as its own tokens would score it when at
 /// most one replica holds it all (and some replica holds part of it).
-pub(super) fn the_prefix_decides(scores: &Scores) -> bool {
+fn the_prefix_alone_decides(scores: &Scores) -> bool {
     let deepest = scores.leading.iter().copied().max().unwrap_or(0);
-    let whole = scores.leading.iter().filter(|&&l| l >= scores.total).count();
-    deepest > 0 && (deepest < scores.total || whole == 1)
+    deepest > 0 && (deepest < scores.total || whole_holders(scores).count() == 1)
 }
 
-/// Two or more replicas hold every block of the prefix.
-pub(super) fn several_hold_it_whole(scores: &Scores) -> bool {
-    scores.total > 0 && scores.leading.iter().filter(|&&l| l >= scores.total).count() >= 2
+/// The replicas (by id) holding every block of the prefix.
+fn whole_holders(scores: &Scores) -> impl Iterator<Item = usize> + '_ {
+    scores.leading.iter().enumerate().filter(move |&(_, &l)| scores.total > 0 && l >= scores.total).map(|(r, _)| r)
 }
 
 impl Router {
@@ -137,26 +136,25 @@ impl Router {
         };
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
         scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
-        let scores = &self.scratch.scores;
-        let decides = the_prefix_decides(scores)
-            || (several_hold_it_whole(scores) && self.waiting_cannot_pay(tags.profile, model, scores, &scored, gw));
-        if !decides {
+        if !self.the_prefix_decides(tags.profile, &scored, gw) {
             return None;
         }
         self.route_early(req, &scored, report)
     }
 
+    /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores
+    /// in the scratch space) may be routed on it, without its own tokens: the prefix decides as
+    /// they would, or waiting for them cannot pay.
+    pub(super) fn the_prefix_decides(&self, profile: usize, scored: &Scored, gw: &dyn GatewayState) -> bool {
+        let scores = &self.scratch.scores;
+        the_prefix_alone_decides(scores)
+            || (whole_holders(scores).nth(1).is_some() && self.waiting_cannot_pay(profile, scores, scored, gw))
+    }
+
     /// Two or more replicas hold the whole prefix: whether the most any of them can hold past it
     /// (the request's further whole blocks, of its `scored.tokens`) costs less to compute, at
     /// the costliest of those holders' prefill rates, than the tokenizer's median round trip.
-    pub(super) fn waiting_cannot_pay(
-        &self,
-        profile: usize,
-        model: Option<&str>,
-        scores: &Scores,
-        scored: &super::exact::Scored,
-        gw: &dyn GatewayState,
-    ) -> bool {
+    fn waiting_cannot_pay(&self, profile: usize, scores: &Scores, scored: &Scored, gw: &dyn GatewayState) -> bool {
         let Some(wait_us) = self.tokenizer_wait.median_us() else { return false };
         let Some(w) = self.config.profile(profile).map(|p| &p.weights) else { return false };
         if w.policy != PolicyMode::Ttft {
@@ -166,10 +164,10 @@ impl Router {
         // vLLM reuses whole blocks short of a prompt's last token.
         let further =
             scored.tokens.saturating_sub(1).checked_div(block).unwrap_or(0).saturating_sub(u64::from(scores.total));
-        let rate = candidates(self.feed.serving(), model, gw)
-            .iter()
-            .filter(|c| scores.leading.get(usize::from(c.id)).is_some_and(|&l| l >= scores.total))
-            .map(|c| w.ttft.rates(c).prefill_us_per_token)
+        let replicas = &self.feed.serving().replicas;
+        let rate = whole_holders(scores)
+            .filter_map(|id| replicas.iter().find(|r| usize::from(r.id) == id))
+            .map(|r| w.ttft.rates_from(gw.learned_rates(&r.address)).prefill_us_per_token)
             .filter(|r| r.is_finite())
             .fold(0.0_f64, f64::max);
         (further.saturating_mul(block) as f64) * rate < wait_us as f64
@@ -228,9 +226,9 @@ mod tests {
     #[test]
     fn the_prefix_decides_unless_several_replicas_hold_it_whole() {
         let scores = |leading: &[u32]| Scores { leading: leading.to_vec(), total: 4 };
-        assert!(the_prefix_decides(&scores(&[4, 1, 0])));
-        assert!(the_prefix_decides(&scores(&[2, 2, 0])));
-        assert!(!the_prefix_decides(&scores(&[4, 4, 0])));
-        assert!(!the_prefix_decides(&scores(&[0, 0, 0])));
+        assert!(the_prefix_alone_decides(&scores(&[4, 1, 0])));
+        assert!(the_prefix_alone_decides(&scores(&[2, 2, 0])));
+        assert!(!the_prefix_alone_decides(&scores(&[4, 4, 0])));
+        assert!(!the_prefix_alone_decides(&scores(&[0, 0, 0])));
     }
 }

@@ -43,6 +43,13 @@ impl TokenizerWait {
     }
 }
 
+impl super::Router {
+    /// A tokenizer call answered or failed `round_trip_us` after it was sent.
+    pub fn tokenizer_answered(&mut self, round_trip_us: u64) {
+        self.tokenizer_wait.observe(round_trip_us);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

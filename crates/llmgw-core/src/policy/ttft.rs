@@ -89,7 +89,12 @@ impl TtftWeights {
 
     /// The rates predicting for `c`: learned for it, or the profile's.
     pub fn rates(&self, c: &Candidate<'_>) -> Rates {
-        match c.rates {
+        self.rates_from(c.rates)
+    }
+
+    /// The rates predicting for a replica with these `learned` rates, if any.
+    pub fn rates_from(&self, learned: Option<Rates>) -> Rates {
+        match learned {
             Some(r) if self.learning.enabled => r,
             _ => self.prior(),
         }
