@@ -19,6 +19,7 @@ mod contest;
 mod decision;
 pub mod fallback;
 pub mod limits;
+mod new_prefix;
 pub mod rates;
 pub mod returns;
 pub mod score;
@@ -38,6 +39,7 @@ pub use weights::{PolicyMode, Weights};
 
 use crate::index::Scores;
 use contest::leading;
+use new_prefix::NewPrefixTtft;
 
 /// The stable hash routing keys are made with (the approximate fallback's prompt key).
 pub use crate::stable_hash::stable_hash;
@@ -131,8 +133,9 @@ pub fn decide_lazy(
 /// A prefix known to be new (complete mirrors show nobody holding its first block, or every
 /// eligible replica holding the same leading blocks and nobody more): among its
 /// first rendezvous choices within the load bound, the one the holder policy prefers (everyone
-/// computes the whole prompt: the fastest predicted, or the least loaded), equally good ones
-/// by fewer recent requests ([`tie_rank`]), then by the prompt's rendezvous order.
+/// computes the whole prompt: the fastest predicted, by the rates past their scatter and by the
+/// loads within it ([`new_prefix`]), or the least loaded), equally good ones by fewer recent
+/// requests ([`tie_rank`]), then by the prompt's rendezvous order.
 ///
 /// Under equal loads rendezvous order alone spreads prefixes as a hash does: 16 prefixes on 3
 /// replicas land 8/5/3 as easily as 6/5/5, and since a holder keeps its prefix until load moves
@@ -150,18 +153,11 @@ fn place_new(
     let members = w.fallback.new_prefix_choices(cands, idx, key);
     let tiebreak = |i: usize| cands.get(i).map(|c| tie_rank(c, key));
     let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak, counts_returns: true };
-    // Every choice computes the whole prompt, so predictions differ only by the replicas'
-    // rates and loads. A difference within what a prediction from those rates typically misses
-    // by (the observed mean absolute residual of the rates on either side) is no evidence that
-    // one is faster: on alike replicas the learned rates scatter by that much, and letting the
-    // scatter decide sends every new prefix to whichever replica's estimate is lowest.
-    let widened;
+    let new_prefix;
     let policy: &dyn HolderPolicy = match w.policy {
         PolicyMode::Ttft => {
-            let residual =
-                members.iter().filter_map(|&i| cands.get(i)).map(|c| w.ttft.rates(c).residual_us).fold(0.0, f64::max);
-            widened = TtftWeights { tie_us: w.ttft.tie_us.max(residual), ..w.ttft.clone() };
-            &widened
+            new_prefix = NewPrefixTtft::new(&w.ttft, cands, &members);
+            &new_prefix
         }
         PolicyMode::Score => w.holder_policy(),
     };

@@ -114,11 +114,114 @@ impl TtftWeights {
     /// What computing `uncached` prompt tokens on `c` costs the requests expected back there
     /// meanwhile (µs): each waits about the prefill's time.
     pub fn returning_cost_us(&self, c: &Candidate<'_>, uncached: u64) -> f64 {
-        let prefill_us = self.rates(c).prefill_us_per_token * uncached as f64;
+        self.returning_cost_at(c, uncached, self.rates(c).prefill_us_per_token)
+    }
+
+    /// As [`TtftWeights::returning_cost_us`], at the prefill rate `prefill_us_per_token`.
+    fn returning_cost_at(&self, c: &Candidate<'_>, uncached: u64, prefill_us_per_token: f64) -> f64 {
+        let prefill_us = prefill_us_per_token * uncached as f64;
         if prefill_us.is_nan() || prefill_us <= 0.0 || self.returning <= 0.0 {
             return 0.0;
         }
         self.returning * c.returning.expected_within(prefill_us) * prefill_us
+    }
+}
+
+/// One contest's costs under the `ttft` policy: what each member would compute and what it is
+/// predicted to take.
+pub(super) struct Costs<'w, 'c, 'x> {
+    w: &'w TtftWeights,
+    contest: &'x Contest<'c, 'x>,
+    work: Work,
+}
+
+impl Costs<'_, '_, '_> {
+    /// The prompt tokens member `i` would compute (past the leading blocks it holds).
+    fn uncached(&self, i: usize) -> u64 {
+        let cached = u64::from(self.contest.leading(i)).saturating_mul(self.work.block_size);
+        self.work.tokens.saturating_sub(cached)
+    }
+
+    /// Member `i`'s predicted time to first token with its own rates (µs).
+    fn predicted(&self, i: usize) -> f64 {
+        let Some(c) = self.contest.cands.get(i) else { return f64::INFINITY };
+        self.w.predicted_us(c, self.uncached(i))
+    }
+
+    /// What member `i`'s prefill would cost the requests expected back there (µs), where the
+    /// contest counts it.
+    fn returning(&self, i: usize) -> f64 {
+        let c = self.contest.cands.get(i).filter(|_| self.contest.counts_returns);
+        c.map_or(0.0, |c| self.w.returning_cost_us(c, self.uncached(i)))
+    }
+
+    /// Member `i`'s cost with its own rates: its prediction and what it costs the returns.
+    pub(super) fn cost(&self, i: usize) -> f64 {
+        self.predicted(i) + self.returning(i)
+    }
+
+    /// Member `i`'s cost were its rates `r`: what its load alone makes of the same prompt.
+    pub(super) fn cost_at(&self, i: usize, r: &Rates) -> f64 {
+        let Some(c) = self.contest.cands.get(i) else { return f64::INFINITY };
+        let uncached = self.uncached(i);
+        let returning = if self.contest.counts_returns {
+            self.w.returning_cost_at(c, uncached, r.prefill_us_per_token)
+        } else {
+            0.0
+        };
+        r.predict(&TtftWeights::features(c, uncached)) + returning
+    }
+
+    /// The margin within which two costs from rates with these per-request rates are equal.
+    pub(super) fn tie_margin(&self, request_a: f64, request_b: f64) -> f64 {
+        self.w.tie_us.max(self.w.tie_requests * request_a.max(request_b))
+    }
+
+    /// Member `i`'s per-request rate.
+    pub(super) fn request_us(&self, i: usize) -> f64 {
+        self.contest.cands.get(i).map_or(0.0, |c| self.w.rates(c).request_us)
+    }
+}
+
+impl TtftWeights {
+    /// The winner of `contest` under `compare` (`Greater`: the first member is better), which
+    /// reads the members' [`Costs`].
+    pub(super) fn pick_by(
+        &self,
+        contest: &Contest<'_, '_>,
+        compare: &dyn Fn(&Costs<'_, '_, '_>, usize, usize) -> std::cmp::Ordering,
+    ) -> Option<Pick> {
+        let s = contest.scores;
+        let work = contest.work.unwrap_or(Work {
+            tokens: u64::from(s.total).saturating_mul(16),
+            block_size: 16,
+            prompt_key: 0,
+        });
+        let costs = Costs { w: self, contest, work };
+        let (best, second) = contest.best_two(|a, b| compare(&costs, a, b));
+        best.map(|b| Pick {
+            winner: b,
+            predicted_us: Some(costs.predicted(b) as u64),
+            runner_up: second.map(|r| (r, costs.predicted(r) as u64)),
+            basis: contest.cands.get(b).map(|c| {
+                Box::new(Basis {
+                    features: Self::features(c, costs.uncached(b)),
+                    rates: self.rates(c),
+                    prior: self.prior(),
+                    learning: self.learning,
+                })
+            }),
+            returning_us: (costs.returning(b) as u64, second.map_or(0, |r| costs.returning(r) as u64)),
+        })
+    }
+}
+
+/// Lower cost is better; costs within `margin` of each other are equal.
+pub(super) fn by_cost(a: f64, b: f64, margin: f64) -> std::cmp::Ordering {
+    if (a - b).abs() <= margin {
+        std::cmp::Ordering::Equal
+    } else {
+        b.total_cmp(&a)
     }
 }
 
@@ -128,49 +231,8 @@ impl HolderPolicy for TtftWeights {
     }
 
     fn pick(&self, contest: &Contest<'_, '_>) -> Option<Pick> {
-        let s = contest.scores;
-        let work = contest.work.unwrap_or(Work {
-            tokens: u64::from(s.total).saturating_mul(16),
-            block_size: 16,
-            prompt_key: 0,
-        });
-        let uncached = |i: usize| {
-            let cached = u64::from(contest.leading(i)).saturating_mul(work.block_size);
-            work.tokens.saturating_sub(cached)
-        };
-        let predicted = |i: usize| -> f64 {
-            let Some(c) = contest.cands.get(i) else { return f64::INFINITY };
-            self.predicted_us(c, uncached(i))
-        };
-        let returning = |i: usize| {
-            let c = contest.cands.get(i).filter(|_| contest.counts_returns);
-            c.map_or(0.0, |c| self.returning_cost_us(c, uncached(i)))
-        };
-        let cost = |i: usize| predicted(i) + returning(i);
-        let request_us = |i: usize| contest.cands.get(i).map_or(0.0, |c| self.rates(c).request_us);
-        // Lower is better; predictions within the tie margin are equal.
-        let (best, second) = contest.best_two(|a, b| {
-            let (pa, pb) = (cost(a), cost(b));
-            let tie = self.tie_us.max(self.tie_requests * request_us(a).max(request_us(b)));
-            if (pa - pb).abs() <= tie {
-                std::cmp::Ordering::Equal
-            } else {
-                pb.total_cmp(&pa)
-            }
-        });
-        best.map(|b| Pick {
-            winner: b,
-            predicted_us: Some(predicted(b) as u64),
-            runner_up: second.map(|r| (r, predicted(r) as u64)),
-            basis: contest.cands.get(b).map(|c| {
-                Box::new(Basis {
-                    features: Self::features(c, uncached(b)),
-                    rates: self.rates(c),
-                    prior: self.prior(),
-                    learning: self.learning,
-                })
-            }),
-            returning_us: (returning(b) as u64, second.map_or(0, |r| returning(r) as u64)),
+        self.pick_by(contest, &|costs, a, b| {
+            by_cost(costs.cost(a), costs.cost(b), costs.tie_margin(costs.request_us(a), costs.request_us(b)))
         })
     }
 }

@@ -128,6 +128,44 @@ fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
 }
 
 #[test]
+fn new_prefixes_sent_a_moment_apart_do_not_share_a_replica_while_the_rates_still_miss_by_much() {
+    use super::rates::Rates;
+    // Early learning at dear prefill: every replica's rates miss by 400 ms. Each replica
+    // holds the prompts' common first block, so past it every prompt is new.
+    let learned = |prefill: f64| Rates {
+        base_us: 0.0,
+        prefill_us_per_token: prefill,
+        queued_us_per_token: prefill,
+        request_us: 20_000.0,
+        observations: 3,
+        residual_us: 400_000.0,
+    };
+    let common = scores(&[1, 1, 1], 40);
+    for p in 0..30u32 {
+        let key = stable_hash(format!("conversation {p}").as_bytes());
+        let mut c = fleet(3);
+        for (x, prefill) in c.iter_mut().zip([800.0, 850.0, 900.0]) {
+            x.rates = Some(learned(prefill));
+            x.recent = 4.0;
+        }
+        // The replica sent to least lately is computing a new conversation of 300 tokens
+        // (about 260 ms of known work, within what the rates miss by); the others are idle.
+        let busy = p as usize % 3;
+        c[busy].recent = 1.0;
+        c[busy].in_flight = 1;
+        c[busy].pending_tokens = 300;
+        let d = ttft(&c, &common, 640, key, &Weights::default());
+        assert_eq!((d.outcome, d.matched), (Outcome::Exact, 1));
+        assert_ne!(d.winner, Some(busy), "prompt {p}: {d:?}");
+        // Idle everywhere, the rates' scatter (50 µs a token: 30 ms) decides nothing: fewer
+        // recent requests do.
+        c[busy].in_flight = 0;
+        c[busy].pending_tokens = 0;
+        assert_eq!(ttft(&c, &common, 640, key, &Weights::default()).winner, Some(busy), "prompt {p}");
+    }
+}
+
+#[test]
 fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_prefill() {
     use super::returns::{Answered, Gaps, ReturnCurves, Returning};
     let none = scores(&[0, 0, 0], 50);
