@@ -55,8 +55,11 @@ fn a_sibling_goes_at_once_once_two_were_tokenized() {
 fn where_two_replicas_hold_the_prefix_a_sibling_goes_at_once_once_calls_are_known_to_take_longer_than_its_further_blocks(
 ) {
     // A and B both hold the system prompt: each sibling waits for its call, which takes 5 ms.
+    // B holds the first sibling whole, and every later one's own tokens turn out to be the
+    // first's (its question asked again): waiting pays, so only the calls' timing can let a
+    // sibling go at once.
     let system: Vec<u64> = keys(&sibling(0)).into_iter().take(4).collect();
-    let e = synced("", system.clone(), system, true);
+    let e = synced("", system, keys(&sibling(0)), true);
     let mut i = 0;
     loop {
         let (mut ctx, action) = e.request(CHAT, &chat(&format!("q{i}")));
@@ -64,7 +67,7 @@ fn where_two_replicas_hold_the_prefix_a_sibling_goes_at_once_once_calls_are_know
             break;
         }
         e.host.now_ns.set(e.host.now_ns.get() + 5_000_000);
-        e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(i)));
+        e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(if i < 2 { i } else { 0 })));
         ctx.on_log();
         i += 1;
         assert!(i <= 8, "still waiting after {i} calls");

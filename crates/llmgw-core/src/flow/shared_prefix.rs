@@ -16,14 +16,18 @@
 //! the prefix is at most the request's further whole blocks. Computed at the costliest of those
 //! holders' prefill rates, if that is less than the tokenizer's usual round trip
 //! ([`super::tokenizer_wait`]), the request goes at once (`ttft` policy only: `score` has no
-//! time to weigh). Where every sibling so far happened to begin its last
+//! time to weigh). And whether waiting pays is learned per family: a sibling that waited and
+//! whose own tokens found no replica holding past the prefix lets the next sibling go at once;
+//! each further such wait doubles how many go at once before the next one waits to check (up
+//! to 63 of 64), and a wait that found a replica holding more makes every sibling wait again.
+//! Where every sibling so far happened to begin its last
 //! message alike, the prefix runs past what the next one shares, until a sibling that differs
 //! is tokenized.
 
 use super::earlier_turns::estimated_tokens;
 use super::exact::Scored;
 use super::recent::Recent;
-use super::step::{CacheLookup, EarlyRequest, Report, Routed};
+use super::step::{CacheLookup, EarlyRequest, Pending, Report, Routed};
 use super::{ExactRequest, GatewayState, Router};
 use crate::index::Scores;
 use crate::policy::PolicyMode;
@@ -45,7 +49,16 @@ struct Prefix {
     tokens: Vec<u32>,
     /// Tokenized siblings that differ, that `tokens` is the common prefix of (counted up to 2).
     siblings: u8,
+    /// Siblings in a row that waited for their own tokens and found no replica holding past
+    /// the prefix (up to [`MAX_UNPAID`]).
+    unpaid: u8,
+    /// Siblings that may still go at once before the next one waits to check.
+    at_once: u8,
 }
+
+/// The most waits in a row that found nothing past the prefix counted: afterwards one sibling
+/// in 2^6 still waits, so a family whose questions start to repeat is noticed.
+const MAX_UNPAID: u8 = 6;
 
 impl Default for SharedPrefixes {
     fn default() -> Self {
@@ -80,7 +93,25 @@ impl SharedPrefixes {
 
     fn insert(&mut self, tag: u128, mut tokens: Vec<u32>, siblings: u8) {
         tokens.truncate(MAX_TOKENS);
-        self.entries.insert(tag, Prefix { tokens, siblings });
+        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0 });
+    }
+
+    /// A sibling of `tag` that waited for its own tokens found a replica holding blocks past
+    /// the common prefix (`paid`), or none did. Each wait that found none lets twice as many
+    /// siblings go at once before the next one waits to check, up to 2^[`MAX_UNPAID`] − 1; one
+    /// that found some makes every sibling wait again.
+    pub fn waited(&mut self, tag: u128, paid: bool) {
+        let Some(p) = self.entries.get(tag) else { return };
+        p.unpaid = if paid { 0 } else { p.unpaid.saturating_add(1).min(MAX_UNPAID) };
+        p.at_once = 1u8.checked_shl(u32::from(p.unpaid)).unwrap_or(u8::MAX).saturating_sub(1);
+    }
+
+    /// Whether a sibling of `tag` may skip waiting for its tokens, since the recent siblings
+    /// that waited found nothing past the prefix (and counts it).
+    pub fn skips_waiting(&mut self, tag: u128) -> bool {
+        let Some(p) = self.entries.get(tag).filter(|p| p.at_once > 0) else { return false };
+        p.at_once = p.at_once.saturating_sub(1);
+        true
     }
 
     /// The tokens at least two differing siblings of `tag` begin with.
@@ -136,10 +167,28 @@ impl Router {
         };
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
         scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
-        if !self.the_prefix_decides(tags.profile, &scored, gw) {
+        // Several replicas holding the prefix whole: whether any holds more, only the request's
+        // tokens tell, unless the family's recent waits found none did.
+        let several = whole_holders(&self.scratch.scores).nth(1).is_some();
+        let decides = self.the_prefix_decides(tags.profile, &scored, gw)
+            || (several && self.shared_prefixes.skips_waiting(tag.0));
+        if !decides {
             return None;
         }
         self.route_early(req, &scored, report)
+    }
+
+    /// A request that waited for its tokens was scored on them (`scored`, its scores in the
+    /// scratch space): whether a replica held blocks of it past its siblings' common prefix, for
+    /// the siblings after it.
+    pub(super) fn note_whether_waiting_paid(&mut self, pending: &Pending, scored: Option<&Scored>) {
+        let Some(((tag, _), scored)) = pending.turn_tags.as_ref().and_then(|t| t.siblings).zip(scored) else {
+            return;
+        };
+        let Some(prefix) = self.shared_prefixes.common(tag.0).map(<[u32]>::len) else { return };
+        let prefix_blocks = u32::try_from(prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
+        let deepest = self.scratch.scores.leading.iter().copied().max().unwrap_or(0);
+        self.shared_prefixes.waited(tag.0, deepest > prefix_blocks);
     }
 
     /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores
@@ -221,6 +270,30 @@ mod tests {
         assert_eq!(s.entries.len(), MAX_PREFIXES);
         assert_eq!(s.common(0), Some(&[1][..]));
         assert_eq!((s.take_evicted(), s.take_evicted()), (6, 0));
+    }
+
+    #[test]
+    fn each_wait_that_found_nothing_past_the_prefix_lets_twice_as_many_siblings_go_at_once() {
+        let mut s = SharedPrefixes::default();
+        s.learn(1, &[1, 2, 3], || None);
+        s.learn(1, &[1, 2, 4], || None);
+        let at_once = |s: &mut SharedPrefixes| (0..100).take_while(|_| s.skips_waiting(1)).count();
+        assert_eq!(at_once(&mut s), 0);
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            s.waited(1, false);
+            seen.push(at_once(&mut s));
+        }
+        assert_eq!(seen, [1, 3, 7, 15, 31, 63, 63, 63]);
+        // A wait that paid: every sibling waits again.
+        s.waited(1, false);
+        s.waited(1, true);
+        assert_eq!(at_once(&mut s), 0);
+        s.waited(1, false);
+        assert_eq!(at_once(&mut s), 1);
+        // An unknown family learns nothing.
+        s.waited(2, false);
+        assert!(!s.skips_waiting(2));
     }
 
     #[test]

@@ -148,6 +148,35 @@ fn a_sibling_goes_at_once_where_several_hold_the_prefix_when_its_further_blocks_
 }
 
 #[test]
+fn siblings_skip_their_wait_once_waiting_found_nothing_past_the_prefix_and_wait_again_once_it_did() {
+    // A and B both hold the system prompt; no call was timed, so each sibling would wait.
+    let mut r = both_holding_with(r#"{"learn_rates":false}"#);
+    let mut steps = Vec::new();
+    for i in 2..9u32 {
+        let step = r.on_body(&Body { path: CHAT, bytes: &chat("", &format!("q{i}")), too_large: false }, &(), 2);
+        match step {
+            Step::Tokenize(_) => {
+                steps.push('w');
+                // Its own tokens: nobody holds past the system prompt, but for the last,
+                // which B holds whole (the first sibling's question, in other words).
+                let routed = answered(&mut r, step, &sibling(if i == 8 { 0 } else { i }), 3);
+                assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+            }
+            Step::RouteThenTokenize(routed, _) => {
+                steps.push('o');
+                assert_eq!(routed.report.tokenizer_cache, Some(CacheLookup::SharedPrefix));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Waited, 1 at once, waited, 3 at once, waited (the question B holds whole).
+    assert_eq!(steps.iter().collect::<String>(), "wowooow");
+    // That wait found B holding past the prefix: the next sibling waits again.
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q10"), too_large: false }, &(), 4);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+}
+
+#[test]
 fn a_vm_routes_a_sibling_on_the_prefix_another_vm_kept() {
     use super::shared_data::Kept;
     let gw = Kept::default();
