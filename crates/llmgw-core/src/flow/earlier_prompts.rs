@@ -248,8 +248,11 @@ impl Router {
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
         let (count, bytes) = claim.per;
         scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len())?;
-        let decides =
-            if claim.whole { self.scratch.scores.total > 0 } else { self.the_prefix_decides(profile, &scored, gw) };
+        let decides = if claim.whole {
+            self.scratch.scores.total > 0
+        } else {
+            self.the_prefix_decides(profile, &scored, None, gw)
+        };
         if !decides {
             return None;
         }

@@ -167,12 +167,7 @@ impl Router {
         };
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
         scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
-        // Several replicas holding the prefix whole: whether any holds more, only the request's
-        // tokens tell, unless the family's recent waits found none did.
-        let several = whole_holders(&self.scratch.scores).nth(1).is_some();
-        let decides = self.the_prefix_decides(tags.profile, &scored, gw)
-            || (several && self.shared_prefixes.skips_waiting(tag.0));
-        if !decides {
+        if !self.the_prefix_decides(tags.profile, &scored, Some(tag.0), gw) {
             return None;
         }
         self.route_early(req, &scored, report)
@@ -193,11 +188,24 @@ impl Router {
 
     /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores
     /// in the scratch space) may be routed on it, without its own tokens: the prefix decides as
-    /// they would, or waiting for them cannot pay.
-    pub(super) fn the_prefix_decides(&self, profile: usize, scored: &Scored, gw: &dyn GatewayState) -> bool {
+    /// they would, or waiting for them cannot pay, or (for a chat request, whose siblings'
+    /// `family` tag it gives) the family's recent waits found nothing past the prefix.
+    pub(super) fn the_prefix_decides(
+        &mut self,
+        profile: usize,
+        scored: &Scored,
+        family: Option<u128>,
+        gw: &dyn GatewayState,
+    ) -> bool {
         let scores = &self.scratch.scores;
-        the_prefix_alone_decides(scores)
-            || (whole_holders(scores).nth(1).is_some() && self.waiting_cannot_pay(profile, scores, scored, gw))
+        if the_prefix_alone_decides(scores) {
+            return true;
+        }
+        if whole_holders(scores).nth(1).is_none() {
+            return false;
+        }
+        self.waiting_cannot_pay(profile, scores, scored, gw)
+            || family.is_some_and(|tag| self.shared_prefixes.skips_waiting(tag))
     }
 
     /// Two or more replicas hold the whole prefix: whether the most any of them can hold past it

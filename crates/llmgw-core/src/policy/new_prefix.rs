@@ -34,25 +34,24 @@ pub(super) struct NewPrefixTtft<'w> {
 impl<'w> NewPrefixTtft<'w> {
     /// The policy for a contest among `members` (indices into `cands`).
     pub(super) fn new(ttft: &'w TtftWeights, cands: &[Candidate<'_>], members: &[usize]) -> Self {
-        let rates: Vec<Rates> = members.iter().filter_map(|&i| cands.get(i)).map(|c| ttft.rates(c)).collect();
-        let scatter_us = rates.iter().map(|r| r.residual_us).filter(|r| r.is_finite()).fold(0.0, f64::max);
-        let n = rates.len().max(1) as f64;
-        let mean = |f: fn(&Rates) -> f64| {
-            let m = rates.iter().map(f).filter(|v| v.is_finite()).sum::<f64>() / n;
-            if m.is_finite() {
-                m.max(0.0)
-            } else {
-                0.0
+        // One pass: the largest residual, and the sums of the finite rates.
+        let (mut scatter_us, mut sums, mut n) = (0.0_f64, [0.0_f64; 4], 0.0_f64);
+        for r in members.iter().filter_map(|&i| cands.get(i)).map(|c| ttft.rates(c)) {
+            if r.residual_us.is_finite() {
+                scatter_us = scatter_us.max(r.residual_us);
             }
-        };
-        let common = Rates {
-            base_us: mean(|r| r.base_us),
-            prefill_us_per_token: mean(|r| r.prefill_us_per_token),
-            queued_us_per_token: mean(|r| r.queued_us_per_token),
-            request_us: mean(|r| r.request_us),
-            observations: 0,
-            residual_us: 0.0,
-        };
+            let rates = [r.base_us, r.prefill_us_per_token, r.queued_us_per_token, r.request_us];
+            for (sum, v) in sums.iter_mut().zip(rates) {
+                if v.is_finite() {
+                    *sum += v;
+                }
+            }
+            n += 1.0;
+        }
+        let [base_us, prefill_us_per_token, queued_us_per_token, request_us] =
+            sums.map(|sum| if n > 0.0 && (sum / n).is_finite() { (sum / n).max(0.0) } else { 0.0 });
+        let common =
+            Rates { base_us, prefill_us_per_token, queued_us_per_token, request_us, observations: 0, residual_us: 0.0 };
         NewPrefixTtft { ttft, scatter_us, common }
     }
 }
