@@ -2,9 +2,12 @@
 to B through Envoy with outcome `exact`, and the number of blocks the filter matched is what B
 reports as cached (usage.prompt_tokens_details.cached_tokens) for that follow-up."""
 
+import json
 import random
+import urllib.request
 
-from conftest import agent_hash, wait_until, words
+import llmgw_testkit as kit
+from conftest import MODEL, agent_hash, wait_until, words
 
 
 def test_completion_followup_routed_exact_to_the_replica_holding_its_prefix(fleet):
@@ -41,3 +44,64 @@ def test_chat_followup_routed_exact_to_the_replica_holding_its_prefix(fleet):
     assert matched >= len(keys) - 1 and matched * 16 == cached, (matched, cached, len(keys))
     wait_until(lambda: fleet.envoy.exact_decisions() == before + 1, 10,
                'llmgw_prefix_decisions_total{outcome="exact"} to count the decision')
+
+
+def sse_events(raw: bytes) -> list[dict | str]:
+    """A stream's events: each data line's JSON (its id and creation time left out), or its text."""
+    out = []
+    for event in raw.decode().split("\n\n"):
+        if not event.strip():
+            continue
+        data = event.removeprefix("data: ")
+        try:
+            v = json.loads(data)
+        except ValueError:
+            out.append(data)
+            continue
+        v.pop("id", None)
+        v.pop("created", None)
+        out.append(v)
+    return out
+
+
+def stream(url: str, body: dict) -> tuple[dict, bytes]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return dict(resp.headers.items()), resp.read()
+
+
+def test_a_streamed_next_turn_reads_its_prompt_ids_from_vllms_answer_and_the_client_gets_vllms_own_stream(fleet):
+    """A turn routed at once on the turn before asks vLLM for its prompt's token ids
+    (`return_token_ids`) instead of calling /tokenize; the client gets the stream vLLM sends
+    unasked, and the ids are kept: the turn after it goes at once too."""
+    rng = random.Random("answer-ids")
+    first = [{"role": "system", "content": words(rng, 40, "as")}, {"role": "user", "content": words(rng, 12, "au")}]
+    headers, reply = fleet.chat(None, first, max_tokens=3)
+    _, served, _, _ = fleet.routed(headers, reply)
+    fleet.wait_mirrored(served, agent_hash(fleet.tokenize(served, {"messages": first})))
+    second = first + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": words(rng, 10, "aq")}]
+    body = {"model": MODEL, "messages": second, "max_tokens": 4, "stream": True}
+    read = fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"')
+    calls = tokenize_calls(fleet)
+    headers, through = stream(f"http://127.0.0.1:{fleet.envoy.listen}/v1/chat/completions", body)
+    assert "scored_on=earlier_turn" in headers.get(kit.DECISION_HEADER, ""), headers
+    wait_until(lambda: fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"') == read + 1, 10,
+               'llmgw_answer_tokens_total{result="read"} to count the ids read')
+    # The same request sent to the replica directly, unasked: the same events, field for field.
+    _, direct = stream(f"{served.url}/v1/chat/completions", {**body, "model": served.model})
+    assert b"prompt_token_ids\":[" not in through and b"token_ids\":[" not in through, through
+    assert sse_events(through) == sse_events(direct), (through, direct)
+    # The ids were kept: the next turn goes at once as well.
+    reply_text = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(through)
+                         if isinstance(e, dict) and e.get("choices"))
+    third = second + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": words(rng, 8, "ar")}]
+    headers, _ = stream(f"http://127.0.0.1:{fleet.envoy.listen}/v1/chat/completions", {**body, "messages": third})
+    assert "scored_on=earlier_turn" in headers.get(kit.DECISION_HEADER, ""), headers
+    assert tokenize_calls(fleet) == calls, "no tokenizer call for either turn"
+
+
+def tokenize_calls(fleet) -> float:
+    """/tokenize requests the replicas answered (vLLM's own HTTP metrics)."""
+    return sum(kit.prom_sum(kit.get_text(f"{r.url}/metrics"), "http_requests_total", 'handler="/tokenize"')
+               for r in fleet.replicas.values())

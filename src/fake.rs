@@ -110,6 +110,7 @@ fn buf_id(b: Buffer) -> u8 {
         Buffer::CallResponse => 1,
         Buffer::GrpcReceive => 2,
         Buffer::PluginConfiguration => 3,
+        Buffer::Response => 4,
     }
 }
 
@@ -236,6 +237,14 @@ impl Host for FakeHost {
         let b = self.buffers.borrow();
         let v = b.get(&buf_id(which)).map(Vec::as_slice).unwrap_or_default();
         v.get(..max.min(v.len())).unwrap_or_default().to_vec()
+    }
+
+    fn replace_buffer(&self, which: Buffer, size: usize, bytes: &[u8]) -> bool {
+        let mut b = self.buffers.borrow_mut();
+        let v = b.entry(buf_id(which)).or_default();
+        let size = size.min(v.len());
+        v.splice(..size, bytes.iter().copied());
+        true
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

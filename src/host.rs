@@ -23,6 +23,7 @@ pub enum Headers {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buffer {
     Request,
+    Response,
     CallResponse,
     GrpcReceive,
     PluginConfiguration,
@@ -121,6 +122,9 @@ pub trait Host {
     fn set_header(&self, map: Headers, name: &str, value: Option<&str>);
     /// Up to `max` bytes of a buffer from its start.
     fn buffer(&self, which: Buffer, max: usize) -> Vec<u8>;
+    /// Replaces a buffer's first `size` bytes (a body chunk held by the filter) with `bytes`;
+    /// false when the host refused.
+    fn replace_buffer(&self, which: Buffer, size: usize, bytes: &[u8]) -> bool;
     /// One of Envoy's stream attributes (e.g. `["response", "code_details"]`), serialized as
     /// Envoy gives it (a string as is, an integer as 8 little-endian bytes); `None` when absent.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
@@ -163,6 +167,16 @@ mod proxy {
     use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
     use std::time::{Duration, UNIX_EPOCH};
 
+    fn buffer_type(which: Buffer) -> BufferType {
+        match which {
+            Buffer::Request => BufferType::HttpRequestBody,
+            Buffer::Response => BufferType::HttpResponseBody,
+            Buffer::CallResponse => BufferType::HttpCallResponseBody,
+            Buffer::GrpcReceive => BufferType::GrpcReceiveBuffer,
+            Buffer::PluginConfiguration => BufferType::PluginConfiguration,
+        }
+    }
+
     fn map(m: Headers) -> MapType {
         match m {
             Headers::Request => MapType::HttpRequestHeaders,
@@ -192,13 +206,11 @@ mod proxy {
         }
 
         fn buffer(&self, which: Buffer, max: usize) -> Vec<u8> {
-            let t = match which {
-                Buffer::Request => BufferType::HttpRequestBody,
-                Buffer::CallResponse => BufferType::HttpCallResponseBody,
-                Buffer::GrpcReceive => BufferType::GrpcReceiveBuffer,
-                Buffer::PluginConfiguration => BufferType::PluginConfiguration,
-            };
-            hostcalls::get_buffer(t, 0, max).ok().flatten().unwrap_or_default()
+            hostcalls::get_buffer(buffer_type(which), 0, max).ok().flatten().unwrap_or_default()
+        }
+
+        fn replace_buffer(&self, which: Buffer, size: usize, bytes: &[u8]) -> bool {
+            hostcalls::set_buffer(buffer_type(which), 0, size, bytes).is_ok()
         }
 
         fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

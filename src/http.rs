@@ -7,13 +7,18 @@ use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::phases::{self, Phases};
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
-use llmgw_core::flow::{Body, Keep, Pending, Rejected, Report, Routed, Step, TokenizerReply};
+use llmgw_core::flow::{Background, Body, Keep, Pending, Rejected, Report, Routed, Step, TokenizerReply};
 use llmgw_core::policy::rates::Basis;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
+
+mod answer;
+
+use answer::FromAnswer;
+use llmgw_core::request::AnswerStream;
 
 const EXPLAIN_HEADER: &str = "x-llmgw-decision";
 /// vLLM's (0.33) request header naming the data-parallel rank that serves a request.
@@ -61,6 +66,10 @@ pub struct Request {
     /// prompt (`crate::returns`); whether that record was written (its end is then recorded).
     ends_as: Option<u64>,
     returns_started: bool,
+    /// The size of its body while the filter may still rewrite it (read whole, not yet routed).
+    whole_body: Option<usize>,
+    /// A routed request whose streamed answer is to carry its prompt's token ids.
+    answer: Option<Box<FromAnswer>>,
 }
 
 impl Request {
@@ -79,6 +88,8 @@ impl Request {
             learning: None,
             ends_as: None,
             returns_started: false,
+            whole_body: None,
+            answer: None,
         }
     }
 
@@ -121,7 +132,11 @@ impl Request {
             Step::Route(r) => self.route(s, r, resuming),
             Step::RouteThenTokenize(r, t) => {
                 let action = self.route(s, r, resuming);
-                self.call_after_routing(s, *t);
+                if t.from_answer && !resuming && self.ask_for_token_ids() {
+                    self.answer = Some(Box::new(FromAnswer { stream: AnswerStream::default(), call: Some(t) }));
+                } else {
+                    self.call_after_routing(s, *t);
+                }
                 action
             }
             Step::Reject(r) => {
@@ -248,12 +263,8 @@ impl Request {
         let round_trip_us = now.saturating_sub(started_ns) / 1_000;
         s.metrics.tokenizer_latency_us(round_trip_us);
         s.router.tokenizer_answered(round_trip_us);
-        let in_flight = gateway_state::Snapshot::read(&self.host);
-        let b = self.with_call_reply(num_headers, body_size, |reply| {
-            s.router.on_background_reply(pending, reply, &in_flight, now)
-        });
-        s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
-        s.metrics.shared_update_failed(keep_shared(self.host.as_ref(), &b.keep));
+        let b = self
+            .with_call_reply(num_headers, body_size, |reply| self.tokens_after_routing(&mut s, pending, reply, now));
         if let Some(f) = b.failure {
             log::debug!("llmgw: tokenizer call after routing failed: {}", f.as_str());
         }
@@ -265,7 +276,29 @@ impl Request {
         if let Some(t) = b.retry {
             return self.call_after_routing(&s, *t);
         }
-        self.learning = match (self.learning.take(), b.tokens, b.estimated_tokens) {
+        self.correct_learning(b.tokens, b.estimated_tokens);
+    }
+
+    /// A routed request's prompt tokens, from its tokenizer call or its answer, to the router
+    /// (kept for the next turn); what it keeps for the other VMs written.
+    fn tokens_after_routing(
+        &self,
+        s: &mut Shared,
+        pending: Pending,
+        reply: &TokenizerReply<'_>,
+        now: u64,
+    ) -> Background {
+        let in_flight = gateway_state::Snapshot::read(&self.host);
+        let b = s.router.on_background_reply(pending, reply, &in_flight, now);
+        s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
+        s.metrics.shared_update_failed(keep_shared(self.host.as_ref(), &b.keep));
+        b
+    }
+
+    /// The prompt tokens the decision estimated, corrected to `tokens` in what the replica's
+    /// first token will teach its rates (nothing is taught when they stay unknown).
+    fn correct_learning(&mut self, tokens: Option<u64>, estimated: Option<u64>) {
+        self.learning = match (self.learning.take(), tokens, estimated) {
             (Some(mut basis), Some(tokens), Some(estimated)) => {
                 let u = basis.features.uncached;
                 basis.features.uncached = match tokens.checked_sub(estimated) {
@@ -459,7 +492,10 @@ impl HttpContext for Request {
         self.held = crate::body_budget::admit(self.shared.as_ref(), body_size);
         let read = if self.held.is_some() { body_size } else { HEAD_BYTES };
         let body = self.host.buffer(Buffer::Request, read);
-        self.on_body(&body, self.held.is_none())
+        self.whole_body = self.held.is_some().then_some(body.len());
+        let action = self.on_body(&body, self.held.is_none());
+        self.whole_body = None;
+        action
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -498,6 +534,12 @@ impl HttpContext for Request {
             if code != Some(200) {
                 self.ends_as = None;
             }
+            if end_of_stream || !streamed || code != Some(200) {
+                self.answer_not_streamed();
+            } else if self.answer.is_some() {
+                // The chunks change length once the ids are taken out.
+                self.host.set_header(Headers::Response, "content-length", None);
+            }
             if end_of_stream || !streamed {
                 self.first_token();
             }
@@ -513,7 +555,9 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        // The first chunk of a stream carries its first token; nothing is buffered.
+        // The first chunk of a stream carries its first token; nothing is buffered (but the
+        // part of an event asked for the prompt's ids not yet complete: `AnswerStream`).
+        self.answer_chunk(body_size, end_of_stream);
         if body_size > 0 || end_of_stream {
             self.first_token();
             self.response_phase(body_size > 0, end_of_stream);

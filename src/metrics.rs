@@ -54,6 +54,8 @@ pub struct Metrics {
     shared_prefixes_evicted: Option<u32>,
     earlier_prompts_evicted: Option<u32>,
     body_budget_exhausted: Option<u32>,
+    /// Prompt token ids read from streamed answers: read, missing, past the event limit.
+    answer_tokens: [Option<u32>; 3],
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
     feed_connected: Cell<Option<Option<u32>>>,
@@ -114,6 +116,8 @@ impl Metrics {
             shared_prefixes_evicted: c("llmgw_shared_prefixes_evicted_total"),
             earlier_prompts_evicted: c("llmgw_earlier_prompts_evicted_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
+            answer_tokens: ["read", "missing", "too_large"]
+                .map(|r| c(&format!("llmgw_answer_tokens_total.result.{r}"))),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
@@ -200,6 +204,16 @@ impl Metrics {
     /// Siblings' common prefixes the VM's bound dropped.
     pub fn shared_prefixes_evicted(&self, n: u64) {
         self.add(self.shared_prefixes_evicted, n);
+    }
+
+    /// A streamed answer's prompt token ids: read (true), or missing and called for (false).
+    pub fn answer_tokens(&self, read: bool) {
+        self.add(if read { self.answer_tokens[0] } else { self.answer_tokens[1] }, 1);
+    }
+
+    /// A streamed answer event past `llmgw_core::request::MAX_EVENT_BYTES`.
+    pub fn answer_event_too_large(&self) {
+        self.add(self.answer_tokens[2], 1);
     }
 
     /// Earlier text prompts' tags the VM's bound dropped.

@@ -53,3 +53,92 @@ fn the_next_turn_goes_at_once_on_any_vm_and_its_call_follows() {
     let (_ctx, action) = off.request(CHAT, &chat(&["hi", "hello there", "and then?"]));
     assert_eq!(action, Action::Pause);
 }
+
+/// The replica's streamed answer: `chunks` through the context; what the client gets.
+fn stream_answer(e: &super::Env, ctx: &mut super::Request, chunks: &[&str]) -> String {
+    use crate::host::{Buffer, Headers, Host};
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream; charset=utf-8"));
+    assert_eq!(ctx.on_http_response_headers(2, false), Action::Continue);
+    let mut client = Vec::new();
+    for (i, c) in chunks.iter().enumerate() {
+        e.host.set_buffer(Buffer::Response, c.as_bytes());
+        assert_eq!(ctx.on_http_response_body(c.len(), i + 1 == chunks.len()), Action::Continue);
+        client.extend(e.host.buffer(Buffer::Response, usize::MAX));
+    }
+    String::from_utf8(client).unwrap()
+}
+
+fn streamed(turns: &[&str]) -> Vec<u8> {
+    let body = String::from_utf8(chat(turns)).unwrap();
+    body.replacen('{', r#"{"stream":true,"#, 1).into_bytes()
+}
+
+#[test]
+fn a_streamed_next_turn_takes_its_tokens_from_the_answer_and_the_client_sees_the_stream_as_if_unasked() {
+    use crate::host::{Buffer, Host};
+    let first: Vec<u32> = (0..24).collect();
+    let second: Vec<u32> = (0..40).collect();
+    let e = synced("", vec![], keys(&first), true);
+    let (mut ctx, _) = e.request(CHAT, &streamed(&["hi"]));
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&first));
+    ctx.on_log();
+    // Turn 2 goes at once and makes no call: its body asks vLLM for the ids, its length too.
+    let calls = e.host.calls.borrow().len();
+    let body = streamed(&["hi", "hello there", "and then?"]);
+    let (mut ctx, action) = e.request_with(CHAT, &body, &[("content-length", &body.len().to_string())]);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.dest().as_deref(), Some(B));
+    assert_eq!(e.host.calls.borrow().len(), calls, "no call after routing");
+    let sent = e.host.buffer(Buffer::Request, usize::MAX);
+    let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+    assert_eq!(v["return_token_ids"], true);
+    assert_eq!(e.host.request_header("content-length"), Some(sent.len().to_string()));
+    // The answer, split inside its first event: the client gets vLLM's unasked stream.
+    let head = r#"data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":"#;
+    let ids = format!("{second:?}").replace(' ', "");
+    let rest = format!(
+        r#"{ids},"prompt_text":null}}
+
+data: {{"id":"c","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":null,"token_ids":[7]}}]}}
+
+"#
+    );
+    let last = r#"data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"ok"},"logprobs":null,"finish_reason":"stop","token_ids":[8,9]}]}
+
+data: [DONE]
+
+"#;
+    let client = stream_answer(&e, &mut ctx, &[head, &rest, last]);
+    let unasked = r#"data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}
+
+data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"ok"},"logprobs":null,"finish_reason":"stop","token_ids":null}]}
+
+data: [DONE]
+
+"#;
+    assert_eq!(client, unasked);
+    assert_eq!(e.counter("llmgw_answer_tokens_total.result.read"), 1);
+    ctx.on_log();
+    // The ids were kept: turn 3 goes at once on turn 2's blocks.
+    let (_ctx, action) = e.request(CHAT, &streamed(&["hi", "hello there", "and then?", "then this", "ok"]));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.earlier_turn"), 2);
+    assert_eq!(e.host.calls.borrow().len(), calls, "no call for turn 3 either");
+    // An answer without the ids (an engine that does not know the field): the call is made.
+    let (mut ctx, _) = e.request(CHAT, &streamed(&["hi", "hello there", "and then?", "so", "yes"]));
+    let plain = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[],\"prompt_token_ids\":null}\n\n";
+    assert_eq!(stream_answer(&e, &mut ctx, &[plain]), plain);
+    assert_eq!(e.counter("llmgw_answer_tokens_total.result.missing"), 1);
+    assert_eq!(e.host.calls.borrow().len(), calls + 1, "the call after all");
+    // Turned off, the call follows routing and the body is the client's.
+    let off = synced(r#""tokens_from_answers":false,"#, vec![], keys(&first), true);
+    let (mut ctx, _) = off.request(CHAT, &streamed(&["hi"]));
+    off.answer(&mut ctx, Some("200"), &tokenize_answer(&first));
+    let calls = off.host.calls.borrow().len();
+    let body = streamed(&["hi", "hello there", "and then?"]);
+    let (_ctx, action) = off.request(CHAT, &body);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(off.host.calls.borrow().len(), calls + 1);
+    assert_eq!(off.host.buffer(Buffer::Request, usize::MAX), body);
+}

@@ -298,6 +298,8 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
         .map_or(e.cfg.default_max_tokens, |m| m as usize)
         .min(e.cfg.max_model_len.saturating_sub(prompt.len()));
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    // As vLLM 0.33: the prompt's ids in a stream's first chunk, each chunk's own beside it.
+    let return_ids = stream && body.get("return_token_ids").and_then(Value::as_bool).unwrap_or(false);
     let lora = e.cfg.adapter(&body);
     let lora_name = lora.as_ref().map(|(name, _)| name.clone());
     let extras = RequestExtras {
@@ -342,13 +344,27 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
             }
             produced = produced.saturating_add(1);
             let text = format!(" w{t}");
-            let chunk = if chat {
+            let mut chunk = if chat {
                 json!({"id": task_id, "object": "chat.completion.chunk", "created": unix_now(), "model": e.cfg.model,
                        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})
             } else {
                 json!({"id": task_id, "object": "text_completion", "created": unix_now(), "model": e.cfg.model,
                        "choices": [{"index": 0, "text": text, "finish_reason": null}]})
             };
+            if return_ids {
+                if let Some(c) = chunk.pointer_mut("/choices/0").and_then(Value::as_object_mut) {
+                    c.insert("token_ids".into(), json!([t]));
+                }
+                // A chat's on the chunk, a completion's on its choice.
+                let at = if chat {
+                    chunk.as_object_mut()
+                } else {
+                    chunk.pointer_mut("/choices/0").and_then(Value::as_object_mut)
+                };
+                if let (0, Some(c)) = (i, at) {
+                    c.insert("prompt_token_ids".into(), json!(prompt));
+                }
+            }
             if tx.send(chunk).await.is_err() {
                 finish = "abort";
                 break;

@@ -217,6 +217,12 @@ pub struct FilterConfig {
     /// text prompt sharing leading text with an earlier one is routed the same way.
     #[serde(default = "default_true")]
     pub route_on_shared_prefixes: bool,
+    /// A streamed request routed before its tokenizer answered asks the replica for its
+    /// prompt's token ids (`return_token_ids`), read from the stream's first chunk and taken out
+    /// of every chunk before the client sees it, instead of a tokenizer call after routing.
+    /// False: the call is made.
+    #[serde(default = "default_true")]
+    pub tokens_from_answers: bool,
     /// How long a cached tokenization is trusted (a chat template or tokenizer changed on the
     /// replicas takes effect within this time).
     #[serde(default = "default_tokenizer_cache_ttl_ms")]

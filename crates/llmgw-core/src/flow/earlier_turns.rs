@@ -142,7 +142,8 @@ impl Router {
     /// The call for `call`'s request: after routing it (`routed`), else before. A call after
     /// routing goes to another replica than the one computing the request when there is one
     /// (a replica's API server tokenizing the call would delay the request's own start there),
-    /// unless it goes to the dedicated tokenizer.
+    /// unless it goes to the dedicated tokenizer; where the replica's streamed answer can carry
+    /// the tokens, it is made only if the answer does not.
     pub(super) fn then_tokenize(&self, routed: Option<Routed>, mut call: Tokenize, gw: &dyn GatewayState) -> Step {
         let Some(routed) = routed else { return Step::Tokenize(call) };
         if call.target == routed.address && call.pending.retry.is_none() {
@@ -154,6 +155,8 @@ impl Router {
                 call.target = c.address.to_owned();
             }
         }
+        let p = &call.pending.parsed;
+        call.from_answer = self.config.tokens_from_answers && p.answer_can_carry_tokens && !p.multimodal();
         Step::RouteThenTokenize(routed, Box::new(call))
     }
 

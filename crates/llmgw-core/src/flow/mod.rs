@@ -377,7 +377,7 @@ impl Router {
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
         report.hash_mismatch = false;
-        let call = Tokenize { target, path: call.path, body: call.body, timeout_ms, pending, report };
+        let call = Tokenize::new(target, call.path, call.body, timeout_ms, pending, report);
         self.then_tokenize(earlier.map(|(routed, _)| routed), call, gw)
     }
 
@@ -464,7 +464,7 @@ impl Router {
         };
         match self.replica_tokenizer(pending.profile, model.as_deref(), gw) {
             TokenizerTarget::At(target) => {
-                Step::Tokenize(Tokenize { target, path, body, timeout_ms, pending: Box::new(pending), report })
+                Step::Tokenize(Tokenize::new(target, path, body, timeout_ms, Box::new(pending), report))
             }
             other => {
                 let why = match other {

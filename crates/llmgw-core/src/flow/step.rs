@@ -190,6 +190,24 @@ pub struct Tokenize {
     pub timeout_ms: u32,
     pub pending: Box<Pending>,
     pub report: Report,
+    /// A call after routing whose tokens the replica's streamed answer can carry instead
+    /// (`tokens_from_answers`): the host asks for them, and makes the call only when the answer
+    /// turns out not to carry them.
+    pub from_answer: bool,
+}
+
+impl Tokenize {
+    /// A call made before routing (or after, once [`super::Router`] says so).
+    pub(super) fn new(
+        target: String,
+        path: &'static str,
+        body: Vec<u8>,
+        timeout_ms: u32,
+        pending: Box<Pending>,
+        report: Report,
+    ) -> Tokenize {
+        Tokenize { target, path, body, timeout_ms, pending, report, from_answer: false }
+    }
 }
 
 /// What a tokenizer call in flight was for.

@@ -13,6 +13,8 @@ pub enum TokenizerReply<'a> {
     /// An answer with this `:status` (absent if the host had none); `body` reads the answer's
     /// body, and is only called for a 200.
     Answered { status: Option<&'a [u8]>, body: &'a dyn Fn() -> Vec<u8> },
+    /// No call: the prompt's token ids as the replica's answer carried them.
+    FromAnswer(&'a [u32]),
 }
 
 /// The token ids of a tokenizer reply, or why there are none.
@@ -25,6 +27,7 @@ pub fn tokenizer_answer(reply: &TokenizerReply<'_>) -> Result<TokenizerAnswer, T
     match reply {
         TokenizerReply::Refused => Err(TokenizerFailure::Dispatch),
         TokenizerReply::Reset => Err(TokenizerFailure::Reset),
+        TokenizerReply::FromAnswer(tokens) => Ok(TokenizerAnswer { tokens: tokens.to_vec(), mm: Vec::new() }),
         TokenizerReply::Answered { status: Some(b"200"), body } => {
             parse_tokenizer_answer(&body()).map_err(|_| TokenizerFailure::BadResponse)
         }
@@ -61,5 +64,6 @@ mod tests {
         );
         assert_eq!(tokenizer_tokens(&TokenizerReply::Reset), Err(TokenizerFailure::Reset));
         assert_eq!(tokenizer_tokens(&TokenizerReply::Refused), Err(TokenizerFailure::Dispatch));
+        assert_eq!(tokenizer_tokens(&TokenizerReply::FromAnswer(&[7, 8])), Ok(vec![7, 8]));
     }
 }

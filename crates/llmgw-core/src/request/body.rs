@@ -36,6 +36,10 @@ struct RawRequest<'a> {
     chat_template_kwargs: Option<&'a RawValue>,
     #[serde(default, borrow)]
     tools: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    echo: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    return_token_ids: Option<&'a RawValue>,
 }
 
 /// A string field, absent when of another type (read only if the text starts a string).
@@ -210,9 +214,17 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
         },
         ApiKind::Other => Prompt::None,
     };
+    let stream = boolean(raw.stream).unwrap_or(false);
+    // vLLM returns the prompt's token ids in a stream's first chunk when asked; not where the
+    // client asked itself (its answer is its own) or echoes the prompt (the ids change the echo).
+    let answer_can_carry_tokens = stream
+        && matches!(prompt, Prompt::Text(_) | Prompt::Chat(_))
+        && raw.return_token_ids.is_none()
+        && boolean(raw.echo) != Some(true);
     Ok(ParsedRequest {
         kind,
-        stream: boolean(raw.stream).unwrap_or(false),
+        stream,
+        answer_can_carry_tokens,
         add_generation_prompt: boolean(raw.add_generation_prompt),
         continue_final_message: boolean(raw.continue_final_message),
         add_special_tokens: boolean(raw.add_special_tokens),
@@ -231,6 +243,20 @@ mod tests {
     use crate::config::TokenizerEndpoint;
     use crate::request::parsed::tests::body;
     use serde_json::{json, Value};
+
+    #[test]
+    fn only_a_streamed_prompt_that_asks_for_neither_its_ids_nor_an_echo_may_carry_its_ids_back() {
+        let can = |kind, v: Value| parse_request(kind, &body(v)).unwrap().answer_can_carry_tokens;
+        let chat = json!([{"role":"user","content":"hi"}]);
+        assert!(can(ApiKind::Completions, json!({"prompt":"hi","stream":true})));
+        assert!(can(ApiKind::Chat, json!({"messages":chat,"stream":true,"echo":false})));
+        assert!(!can(ApiKind::Completions, json!({"prompt":"hi"})));
+        assert!(!can(ApiKind::Completions, json!({"prompt":"hi","stream":true,"echo":true})));
+        assert!(!can(ApiKind::Chat, json!({"messages":chat,"stream":true,"return_token_ids":false})));
+        assert!(!can(ApiKind::Completions, json!({"prompt":"hi","stream":true,"return_token_ids":true})));
+        assert!(!can(ApiKind::Completions, json!({"prompt":[1,2],"stream":true})));
+        assert!(!can(ApiKind::Other, json!({"prompt":"hi","stream":true})));
+    }
 
     #[test]
     fn completion_text_and_tokens() {

@@ -9,6 +9,8 @@
 //! * `leading`: the prompt's leading text for the approximate fallback
 //!   ([`ParsedRequest::leading_text`]).
 //! * `answer`: the tokenizer's answer → token ids ([`parse_tokenizer_response`]).
+//! * `answer_stream`: a streamed generation answer carrying the prompt's token ids, read and
+//!   rewritten as it would have come unasked ([`AnswerStream`], [`ask_for_token_ids`]).
 //!
 //! Chat messages, tools and template arguments are kept as the raw JSON the client sent
 //! ([`RawJson`]): they are only passed on to the tokenizer, so they are validated but never
@@ -16,12 +18,14 @@
 //! parsing cost in wasm).
 
 mod answer;
+mod answer_stream;
 mod body;
 mod call;
 mod leading;
 mod parsed;
 
 pub use answer::{parse_tokenizer_answer, parse_tokenizer_response, TokenizerAnswer, MAX_MM_IDENTIFIER, MAX_MM_ITEMS};
+pub use answer_stream::{ask as ask_for_token_ids, AnswerStream, FirstEvent, MAX_EVENT_BYTES};
 pub use body::parse_request;
 pub use call::{TokenizerCall, TOKENIZE_PATH};
 pub use parsed::{ApiKind, ParsedRequest, Prompt, RawJson, RequestError};

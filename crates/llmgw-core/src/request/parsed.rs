@@ -65,6 +65,9 @@ pub struct ParsedRequest {
     pub kind: ApiKind,
     pub model: Option<String>,
     pub stream: bool,
+    /// Whether the filter may ask the replica for the prompt's token ids in the answer (a
+    /// streamed text prompt or chat that neither asks for them itself nor echoes its prompt).
+    pub answer_can_carry_tokens: bool,
     pub cache_salt: Option<String>,
     pub prompt: Prompt,
     /// Chat template inputs forwarded to `/tokenize`.

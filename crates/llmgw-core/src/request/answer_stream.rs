@@ -1,0 +1,374 @@
+//! A streamed request's prompt token ids read from the replica's own answer, instead of a
+//! tokenizer call after routing (`tokens_from_answers`). vLLM (0.33) sends them when a request
+//! asks with `return_token_ids`: the prompt's ids in the stream's first chunk
+//! (`prompt_token_ids`) and each chunk's generated ids (`token_ids`), and a chat stream then
+//! also sends a chunk for generated tokens that add no text yet.
+//!
+//! [`ask`] adds the field to the request body. [`AnswerStream`] gives the client the stream
+//! vLLM would have sent without it: both fields read `null` again, as vLLM writes them when not
+//! asked, and a chat chunk with nothing in it but ids (every choice an empty `delta`, no
+//! `finish_reason`, no `logprobs`) is dropped. The first `prompt_token_ids` is kept for the
+//! router.
+//!
+//! The fields are cut out of the event's bytes by a small scanner of our own rather than
+//! re-serialized through `serde_json`: a value tree printed again would reorder nothing but
+//! could print numbers (log-probabilities) otherwise than vLLM did, and the client must get
+//! vLLM's bytes. `serde_json` still reads the ids and the chunk's shape.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// The field that asks vLLM for the ids, as it is added to the request body.
+const ASK: &[u8] = br#""return_token_ids":true"#;
+/// The largest stream event held while it is incomplete: a first chunk carries the whole
+/// prompt's ids (about 7 bytes per token). Past it the stream goes to the client as the
+/// replica sent it (the ids left in) and no ids are read.
+pub const MAX_EVENT_BYTES: usize = 16 << 20;
+
+/// The request body with the field added after its opening brace (a JSON object is required;
+/// a later key of the same name would win, and requests that carry one are not asked).
+pub fn ask(body: &[u8]) -> Option<Vec<u8>> {
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body.get(open) != Some(&b'{') {
+        return None;
+    }
+    let rest = body.get(open.checked_add(1)?..)?;
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let mut out = Vec::with_capacity(body.len().saturating_add(ASK.len()).saturating_add(1));
+    out.extend_from_slice(body.get(..=open)?);
+    out.extend_from_slice(ASK);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Some(out)
+}
+
+/// What the stream's first data event said about the prompt's ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FirstEvent {
+    /// The prompt's token ids.
+    Ids(Vec<u32>),
+    /// A first event without them (an engine that does not know the field), or a stream that
+    /// could not be read: the tokenizer call is made instead.
+    Missing,
+}
+
+/// One streamed answer being rewritten.
+#[derive(Debug, Default)]
+pub struct AnswerStream {
+    /// Bytes of an event not yet complete.
+    carry: Vec<u8>,
+    /// What the first data event said, until taken.
+    first: Option<FirstEvent>,
+    /// Whether the first data event was seen.
+    seen_first: bool,
+    /// The stream is passed on as it comes (an event past [`MAX_EVENT_BYTES`]).
+    passing: bool,
+    /// Whether the held event went past [`MAX_EVENT_BYTES`] (counted once).
+    pub overflowed: bool,
+}
+
+impl AnswerStream {
+    /// The bytes to hand on for `chunk` (the events it completes, rewritten); `end`: the last
+    /// chunk, after which nothing is held.
+    pub fn feed(&mut self, chunk: &[u8], end: bool) -> Vec<u8> {
+        if self.passing {
+            return chunk.to_vec();
+        }
+        let mut data = std::mem::take(&mut self.carry);
+        data.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(data.len());
+        let mut at = 0;
+        while let Some(len) = data.get(at..).and_then(event_len) {
+            let end_at = at.saturating_add(len);
+            if let Some(event) = data.get(at..end_at) {
+                self.rewrite(event, &mut out);
+            }
+            at = end_at;
+        }
+        let rest = data.get(at..).unwrap_or_default();
+        if end {
+            // A last event without its blank line goes on as it is.
+            out.extend_from_slice(rest);
+            self.no_first_event();
+        } else if rest.len() > MAX_EVENT_BYTES {
+            out.extend_from_slice(rest);
+            self.passing = true;
+            self.overflowed = true;
+            self.no_first_event();
+        } else {
+            self.carry = rest.to_vec();
+        }
+        out
+    }
+
+    /// What the first data event said, once (None before it, and after it was taken).
+    pub fn take_first(&mut self) -> Option<FirstEvent> {
+        self.first.take()
+    }
+
+    fn no_first_event(&mut self) {
+        if !std::mem::replace(&mut self.seen_first, true) {
+            self.first = Some(FirstEvent::Missing);
+        }
+    }
+
+    /// One whole event (its blank line included) onto `out`, rewritten.
+    fn rewrite(&mut self, event: &[u8], out: &mut Vec<u8>) {
+        let Some(json) = event.strip_prefix(b"data: ").filter(|j| j.first() == Some(&b'{')) else {
+            out.extend_from_slice(event);
+            return;
+        };
+        let fields = id_fields(json);
+        if !std::mem::replace(&mut self.seen_first, true) {
+            let ids = fields
+                .iter()
+                .find(|f| f.prompt)
+                .and_then(|f| json.get(f.start..f.end))
+                .and_then(|v| serde_json::from_slice::<Vec<u32>>(v).ok());
+            self.first = Some(ids.map_or(FirstEvent::Missing, FirstEvent::Ids));
+        }
+        if fields.is_empty() {
+            out.extend_from_slice(event);
+            return;
+        }
+        let mut edited = Vec::with_capacity(event.len());
+        edited.extend_from_slice(b"data: ");
+        let mut from = 0;
+        for f in &fields {
+            edited.extend_from_slice(json.get(from..f.start).unwrap_or_default());
+            edited.extend_from_slice(b"null");
+            from = f.end;
+        }
+        edited.extend_from_slice(json.get(from..).unwrap_or_default());
+        let body_end = edited.len();
+        if !only_ids(edited.get(6..body_end).unwrap_or_default()) {
+            out.extend_from_slice(&edited);
+        }
+    }
+}
+
+/// The length of the first whole event in `data` (through its blank line: `\n\n` or
+/// `\n\r\n`), if there is one.
+fn event_len(data: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while let Some(nl) = data.get(i..)?.iter().position(|b| *b == b'\n') {
+        let at = i.checked_add(nl)?;
+        match (data.get(at.saturating_add(1)), data.get(at.saturating_add(2))) {
+            (Some(b'\n'), _) => return at.checked_add(2),
+            (Some(b'\r'), Some(b'\n')) => return at.checked_add(3),
+            _ => i = at.checked_add(1)?,
+        }
+    }
+    None
+}
+
+/// Where an id array sits in an event's JSON.
+#[derive(Debug)]
+struct Field {
+    start: usize,
+    end: usize,
+    /// `prompt_token_ids` (else `token_ids`).
+    prompt: bool,
+}
+
+/// The array values of the keys `prompt_token_ids` and `token_ids` in `json`, in order
+/// (strings are skipped whole, so text that looks like such a key is never taken).
+fn id_fields(json: &[u8]) -> Vec<Field> {
+    let mut fields = Vec::new();
+    let mut i = 0;
+    while let Some(&b) = json.get(i) {
+        if b != b'"' {
+            i = i.saturating_add(1);
+            continue;
+        }
+        let Some(close) = string_end(json, i) else { break };
+        let key = json.get(i.saturating_add(1)..close).unwrap_or_default();
+        i = close.saturating_add(1);
+        let prompt = match key {
+            b"prompt_token_ids" => true,
+            b"token_ids" => false,
+            _ => continue,
+        };
+        let after = skip_ws(json, i);
+        if json.get(after) != Some(&b':') {
+            continue;
+        }
+        let start = skip_ws(json, after.saturating_add(1));
+        if json.get(start) != Some(&b'[') {
+            continue;
+        }
+        // Integers only: the first `]` closes it.
+        let Some(len) = json.get(start..).and_then(|v| v.iter().position(|b| *b == b']')) else { break };
+        let end = start.saturating_add(len).saturating_add(1);
+        fields.push(Field { start, end, prompt });
+        i = end;
+    }
+    fields
+}
+
+/// The index of the quote closing the string opened at `open`.
+fn string_end(json: &[u8], open: usize) -> Option<usize> {
+    let mut i = open.checked_add(1)?;
+    loop {
+        match json.get(i)? {
+            b'\\' => i = i.checked_add(2)?,
+            b'"' => return Some(i),
+            _ => i = i.checked_add(1)?,
+        }
+    }
+}
+
+fn skip_ws(json: &[u8], mut i: usize) -> usize {
+    while json.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
+        i = i.saturating_add(1);
+    }
+    i
+}
+
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(default, borrow)]
+    object: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    choices: Vec<Choice<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    delta: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    finish_reason: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    logprobs: Option<&'a RawValue>,
+}
+
+/// A chat chunk (ids already nulled) that vLLM sends only because ids were asked for: every
+/// choice an empty delta, without a finish reason or log-probabilities.
+fn only_ids(json: &[u8]) -> bool {
+    let Ok(c) = serde_json::from_slice::<Chunk>(json) else { return false };
+    let null = |v: Option<&RawValue>| v.is_none_or(|v| v.get() == "null");
+    c.object.is_some_and(|o| o.get() == r#""chat.completion.chunk""#)
+        && !c.choices.is_empty()
+        && c.choices.iter().all(|ch| {
+            ch.delta.is_some_and(|d| d.get().bytes().filter(|b| !b.is_ascii_whitespace()).eq(*b"{}"))
+                && null(ch.finish_reason)
+                && null(ch.logprobs)
+        })
+}
+
+#[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+
+    // Chunks as vLLM 0.33.0 streams them, with and without `return_token_ids` (recorded from a
+    // `vllm serve` replica with the conformance suite's no-model executor).
+    const COMPLETION_ASKED: &str = r#"data: {"id":"cmpl-a","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,"text":"useruser","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_token_ids":[0,281,341],"token_ids":[300,300],"weight_versions":null}],"system_fingerprint":"vllm-0.33.0-4eff9bf1","kv_transfer_params":null}
+
+"#;
+    const COMPLETION_PLAIN: &str = r#"data: {"id":"cmpl-a","object":"text_completion","created":1,"model":"tiny","choices":[{"index":0,"text":"useruser","logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_token_ids":null,"token_ids":null,"weight_versions":null}],"system_fingerprint":"vllm-0.33.0-4eff9bf1","kv_transfer_params":null}
+
+"#;
+    const CHAT_FIRST_ASKED: &str = r#"data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":[0,4,205],"prompt_text":null}
+
+"#;
+    const CHAT_FIRST_PLAIN: &str = r#"data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}
+
+"#;
+    const CHAT_IDS_ONLY: &str = r#"data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[300],"weight_versions":null}]}
+
+"#;
+    const CHAT_LAST_ASKED: &str = r#"data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,"delta":{"content":"user"},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":[300,300],"weight_versions":null}]}
+
+"#;
+    const CHAT_LAST_PLAIN: &str = r#"data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,"delta":{"content":"user"},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"weight_versions":null}]}
+
+"#;
+    const DONE: &str = "data: [DONE]\n\n";
+
+    fn whole(s: &mut AnswerStream, chunks: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            out.extend(s.feed(c, i + 1 == chunks.len()));
+        }
+        out
+    }
+
+    #[test]
+    fn a_completion_stream_reaches_the_client_as_vllm_sends_it_unasked_and_its_prompt_ids_are_read() {
+        let mut s = AnswerStream::default();
+        let out = whole(&mut s, &[COMPLETION_ASKED.as_bytes(), DONE.as_bytes()]);
+        assert_eq!(String::from_utf8(out).unwrap(), format!("{COMPLETION_PLAIN}{DONE}"));
+        assert_eq!(s.take_first(), Some(FirstEvent::Ids(vec![0, 281, 341])));
+        assert_eq!(s.take_first(), None);
+    }
+
+    #[test]
+    fn a_chat_stream_loses_the_chunks_sent_only_for_ids_and_keeps_every_other_byte() {
+        let asked = format!("{CHAT_FIRST_ASKED}{CHAT_IDS_ONLY}{CHAT_LAST_ASKED}{DONE}");
+        // Split everywhere: events held across chunks come out whole.
+        for cut in [1, 7, 100, 250, asked.len() - 3] {
+            let (a, b) = asked.as_bytes().split_at(cut);
+            let mut s = AnswerStream::default();
+            let out = whole(&mut s, &[a, b]);
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                format!("{CHAT_FIRST_PLAIN}{CHAT_LAST_PLAIN}{DONE}"),
+                "cut {cut}"
+            );
+            assert_eq!(s.take_first(), Some(FirstEvent::Ids(vec![0, 4, 205])));
+        }
+    }
+
+    #[test]
+    fn text_that_looks_like_an_id_field_is_left_alone() {
+        let tricky = r#"data: {"object":"chat.completion.chunk","choices":[{"delta":{"content":"say \"token_ids\":[1] and \\"},"finish_reason":null,"token_ids":[9]}],"prompt_token_ids":[3]}
+
+"#;
+        let mut s = AnswerStream::default();
+        let out = String::from_utf8(s.feed(tricky.as_bytes(), false)).unwrap();
+        assert_eq!(
+            out,
+            r#"data: {"object":"chat.completion.chunk","choices":[{"delta":{"content":"say \"token_ids\":[1] and \\"},"finish_reason":null,"token_ids":null}],"prompt_token_ids":null}
+
+"#
+        );
+        assert_eq!(s.take_first(), Some(FirstEvent::Ids(vec![3])));
+    }
+
+    #[test]
+    fn a_stream_without_ids_passes_unchanged_and_says_they_are_missing() {
+        let mut s = AnswerStream::default();
+        let out = whole(&mut s, &[COMPLETION_PLAIN.as_bytes(), DONE.as_bytes()]);
+        assert_eq!(String::from_utf8(out).unwrap(), format!("{COMPLETION_PLAIN}{DONE}"));
+        assert_eq!(s.take_first(), Some(FirstEvent::Missing));
+        let mut empty = AnswerStream::default();
+        assert!(empty.feed(b"", true).is_empty());
+        assert_eq!(empty.take_first(), Some(FirstEvent::Missing));
+    }
+
+    #[test]
+    fn an_event_past_the_limit_goes_on_as_it_came_and_nothing_more_is_held() {
+        let mut s = AnswerStream::default();
+        let big = vec![b'x'; MAX_EVENT_BYTES + 1];
+        assert_eq!(s.feed(b"data: {", false), b"");
+        let out = s.feed(&big, false);
+        assert_eq!(out.len(), big.len() + 7);
+        assert!(s.overflowed);
+        assert_eq!(s.take_first(), Some(FirstEvent::Missing));
+        assert_eq!(s.feed(COMPLETION_ASKED.as_bytes(), false), COMPLETION_ASKED.as_bytes());
+    }
+
+    #[test]
+    fn the_field_is_added_to_an_object_body_only() {
+        assert_eq!(ask(br#" {"a":1}"#).unwrap(), br#" {"return_token_ids":true,"a":1}"#.to_vec());
+        assert_eq!(ask(b"{ }").unwrap(), br#"{"return_token_ids":true }"#.to_vec());
+        assert_eq!(ask(b"[1]"), None);
+        assert_eq!(ask(b""), None);
+        let v: serde_json::Value = serde_json::from_slice(&ask(br#"{"stream":true}"#).unwrap()).unwrap();
+        assert_eq!(v["return_token_ids"], true);
+    }
+}
