@@ -243,6 +243,8 @@ class Router:
         try:
             text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter={CACHE_FILTER}")
             out["tokenizer_cache"] = {m.group(1): int(m.group(2)) for m in re.finditer(CACHE_LINE, text)}
+            # Routed before their call: prompt ids read from the replica's answer, or called for.
+            out["answer_tokens"] = {m.group(1): int(m.group(2)) for m in re.finditer(ANSWER_LINE, text)}
         except OSError:
             pass
         if self.name == "llmgw-native":
@@ -269,8 +271,9 @@ PHASES = {"body": "llmgw_phase_body_us", "tokenizer": "llmgw_tokenizer_latency_u
           "gateway": "llmgw_phase_gateway_us", "first_byte": "llmgw_phase_upstream_first_byte_us",
           "first_chunk": "llmgw_phase_upstream_first_chunk_us"}
 PHASE_FILTER = r"^wasmcustom\.(" + "|".join(PHASES.values()) + r")$"
-CACHE_FILTER = r"^wasmcustom\.llmgw_tokenizer_cache_total"
+CACHE_FILTER = r"^wasmcustom\.llmgw_(tokenizer_cache|answer_tokens)_total"
 CACHE_LINE = re.compile(r"wasmcustom\.llmgw_tokenizer_cache_total\.result\.(\w+): (\d+)")
+ANSWER_LINE = re.compile(r"wasmcustom\.llmgw_answer_tokens_total\.result\.(\w+): (\d+)")
 _QUANTILES = re.compile(r"^wasmcustom\.(\w+): .*?P50\([^,]*,([^)]*)\).*?P99\([^,]*,([^)]*)\)")
 
 
@@ -598,8 +601,11 @@ def side_table(results: list[dict]) -> list[str]:
         if mean is None:
             return "—"
         misses = (r.get("tokenizer_cache") or {}).get("miss")
-        waited = f" ({misses} of {r['requests']} waited)" if misses is not None and r.get("requests") else ""
-        return f"{mean / 1000:.1f}{waited}"
+        waited = f" ({misses} of {r['requests']} waited" if misses is not None and r.get("requests") else ""
+        read = (r.get("answer_tokens") or {}).get("read")
+        if waited and read is not None:
+            waited += f"; {read} read their ids from the answer"
+        return f"{mean / 1000:.1f}{waited}{')' if waited else ''}"
     lines = ["| run | workload | router | client TTFT mean | replica TTFT mean | queued | prefilling | outside | "
              "of which llmgw's gateway phase | router CPU ms/request | replicas' CPU ms/request | engine steps/request |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -361,8 +361,10 @@ impl Request {
                     (true, Some(us), _) => {
                         s.metrics.phase_upstream_first_chunk_us(us);
                         // The replica's observed time to first token teaches its rates (not
-                        // while its prompt tokens are an estimate still unanswered).
-                        let estimated = matches!(self.phase, Phase::Background { .. });
+                        // while its prompt tokens are an estimate still unanswered, by a call or
+                        // by an answer event not yet whole).
+                        let estimated = matches!(self.phase, Phase::Background { .. })
+                            || self.answer.as_ref().is_some_and(|a| a.call.is_some());
                         if let (Some(basis), Some(addr), false) = (self.learning.take(), &self.counted, estimated) {
                             if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
                                 s.metrics.shared_update_failed([k]);
