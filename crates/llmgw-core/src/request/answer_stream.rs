@@ -199,10 +199,14 @@ fn id_fields(json: &[u8]) -> Vec<Field> {
         if json.get(start) != Some(&b'[') {
             continue;
         }
-        // Integers only: the first `]` closes it.
+        // vLLM's are flat arrays of integers: the first `]` closes one. Anything else (a
+        // nested array) is left as it is.
         let Some(len) = json.get(start..).and_then(|v| v.iter().position(|b| *b == b']')) else { break };
         let end = start.saturating_add(len).saturating_add(1);
-        fields.push(Field { start, end, prompt });
+        let inner = json.get(start.saturating_add(1)..end.saturating_sub(1)).unwrap_or_default();
+        if inner.iter().all(|b| b.is_ascii_digit() || *b == b',' || b.is_ascii_whitespace()) {
+            fields.push(Field { start, end, prompt });
+        }
         i = end;
     }
     fields
@@ -337,6 +341,14 @@ mod tests {
 "#
         );
         assert_eq!(s.take_first(), Some(FirstEvent::Ids(vec![3])));
+    }
+
+    #[test]
+    fn an_id_field_that_is_not_a_flat_array_of_integers_is_left_as_it_came() {
+        let odd = "data: {\"choices\":[{\"token_ids\":[[1],[2]],\"text\":\"a\"}],\"prompt_token_ids\":[1,-2]}\n\n";
+        let mut s = AnswerStream::default();
+        assert_eq!(String::from_utf8(s.feed(odd.as_bytes(), false)).unwrap(), odd);
+        assert_eq!(s.take_first(), Some(FirstEvent::Missing));
     }
 
     #[test]
