@@ -39,13 +39,15 @@ impl Request {
         if out != chunk && !self.host.replace_buffer(Buffer::Response, body_size, &out) {
             log::warn!("llmgw: a streamed answer could not be rewritten");
         }
+        // What the stream said is taken only once it can be acted on (else at a later chunk).
+        let Some(shared) = self.shared.clone() else { return };
+        let Ok(mut s) = shared.try_borrow_mut() else { return };
+        let Some(a) = self.answer.as_mut() else { return };
         let too_large = std::mem::take(&mut a.stream.overflowed);
         let (first, call) = match a.stream.take_first() {
             Some(first) => (Some(first), a.call.take()),
             None => (None, None),
         };
-        let Some(shared) = self.shared.clone() else { return };
-        let Ok(mut s) = shared.try_borrow_mut() else { return };
         if too_large {
             s.metrics.answer_event_too_large();
         }
@@ -67,9 +69,9 @@ impl Request {
     /// The answer is not a stream that can carry the ids (an error, or not streamed): the
     /// call is made now.
     pub(super) fn answer_not_streamed(&mut self) {
-        let Some(call) = self.answer.take().and_then(|a| a.call) else { return };
         let Some(shared) = self.shared.clone() else { return };
         let Ok(s) = shared.try_borrow() else { return };
+        let Some(call) = self.answer.take().and_then(|a| a.call) else { return };
         s.metrics.answer_tokens(false);
         self.call_after_routing(&s, *call);
     }

@@ -59,6 +59,9 @@ pub enum FirstEvent {
 pub struct AnswerStream {
     /// Bytes of an event not yet complete.
     carry: Vec<u8>,
+    /// How much of `carry` is known to hold no event end (a large first event arrives in many
+    /// chunks: each is scanned once, not the whole event again).
+    scanned: usize,
     /// What the first data event said, until taken.
     first: Option<FirstEvent>,
     /// Whether the first data event was seen.
@@ -78,27 +81,31 @@ impl AnswerStream {
         }
         let mut data = std::mem::take(&mut self.carry);
         data.extend_from_slice(chunk);
-        let mut out = Vec::with_capacity(data.len());
+        let mut out = Vec::new();
         let mut at = 0;
-        while let Some(len) = data.get(at..).and_then(event_len) {
-            let end_at = at.saturating_add(len);
+        // An event end found from here on may begin up to two bytes before the new chunk.
+        let mut from = self.scanned.saturating_sub(2);
+        while let Some(end_at) = event_end(&data, at.max(from)) {
             if let Some(event) = data.get(at..end_at) {
                 self.rewrite(event, &mut out);
             }
             at = end_at;
+            from = at;
         }
-        let rest = data.get(at..).unwrap_or_default();
-        if end {
-            // A last event without its blank line goes on as it is.
-            out.extend_from_slice(rest);
+        let held = data.len().saturating_sub(at);
+        if end || held > MAX_EVENT_BYTES {
+            // A last event without its blank line, or one past the limit, goes on as it is.
+            out.extend_from_slice(data.get(at..).unwrap_or_default());
+            if !end {
+                self.passing = true;
+                self.overflowed = true;
+            }
             self.no_first_event();
-        } else if rest.len() > MAX_EVENT_BYTES {
-            out.extend_from_slice(rest);
-            self.passing = true;
-            self.overflowed = true;
-            self.no_first_event();
+            self.scanned = 0;
         } else {
-            self.carry = rest.to_vec();
+            data.drain(..at);
+            self.scanned = data.len();
+            self.carry = data;
         }
         out
     }
@@ -149,10 +156,10 @@ impl AnswerStream {
     }
 }
 
-/// The length of the first whole event in `data` (through its blank line: `\n\n` or
-/// `\n\r\n`), if there is one.
-fn event_len(data: &[u8]) -> Option<usize> {
-    let mut i = 0;
+/// The end of the first whole event in `data` (through its blank line: `\n\n` or `\n\r\n`)
+/// whose line break is at `from` or after, if there is one.
+fn event_end(data: &[u8], from: usize) -> Option<usize> {
+    let mut i = from;
     while let Some(nl) = data.get(i..)?.iter().position(|b| *b == b'\n') {
         let at = i.checked_add(nl)?;
         match (data.get(at.saturating_add(1)), data.get(at.saturating_add(2))) {
@@ -325,6 +332,19 @@ mod tests {
             );
             assert_eq!(s.take_first(), Some(FirstEvent::Ids(vec![0, 4, 205])));
         }
+    }
+
+    #[test]
+    fn an_answer_fed_a_byte_at_a_time_comes_out_as_fed_whole() {
+        // `\n\r\n` ends an event too; each byte is scanned once, so the split must not matter.
+        let asked = format!("{CHAT_FIRST_ASKED}{}{CHAT_LAST_ASKED}{DONE}", CHAT_IDS_ONLY.replace("\n\n", "\n\r\n"));
+        let mut s = AnswerStream::default();
+        let mut out = Vec::new();
+        for (i, b) in asked.as_bytes().iter().enumerate() {
+            out.extend(s.feed(&[*b], i + 1 == asked.len()));
+        }
+        assert_eq!(String::from_utf8(out).unwrap(), format!("{CHAT_FIRST_PLAIN}{CHAT_LAST_PLAIN}{DONE}"));
+        assert_eq!(s.take_first(), Some(FirstEvent::Ids(vec![0, 4, 205])));
     }
 
     #[test]

@@ -40,6 +40,8 @@ struct RawRequest<'a> {
     echo: Option<&'a RawValue>,
     #[serde(default, borrow)]
     return_token_ids: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    truncate_prompt_tokens: Option<&'a RawValue>,
 }
 
 /// A string field, absent when of another type (read only if the text starts a string).
@@ -215,11 +217,19 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
         ApiKind::Other => Prompt::None,
     };
     let stream = boolean(raw.stream).unwrap_or(false);
-    // vLLM returns the prompt's token ids in a stream's first chunk when asked; not where the
-    // client asked itself (its answer is its own) or echoes the prompt (the ids change the echo).
+    // vLLM returns the prompt's token ids in a stream's first chunk when asked. Not where the
+    // client asked itself (its answer is its own), echoes the prompt (the ids change the echo),
+    // has its prompt cut (the ids are the cut prompt's), sends several prompts (the first event
+    // may be another's), or gives tools (a tool parser may send an empty delta unasked, which
+    // would read as one sent only for the ids).
     let answer_can_carry_tokens = stream
-        && matches!(prompt, Prompt::Text(_) | Prompt::Chat(_))
+        && match &prompt {
+            Prompt::Text(_) => raw.prompt.is_some_and(|p| first_byte(p.get().as_bytes()) == Some(b'"')),
+            Prompt::Chat(_) => non_null(raw.tools).is_none(),
+            _ => false,
+        }
         && raw.return_token_ids.is_none()
+        && non_null(raw.truncate_prompt_tokens).is_none()
         && boolean(raw.echo) != Some(true);
     Ok(ParsedRequest {
         kind,
@@ -245,7 +255,7 @@ mod tests {
     use serde_json::{json, Value};
 
     #[test]
-    fn only_a_streamed_prompt_that_asks_for_neither_its_ids_nor_an_echo_may_carry_its_ids_back() {
+    fn only_a_streamed_single_prompt_whose_answer_the_ids_do_not_change_may_carry_them_back() {
         let can = |kind, v: Value| parse_request(kind, &body(v)).unwrap().answer_can_carry_tokens;
         let chat = json!([{"role":"user","content":"hi"}]);
         assert!(can(ApiKind::Completions, json!({"prompt":"hi","stream":true})));
@@ -256,6 +266,11 @@ mod tests {
         assert!(!can(ApiKind::Completions, json!({"prompt":"hi","stream":true,"return_token_ids":true})));
         assert!(!can(ApiKind::Completions, json!({"prompt":[1,2],"stream":true})));
         assert!(!can(ApiKind::Other, json!({"prompt":"hi","stream":true})));
+        assert!(!can(ApiKind::Completions, json!({"prompt":["hi","there"],"stream":true})));
+        assert!(!can(ApiKind::Completions, json!({"prompt":"hi","stream":true,"truncate_prompt_tokens":8})));
+        assert!(can(ApiKind::Completions, json!({"prompt":"hi","stream":true,"truncate_prompt_tokens":null})));
+        assert!(!can(ApiKind::Chat, json!({"messages":chat,"stream":true,"tools":[{"type":"function"}]})));
+        assert!(can(ApiKind::Chat, json!({"messages":chat,"stream":true,"tools":null})));
     }
 
     #[test]
