@@ -105,3 +105,24 @@ def tokenize_calls(fleet) -> float:
     """/tokenize requests the replicas answered (vLLM's own HTTP metrics)."""
     return sum(kit.prom_sum(kit.get_text(f"{r.url}/metrics"), "http_requests_total", 'handler="/tokenize"')
                for r in fleet.replicas.values())
+
+
+def test_a_streamed_text_prompt_extending_an_earlier_one_reads_its_ids_from_vllms_answer(fleet):
+    """The same for the completions API: a text prompt that begins with an earlier one goes at
+    once, asks vLLM for its ids, and the client gets vLLM's own stream."""
+    rng = random.Random("answer-ids-text")
+    first = words(rng, 60, "ct")
+    headers, reply = fleet.completion(None, first, max_tokens=2)
+    _, served, _, _ = fleet.routed(headers, reply)
+    fleet.wait_mirrored(served, agent_hash(fleet.tokenize(served, {"prompt": first})))
+    body = {"model": MODEL, "prompt": first + " " + words(rng, 12, "cn"), "max_tokens": 4, "stream": True}
+    read = fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"')
+    calls = tokenize_calls(fleet)
+    headers, through = stream(f"http://127.0.0.1:{fleet.envoy.listen}/v1/completions", body)
+    assert "scored_on=earlier_turn" in headers.get(kit.DECISION_HEADER, ""), headers
+    wait_until(lambda: fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"') == read + 1, 10,
+               'llmgw_answer_tokens_total{result="read"} to count the ids read')
+    _, direct = stream(f"{served.url}/v1/completions", {**body, "model": served.model})
+    assert b"token_ids\":[" not in through, through
+    assert sse_events(through) == sse_events(direct), (through, direct)
+    assert tokenize_calls(fleet) == calls, "no tokenizer call for it"
