@@ -70,6 +70,22 @@ def stream(url: str, body: dict) -> tuple[dict, bytes]:
         return dict(resp.headers.items()), resp.read()
 
 
+def routed_at_once_reading_its_ids(fleet, path: str, body: dict) -> bytes:
+    """`body` through Envoy: routed at once on an earlier prompt, its prompt's ids read from
+    vLLM's answer, and the client's stream equal to the one the replica that served it sends
+    unasked (field for field, id and time aside). The client's stream."""
+    read = fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"')
+    headers, through = stream(f"http://127.0.0.1:{fleet.envoy.listen}{path}", body)
+    assert "scored_on=earlier_turn" in headers.get(kit.DECISION_HEADER, ""), headers
+    served = fleet.by_address(decision(headers)[1])
+    wait_until(lambda: fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"') == read + 1, 10,
+               'llmgw_answer_tokens_total{result="read"} to count the ids read')
+    _, direct = stream(f"{served.url}{path}", {**body, "model": served.model})
+    assert b"token_ids\":[" not in through, through
+    assert sse_events(through) == sse_events(direct), (through, direct)
+    return through
+
+
 def test_a_streamed_next_turn_reads_its_prompt_ids_from_vllms_answer_and_the_client_gets_vllms_own_stream(fleet):
     """A turn routed at once on the turn before asks vLLM for its prompt's token ids
     (`return_token_ids`) instead of calling /tokenize; the client gets the stream vLLM sends
@@ -83,17 +99,8 @@ def test_a_streamed_next_turn_reads_its_prompt_ids_from_vllms_answer_and_the_cli
     # One output token: vLLM's chunking of later tokens depends on timing, so only then are two
     # streams of the same request comparable event by event.
     body = {"model": MODEL, "messages": second, "max_tokens": 1, "stream": True}
-    read = fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"')
     calls = tokenize_calls(fleet)
-    headers, through = stream(f"http://127.0.0.1:{fleet.envoy.listen}/v1/chat/completions", body)
-    assert "scored_on=earlier_turn" in headers.get(kit.DECISION_HEADER, ""), headers
-    served = fleet.by_address(decision(headers)[1])
-    wait_until(lambda: fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"') == read + 1, 10,
-               'llmgw_answer_tokens_total{result="read"} to count the ids read')
-    # The same request sent to that replica directly, unasked: the same events, field for field.
-    _, direct = stream(f"{served.url}/v1/chat/completions", {**body, "model": served.model})
-    assert b"prompt_token_ids\":[" not in through and b"token_ids\":[" not in through, through
-    assert sse_events(through) == sse_events(direct), (through, direct)
+    through = routed_at_once_reading_its_ids(fleet, "/v1/chat/completions", body)
     # The ids were kept: the next turn goes at once as well.
     reply_text = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(through)
                          if isinstance(e, dict) and e.get("choices"))
@@ -117,14 +124,6 @@ def test_a_streamed_text_prompt_extending_an_earlier_one_reads_its_ids_from_vllm
     headers, reply = fleet.completion(None, first, max_tokens=2)
     fleet.routed(headers, reply)
     body = {"model": MODEL, "prompt": first + " " + words(rng, 12, "cn"), "max_tokens": 1, "stream": True}
-    read = fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"')
     calls = tokenize_calls(fleet)
-    headers, through = stream(f"http://127.0.0.1:{fleet.envoy.listen}/v1/completions", body)
-    assert "scored_on=earlier_turn" in headers.get(kit.DECISION_HEADER, ""), headers
-    served = fleet.by_address(decision(headers)[1])
-    wait_until(lambda: fleet.envoy.metric("llmgw_answer_tokens_total", 'result="read"') == read + 1, 10,
-               'llmgw_answer_tokens_total{result="read"} to count the ids read')
-    _, direct = stream(f"{served.url}/v1/completions", {**body, "model": served.model})
-    assert b"token_ids\":[" not in through, through
-    assert sse_events(through) == sse_events(direct), (through, direct)
+    routed_at_once_reading_its_ids(fleet, "/v1/completions", body)
     assert tokenize_calls(fleet) == calls, "no tokenizer call for it"

@@ -54,8 +54,10 @@ pub struct Metrics {
     shared_prefixes_evicted: Option<u32>,
     earlier_prompts_evicted: Option<u32>,
     body_budget_exhausted: Option<u32>,
-    /// Prompt token ids read from streamed answers: read, missing, past the event limit.
-    answer_tokens: [Option<u32>; 3],
+    /// Prompt token ids of streamed answers: read, missing (called for), past the event limit.
+    answer_ids_read: Option<u32>,
+    answer_ids_missing: Option<u32>,
+    answer_event_too_large: Option<u32>,
     /// Per-VM gauges, defined on the first tick (the main thread's base VM never ticks, and
     /// would otherwise export a gauge that stays 0).
     feed_connected: Cell<Option<Option<u32>>>,
@@ -116,8 +118,9 @@ impl Metrics {
             shared_prefixes_evicted: c("llmgw_shared_prefixes_evicted_total"),
             earlier_prompts_evicted: c("llmgw_earlier_prompts_evicted_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
-            answer_tokens: ["read", "missing", "too_large"]
-                .map(|r| c(&format!("llmgw_answer_tokens_total.result.{r}"))),
+            answer_ids_read: c("llmgw_answer_tokens_total.result.read"),
+            answer_ids_missing: c("llmgw_answer_tokens_total.result.missing"),
+            answer_event_too_large: c("llmgw_answer_tokens_total.result.too_large"),
             feed_connected: Cell::new(None),
             index_blocks: Cell::new(None),
             index_bytes: Cell::new(None),
@@ -208,12 +211,12 @@ impl Metrics {
 
     /// A streamed answer's prompt token ids: read (true), or missing and called for (false).
     pub fn answer_tokens(&self, read: bool) {
-        self.add(if read { self.answer_tokens[0] } else { self.answer_tokens[1] }, 1);
+        self.add(if read { self.answer_ids_read } else { self.answer_ids_missing }, 1);
     }
 
     /// A streamed answer event past `llmgw_core::request::MAX_EVENT_BYTES`.
     pub fn answer_event_too_large(&self) {
-        self.add(self.answer_tokens[2], 1);
+        self.add(self.answer_event_too_large, 1);
     }
 
     /// Earlier text prompts' tags the VM's bound dropped.

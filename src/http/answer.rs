@@ -66,12 +66,12 @@ impl Request {
         }
     }
 
-    /// The answer is not a stream that can carry the ids (an error, or not streamed): the
-    /// call is made now.
+    /// The answer is not a stream that can carry the ids (an error, or not streamed): it is
+    /// left as it comes, and the call is made now.
     pub(super) fn answer_not_streamed(&mut self) {
+        let Some(call) = self.answer.take().and_then(|a| a.call) else { return };
         let Some(shared) = self.shared.clone() else { return };
         let Ok(s) = shared.try_borrow() else { return };
-        let Some(call) = self.answer.take().and_then(|a| a.call) else { return };
         s.metrics.answer_tokens(false);
         self.call_after_routing(&s, *call);
     }

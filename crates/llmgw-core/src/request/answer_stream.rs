@@ -140,18 +140,18 @@ impl AnswerStream {
             out.extend_from_slice(event);
             return;
         }
-        let mut edited = Vec::with_capacity(event.len());
-        edited.extend_from_slice(b"data: ");
+        // Written in place; taken back if it turns out to be a chunk sent only for its ids.
+        let mark = out.len();
+        out.extend_from_slice(b"data: ");
         let mut from = 0;
         for f in &fields {
-            edited.extend_from_slice(json.get(from..f.start).unwrap_or_default());
-            edited.extend_from_slice(b"null");
+            out.extend_from_slice(json.get(from..f.start).unwrap_or_default());
+            out.extend_from_slice(b"null");
             from = f.end;
         }
-        edited.extend_from_slice(json.get(from..).unwrap_or_default());
-        let body_end = edited.len();
-        if !only_ids(edited.get(6..body_end).unwrap_or_default()) {
-            out.extend_from_slice(&edited);
+        out.extend_from_slice(json.get(from..).unwrap_or_default());
+        if only_ids(out.get(mark.saturating_add(6)..).unwrap_or_default()) {
+            out.truncate(mark);
         }
     }
 }
