@@ -240,10 +240,11 @@ pub fn parse_request(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, Reques
         add_special_tokens: boolean(raw.add_special_tokens),
         model: string(raw.model),
         cache_salt: string(raw.cache_salt).filter(|s| !s.is_empty()),
-        prompt,
         chat_template: non_null(raw.chat_template),
         chat_template_kwargs: non_null(raw.chat_template_kwargs),
         tools: non_null(raw.tools),
+        media: super::call::has_media_parts(&prompt),
+        prompt,
     })
 }
 

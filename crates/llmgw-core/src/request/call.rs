@@ -34,18 +34,24 @@ const MEDIA_PARTS: [&str; 8] = [
     "\"input_image\"",
 ];
 
-impl ParsedRequest {
-    /// Whether the chat carries image, audio or video parts. Read from the raw messages: a
-    /// media part's type name appearing anywhere (inside a text too) counts, which at worst
-    /// sends a text-only chat to the render endpoint (exact tokens, no features).
-    pub fn multimodal(&self) -> bool {
-        match &self.prompt {
-            Prompt::Chat(m) => {
-                let raw = m.get();
-                MEDIA_PARTS.iter().any(|p| raw.contains(p))
-            }
-            _ => false,
+/// Whether a chat prompt carries image, audio or video parts. Read from the raw messages: a
+/// media part's type name appearing anywhere (inside a text too) counts, which at worst sends a
+/// text-only chat to the render endpoint (exact tokens, no features). Read once, when the body
+/// is parsed (each search runs over the whole conversation).
+pub(super) fn has_media_parts(prompt: &Prompt) -> bool {
+    match prompt {
+        Prompt::Chat(m) => {
+            let raw = m.get();
+            MEDIA_PARTS.iter().any(|p| raw.contains(p))
         }
+        _ => false,
+    }
+}
+
+impl ParsedRequest {
+    /// Whether the chat carries image, audio or video parts ([`has_media_parts`]).
+    pub fn multimodal(&self) -> bool {
+        self.media
     }
 
     /// The call that yields the engine's tokens for this request, or `None` when no call is

@@ -77,6 +77,8 @@ pub struct ParsedRequest {
     pub chat_template: Option<RawJson>,
     pub chat_template_kwargs: Option<RawJson>,
     pub tools: Option<RawJson>,
+    /// Whether the chat carries media parts (read once at parsing: `multimodal()`).
+    pub(super) media: bool,
 }
 
 /// Why a body could not be used.
