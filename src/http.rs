@@ -4,7 +4,7 @@
 
 use crate::decision_log;
 use crate::host::{Buffer, Headers, Host, SharedKind};
-use crate::phases::{self, Phases};
+use crate::phases::Phases;
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
 use llmgw_core::flow::{Background, Body, Keep, Pending, Rejected, Report, Routed, Step, TokenizerReply};
@@ -16,9 +16,11 @@ use std::rc::Rc;
 use std::time::Duration;
 
 mod answer;
+mod response;
 
 use answer::FromAnswer;
 use llmgw_core::request::AnswerStream;
+use response::Chunk;
 
 const EXPLAIN_HEADER: &str = "x-llmgw-decision";
 /// vLLM's (0.33) request header naming the data-parallel rank that serves a request.
@@ -70,6 +72,8 @@ pub struct Request {
     whole_body: Option<usize>,
     /// A routed request whose streamed answer is to carry its prompt's token ids.
     answer: Option<Box<FromAnswer>>,
+    /// A response chunk handed on whose lessons are still to be taken (at the next callback).
+    unread_chunk: Option<Chunk>,
 }
 
 impl Request {
@@ -90,6 +94,7 @@ impl Request {
             returns_started: false,
             whole_body: None,
             answer: None,
+            unread_chunk: None,
         }
     }
 
@@ -311,26 +316,6 @@ impl Request {
         };
     }
 
-    /// The replica's first token (or its answer, when not streamed): the request's prefill
-    /// tokens stop counting there.
-    fn first_token(&mut self) {
-        let tokens = std::mem::take(&mut self.prefilling);
-        let Some(addr) = &self.counted else { return };
-        if let Some(key) = self.ends_as.filter(|_| !self.returns_started) {
-            self.returns_started = true;
-            let failed = crate::returns::started(self.host.as_ref(), addr, key);
-            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-                s.metrics.shared_update_failed(failed);
-            }
-        }
-        if tokens == 0 {
-            return;
-        }
-        if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-            s.metrics.shared_update_failed(inflight::first_token(self.host.as_ref(), s.vm, addr, tokens));
-        }
-    }
-
     /// The filter worked since `since_ns`; once decided, the phases up to the decision are
     /// recorded.
     fn record_busy(&mut self, s: &Shared, since_ns: u64) {
@@ -341,50 +326,6 @@ impl Request {
             let b = self.phases.breakdown();
             s.metrics.decision_us(b.decision_us.unwrap_or(0));
             s.metrics.phases_decided(&b);
-        }
-    }
-
-    /// The response's first byte (`chunk`: false) or first body chunk (true) of a routed
-    /// request; the breakdown goes to the access log at the first chunk, or at the headers of
-    /// an answer without a body.
-    fn response_phase(&mut self, chunk: bool, end_of_stream: bool) {
-        // Nothing more once written: a stream's later chunks read no clock.
-        if self.counted.is_none() || self.phases.logged {
-            return;
-        }
-        let now = self.host.now_ns();
-        let first = if chunk { self.phases.first_chunk(now) } else { self.phases.first_byte(now) };
-        if first {
-            let b = self.phases.breakdown();
-            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-                match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
-                    (true, Some(us), _) => {
-                        s.metrics.phase_upstream_first_chunk_us(us);
-                        // The replica's observed time to first token teaches its rates (not
-                        // while its prompt tokens are an estimate still unanswered, by a call or
-                        // by an answer event not yet whole).
-                        let estimated = matches!(self.phase, Phase::Background { .. })
-                            || self.answer.as_ref().is_some_and(|a| a.call.is_some());
-                        if let (Some(basis), Some(addr), false) = (self.learning.take(), &self.counted, estimated) {
-                            if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
-                                s.metrics.shared_update_failed([k]);
-                            }
-                        }
-                    }
-                    (false, _, Some(us)) => s.metrics.phase_upstream_first_byte_us(us),
-                    _ => {}
-                }
-            }
-        }
-        if chunk || end_of_stream {
-            self.log_phases();
-        }
-    }
-
-    /// Writes the breakdown for Envoy's access log, once.
-    fn log_phases(&mut self) {
-        if !std::mem::replace(&mut self.phases.logged, true) {
-            self.host.set_property(phases::PROPERTY, self.phases.breakdown().line().as_bytes());
         }
     }
 }
@@ -514,72 +455,15 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // The replica's answer, or Envoy's own (counted only when the replica caused it).
-        self.response_phase(false, end_of_stream);
-        if let Some(addr) = &self.counted {
-            let status = self.host.header(Headers::Response, ":status");
-            let code: Option<u32> =
-                status.as_deref().and_then(|s| std::str::from_utf8(s).ok()).and_then(|s| s.parse().ok());
-            if let Some(code) = code {
-                if let Err(k) = crate::health::observe_response(self.host.as_ref(), addr, code) {
-                    if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-                        s.metrics.shared_update_failed([k]);
-                    }
-                }
-            }
-            // A stream's headers come before its first token (vLLM sends them at once); any
-            // other answer (a whole completion, an error) comes after the prefill, or without one.
-            let streamed = self.host.header(Headers::Response, "content-type").is_some_and(|v| {
-                v.len() >= 17 && v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
-            });
-            // An error is nobody's turn to follow.
-            if code != Some(200) {
-                self.ends_as = None;
-            }
-            if end_of_stream || !streamed || code != Some(200) {
-                self.answer_not_streamed();
-            } else if self.answer.is_some() {
-                // The chunks change length once the ids are taken out.
-                self.host.set_header(Headers::Response, "content-length", None);
-            }
-            if end_of_stream || !streamed {
-                self.first_token();
-            }
-            // Only a stream's first chunk is its first token; an error teaches nothing.
-            if end_of_stream || !streamed || code != Some(200) {
-                self.learning = None;
-            }
-        }
-        if let Some(e) = self.explain.take() {
-            self.host.set_header(Headers::Response, EXPLAIN_HEADER, Some(&e));
-        }
-        Action::Continue
+        self.response_headers(end_of_stream)
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        // The first chunk of a stream carries its first token; nothing is buffered (but the
-        // part of an event asked for the prompt's ids not yet complete: `AnswerStream`).
-        self.answer_chunk(body_size, end_of_stream);
-        if body_size > 0 || end_of_stream {
-            self.first_token();
-            self.response_phase(body_size > 0, end_of_stream);
-        }
-        Action::Continue
+        self.response_body(body_size, end_of_stream)
     }
 
     fn on_log(&mut self) {
-        let tokens = std::mem::take(&mut self.prefilling);
-        if let Some(key) = self.ends_as.take().filter(|_| std::mem::take(&mut self.returns_started)) {
-            let failed = crate::returns::ended(self.host.as_ref(), key);
-            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-                s.metrics.shared_update_failed(failed);
-            }
-        }
-        if let Some(addr) = self.counted.take().filter(|_| std::mem::take(&mut self.in_flight_recorded)) {
-            if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-                s.metrics.shared_update_failed(inflight::decrement(self.host.as_ref(), s.vm, &addr, tokens));
-            }
-        }
+        self.ended();
     }
 }
 

@@ -31,13 +31,20 @@ impl Request {
     }
 
     /// A chunk of a streamed answer asked for the prompt's ids: handed on as it would have come
-    /// unasked; at its first event the ids go to the router, or the call is made.
+    /// unasked (its lessons are taken after it went: [`Self::answer_lessons`]).
     pub(super) fn answer_chunk(&mut self, body_size: usize, end_of_stream: bool) {
         let Some(a) = self.answer.as_mut() else { return };
         let chunk = self.host.buffer(Buffer::Response, body_size);
         let out = a.stream.feed(&chunk, end_of_stream);
         if out != chunk && !self.host.replace_buffer(Buffer::Response, body_size, &out) {
             log::warn!("llmgw: a streamed answer could not be rewritten");
+        }
+    }
+
+    /// Once the stream's first event went by: its ids go to the router, or the call is made.
+    pub(super) fn answer_lessons(&mut self) {
+        if self.answer.is_none() {
+            return;
         }
         // What the stream said is taken only once it can be acted on (else at a later chunk).
         let Some(shared) = self.shared.clone() else { return };

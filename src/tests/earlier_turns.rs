@@ -74,6 +74,48 @@ fn streamed(turns: &[&str]) -> Vec<u8> {
     body.replacen('{', r#"{"stream":true,"#, 1).into_bytes()
 }
 
+/// The first chunk of a stream asked for its ids goes to the client before what it teaches is
+/// taken (its ids, its phases): at the next chunk, or at the end of a stream cut after it.
+#[test]
+fn a_first_chunk_goes_on_before_its_ids_and_phases_are_taken() {
+    use crate::host::{Buffer, Headers, Host};
+    let first: Vec<u32> = (0..24).collect();
+    let e = synced("", vec![], keys(&first), true);
+    let (mut ctx, _) = e.request(CHAT, &streamed(&["hi"]));
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&first));
+    ctx.on_log();
+    let ids = format!("{:?}", (0..40).collect::<Vec<u32>>()).replace(' ', "");
+    let event = format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids}}}\n\n");
+    let next = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+    let read = "llmgw_answer_tokens_total.result.read";
+    for cut in [false, true] {
+        let samples = e.host.samples("llmgw_phase_upstream_first_chunk_us").len();
+        let question = if cut { "and then?" } else { "what now?" };
+        let (mut ctx, action) = e.request(CHAT, &streamed(&["hi", "hello there", question]));
+        assert_eq!(action, Action::Continue);
+        e.host.set_header(Headers::Response, ":status", Some("200"));
+        e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+        ctx.on_http_response_headers(2, false);
+        let before = e.counter(read);
+        e.host.set_buffer(Buffer::Response, event.as_bytes());
+        ctx.on_http_response_body(event.len(), false);
+        // Handed on rewritten, and nothing taught yet.
+        let sent = String::from_utf8(e.host.buffer(Buffer::Response, usize::MAX)).unwrap();
+        assert!(sent.contains(r#""prompt_token_ids":null"#), "{sent}");
+        assert_eq!(e.counter(read), before);
+        assert_eq!(e.host.samples("llmgw_phase_upstream_first_chunk_us").len(), samples);
+        if cut {
+            ctx.on_log();
+        } else {
+            e.host.set_buffer(Buffer::Response, next.as_bytes());
+            ctx.on_http_response_body(next.len(), false);
+        }
+        assert_eq!(e.counter(read), before + 1, "cut: {cut}");
+        assert_eq!(e.host.samples("llmgw_phase_upstream_first_chunk_us").len(), samples + 1, "cut: {cut}");
+        ctx.on_log();
+    }
+}
+
 #[test]
 fn a_streamed_next_turn_takes_its_tokens_from_the_answer_and_the_client_sees_the_stream_as_if_unasked() {
     use crate::host::{Buffer, Host};

@@ -184,6 +184,8 @@ fn the_manual_lists_every_metric_and_label_value_the_filter_defines() {
     e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
     c.on_http_response_headers(2, false);
     c.on_http_response_body(64, false);
+    // The first chunk's lessons (the replica's rates among them) are taken at the next one.
+    c.on_http_response_body(64, false);
     e.root.on_tick();
     let names = e.host.metric_names();
     assert!(names.iter().any(|n| n.starts_with("llmgw_destinations_refused.vm.")), "{names:?}");
