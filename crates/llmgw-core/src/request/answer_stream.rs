@@ -63,8 +63,9 @@ pub struct AnswerStream {
     /// How much of `carry` is known to hold no event end (a large first event arrives in many
     /// chunks: each is scanned once, not the whole event again).
     scanned: usize,
-    /// What the first data event said, until taken.
-    first: Option<FirstEvent>,
+    /// What the first data event said, until taken: its ids array as written (read when
+    /// taken, after the event went on), or `None` for an event without them.
+    first: Option<Option<Vec<u8>>>,
     /// Whether the first data event was seen.
     seen_first: bool,
     /// The stream is passed on as it comes (an event past [`MAX_EVENT_BYTES`]).
@@ -111,14 +112,17 @@ impl AnswerStream {
         out
     }
 
-    /// What the first data event said, once (None before it, and after it was taken).
+    /// What the first data event said, once (None before it, and after it was taken). The ids
+    /// are read here rather than as the event goes by, so that the first token is handed on
+    /// without waiting for them.
     pub fn take_first(&mut self) -> Option<FirstEvent> {
-        self.first.take()
+        let array = self.first.take()?;
+        Some(array.as_deref().and_then(flat_ids).map_or(FirstEvent::Missing, FirstEvent::Ids))
     }
 
     fn no_first_event(&mut self) {
         if !std::mem::replace(&mut self.seen_first, true) {
-            self.first = Some(FirstEvent::Missing);
+            self.first = Some(None);
         }
     }
 
@@ -130,8 +134,8 @@ impl AnswerStream {
         };
         let fields = id_fields(json);
         if !std::mem::replace(&mut self.seen_first, true) {
-            let ids = fields.iter().find(|f| f.prompt).and_then(|f| json.get(f.start..f.end)).and_then(flat_ids);
-            self.first = Some(ids.map_or(FirstEvent::Missing, FirstEvent::Ids));
+            let array = fields.iter().find(|f| f.prompt).and_then(|f| json.get(f.start..f.end));
+            self.first = Some(array.map(<[u8]>::to_vec));
         }
         if fields.is_empty() {
             out.extend_from_slice(event);
@@ -224,20 +228,33 @@ fn flat_ids(array: &[u8]) -> Option<Vec<u32>> {
     let inner = array.strip_prefix(b"[")?.strip_suffix(b"]")?;
     // About one id per 4 bytes or more ("12, ").
     let mut ids = Vec::with_capacity((inner.len() / 4).saturating_add(1));
-    if inner.iter().all(u8::is_ascii_whitespace) {
-        return Some(ids);
+    // The number being read, its digit count, and whether whitespace followed its digits.
+    let (mut id, mut digits, mut spaced) = (0u32, 0u32, false);
+    for &b in inner {
+        match b {
+            b'0'..=b'9' => {
+                // A digit after "0" (a leading zero), or after whitespace (two numbers).
+                if spaced || (digits == 1 && id == 0) {
+                    return None;
+                }
+                id = id.checked_mul(10)?.checked_add(u32::from(b.wrapping_sub(b'0')))?;
+                digits = digits.saturating_add(1);
+            }
+            b',' => {
+                if digits == 0 {
+                    return None;
+                }
+                ids.push(id);
+                (id, digits, spaced) = (0, 0, false);
+            }
+            b' ' | b'\n' | b'\r' | b'\t' => spaced = digits > 0,
+            _ => return None,
+        }
     }
-    for item in inner.split(|b| *b == b',') {
-        let digits = item.trim_ascii();
-        if digits.is_empty() || (digits.len() > 1 && digits.first() == Some(&b'0')) {
-            return None;
-        }
-        let mut id: u32 = 0;
-        for d in digits {
-            let digit = d.is_ascii_digit().then(|| u32::from(d.wrapping_sub(b'0')))?;
-            id = id.checked_mul(10)?.checked_add(digit)?;
-        }
-        ids.push(id);
+    match digits {
+        0 if ids.is_empty() => {}
+        0 => return None,
+        _ => ids.push(id),
     }
     Some(ids)
 }
