@@ -20,6 +20,9 @@
 //! whose own tokens found no replica holding past the prefix lets the next sibling go at once;
 //! each further such wait doubles how many go at once before the next one waits to check (up
 //! to 63 of 64), and a wait that found a replica holding more makes every sibling wait again.
+//! A family that has not waited yet starts from the same count over every family's recent
+//! waits, so that the first siblings of each new system prompt do not each wait to learn what
+//! the others already showed.
 //! Where every sibling so far happened to begin its last
 //! message alike, the prefix runs past what the next one shares, until a sibling that differs
 //! is tokenized.
@@ -42,6 +45,9 @@ pub const MAX_TOKENS: usize = 4096;
 pub struct SharedPrefixes {
     /// Single requests' tokens are dropped for room before common prefixes.
     entries: Recent<Prefix>,
+    /// Waits in a row, of any family, that found no replica holding past the prefix (up to
+    /// [`MAX_UNPAID`]): where a family has not waited yet, it starts from this.
+    streak: u8,
 }
 
 #[derive(Debug)]
@@ -54,6 +60,9 @@ struct Prefix {
     unpaid: u8,
     /// Siblings that may still go at once before the next one waits to check.
     at_once: u8,
+    /// Whether `at_once` was set, from the family's own waits or from the recent waits of
+    /// every family ([`SharedPrefixes::streak`]).
+    seeded: bool,
 }
 
 /// The most waits in a row that found nothing past the prefix counted: afterwards one sibling
@@ -62,7 +71,7 @@ const MAX_UNPAID: u8 = 6;
 
 impl Default for SharedPrefixes {
     fn default() -> Self {
-        SharedPrefixes { entries: Recent::new(MAX_PREFIXES, |p| p.siblings >= 2) }
+        SharedPrefixes { entries: Recent::new(MAX_PREFIXES, |p| p.siblings >= 2), streak: 0 }
     }
 }
 
@@ -93,23 +102,36 @@ impl SharedPrefixes {
 
     fn insert(&mut self, tag: u128, mut tokens: Vec<u32>, siblings: u8) {
         tokens.truncate(MAX_TOKENS);
-        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0 });
+        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0, seeded: false });
     }
 
     /// A sibling of `tag` that waited for its own tokens found a replica holding blocks past
     /// the common prefix (`paid`), or none did. Each wait that found none lets twice as many
     /// siblings go at once before the next one waits to check, up to 2^[`MAX_UNPAID`] − 1; one
-    /// that found some makes every sibling wait again.
+    /// that found some makes every sibling wait again. The same count over every family
+    /// seeds a family that has not waited yet.
     pub fn waited(&mut self, tag: u128, paid: bool) {
         let Some(p) = self.entries.get(tag) else { return };
-        p.unpaid = if paid { 0 } else { p.unpaid.saturating_add(1).min(MAX_UNPAID) };
-        p.at_once = 1u8.checked_shl(u32::from(p.unpaid)).unwrap_or(u8::MAX).saturating_sub(1);
+        p.unpaid = unpaid_after(p.unpaid, paid);
+        p.at_once = at_once_after(p.unpaid);
+        p.seeded = true;
+        self.streak = unpaid_after(self.streak, paid);
     }
 
     /// Whether a sibling of `tag` may skip waiting for its tokens, since the recent siblings
-    /// that waited found nothing past the prefix (and counts it).
+    /// that waited found nothing past the prefix (and counts it). A family that has not waited
+    /// yet goes by the recent waits of every family: where siblings of other system prompts
+    /// shared nothing past theirs, its first siblings go at once too, and one of them then
+    /// waits to check for it.
     pub fn skips_waiting(&mut self, tag: u128) -> bool {
-        let Some(p) = self.entries.get(tag).filter(|p| p.at_once > 0) else { return false };
+        let streak = self.streak;
+        let Some(p) = self.entries.get(tag) else { return false };
+        if !std::mem::replace(&mut p.seeded, true) {
+            p.at_once = at_once_after(streak);
+        }
+        if p.at_once == 0 {
+            return false;
+        }
         p.at_once = p.at_once.saturating_sub(1);
         true
     }
@@ -128,6 +150,20 @@ impl SharedPrefixes {
     pub fn clear(&mut self) {
         self.entries.clear();
     }
+}
+
+/// The waits in a row that found nothing past the prefix, after one that did (`paid`) or not.
+fn unpaid_after(unpaid: u8, paid: bool) -> u8 {
+    if paid {
+        0
+    } else {
+        unpaid.saturating_add(1).min(MAX_UNPAID)
+    }
+}
+
+/// Siblings that go at once after `unpaid` such waits in a row: 2^unpaid − 1.
+fn at_once_after(unpaid: u8) -> u8 {
+    1u8.checked_shl(u32::from(unpaid)).unwrap_or(u8::MAX).saturating_sub(1)
 }
 
 /// No replica can hold blocks of the request past its common prefix unless it holds the whole
@@ -302,6 +338,32 @@ mod tests {
         // An unknown family learns nothing.
         s.waited(2, false);
         assert!(!s.skips_waiting(2));
+    }
+
+    #[test]
+    fn a_family_that_has_not_waited_starts_from_the_recent_waits_of_every_family() {
+        let mut s = SharedPrefixes::default();
+        let family = |s: &mut SharedPrefixes, tag: u128| {
+            s.learn(tag, &[1, 2, 3], || None);
+            s.learn(tag, &[1, 2, 4], || None);
+        };
+        let at_once = |s: &mut SharedPrefixes, tag| (0..100).take_while(|_| s.skips_waiting(tag)).count();
+        family(&mut s, 1);
+        s.waited(1, false);
+        s.waited(1, false);
+        // Two waits in a row found nothing past family 1's prefix: family 2's first 3 siblings
+        // go at once, then one waits; what it finds is family 2's own from then on.
+        family(&mut s, 2);
+        assert_eq!(at_once(&mut s, 2), 3);
+        s.waited(2, false);
+        assert_eq!(at_once(&mut s, 2), 1);
+        // A wait that paid (any family's): a new family waits from its first sibling again,
+        // and the families already seeded keep their own count.
+        s.waited(1, true);
+        family(&mut s, 3);
+        assert_eq!(at_once(&mut s, 3), 0);
+        s.waited(2, false);
+        assert_eq!(at_once(&mut s, 2), 3);
     }
 
     #[test]
