@@ -3,8 +3,9 @@
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
 //! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`) and
 //! the requests answered lately (`crate::returns`);
-//! the tokens kept for conversations' next turns (`crate::earlier_turns`) and the text prompts
-//! the other VMs handed on (`crate::earlier_prompts`) are read when asked.
+//! the tokens kept for conversations' next turns (`crate::earlier_turns`), the text prompts
+//! the other VMs handed on (`crate::earlier_prompts`) and the tokenizer calls' usual round trip
+//! (`crate::tokenizer_times`) are read when asked.
 
 use crate::health::Health;
 use crate::host::Host;
@@ -89,6 +90,10 @@ impl SpeculativeEntries for Snapshot {
 impl LearnedRates for Snapshot {
     fn learned_rates(&self, address: &str) -> Option<Rates> {
         self.rates.of(address)
+    }
+
+    fn tokenizer_round_trip_us(&self) -> Option<u64> {
+        crate::tokenizer_times::median_us(self.host.as_ref())
     }
 }
 

@@ -63,10 +63,12 @@ pub enum SharedKind {
     EarlierTurns,
     /// Text prompts handed to the other VMs (`crate::earlier_prompts`).
     EarlierPrompts,
+    /// The tokenizer calls' round trips (`crate::tokenizer_times`).
+    TokenizerTimes,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 10] = [
+    pub const ALL: [SharedKind; 11] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
@@ -77,6 +79,7 @@ impl SharedKind {
         SharedKind::Returns,
         SharedKind::EarlierTurns,
         SharedKind::EarlierPrompts,
+        SharedKind::TokenizerTimes,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -91,6 +94,7 @@ impl SharedKind {
             SharedKind::Returns => "returns",
             SharedKind::EarlierTurns => "earlier_turns",
             SharedKind::EarlierPrompts => "earlier_prompts",
+            SharedKind::TokenizerTimes => "tokenizer_times",
         }
     }
 }

@@ -266,8 +266,7 @@ impl Request {
         let Ok(mut s) = shared.try_borrow_mut() else { return };
         let now = self.host.now_ns();
         let round_trip_us = now.saturating_sub(started_ns) / 1_000;
-        s.metrics.tokenizer_latency_us(round_trip_us);
-        s.router.tokenizer_answered(round_trip_us);
+        self.call_timed(&mut s, round_trip_us);
         let b = self
             .with_call_reply(num_headers, body_size, |reply| self.tokens_after_routing(&mut s, pending, reply, now));
         if let Some(f) = b.failure {
@@ -282,6 +281,16 @@ impl Request {
             return self.call_after_routing(&s, *t);
         }
         self.correct_learning(b.tokens, b.estimated_tokens);
+    }
+
+    /// A tokenizer call answered or failed after `round_trip_us`: the histogram, this VM's
+    /// router, and the round trips every worker shares (`crate::tokenizer_times`).
+    fn call_timed(&self, s: &mut Shared, round_trip_us: u64) {
+        s.metrics.tokenizer_latency_us(round_trip_us);
+        s.router.tokenizer_answered(round_trip_us);
+        if let Err(k) = crate::tokenizer_times::observe(self.host.as_ref(), round_trip_us) {
+            s.metrics.shared_update_failed([k]);
+        }
     }
 
     /// A routed request's prompt tokens, from its tokenizer call or its answer, to the router
@@ -365,8 +374,7 @@ impl Context for Request {
         };
         let t0 = self.host.now_ns();
         let round_trip_us = t0.saturating_sub(started_ns) / 1_000;
-        s.metrics.tokenizer_latency_us(round_trip_us);
-        s.router.tokenizer_answered(round_trip_us);
+        self.call_timed(&mut s, round_trip_us);
         self.phases.tokenizer(started_ns, t0);
         let in_flight = gateway_state::Snapshot::read(&self.host);
         let step = self.with_call_reply(num_headers, body_size, |reply| {

@@ -29,6 +29,7 @@ mod recent;
 mod returns;
 mod shared_records;
 mod speculative;
+mod tokenizer_times;
 mod warm_view;
 
 #[cfg(feature = "bench-internals")]

@@ -58,22 +58,25 @@ fn where_two_replicas_hold_the_prefix_a_sibling_goes_at_once_once_calls_are_know
     // B holds the first sibling whole, and every later one's own tokens turn out to be the
     // first's (its question asked again): waiting pays, so only the calls' timing can let a
     // sibling go at once.
+    // The siblings reach two worker VMs in turn: the calls either makes count for both.
     let system: Vec<u64> = keys(&sibling(0)).into_iter().take(4).collect();
-    let e = synced("", system, keys(&sibling(0)), true);
+    let e = synced("", system.clone(), keys(&sibling(0)), true);
+    let e2 = second_vm(&e, system, keys(&sibling(0)));
     let mut i = 0;
     loop {
-        let (mut ctx, action) = e.request(CHAT, &chat(&format!("q{i}")));
+        let vm = if i % 2 == 0 { &e } else { &e2 };
+        let (mut ctx, action) = vm.request(CHAT, &chat(&format!("q{i}")));
         if action == Action::Continue {
             break;
         }
         e.host.now_ns.set(e.host.now_ns.get() + 5_000_000);
-        e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(if i < 2 { i } else { 0 })));
+        vm.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(if i < 2 { i } else { 0 })));
         ctx.on_log();
         i += 1;
         assert!(i <= 8, "still waiting after {i} calls");
     }
-    // Once 8 calls were timed: its one further block (4 tokens at 100 µs) is worth less than
-    // a call.
+    // Once 8 calls were timed, 4 by each worker: its one further block (4 tokens at 100 µs) is
+    // worth less than a call.
     assert_eq!(i, 8);
     assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.shared_prefix"), 1);
 }

@@ -59,6 +59,12 @@ pub trait LearnedRates {
     fn learned_rates(&self, _address: &str) -> Option<Rates> {
         None
     }
+    /// The usual round trip of the tokenizer calls every worker of the gateway made (µs: the
+    /// median of the last [`super::tokenizer_wait::WINDOW`], once [`super::tokenizer_wait::MIN_CALLS`] were
+    /// made); `None` when the gateway keeps none (the router then goes by its own calls).
+    fn tokenizer_round_trip_us(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Tokenizations this Envoy made, for the next turn of chat conversations (see

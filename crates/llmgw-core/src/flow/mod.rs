@@ -35,7 +35,7 @@ mod speculative;
 mod step;
 mod tokenizer_reply;
 mod tokenizer_target;
-mod tokenizer_wait;
+pub mod tokenizer_wait;
 mod triage;
 
 pub use gateway::{EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};

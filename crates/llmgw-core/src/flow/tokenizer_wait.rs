@@ -1,4 +1,5 @@
-//! How long a request waits for its tokenizer call, learned per VM from the calls' round trips.
+//! How long a request waits for its tokenizer call, learned from the calls' round trips: this
+//! VM's, where the gateway keeps none of every worker's (`LearnedRates::tokenizer_round_trip_us`).
 //!
 //! A request that could be routed on what it shares with earlier ones, but whose own tokens
 //! might tell better, either waits for its call or goes at once. Going at once loses at most
@@ -34,13 +35,18 @@ impl TokenizerWait {
 
     /// The median round trip of the calls remembered (µs), once [`MIN_CALLS`] were made.
     pub fn median_us(&self) -> Option<u64> {
-        if self.round_trips_us.len() < MIN_CALLS {
-            return None;
-        }
-        let mut sorted = self.round_trips_us.clone();
-        sorted.sort_unstable();
-        sorted.get(sorted.len() / 2).copied()
+        median_round_trip_us(self.round_trips_us.clone())
     }
+}
+
+/// The median of `round_trips_us` (the last [`WINDOW`] calls' round trips, of this VM or of
+/// every worker of the gateway), once there are [`MIN_CALLS`].
+pub fn median_round_trip_us(mut round_trips_us: Vec<u64>) -> Option<u64> {
+    if round_trips_us.len() < MIN_CALLS {
+        return None;
+    }
+    round_trips_us.sort_unstable();
+    round_trips_us.get(round_trips_us.len() / 2).copied()
 }
 
 impl super::Router {
