@@ -263,6 +263,7 @@ impl Router {
             if let Some(common) = self.shared_prefixes.learn(tag.0, tokens, kept) {
                 keep.tokens.push((tag.0, common));
             }
+            self.shared_prefixes.note_bytes(tag.0, tags.bytes);
         }
         keep
     }

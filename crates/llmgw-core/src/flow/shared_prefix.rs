@@ -5,7 +5,9 @@
 //! questions. The tokens every tokenized sibling begins with (their longest common prefix, kept
 //! per VM once two siblings that differ were tokenized) are what a new sibling's prompt begins
 //! with too. The request is scored on them at once, and its own tokenizer call is made after it
-//! is routed; its answer narrows the common prefix if the request began otherwise.
+//! is routed; its answer narrows the common prefix if the request began otherwise. While only
+//! one sibling was tokenized, the second claims its tokens up to the shared messages' share of
+//! its bytes, less an eighth ([`SharedPrefixes::claim`]), and is routed on those alike.
 //!
 //! Only when that loses nothing: the replicas' cached blocks chain from block 0, so a replica
 //! can hold blocks of the request past the common prefix only if it holds the whole prefix.
@@ -63,6 +65,9 @@ struct Prefix {
     /// Whether `at_once` was set, from the family's own waits or from the recent waits of
     /// every family ([`SharedPrefixes::streak`]).
     seeded: bool,
+    /// The bytes of the messages `tokens` are the tokens of, while they are one sibling's
+    /// (0: not known, or a common prefix).
+    bytes: usize,
 }
 
 /// The most waits in a row that found nothing past the prefix counted: afterwards one sibling
@@ -102,7 +107,7 @@ impl SharedPrefixes {
 
     fn insert(&mut self, tag: u128, mut tokens: Vec<u32>, siblings: u8) {
         tokens.truncate(MAX_TOKENS);
-        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0, seeded: false });
+        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0, seeded: false, bytes: 0 });
     }
 
     /// A sibling of `tag` that waited for its own tokens found a replica holding blocks past
@@ -134,6 +139,27 @@ impl SharedPrefixes {
         }
         p.at_once = p.at_once.saturating_sub(1);
         true
+    }
+
+    /// The tokenized sibling of `tag`, while it is the only one, spans `bytes` of messages.
+    pub fn note_bytes(&mut self, tag: u128, bytes: usize) {
+        if let Some(p) = self.entries.get(tag).filter(|p| p.siblings == 1) {
+            p.bytes = bytes;
+        }
+    }
+
+    /// What a sibling may be routed on while only one sibling of `tag` was tokenized: that
+    /// sibling's tokens up to the share of its messages' bytes that the shared messages span
+    /// (`shared`), less an eighth (tokens per byte vary along a prompt, and the template's
+    /// tokens for the last message come after the shared ones), so that the claim stays within
+    /// what the two share. With it, the tokens and bytes the sibling's own length is estimated
+    /// at.
+    pub fn claim(&mut self, tag: u128, shared: usize) -> Option<(Vec<u32>, (usize, usize))> {
+        let p = self.entries.get(tag).filter(|p| p.siblings == 1 && p.bytes > 0)?;
+        let len = p.tokens.len();
+        let n = len.checked_mul(shared)?.checked_div(p.bytes)?.checked_mul(7)?.checked_div(8)?.min(len);
+        let claimed = p.tokens.get(..n).filter(|t| !t.is_empty())?.to_vec();
+        Some((claimed, (len, p.bytes)))
     }
 
     /// The tokens at least two differing siblings of `tag` begin with.
@@ -186,10 +212,19 @@ impl Router {
         let EarlyRequest { parsed, gw, .. } = *req;
         let tags = req.tags?;
         let (tag, bytes) = tags.siblings?;
-        // This VM's, else the one another VM of this Envoy kept.
-        let tokens = match self.shared_prefixes.common(tag.0) {
-            Some(t) => t.to_vec(),
-            None => gw.earlier_tokens(tag.0).map(|(t, _)| t).filter(|t| !t.is_empty())?,
+        // This VM's, else the one another VM of this Envoy kept, else what the one sibling
+        // tokenized here shares with this one (the request's length at that sibling's bytes
+        // per token).
+        let kept = match self.shared_prefixes.common(tag.0) {
+            Some(t) => Some(t.to_vec()),
+            None => gw.earlier_tokens(tag.0).map(|(t, _)| t).filter(|t| !t.is_empty()),
+        };
+        let (tokens, per) = match kept {
+            Some(t) => {
+                let n = t.len();
+                (t, (n, bytes))
+            }
+            None => self.shared_prefixes.claim(tag.0, bytes)?,
         };
         let mut report = Report { tokenizer_cache: Some(CacheLookup::SharedPrefix), ..report };
         let model = parsed.model.as_deref();
@@ -202,7 +237,7 @@ impl Router {
             mm: Vec::new(),
         };
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
-        scored.tokens = estimated_tokens(tokens.len(), bytes, tags.bytes)?;
+        scored.tokens = estimated_tokens(per.0, per.1, tags.bytes)?;
         if !self.the_prefix_decides(tags.profile, &scored, Some(tag.0), gw) {
             return None;
         }

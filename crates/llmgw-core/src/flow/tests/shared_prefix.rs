@@ -64,13 +64,52 @@ fn both_holding_with(weights: &str) -> Router {
 
 fn two_siblings_tokenized(mut r: Router) -> Router {
     r.set_background_calls(Some(5));
-    for i in 0..2 {
-        let step = r.on_body(&Body { path: CHAT, bytes: &chat("", &format!("q{i}")), too_large: false }, &(), 0);
-        // The first two wait for their calls: one sibling alone shows nothing shared.
-        let routed = answered(&mut r, step, &sibling(i), 1);
-        assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+    // The first waits for its call: nothing is known of its family.
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q0"), too_large: false }, &(), 0);
+    let routed = answered(&mut r, step, &sibling(0), 1);
+    assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+    // The second goes at once on what it claims of the first's tokens, or waits (several
+    // replicas hold that whole); either way its own tokens are learned.
+    match r.on_body(&Body { path: CHAT, bytes: &chat("", "q1"), too_large: false }, &(), 1) {
+        Step::RouteThenTokenize(_, call) => {
+            let read = ok_reply(&sibling(1));
+            let read = || read.clone();
+            let answer = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+            assert_eq!(r.on_background_reply(*call.pending, &answer, &(), 2).tokens, Some(24));
+        }
+        step => {
+            let routed = answered(&mut r, step, &sibling(1), 2);
+            assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+        }
     }
     r
+}
+
+#[test]
+fn a_second_sibling_goes_at_once_on_what_it_shares_of_the_first_ones_tokens() {
+    let mut r = router("", keys(&sibling(0)), true);
+    r.set_background_calls(Some(5));
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q0"), too_large: false }, &(), 0);
+    assert!(matches!(answered(&mut r, step, &sibling(0), 1), Step::Route(_)));
+    // The shared message spans 38 of the first sibling's 68 bytes: 24 tokens × 38 / 68, less an
+    // eighth, is 11 tokens, 2 whole blocks, which B holds.
+    let step = r.on_body(&Body { path: CHAT, bytes: &chat("", "q1"), too_large: false }, &(), 2);
+    let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
+    assert_eq!((routed.address.as_str(), routed.decision.outcome), (B, Outcome::Exact));
+    assert_eq!((routed.decision.matched, routed.report.tokenizer_cache), (2, Some(CacheLookup::SharedPrefix)));
+    // Its length estimated at the first one's bytes per token: all 24 tokens are to compute
+    // but the 8 of the claimed blocks.
+    assert_eq!(routed.prefill_tokens, 16);
+    // Where several replicas hold what it claims, it waits.
+    let mut both = router("", keys(&sibling(0)), true);
+    let on_a = keys(&sibling(0)).into_iter().take(2).collect();
+    let delta = Msg::Delta(BlockDelta { replica: 0, added: on_a, removed: vec![] });
+    both.feed.apply(&FeedMessage { seq: 3, body: Some(delta) }).unwrap();
+    both.set_background_calls(Some(5));
+    let step = both.on_body(&Body { path: CHAT, bytes: &chat("", "q0"), too_large: false }, &(), 0);
+    assert!(matches!(answered(&mut both, step, &sibling(0), 1), Step::Route(_)));
+    let step = both.on_body(&Body { path: CHAT, bytes: &chat("", "q1"), too_large: false }, &(), 2);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
 }
 
 #[test]
@@ -187,8 +226,14 @@ fn a_vm_routes_a_sibling_on_the_prefix_another_vm_kept() {
         let read = ok_reply(&sibling(i));
         let read = || read.clone();
         let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
-        let Step::Route(routed) = vm1.on_tokenizer_reply(*tokenize(step).pending, &reply, &gw, 1) else { panic!() };
-        gw.keep(routed.keep);
+        // The first waits; the second goes at once on what it claims of the first's tokens.
+        if i == 0 {
+            let Step::Route(routed) = vm1.on_tokenizer_reply(*tokenize(step).pending, &reply, &gw, 1) else { panic!() };
+            gw.keep(routed.keep);
+        } else {
+            let Step::RouteThenTokenize(_, call) = step else { panic!("{step:?}") };
+            gw.keep(vm1.on_background_reply(*call.pending, &reply, &gw, 1).keep);
+        }
     }
     // VM 2 (the same secret, nothing tokenized itself) routes the third at once.
     let mut vm2 = router("", keys(&sibling(0)), true);
