@@ -247,7 +247,11 @@ impl Request {
                 let started_ns = self.host.now_ns();
                 self.phase = Phase::Background { token, started_ns, pending: t.pending, target: t.target };
             }
-            Err(e) => log::debug!("llmgw: tokenizer callout after routing refused: {e:?}"),
+            Err(e) => {
+                log::debug!("llmgw: tokenizer callout after routing refused: {e:?}");
+                // Its prompt tokens stay an estimate: its first token teaches no rates.
+                self.learning = None;
+            }
         }
     }
 

@@ -41,8 +41,9 @@ impl Request {
         }
     }
 
-    /// Once the stream's first event went by: its ids go to the router, or the call is made.
-    pub(super) fn answer_lessons(&mut self) {
+    /// Once the stream's first event went by: its ids go to the router, or the call is made
+    /// (not when the request is `ending`: a call from a context being destroyed is cancelled).
+    pub(super) fn answer_lessons(&mut self, ending: bool) {
         if self.answer.is_none() {
             return;
         }
@@ -67,7 +68,9 @@ impl Request {
             }
             (Some(FirstEvent::Missing), Some(call)) => {
                 s.metrics.answer_tokens(false);
-                self.call_after_routing(&s, *call);
+                if !ending {
+                    self.call_after_routing(&s, *call);
+                }
             }
             _ => {}
         }

@@ -65,7 +65,7 @@ impl Request {
     /// A chunk of the response body, handed on at once.
     pub(super) fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         // The chunk before this one is on its way: what it taught is taken now.
-        self.after_chunk();
+        self.after_chunk(false);
         // The first chunk of a stream carries its first token: before it goes on, only what
         // the client must not see is done (the ids taken out of an answer asked for them;
         // nothing is buffered but the part of such an event not yet complete), and the end of
@@ -73,22 +73,24 @@ impl Request {
         // teaches (the prompt's ids, the replica's rates, the phases) waits for the next
         // callback, the next chunk or the stream's end, off the first token's way.
         self.answer_chunk(body_size, end_of_stream);
-        if body_size > 0 || end_of_stream {
+        if self.counted.is_some() && (body_size > 0 || end_of_stream) {
             self.first_token();
-            // Only the first chunk's moment is used (the phases are written once).
+            // Only the first chunk's moment is used (the phases are written once: later chunks
+            // read no clock).
             let at_ns = if self.phases.logged { 0 } else { self.host.now_ns() };
             self.unread_chunk = Some(Chunk { at_ns, data: body_size > 0, end: end_of_stream });
         }
         if end_of_stream {
-            self.after_chunk();
+            self.after_chunk(false);
         }
         Action::Continue
     }
 
     /// The request's end (Envoy's log callback): its records in shared data closed.
     pub(super) fn ended(&mut self) {
-        // A stream cut after a chunk: nothing more comes to take its lessons at.
-        self.after_chunk();
+        // A stream cut after a chunk: nothing more comes to take its lessons at (its phases
+        // reach Envoy's access log only if the filters' log callbacks run before it).
+        self.after_chunk(true);
         let tokens = std::mem::take(&mut self.prefilling);
         if let Some(key) = self.ends_as.take().filter(|_| std::mem::take(&mut self.returns_started)) {
             let failed = crate::returns::ended(self.host.as_ref(), key);
@@ -125,15 +127,15 @@ impl Request {
 
     /// What a response chunk handed on taught, taken once it went (`unread_chunk`): the
     /// prompt's ids from an answer asked for them, and its phases (with the replica's rates).
-    fn after_chunk(&mut self) {
+    fn after_chunk(&mut self, ending: bool) {
         let Some(c) = self.unread_chunk.take() else { return };
-        self.answer_lessons();
+        self.answer_lessons(ending);
         self.response_phase(c);
     }
 
     /// The response's first byte (`c.data` false: its headers, or an empty last chunk) or first
-    /// body chunk (true) of a routed request; the breakdown goes to the access log at the first
-    /// chunk, or at the headers of an answer without a body.
+    /// body chunk (true) of a routed request, taken once that chunk went on; the breakdown goes
+    /// to the access log then, or at the headers of an answer without a body.
     fn response_phase(&mut self, c: Chunk) {
         // Nothing more once written.
         if self.counted.is_none() || self.phases.logged {

@@ -112,8 +112,22 @@ fn a_first_chunk_goes_on_before_its_ids_and_phases_are_taken() {
         }
         assert_eq!(e.counter(read), before + 1, "cut: {cut}");
         assert_eq!(e.host.samples("llmgw_phase_upstream_first_chunk_us").len(), samples + 1, "cut: {cut}");
-        ctx.on_log();
+        if !cut {
+            ctx.on_log();
+        }
     }
+    // A stream cut after a first event without ids: no call from a context Envoy is destroying.
+    let (mut ctx, _) = e.request(CHAT, &streamed(&["hi", "hello there", "and so?"]));
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    ctx.on_http_response_headers(2, false);
+    let plain = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[],\"prompt_token_ids\":null}\n\n";
+    e.host.set_buffer(Buffer::Response, plain.as_bytes());
+    ctx.on_http_response_body(plain.len(), false);
+    let (calls, missing) = (e.host.calls.borrow().len(), e.counter("llmgw_answer_tokens_total.result.missing"));
+    ctx.on_log();
+    assert_eq!(e.counter("llmgw_answer_tokens_total.result.missing"), missing + 1);
+    assert_eq!(e.host.calls.borrow().len(), calls, "no call at the end");
 }
 
 #[test]

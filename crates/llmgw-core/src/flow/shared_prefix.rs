@@ -65,9 +65,10 @@ struct Prefix {
     /// Whether `at_once` was set, from the family's own waits or from the recent waits of
     /// every family ([`SharedPrefixes::streak`]).
     seeded: bool,
-    /// The bytes of the messages `tokens` are the tokens of, while they are one sibling's
-    /// (0: not known, or a common prefix).
+    /// While `tokens` are one sibling's: the bytes of its messages (0: not known, or a common
+    /// prefix) and its whole token count (`tokens` keeps at most [`MAX_TOKENS`]).
     bytes: usize,
+    count: usize,
 }
 
 /// The most waits in a row that found nothing past the prefix counted: afterwards one sibling
@@ -106,8 +107,9 @@ impl SharedPrefixes {
     }
 
     fn insert(&mut self, tag: u128, mut tokens: Vec<u32>, siblings: u8) {
+        let count = tokens.len();
         tokens.truncate(MAX_TOKENS);
-        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0, seeded: false, bytes: 0 });
+        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0, seeded: false, bytes: 0, count });
     }
 
     /// A sibling of `tag` that waited for its own tokens found a replica holding blocks past
@@ -141,9 +143,11 @@ impl SharedPrefixes {
         true
     }
 
-    /// The tokenized sibling of `tag`, while it is the only one, spans `bytes` of messages.
+    /// The tokenized sibling of `tag`, while it is the only one, spans `bytes` of messages (its
+    /// first record stays: a later one whose tokens begin with all those kept is not a second
+    /// sibling, and its bytes are not those tokens').
     pub fn note_bytes(&mut self, tag: u128, bytes: usize) {
-        if let Some(p) = self.entries.get(tag).filter(|p| p.siblings == 1) {
+        if let Some(p) = self.entries.get(tag).filter(|p| p.siblings == 1 && p.bytes == 0) {
             p.bytes = bytes;
         }
     }
@@ -152,14 +156,15 @@ impl SharedPrefixes {
     /// sibling's tokens up to the share of its messages' bytes that the shared messages span
     /// (`shared`), less an eighth (tokens per byte vary along a prompt, and the template's
     /// tokens for the last message come after the shared ones), so that the claim stays within
-    /// what the two share. With it, the tokens and bytes the sibling's own length is estimated
-    /// at.
-    pub fn claim(&mut self, tag: u128, shared: usize) -> Option<(Vec<u32>, (usize, usize))> {
+    /// what the two share. With it, the request's own length estimated at that sibling's
+    /// tokens per byte over its `all` bytes of messages.
+    pub fn claim(&mut self, tag: u128, shared: usize, all: usize) -> Option<(Vec<u32>, u64)> {
         let p = self.entries.get(tag).filter(|p| p.siblings == 1 && p.bytes > 0)?;
-        let len = p.tokens.len();
-        let n = len.checked_mul(shared)?.checked_div(p.bytes)?.checked_mul(7)?.checked_div(8)?.min(len);
+        let (count, bytes) = (p.count as u64, p.bytes as u64);
+        let n = count.checked_mul(shared as u64)?.checked_div(bytes)?.checked_mul(7)?.checked_div(8)?;
+        let n = usize::try_from(n).unwrap_or(usize::MAX).min(p.tokens.len());
         let claimed = p.tokens.get(..n).filter(|t| !t.is_empty())?.to_vec();
-        Some((claimed, (len, p.bytes)))
+        Some((claimed, count.checked_mul(all as u64)?.checked_div(bytes)?))
     }
 
     /// The tokens at least two differing siblings of `tag` begin with.
@@ -219,12 +224,12 @@ impl Router {
             Some(t) => Some(t.to_vec()),
             None => gw.earlier_tokens(tag.0).map(|(t, _)| t).filter(|t| !t.is_empty()),
         };
-        let (tokens, per) = match kept {
+        let (tokens, estimate) = match kept {
             Some(t) => {
-                let n = t.len();
-                (t, (n, bytes))
+                let estimate = estimated_tokens(t.len(), bytes, tags.bytes)?;
+                (t, estimate)
             }
-            None => self.shared_prefixes.claim(tag.0, bytes)?,
+            None => self.shared_prefixes.claim(tag.0, bytes, tags.bytes)?,
         };
         let mut report = Report { tokenizer_cache: Some(CacheLookup::SharedPrefix), ..report };
         let model = parsed.model.as_deref();
@@ -237,7 +242,7 @@ impl Router {
             mm: Vec::new(),
         };
         let mut scored = self.exact(exact, gw, &mut report).ok()?;
-        scored.tokens = estimated_tokens(per.0, per.1, tags.bytes)?;
+        scored.tokens = estimate;
         if !self.the_prefix_decides(tags.profile, &scored, Some(tag.0), gw) {
             return None;
         }
@@ -402,6 +407,28 @@ mod tests {
         assert_eq!(at_once(&mut s, 3), 0);
         s.waited(2, false);
         assert_eq!(at_once(&mut s, 2), 3);
+    }
+
+    #[test]
+    fn a_claim_stays_within_the_shared_messages_share_and_estimates_the_request_at_the_first_ones_rate() {
+        let mut s = SharedPrefixes::default();
+        let first: Vec<u32> = (0..5000).collect();
+        s.learn(1, &first, || None);
+        s.note_bytes(1, 10_000);
+        // A later record of the same family does not replace the first's bytes.
+        s.note_bytes(1, 99);
+        // 5,000 tokens over 10,000 bytes (4,096 of them kept): the shared 5,000 bytes claim
+        // 2,500 less an eighth; a shorter request of 6,000 bytes is estimated at 3,000 tokens.
+        let (claimed, estimate) = s.claim(1, 5_000, 6_000).unwrap();
+        assert_eq!((claimed.len(), estimate), (2_187, 3_000));
+        assert_eq!(claimed.last(), Some(&2_186));
+        // Never past the tokens kept; nothing once two siblings give the common prefix.
+        assert_eq!(s.claim(1, 10_000, 10_000).unwrap().0.len(), MAX_TOKENS);
+        s.learn(1, &[0, 1, 9], || None);
+        assert_eq!(s.claim(1, 5_000, 6_000), None);
+        // Unknown bytes: no claim.
+        s.learn(2, &first, || None);
+        assert_eq!(s.claim(2, 5_000, 6_000), None);
     }
 
     #[test]
