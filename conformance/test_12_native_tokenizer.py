@@ -82,9 +82,13 @@ class NativeFleet(Fleet):
 
     def start_envoy(self, name: str = "envoy") -> Envoy:
         listen, admin = free_port(), free_port()
+        # Every request is routed on its own tokens, the native tokenizer's (the subject here):
+        # a chat routed at once on what it shares with an earlier one (a sibling with the same
+        # system prompt, a next turn) is credited with that share only, by design.
         cfg = kit.filter_config({"name": "conformance", "block_size": BLOCK, "tokenizer_timeout_ms": 5000,
                                  "tokenizer_address": f"127.0.0.1:{self.tokenizer}"},
-                                destination_header="x-gateway-destination-endpoint", explain_header=True)
+                                destination_header="x-gateway-destination-endpoint", explain_header=True,
+                                route_on_shared_prefixes=False, route_on_earlier_turns=False)
         (self.logdir / f"{name}.yaml").write_text(kit.shipped_config(WASM, listen, admin, self.feed, cfg))
         self.envoy_proc = kit.start_envoy(self.procs, ENVOY, self.logdir / f"{name}.yaml", name)
         self.envoy = Envoy(listen, admin)
