@@ -16,6 +16,7 @@ use crate::returns::Returns;
 use crate::speculative::Entries;
 use llmgw_core::flow::{
     EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SharedPrompt, SpeculativeEntries, SpeculativeHit,
+    TokenizerCalls,
 };
 use llmgw_core::policy::rates::Rates;
 use llmgw_core::policy::returns::Returning;
@@ -91,7 +92,9 @@ impl LearnedRates for Snapshot {
     fn learned_rates(&self, address: &str) -> Option<Rates> {
         self.rates.of(address)
     }
+}
 
+impl TokenizerCalls for Snapshot {
     fn tokenizer_round_trip_us(&self) -> Option<u64> {
         crate::tokenizer_times::median_us(self.host.as_ref())
     }

@@ -287,11 +287,10 @@ impl Request {
         self.correct_learning(b.tokens, b.estimated_tokens);
     }
 
-    /// A tokenizer call answered or failed after `round_trip_us`: the histogram, this VM's
-    /// router, and the round trips every worker shares (`crate::tokenizer_times`).
+    /// A tokenizer call answered or failed after `round_trip_us`: the histogram and the round
+    /// trips every worker shares (`crate::tokenizer_times`), which the router weighs waits by.
     fn call_timed(&self, s: &mut Shared, round_trip_us: u64) {
         s.metrics.tokenizer_latency_us(round_trip_us);
-        s.router.tokenizer_answered(round_trip_us);
         if let Err(k) = crate::tokenizer_times::observe(self.host.as_ref(), round_trip_us) {
             s.metrics.shared_update_failed([k]);
         }

@@ -1,34 +1,38 @@
 //! The tokenizer calls' round trips, shared by every worker of this Envoy through proxy-wasm
 //! shared data, so that the usual round trip a sibling's wait is weighed against
-//! (`llmgw_core::flow`'s `tokenizer_wait`) is known once the Envoy made a few calls, not once each
-//! worker did. Each answered or failed call appends its round trip with compare-and-swap; a
-//! decision that needs the median reads the value then (not at every decision).
+//! (`llmgw_core::flow::tokenizer_wait`, which keeps the window and its median) is known once the
+//! Envoy made a few calls, not once each worker did. Each answered or failed call appends its
+//! round trip with compare-and-swap; a decision that needs the median reads the value then (not
+//! at every decision).
 //!
-//! The value is the last [`WINDOW`] round trips in µs, oldest first, each a little-endian `u32`:
+//! The value is the last `WINDOW` round trips in µs, oldest first, each a little-endian `u32`:
 //! 128 bytes.
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::FieldReader;
+use llmgw_core::flow::tokenizer_wait::RoundTrips;
 #[cfg(test)]
-use llmgw_core::flow::tokenizer_wait::MIN_CALLS;
-use llmgw_core::flow::tokenizer_wait::{median_round_trip_us, WINDOW};
+use llmgw_core::flow::tokenizer_wait::{MIN_CALLS, WINDOW};
 
 const KEY: &str = "llmgw.tokenizer_times";
 
-/// The round trips with `us` appended and the oldest beyond [`WINDOW`] dropped.
-fn with(v: &[u8], us: u32) -> Vec<u8> {
-    let mut times = FieldReader::new(v).rest_u32s();
-    times.push(us);
-    let drop = times.len().saturating_sub(WINDOW);
-    times.drain(..drop);
-    times.iter().flat_map(|t| t.to_le_bytes()).collect()
+fn decode(v: &[u8]) -> RoundTrips {
+    RoundTrips::new(FieldReader::new(v).rest_u32s())
+}
+
+fn encode(times: &RoundTrips) -> Vec<u8> {
+    times.as_us().iter().flat_map(|t| t.to_le_bytes()).collect()
 }
 
 /// A tokenizer call answered or failed `us` µs after it was sent. `Err` when the shared value
 /// could not be updated.
 pub fn observe(host: &dyn Host, us: u64) -> Result<(), SharedKind> {
-    let us = u32::try_from(us).unwrap_or(u32::MAX);
-    if update_shared(host, KEY, |v| Some(with(v, us))) {
+    let updated = update_shared(host, KEY, |v| {
+        let mut times = decode(v);
+        times.observe(us);
+        Some(encode(&times))
+    });
+    if updated {
         Ok(())
     } else {
         Err(SharedKind::TokenizerTimes)
@@ -38,7 +42,7 @@ pub fn observe(host: &dyn Host, us: u64) -> Result<(), SharedKind> {
 /// The median of the round trips every worker recorded (µs), once enough were.
 pub fn median_us(host: &dyn Host) -> Option<u64> {
     let value = host.shared_data(KEY).and_then(|(v, _)| v)?;
-    median_round_trip_us(FieldReader::new(&value).rest_u32s().into_iter().map(u64::from).collect())
+    decode(&value).median_us()
 }
 
 #[cfg(test)]

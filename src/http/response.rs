@@ -20,8 +20,11 @@ impl Request {
     /// The response's headers: the replica's status, and whether its answer is a stream.
     pub(super) fn response_headers(&mut self, end_of_stream: bool) -> Action {
         // The replica's answer, or Envoy's own (counted only when the replica caused it).
-        let now = self.host.now_ns();
-        self.response_phase(Chunk { at_ns: now, data: false, end: end_of_stream });
+        // The clock is read only where a phase is still to be written.
+        if self.counted.is_some() && !self.phases.logged {
+            let at_ns = self.host.now_ns();
+            self.response_phase(Chunk { at_ns, data: false, end: end_of_stream });
+        }
         if let Some(addr) = &self.counted {
             let status = self.host.header(Headers::Response, ":status");
             let code: Option<u32> =

@@ -4,7 +4,7 @@
 //! decided (an endpoint outside it counts as down). The filter keeps the same in Envoy's shared
 //! data; here one mutex-guarded table serves every stream, and each decision reads a snapshot.
 
-use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
+use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -118,6 +118,7 @@ impl ReplicaAvoidance for Snapshot {
 
 impl SpeculativeEntries for Snapshot {}
 impl LearnedRates for Snapshot {}
+impl TokenizerCalls for Snapshot {}
 impl llmgw_core::flow::EarlierTurns for Snapshot {}
 
 #[cfg(test)]

@@ -59,9 +59,14 @@ pub trait LearnedRates {
     fn learned_rates(&self, _address: &str) -> Option<Rates> {
         None
     }
-    /// The usual round trip of the tokenizer calls every worker of the gateway made (µs: the
-    /// median of the last [`super::tokenizer_wait::WINDOW`], once [`super::tokenizer_wait::MIN_CALLS`] were
-    /// made); `None` when the gateway keeps none (the router then goes by its own calls).
+}
+
+/// The tokenizer calls the gateway made (see [`super::tokenizer_wait`]).
+pub trait TokenizerCalls {
+    /// Their usual round trip (µs): the median of the last [`super::tokenizer_wait::WINDOW`]
+    /// calls every worker of the gateway made, once [`super::tokenizer_wait::MIN_CALLS`] were;
+    /// `None` before, or where the gateway times none (a request that might gain from its own
+    /// tokens then waits for them).
     fn tokenizer_round_trip_us(&self) -> Option<u64> {
         None
     }
@@ -85,9 +90,15 @@ pub trait EarlierTurns {
 }
 
 /// Everything the router asks the gateway.
-pub trait GatewayState: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates + EarlierTurns {}
+pub trait GatewayState:
+    InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates + TokenizerCalls + EarlierTurns
+{
+}
 
-impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates + EarlierTurns> GatewayState for T {}
+impl<T: InFlightCounts + ReplicaAvoidance + SpeculativeEntries + LearnedRates + TokenizerCalls + EarlierTurns>
+    GatewayState for T
+{
+}
 
 /// Nothing in flight, nothing avoided, no speculative entries.
 impl InFlightCounts for () {
@@ -98,4 +109,5 @@ impl InFlightCounts for () {
 impl ReplicaAvoidance for () {}
 impl SpeculativeEntries for () {}
 impl LearnedRates for () {}
+impl TokenizerCalls for () {}
 impl EarlierTurns for () {}

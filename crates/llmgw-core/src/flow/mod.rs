@@ -38,7 +38,9 @@ mod tokenizer_target;
 pub mod tokenizer_wait;
 mod triage;
 
-pub use gateway::{EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries};
+pub use gateway::{
+    EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
+};
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{Fallback, TokenizerFailure};
@@ -98,8 +100,6 @@ pub struct Router {
     shared_prefixes: shared_prefix::SharedPrefixes,
     /// Earlier text prompts' tokens ([`earlier_prompts`]).
     earlier_prompts: earlier_prompts::EarlierPrompts,
-    /// How long tokenizer calls take ([`tokenizer_wait`]).
-    tokenizer_wait: tokenizer_wait::TokenizerWait,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -149,7 +149,6 @@ impl Router {
             background_calls: None,
             shared_prefixes: shared_prefix::SharedPrefixes::default(),
             earlier_prompts: earlier_prompts::EarlierPrompts::default(),
-            tokenizer_wait: tokenizer_wait::TokenizerWait::default(),
         }
     }
 

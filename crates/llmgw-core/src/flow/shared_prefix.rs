@@ -288,8 +288,7 @@ impl Router {
     /// (the request's further whole blocks, of its `scored.tokens`) costs less to compute, at
     /// the costliest of those holders' prefill rates, than the tokenizer's median round trip.
     fn waiting_cannot_pay(&self, profile: usize, scores: &Scores, scored: &Scored, gw: &dyn GatewayState) -> bool {
-        // The gateway's calls (every worker's), else this VM's own.
-        let Some(wait_us) = gw.tokenizer_round_trip_us().or_else(|| self.tokenizer_wait.median_us()) else {
+        let Some(wait_us) = gw.tokenizer_round_trip_us() else {
             return false;
         };
         let Some(w) = self.config.profile(profile).map(|p| &p.weights) else { return false };

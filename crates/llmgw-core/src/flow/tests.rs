@@ -165,6 +165,7 @@ fn a_text_prompt_is_tokenized_on_the_least_loaded_replica_then_scored() {
     impl ReplicaAvoidance for Busy {}
     impl SpeculativeEntries for Busy {}
     impl LearnedRates for Busy {}
+    impl crate::flow::TokenizerCalls for Busy {}
     impl crate::flow::EarlierTurns for Busy {}
     let call = tokenize(r.on_body(&body(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#), &Busy, 0));
     assert_eq!((call.target.as_str(), call.path, call.timeout_ms), (B, "/tokenize", 500));
@@ -309,6 +310,7 @@ fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one()
     }
     impl SpeculativeEntries for Failing {}
     impl LearnedRates for Failing {}
+    impl crate::flow::TokenizerCalls for Failing {}
     impl crate::flow::EarlierTurns for Failing {}
     let text = br#"{"model":"m","prompt":"hello"}"#;
     let mut r = router("", vec![], true);

@@ -55,6 +55,20 @@ pub enum FirstEvent {
     Missing,
 }
 
+/// Where the stream's first data event is.
+#[derive(Debug, Default)]
+enum First {
+    /// Not seen yet.
+    #[default]
+    Ahead,
+    /// Seen with the prompt's ids array as written (read when taken, after the event went on).
+    Ids(Vec<u8>),
+    /// Seen without them, or none will come (the stream ended or is passed on as it comes).
+    Without,
+    /// Seen, and what it said taken.
+    Taken,
+}
+
 /// One streamed answer being rewritten.
 #[derive(Debug, Default)]
 pub struct AnswerStream {
@@ -63,11 +77,8 @@ pub struct AnswerStream {
     /// How much of `carry` is known to hold no event end (a large first event arrives in many
     /// chunks: each is scanned once, not the whole event again).
     scanned: usize,
-    /// What the first data event said, until taken: its ids array as written (read when
-    /// taken, after the event went on), or `None` for an event without them.
-    first: Option<Option<Vec<u8>>>,
-    /// Whether the first data event was seen.
-    seen_first: bool,
+    /// The first data event.
+    first: First,
     /// The stream is passed on as it comes (an event past [`MAX_EVENT_BYTES`]).
     passing: bool,
     /// Whether the held event went past [`MAX_EVENT_BYTES`] (counted once).
@@ -116,13 +127,23 @@ impl AnswerStream {
     /// are read here rather than as the event goes by, so that the first token is handed on
     /// without waiting for them.
     pub fn take_first(&mut self) -> Option<FirstEvent> {
-        let array = self.first.take()?;
-        Some(array.as_deref().and_then(flat_ids).map_or(FirstEvent::Missing, FirstEvent::Ids))
+        match &self.first {
+            First::Ahead | First::Taken => None,
+            First::Without => {
+                self.first = First::Taken;
+                Some(FirstEvent::Missing)
+            }
+            First::Ids(array) => {
+                let said = flat_ids(array).map_or(FirstEvent::Missing, FirstEvent::Ids);
+                self.first = First::Taken;
+                Some(said)
+            }
+        }
     }
 
     fn no_first_event(&mut self) {
-        if !std::mem::replace(&mut self.seen_first, true) {
-            self.first = Some(None);
+        if matches!(self.first, First::Ahead) {
+            self.first = First::Without;
         }
     }
 
@@ -133,9 +154,9 @@ impl AnswerStream {
             return;
         };
         let fields = id_fields(json);
-        if !std::mem::replace(&mut self.seen_first, true) {
+        if matches!(self.first, First::Ahead) {
             let array = fields.iter().find(|f| f.prompt).and_then(|f| json.get(f.start..f.end));
-            self.first = Some(array.map(<[u8]>::to_vec));
+            self.first = array.map_or(First::Without, |a| First::Ids(a.to_vec()));
         }
         if fields.is_empty() {
             out.extend_from_slice(event);

@@ -74,10 +74,8 @@ fn a_prompt_sharing_leading_text_goes_at_once_only_where_one_replica_holds_it() 
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
     // Unless waiting cannot pay: what either holds past those blocks is at most the request's
     // one further whole block (4 tokens at 100 µs), and calls take 5 ms.
-    for _ in 0..8 {
-        r.tokenizer_answered(5_000);
-    }
-    let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&other), too_large: false }, &(), 3);
+    let calls = super::shared_data::CallsTaking(Some(5_000));
+    let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&other), too_large: false }, &calls, 3);
     let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
     assert_eq!((routed.decision.matched, routed.report.tokenizer_cache), (4, Some(CacheLookup::SharedPrefix)));
     // With shared prefixes off, too.

@@ -35,6 +35,7 @@ impl crate::flow::InFlightCounts for ABusy {
 impl crate::flow::ReplicaAvoidance for ABusy {}
 impl crate::flow::SpeculativeEntries for ABusy {}
 impl crate::flow::LearnedRates for ABusy {}
+impl crate::flow::TokenizerCalls for ABusy {}
 impl crate::flow::EarlierTurns for ABusy {}
 
 #[test]

@@ -25,6 +25,7 @@ impl InFlightCounts for Kept {
 impl ReplicaAvoidance for Kept {}
 impl SpeculativeEntries for Kept {}
 impl LearnedRates for Kept {}
+impl crate::flow::TokenizerCalls for Kept {}
 impl EarlierTurns for Kept {
     fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
         self.0.borrow().iter().rev().find(|(t, _)| *t == tag).map(|(_, v)| (v.clone(), v.len()))
@@ -36,3 +37,22 @@ impl EarlierTurns for Kept {
         u64::try_from(prompts.len()).unwrap_or(u64::MAX)
     }
 }
+
+/// A gateway whose tokenizer calls take the given median round trip (µs; `None`: too few were
+/// timed) and that knows nothing else.
+pub(super) struct CallsTaking(pub(super) Option<u64>);
+
+impl InFlightCounts for CallsTaking {
+    fn in_flight(&self, _address: &str) -> u32 {
+        0
+    }
+}
+impl ReplicaAvoidance for CallsTaking {}
+impl SpeculativeEntries for CallsTaking {}
+impl LearnedRates for CallsTaking {}
+impl crate::flow::TokenizerCalls for CallsTaking {
+    fn tokenizer_round_trip_us(&self) -> Option<u64> {
+        self.0
+    }
+}
+impl EarlierTurns for CallsTaking {}

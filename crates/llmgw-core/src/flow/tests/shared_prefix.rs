@@ -160,30 +160,22 @@ fn a_sibling_goes_at_once_where_several_hold_the_prefix_when_its_further_blocks_
     // A and B both hold the system prompt (4 blocks); what either holds past it is at most the
     // question's one further whole block (4 tokens): 4 × 100 µs at the default rate, against
     // calls taking 5 ms.
+    use super::shared_data::CallsTaking;
     let mut r = both_holding_with(r#"{"learn_rates":false}"#);
-    let sibling_step =
-        |r: &mut Router| r.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, &(), 2);
+    let sibling_step = |r: &mut Router, gw: &CallsTaking| {
+        r.on_body(&Body { path: CHAT, bytes: &chat("", "q2"), too_large: false }, gw, 2)
+    };
     // Until enough calls were timed, it waits.
-    for _ in 0..7 {
-        r.tokenizer_answered(5_000);
-    }
-    assert!(matches!(sibling_step(&mut r), Step::Tokenize(_)));
-    r.tokenizer_answered(5_000);
-    let step = sibling_step(&mut r);
+    assert!(matches!(sibling_step(&mut r, &CallsTaking(None)), Step::Tokenize(_)));
+    let step = sibling_step(&mut r, &CallsTaking(Some(5_000)));
     let Step::RouteThenTokenize(routed, _) = step else { panic!("{step:?}") };
     assert_eq!((routed.decision.matched, routed.report.tokenizer_cache), (4, Some(CacheLookup::SharedPrefix)));
     // Where that block costs more than a call (2 ms a token), it waits.
     let mut dear = both_holding_with(r#"{"learn_rates":false,"prefill_us_per_token":2000}"#);
-    for _ in 0..8 {
-        dear.tokenizer_answered(5_000);
-    }
-    assert!(matches!(sibling_step(&mut dear), Step::Tokenize(_)));
+    assert!(matches!(sibling_step(&mut dear, &CallsTaking(Some(5_000))), Step::Tokenize(_)));
     // So does the `score` policy, which weighs no time.
     let mut score = both_holding_with(r#"{"policy":"score"}"#);
-    for _ in 0..8 {
-        score.tokenizer_answered(5_000);
-    }
-    assert!(matches!(sibling_step(&mut score), Step::Tokenize(_)));
+    assert!(matches!(sibling_step(&mut score, &CallsTaking(Some(5_000))), Step::Tokenize(_)));
 }
 
 #[test]
