@@ -73,6 +73,7 @@ impl FeedClient {
         self.check_staleness(s, now);
         s.metrics.shared_prefixes_evicted(s.router.take_shared_prefixes_evicted());
         s.metrics.earlier_prompts_evicted(s.router.take_earlier_prompts_evicted());
+        s.metrics.wait_families_evicted(s.router.take_wait_families_evicted());
         let feed = s.router.feed.serving();
         let bytes = u64::try_from(feed.index.memory_bytes()).unwrap_or(u64::MAX);
         let refused = u64::try_from(feed.refused().len()).unwrap_or(u64::MAX);

@@ -46,6 +46,7 @@ pub struct Metrics {
     tokenizer_cache_misses: Option<u32>,
     tokenizer_cache_earlier_turns: Option<u32>,
     tokenizer_cache_shared_prefix: Option<u32>,
+    tokenizer_cache_new_prompt: Option<u32>,
     hash_mismatches: Option<u32>,
     tokenizer_failures_request_caused: Option<u32>,
     hybrid_unsupported: Option<u32>,
@@ -53,6 +54,7 @@ pub struct Metrics {
     speculative_dropped: Option<u32>,
     shared_prefixes_evicted: Option<u32>,
     earlier_prompts_evicted: Option<u32>,
+    wait_families_evicted: Option<u32>,
     body_budget_exhausted: Option<u32>,
     /// Prompt token ids of streamed answers: read, missing (called for), past the event limit.
     answer_ids_read: Option<u32>,
@@ -110,6 +112,7 @@ impl Metrics {
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             tokenizer_cache_earlier_turns: c("llmgw_tokenizer_cache_total.result.earlier_turn"),
             tokenizer_cache_shared_prefix: c("llmgw_tokenizer_cache_total.result.shared_prefix"),
+            tokenizer_cache_new_prompt: c("llmgw_tokenizer_cache_total.result.new_prompt"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             tokenizer_failures_request_caused: c("llmgw_tokenizer_failures_request_caused_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
@@ -117,6 +120,7 @@ impl Metrics {
             speculative_dropped: c("llmgw_speculative_dropped_total"),
             shared_prefixes_evicted: c("llmgw_shared_prefixes_evicted_total"),
             earlier_prompts_evicted: c("llmgw_earlier_prompts_evicted_total"),
+            wait_families_evicted: c("llmgw_wait_families_evicted_total"),
             body_budget_exhausted: c("llmgw_body_budget_exhausted_total"),
             answer_ids_read: c("llmgw_answer_tokens_total.result.read"),
             answer_ids_missing: c("llmgw_answer_tokens_total.result.missing"),
@@ -157,6 +161,7 @@ impl Metrics {
             self.inc(match lookup {
                 CacheLookup::EarlierTurn => self.tokenizer_cache_earlier_turns,
                 CacheLookup::SharedPrefix => self.tokenizer_cache_shared_prefix,
+                CacheLookup::NewPrompt => self.tokenizer_cache_new_prompt,
                 l if l.is_hit() => self.tokenizer_cache_hits,
                 _ => self.tokenizer_cache_misses,
             });
@@ -222,6 +227,11 @@ impl Metrics {
     /// Earlier text prompts' tags the VM's bound dropped.
     pub fn earlier_prompts_evicted(&self, n: u64) {
         self.add(self.earlier_prompts_evicted, n);
+    }
+
+    /// Families whose waits for their tokens were counted, dropped by the VM's bound.
+    pub fn wait_families_evicted(&self, n: u64) {
+        self.add(self.wait_families_evicted, n);
     }
 
     fn add(&self, id: Option<u32>, n: impl TryInto<i64>) {

@@ -14,7 +14,9 @@
 //!   the earlier prompt's bytes per token, less an eighth (bytes per token vary along a
 //!   prompt), so that the claim stays within the shared text. Routed on
 //!   them only where that loses nothing, as a chat request on its siblings' common prefix: no
-//!   replica, or exactly one, holds all those blocks ([`super::shared_prefix`]).
+//!   replica, or exactly one, holds all those blocks ([`super::shared_prefix`]), or waiting for
+//!   its own tokens cannot pay, or the recent waits of prompts sharing the same leading text
+//!   (to the same mark: their family) found nothing past it ([`super::wait_ledger`]).
 //!
 //! The longest claim is used; the request's own call is made after it is routed, and its answer
 //! kept for the prompts after it. Each VM keeps what it learned, and hands it to the gateway
@@ -23,7 +25,8 @@
 
 use super::recent::Recent;
 use super::shared_prompt::{EarlierPrompt, SharedPrompt, FIRST_BOUNDARY, MARK, MAX_MARKS, MAX_TOKENS};
-use super::step::{CacheLookup, EarlyRequest, Report, Routed};
+use super::step::{CacheLookup, EarlyRequest, EarlyRoute, Report};
+use super::wait_ledger::WaitedOn;
 use super::{ExactRequest, GatewayState, Router};
 use crate::request::{ParsedRequest, Prompt};
 use crate::tokcache::{keyed_prefix_tags, CacheTag};
@@ -57,6 +60,9 @@ pub struct Claim {
     /// The earlier prompt is the start of the new one (else: they share leading text).
     pub whole: bool,
     pub per: (usize, usize),
+    /// Where they share leading text: its tag (to the last mark both agree on), the family of
+    /// the prompts that share it.
+    pub family: Option<u128>,
 }
 
 /// The lengths of leading text marked in a prompt of `len` bytes.
@@ -149,14 +155,17 @@ impl EarlierPrompts {
         for e in &found {
             let claim = if begins_with(e) {
                 let n = e.tokens.len().min(e.count.saturating_sub(1));
-                Claim { tokens: e.tokens.iter().copied().take(n).collect(), whole: true, per: (e.count, e.bytes) }
+                let tokens = e.tokens.iter().copied().take(n).collect();
+                Claim { tokens, whole: true, per: (e.count, e.bytes), family: None }
             } else if part_ok {
                 // The tokens of the leading text both agree on (to a mark), at the earlier
                 // prompt's bytes per token, less an eighth.
                 let agreed = marks.iter().zip(&e.marks).take_while(|(a, b)| a.0 as u64 == **b).count();
                 let n = e.count.saturating_mul(agreed.saturating_mul(MARK)).checked_div(e.bytes).unwrap_or(0);
                 let n = n.saturating_sub(n / 8);
-                Claim { tokens: e.tokens.iter().copied().take(n).collect(), whole: false, per: (e.count, e.bytes) }
+                let family = agreed.checked_sub(1).and_then(|i| marks.get(i)).map(|t| t.0);
+                let tokens = e.tokens.iter().copied().take(n).collect();
+                Claim { tokens, whole: false, per: (e.count, e.bytes), family }
             } else {
                 continue;
             };
@@ -195,6 +204,11 @@ impl PromptContext<'_> {
 }
 
 impl Router {
+    /// Earlier text prompts' tags dropped for room since the last call.
+    pub fn take_earlier_prompts_evicted(&mut self) -> u64 {
+        self.earlier_prompts.take_evicted()
+    }
+
     /// The context of `parsed`'s text prompt; `None` where earlier prompts are not kept or it
     /// has no text prompt.
     fn prompt_context<'a>(&self, profile: usize, spec: u64, parsed: &'a ParsedRequest) -> Option<PromptContext<'a>> {
@@ -228,12 +242,14 @@ impl Router {
 
     /// Routes a text prompt on the tokens it shares with an earlier one, where that decides as
     /// its own tokens would: the route, and the estimate of its prompt tokens.
-    pub(super) fn route_on_earlier_prompt(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+    pub(super) fn route_on_earlier_prompt(&mut self, req: &EarlyRequest<'_>, report: Report) -> EarlyRoute {
         let EarlyRequest { profile, spec, parsed, gw, .. } = *req;
-        let c = self.prompt_context(profile, spec, parsed)?;
+        let c = self.prompt_context(profile, spec, parsed).ok_or(None)?;
         let (whole_ok, part_ok) = (self.config.route_on_earlier_turns, self.config.route_on_shared_prefixes);
         self.earlier_prompts.take_up(gw);
-        let claim = self.earlier_prompts.claim(c.key, &c.parts(), c.text, whole_ok, part_ok)?;
+        let Some(claim) = self.earlier_prompts.claim(c.key, &c.parts(), c.text, whole_ok, part_ok) else {
+            return self.route_new_prompt(req, c.text.len(), report);
+        };
         let lookup = if claim.whole { CacheLookup::EarlierTurn } else { CacheLookup::SharedPrefix };
         let mut report = Report { tokenizer_cache: Some(lookup), ..report };
         let model = parsed.model.as_deref();
@@ -245,18 +261,21 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let mut scored = self.exact(exact, gw, &mut report).ok()?;
+        let mut scored = self.exact(exact, gw, &mut report).ok().ok_or(None)?;
         let (count, bytes) = claim.per;
-        scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len())?;
-        let decides = if claim.whole {
-            self.scratch.scores.total > 0
-        } else {
-            self.the_prefix_decides(profile, &scored, None, gw)
-        };
-        if !decides {
-            return None;
+        scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len()).ok_or(None)?;
+        match claim.family {
+            _ if claim.whole => {
+                if self.scratch.scores.total == 0 {
+                    return Err(None);
+                }
+            }
+            Some(family) => {
+                self.the_prefix_decides(profile, &scored, WaitedOn { family, prefix: claim.tokens.len() }, gw)?
+            }
+            None => return Err(None),
         }
-        self.route_early(req, &scored, report)
+        self.route_early(req, &scored, report).ok_or(None)
     }
 }
 

@@ -21,7 +21,9 @@
 
 use super::candidates::candidates;
 use super::exact::Scored;
-use super::step::{Background, CacheLookup, EarlyRequest, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags};
+use super::step::{
+    Background, CacheLookup, EarlyRequest, EarlyRoute, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags,
+};
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
@@ -79,13 +81,14 @@ impl Router {
     /// previous turn's tokens, else on what its siblings share ([`super::shared_prefix`]); a
     /// text prompt on an earlier prompt's ([`super::earlier_prompts`]). The route, and the
     /// estimate of the request's own prompt tokens.
-    pub(super) fn route_before_tokenizing(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+    pub(super) fn route_before_tokenizing(&mut self, req: &EarlyRequest<'_>, report: Report) -> EarlyRoute {
         match req.parsed.prompt {
-            Prompt::Chat(_) => {
-                self.route_on_earlier_turn(req, report).or_else(|| self.route_on_shared_prefix(req, report))
-            }
+            Prompt::Chat(_) => match self.route_on_earlier_turn(req, report) {
+                Some(routed) => Ok(routed),
+                None => self.route_on_shared_prefix(req, report),
+            },
             Prompt::Text(_) => self.route_on_earlier_prompt(req, report),
-            Prompt::Tokens(_) | Prompt::None => None,
+            Prompt::Tokens(_) | Prompt::None => Err(None),
         }
     }
 
@@ -254,6 +257,14 @@ impl Router {
             tokens: Vec::new(),
             prompt: self.learn_prompt(pending.profile, pending.spec, &pending.parsed, tokens),
         };
+        let bytes = match (&pending.parsed.prompt, pending.turn_tags.as_ref()) {
+            (Prompt::Text(text), _) => Some(text.len()),
+            (_, Some(tags)) => Some(tags.bytes),
+            _ => None,
+        };
+        if let Some(bytes) = bytes.filter(|&b| b > 0 && !tokens.is_empty()) {
+            self.latest_rate = Some((tokens.len(), bytes));
+        }
         let Some(tags) = pending.turn_tags.as_ref() else { return keep };
         if self.config.route_on_earlier_turns {
             keep.tokens.push((tags.whole.0, tokens.to_vec()));

@@ -37,6 +37,7 @@ mod tokenizer_reply;
 mod tokenizer_target;
 pub mod tokenizer_wait;
 mod triage;
+mod wait_ledger;
 
 pub use gateway::{
     EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
@@ -100,6 +101,11 @@ pub struct Router {
     shared_prefixes: shared_prefix::SharedPrefixes,
     /// Earlier text prompts' tokens ([`earlier_prompts`]).
     earlier_prompts: earlier_prompts::EarlierPrompts,
+    /// Whether waiting for a request's own tokens paid, per family ([`wait_ledger`]).
+    waits: wait_ledger::WaitLedger,
+    /// The tokens and bytes of the latest request tokenized here: a new prompt's length is
+    /// estimated at its rate.
+    latest_rate: Option<(usize, usize)>,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -149,6 +155,8 @@ impl Router {
             background_calls: None,
             shared_prefixes: shared_prefix::SharedPrefixes::default(),
             earlier_prompts: earlier_prompts::EarlierPrompts::default(),
+            waits: wait_ledger::WaitLedger::default(),
+            latest_rate: None,
         }
     }
 
@@ -167,20 +175,11 @@ impl Router {
         self.tokcache = token_cache(&config, self.tokcache_key);
         self.shared_prefixes.clear();
         self.earlier_prompts.clear();
+        self.waits.clear();
         self.hashers = Hashers::new(config.memo);
         self.feed.set_allowlist(&config.allow);
         self.config = config;
         self.generation = self.generation.wrapping_add(1);
-    }
-
-    /// Siblings' common prefixes dropped for room since the last call.
-    pub fn take_shared_prefixes_evicted(&mut self) -> u64 {
-        self.shared_prefixes.take_evicted()
-    }
-
-    /// Earlier text prompts' tags dropped for room since the last call.
-    pub fn take_earlier_prompts_evicted(&mut self) -> u64 {
-        self.earlier_prompts.take_evicted()
     }
 
     pub fn tokenizer_cache(&self) -> &TokenCache {
@@ -371,13 +370,14 @@ impl Router {
             retry,
             call_bytes,
             turn_tags,
-            estimated_tokens: earlier.as_ref().map(|(_, e)| *e),
+            estimated_tokens: earlier.as_ref().ok().map(|(_, e)| *e),
+            waited_on: earlier.as_ref().err().copied().flatten(),
         });
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
         report.hash_mismatch = false;
         let call = Tokenize::new(target, call.path, call.body, timeout_ms, pending, report);
-        self.then_tokenize(earlier.map(|(routed, _)| routed), call, gw)
+        self.then_tokenize(earlier.ok().map(|(routed, _)| routed), call, gw)
     }
 
     /// Decides once the tokenizer call for `pending` came back (or could not be made).

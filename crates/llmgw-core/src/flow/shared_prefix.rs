@@ -18,13 +18,8 @@
 //! the prefix is at most the request's further whole blocks. Computed at the costliest of those
 //! holders' prefill rates, if that is less than the tokenizer's usual round trip
 //! ([`super::tokenizer_wait`]), the request goes at once (`ttft` policy only: `score` has no
-//! time to weigh). And whether waiting pays is learned per family: a sibling that waited and
-//! whose own tokens found no replica holding past the prefix lets the next sibling go at once;
-//! each further such wait doubles how many go at once before the next one waits to check (up
-//! to 63 of 64), and a wait that found a replica holding more makes every sibling wait again.
-//! A family that has not waited yet starts from the same count over every family's recent
-//! waits, so that the first siblings of each new system prompt do not each wait to learn what
-//! the others already showed.
+//! time to weigh). And whether waiting pays is learned per family of siblings
+//! ([`super::wait_ledger`]), as it is for text prompts that begin alike.
 //! Where every sibling so far happened to begin its last
 //! message alike, the prefix runs past what the next one shares, until a sibling that differs
 //! is tokenized.
@@ -32,7 +27,8 @@
 use super::earlier_turns::estimated_tokens;
 use super::exact::Scored;
 use super::recent::Recent;
-use super::step::{CacheLookup, EarlyRequest, Pending, Report, Routed};
+use super::step::{CacheLookup, EarlyRequest, EarlyRoute, Pending, Report};
+use super::wait_ledger::WaitedOn;
 use super::{ExactRequest, GatewayState, Router};
 use crate::index::Scores;
 use crate::policy::PolicyMode;
@@ -47,9 +43,6 @@ pub const MAX_TOKENS: usize = 4096;
 pub struct SharedPrefixes {
     /// Single requests' tokens are dropped for room before common prefixes.
     entries: Recent<Prefix>,
-    /// Waits in a row, of any family, that found no replica holding past the prefix (up to
-    /// [`MAX_UNPAID`]): where a family has not waited yet, it starts from this.
-    streak: u8,
 }
 
 #[derive(Debug)]
@@ -57,27 +50,15 @@ struct Prefix {
     tokens: Vec<u32>,
     /// Tokenized siblings that differ, that `tokens` is the common prefix of (counted up to 2).
     siblings: u8,
-    /// Siblings in a row that waited for their own tokens and found no replica holding past
-    /// the prefix (up to [`MAX_UNPAID`]).
-    unpaid: u8,
-    /// Siblings that may still go at once before the next one waits to check.
-    at_once: u8,
-    /// Whether `at_once` was set, from the family's own waits or from the recent waits of
-    /// every family ([`SharedPrefixes::streak`]).
-    seeded: bool,
     /// While `tokens` are one sibling's: the bytes of its messages (0: not known, or a common
     /// prefix) and its whole token count (`tokens` keeps at most [`MAX_TOKENS`]).
     bytes: usize,
     count: usize,
 }
 
-/// The most waits in a row that found nothing past the prefix counted: afterwards one sibling
-/// in 2^6 still waits, so a family whose questions start to repeat is noticed.
-const MAX_UNPAID: u8 = 6;
-
 impl Default for SharedPrefixes {
     fn default() -> Self {
-        SharedPrefixes { entries: Recent::new(MAX_PREFIXES, |p| p.siblings >= 2), streak: 0 }
+        SharedPrefixes { entries: Recent::new(MAX_PREFIXES, |p| p.siblings >= 2) }
     }
 }
 
@@ -109,38 +90,7 @@ impl SharedPrefixes {
     fn insert(&mut self, tag: u128, mut tokens: Vec<u32>, siblings: u8) {
         let count = tokens.len();
         tokens.truncate(MAX_TOKENS);
-        self.entries.insert(tag, Prefix { tokens, siblings, unpaid: 0, at_once: 0, seeded: false, bytes: 0, count });
-    }
-
-    /// A sibling of `tag` that waited for its own tokens found a replica holding blocks past
-    /// the common prefix (`paid`), or none did. Each wait that found none lets twice as many
-    /// siblings go at once before the next one waits to check, up to 2^[`MAX_UNPAID`] − 1; one
-    /// that found some makes every sibling wait again. The same count over every family
-    /// seeds a family that has not waited yet.
-    pub fn waited(&mut self, tag: u128, paid: bool) {
-        let Some(p) = self.entries.get(tag) else { return };
-        p.unpaid = unpaid_after(p.unpaid, paid);
-        p.at_once = at_once_after(p.unpaid);
-        p.seeded = true;
-        self.streak = unpaid_after(self.streak, paid);
-    }
-
-    /// Whether a sibling of `tag` may skip waiting for its tokens, since the recent siblings
-    /// that waited found nothing past the prefix (and counts it). A family that has not waited
-    /// yet goes by the recent waits of every family: where siblings of other system prompts
-    /// shared nothing past theirs, its first siblings go at once too, and one of them then
-    /// waits to check for it.
-    pub fn skips_waiting(&mut self, tag: u128) -> bool {
-        let streak = self.streak;
-        let Some(p) = self.entries.get(tag) else { return false };
-        if !std::mem::replace(&mut p.seeded, true) {
-            p.at_once = at_once_after(streak);
-        }
-        if p.at_once == 0 {
-            return false;
-        }
-        p.at_once = p.at_once.saturating_sub(1);
-        true
+        self.entries.insert(tag, Prefix { tokens, siblings, bytes: 0, count });
     }
 
     /// The tokenized sibling of `tag`, while it is the only one, spans `bytes` of messages (its
@@ -183,19 +133,8 @@ impl SharedPrefixes {
     }
 }
 
-/// The waits in a row that found nothing past the prefix, after one that did (`paid`) or not.
-fn unpaid_after(unpaid: u8, paid: bool) -> u8 {
-    if paid {
-        0
-    } else {
-        unpaid.saturating_add(1).min(MAX_UNPAID)
-    }
-}
-
-/// Siblings that go at once after `unpaid` such waits in a row: 2^unpaid − 1.
-fn at_once_after(unpaid: u8) -> u8 {
-    1u8.checked_shl(u32::from(unpaid)).unwrap_or(u8::MAX).saturating_sub(1)
-}
+/// The family of requests that share nothing known with earlier ones ([`Router::route_new_prompt`]).
+const NEW_PROMPTS: u128 = u128::MAX;
 
 /// No replica can hold blocks of the request past its common prefix unless it holds the whole
 /// prefix: scored on the prefix, the request is scored as its own tokens would score it when at
@@ -211,12 +150,23 @@ fn whole_holders(scores: &Scores) -> impl Iterator<Item = usize> + '_ {
 }
 
 impl Router {
+    /// Siblings' common prefixes dropped for room since the last call.
+    pub fn take_shared_prefixes_evicted(&mut self) -> u64 {
+        self.shared_prefixes.take_evicted()
+    }
+
+    /// Families whose waits were counted ([`super::wait_ledger`]) dropped for room since the
+    /// last call.
+    pub fn take_wait_families_evicted(&mut self) -> u64 {
+        self.waits.take_evicted()
+    }
+
     /// Routes on the common prefix of `parsed`'s siblings, when it decides as the request's own
     /// tokens would: the route, and the estimate of the request's prompt tokens.
-    pub(super) fn route_on_shared_prefix(&mut self, req: &EarlyRequest<'_>, report: Report) -> Option<(Routed, u64)> {
+    pub(super) fn route_on_shared_prefix(&mut self, req: &EarlyRequest<'_>, report: Report) -> EarlyRoute {
         let EarlyRequest { parsed, gw, .. } = *req;
-        let tags = req.tags?;
-        let (tag, bytes) = tags.siblings?;
+        let tags = req.tags.ok_or(None)?;
+        let Some((tag, bytes)) = tags.siblings else { return self.route_new_prompt(req, tags.bytes, report) };
         // This VM's, else the one another VM of this Envoy kept, else what the one sibling
         // tokenized here shares with this one (the request's length at that sibling's bytes
         // per token).
@@ -226,10 +176,13 @@ impl Router {
         };
         let (tokens, estimate) = match kept {
             Some(t) => {
-                let estimate = estimated_tokens(t.len(), bytes, tags.bytes)?;
+                let estimate = estimated_tokens(t.len(), bytes, tags.bytes).ok_or(None)?;
                 (t, estimate)
             }
-            None => self.shared_prefixes.claim(tag.0, bytes, tags.bytes)?,
+            None => match self.shared_prefixes.claim(tag.0, bytes, tags.bytes) {
+                Some(claimed) => claimed,
+                None => return self.route_new_prompt(req, tags.bytes, report),
+            },
         };
         let mut report = Report { tokenizer_cache: Some(CacheLookup::SharedPrefix), ..report };
         let model = parsed.model.as_deref();
@@ -241,47 +194,80 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let mut scored = self.exact(exact, gw, &mut report).ok()?;
+        let mut scored = self.exact(exact, gw, &mut report).ok().ok_or(None)?;
         scored.tokens = estimate;
-        if !self.the_prefix_decides(tags.profile, &scored, Some(tag.0), gw) {
-            return None;
-        }
-        self.route_early(req, &scored, report)
+        let on = WaitedOn { family: tag.0, prefix: tokens.len() };
+        self.the_prefix_decides(tags.profile, &scored, on, gw)?;
+        self.route_early(req, &scored, report).ok_or(None)
     }
 
     /// A request that waited for its tokens was scored on them (`scored`, its scores in the
-    /// scratch space): whether a replica held blocks of it past its siblings' common prefix, for
-    /// the siblings after it.
+    /// scratch space): whether a replica held blocks of it past the prefix it could have been
+    /// routed on, for its family's next members.
+    /// It paid where some replica held more of it than that prefix and than every other
+    /// replica held (a block all hold alike changes no choice).
     pub(super) fn note_whether_waiting_paid(&mut self, pending: &Pending, scored: Option<&Scored>) {
-        let Some(((tag, _), scored)) = pending.turn_tags.as_ref().and_then(|t| t.siblings).zip(scored) else {
-            return;
+        let (Some(on), Some(scored)) = (pending.waited_on, scored) else { return };
+        let prefix_blocks = u32::try_from(on.prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
+        let leading = &self.scratch.scores.leading;
+        let deepest = leading.iter().copied().max().unwrap_or(0);
+        let shallowest = leading.iter().copied().min().unwrap_or(0);
+        self.waits.waited(on.family, deepest > prefix_blocks.max(shallowest));
+    }
+
+    /// A request that shares nothing known with earlier ones (no sibling, no earlier prompt,
+    /// nothing claimed: a new system prompt, a conversation's first turn): what its own tokens
+    /// tell is whether a replica holds more of it than the others do (a prompt cached before
+    /// this VM learned it, or a start every replica holds). Where the recent such waits found
+    /// none did, it goes at once, scored on nothing, its length estimated at the rate of the
+    /// latest request tokenized here (`bytes` of its prompt or messages); else it waits, and
+    /// learns.
+    pub(super) fn route_new_prompt(&mut self, req: &EarlyRequest<'_>, bytes: usize, report: Report) -> EarlyRoute {
+        let on = WaitedOn { family: NEW_PROMPTS, prefix: 0 };
+        let Some((count, per)) = self.latest_rate.filter(|_| self.config.route_on_shared_prefixes) else {
+            return Err(None);
         };
-        let Some(prefix) = self.shared_prefixes.common(tag.0).map(<[u32]>::len) else { return };
-        let prefix_blocks = u32::try_from(prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
-        let deepest = self.scratch.scores.leading.iter().copied().max().unwrap_or(0);
-        self.shared_prefixes.waited(tag.0, deepest > prefix_blocks);
+        if !self.waits.skips_waiting(on.family) {
+            return Err(Some(on));
+        }
+        let mut report = Report { tokenizer_cache: Some(CacheLookup::NewPrompt), ..report };
+        let exact = ExactRequest {
+            profile: req.profile,
+            model: req.parsed.model.as_deref(),
+            cache_salt: req.parsed.cache_salt.as_deref(),
+            tokens: &[],
+            known: &[],
+            mm: Vec::new(),
+        };
+        let mut scored = self.exact(exact, req.gw, &mut report).ok().ok_or(None)?;
+        scored.tokens = estimated_tokens(count, per, bytes).ok_or(None)?;
+        self.route_early(req, &scored, report).ok_or(None)
     }
 
     /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores
-    /// in the scratch space) may be routed on it, without its own tokens: the prefix decides as
-    /// they would, or waiting for them cannot pay, or (for a chat request, whose siblings'
-    /// `family` tag it gives) the family's recent waits found nothing past the prefix.
+    /// in the scratch space; the prefix and its family `on`) may be routed on it, without its
+    /// own tokens: the prefix decides as they would, or waiting for them cannot pay, or the
+    /// family's recent waits found nothing past the prefix. Else it waits: `Err(Some(on))`
+    /// where its tokens will tell whether waiting paid (two or more replicas hold the prefix
+    /// whole).
     pub(super) fn the_prefix_decides(
         &mut self,
         profile: usize,
         scored: &Scored,
-        family: Option<u128>,
+        on: WaitedOn,
         gw: &dyn GatewayState,
-    ) -> bool {
+    ) -> Result<(), Option<WaitedOn>> {
         let scores = &self.scratch.scores;
         if the_prefix_alone_decides(scores) {
-            return true;
+            return Ok(());
         }
         if whole_holders(scores).nth(1).is_none() {
-            return false;
+            return Err(None);
         }
-        self.waiting_cannot_pay(profile, scores, scored, gw)
-            || family.is_some_and(|tag| self.shared_prefixes.skips_waiting(tag))
+        if self.waiting_cannot_pay(profile, scores, scored, gw) || self.waits.skips_waiting(on.family) {
+            return Ok(());
+        }
+        Err(Some(on))
     }
 
     /// Two or more replicas hold the whole prefix: whether the most any of them can hold past it
@@ -356,56 +342,6 @@ mod tests {
         assert_eq!(s.entries.len(), MAX_PREFIXES);
         assert_eq!(s.common(0), Some(&[1][..]));
         assert_eq!((s.take_evicted(), s.take_evicted()), (6, 0));
-    }
-
-    #[test]
-    fn each_wait_that_found_nothing_past_the_prefix_lets_twice_as_many_siblings_go_at_once() {
-        let mut s = SharedPrefixes::default();
-        s.learn(1, &[1, 2, 3], || None);
-        s.learn(1, &[1, 2, 4], || None);
-        let at_once = |s: &mut SharedPrefixes| (0..100).take_while(|_| s.skips_waiting(1)).count();
-        assert_eq!(at_once(&mut s), 0);
-        let mut seen = Vec::new();
-        for _ in 0..8 {
-            s.waited(1, false);
-            seen.push(at_once(&mut s));
-        }
-        assert_eq!(seen, [1, 3, 7, 15, 31, 63, 63, 63]);
-        // A wait that paid: every sibling waits again.
-        s.waited(1, false);
-        s.waited(1, true);
-        assert_eq!(at_once(&mut s), 0);
-        s.waited(1, false);
-        assert_eq!(at_once(&mut s), 1);
-        // An unknown family learns nothing.
-        s.waited(2, false);
-        assert!(!s.skips_waiting(2));
-    }
-
-    #[test]
-    fn a_family_that_has_not_waited_starts_from_the_recent_waits_of_every_family() {
-        let mut s = SharedPrefixes::default();
-        let family = |s: &mut SharedPrefixes, tag: u128| {
-            s.learn(tag, &[1, 2, 3], || None);
-            s.learn(tag, &[1, 2, 4], || None);
-        };
-        let at_once = |s: &mut SharedPrefixes, tag| (0..100).take_while(|_| s.skips_waiting(tag)).count();
-        family(&mut s, 1);
-        s.waited(1, false);
-        s.waited(1, false);
-        // Two waits in a row found nothing past family 1's prefix: family 2's first 3 siblings
-        // go at once, then one waits; what it finds is family 2's own from then on.
-        family(&mut s, 2);
-        assert_eq!(at_once(&mut s, 2), 3);
-        s.waited(2, false);
-        assert_eq!(at_once(&mut s, 2), 1);
-        // A wait that paid (any family's): a new family waits from its first sibling again,
-        // and the families already seeded keep their own count.
-        s.waited(1, true);
-        family(&mut s, 3);
-        assert_eq!(at_once(&mut s, 3), 0);
-        s.waited(2, false);
-        assert_eq!(at_once(&mut s, 2), 3);
     }
 
     #[test]

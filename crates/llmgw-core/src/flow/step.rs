@@ -5,6 +5,7 @@ use super::gateway::GatewayState;
 use super::reasons::{Fallback, TokenizerFailure};
 use super::shared_prompt::SharedPrompt;
 use super::speculative::Speculation;
+use super::wait_ledger::WaitedOn;
 use crate::policy::{Decision, Outcome};
 use crate::request::ParsedRequest;
 use crate::tokcache::CacheTag;
@@ -58,6 +59,10 @@ pub enum CacheLookup {
     /// Not seen, but earlier requests with the same messages but the last (its siblings) were:
     /// routed on the tokens they share, its own call made after it was routed.
     SharedPrefix,
+    /// Not seen, and sharing nothing known with earlier requests: routed at once, where the
+    /// recent such requests' own tokens showed no replica holding more of them than the others
+    /// did ([`super::wait_ledger`]); its own call made after it was routed.
+    NewPrompt,
     Miss,
 }
 
@@ -121,7 +126,7 @@ pub const MAX_EXPLAINED_INCOMPLETE: usize = 8;
 impl Routed {
     /// The explain header's value: the candidate engines whose mirror is incomplete
     /// (`incomplete=IP:PORT,IP:PORT#1,+3`); what a request routed before its tokenizer answered
-    /// was scored on (`scored_on=earlier_turn|shared_prefix`); with the `ttft` policy, the winner's predicted time
+    /// was scored on (`scored_on=earlier_turn|shared_prefix|new_prompt`); with the `ttft` policy, the winner's predicted time
     /// to first token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), what
     /// a new prefix's prefill would cost the requests expected back on each
     /// (`returning_ms=40.2 0.0`, when either is not 0), and
@@ -144,6 +149,7 @@ impl Routed {
         match self.report.tokenizer_cache {
             Some(CacheLookup::EarlierTurn) => out.push_str("; scored_on=earlier_turn"),
             Some(CacheLookup::SharedPrefix) => out.push_str("; scored_on=shared_prefix"),
+            Some(CacheLookup::NewPrompt) => out.push_str("; scored_on=new_prompt"),
             _ => {}
         }
         out.push_str(&format!("; vm={vm}"));
@@ -235,7 +241,14 @@ pub struct Pending {
     /// The request was routed already, on an earlier request's tokens, with this estimate of
     /// its prompt tokens: the call only fills the caches.
     pub(super) estimated_tokens: Option<u64>,
+    /// It waits to learn for its family whether waiting pays ([`super::wait_ledger`]).
+    pub(super) waited_on: Option<WaitedOn>,
 }
+
+/// A request routed before its tokenizer answers, on tokens it shares with earlier ones: the
+/// route and the estimate of its prompt tokens; else it waits for its tokens, and learns for
+/// its family whether that paid where the family is given.
+pub(super) type EarlyRoute = Result<(Routed, u64), Option<WaitedOn>>;
 
 /// The alias tags a chat request reads and writes (see `super::earlier_turns`).
 #[derive(Debug)]

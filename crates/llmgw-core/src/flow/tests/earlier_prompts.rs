@@ -114,3 +114,95 @@ fn a_prompt_is_routed_at_once_on_an_earlier_prompt_another_vm_tokenized() {
     let step = other.on_body(&Body { path: COMPLETIONS, bytes: &completion(&next), too_large: false }, &gw, 2);
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
 }
+
+#[test]
+fn prompts_sharing_leading_text_skip_their_wait_once_waiting_found_nothing_past_it() {
+    // A and B both hold the 16 tokens every prompt's first 256 bytes claim: which holds more of
+    // a prompt only its own tokens tell, and no round trip is known to weigh the wait against.
+    let first = format!("{}user: what is the first question of all?", system());
+    let shared: Vec<u32> = (0..16).collect();
+    let tokens: Vec<u32> = shared.iter().copied().chain(100..108).collect();
+    let mut r = tokenized_once("", &shared, &first, &tokens);
+    let delta = Msg::Delta(BlockDelta { replica: 0, added: keys(&shared), removed: vec![] });
+    r.feed.apply(&FeedMessage { seq: 3, body: Some(delta) }).unwrap();
+    let mut steps = String::new();
+    for i in 0..7u32 {
+        if i == 6 {
+            // B holds the first prompt's 5th block from now on.
+            let delta = Msg::Delta(BlockDelta { replica: 1, added: keys(&tokens), removed: vec![] });
+            r.feed.apply(&FeedMessage { seq: 4, body: Some(delta) }).unwrap();
+        }
+        let prompt = format!("{}{i} user: question number {i}?", system());
+        let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&prompt), too_large: false }, &(), 2);
+        match step {
+            Step::Tokenize(t) => {
+                steps.push('w');
+                // Its own tokens: nobody holds past the shared text, but for the last, which
+                // goes on as the first prompt did (B holds its 5th block).
+                let tail = if i == 6 { 100 } else { 200 + 10 * i };
+                let own: Vec<u32> = shared.iter().copied().chain(tail..tail + 8).collect();
+                let read = ok_reply(&own);
+                let read = || read.clone();
+                let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+                let routed = r.on_tokenizer_reply(*t.pending, &reply, &(), 3);
+                assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+            }
+            Step::RouteThenTokenize(routed, _) => {
+                steps.push('o');
+                assert_eq!(routed.report.tokenizer_cache, Some(CacheLookup::SharedPrefix));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Waited, 1 at once, waited, 3 at once, waited (and found B holding more).
+    assert_eq!(steps, "wowooow");
+    // So the next waits again.
+    let prompt = format!("{}7 user: question number 7?", system());
+    let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&prompt), too_large: false }, &(), 4);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+}
+
+#[test]
+fn a_new_prompt_goes_at_once_once_new_prompts_tokens_showed_no_replica_holding_more_than_the_others() {
+    // A and B both hold one block every prompt begins with; the prompts share no leading text
+    // a tag covers (128 bytes), so nothing is claimed.
+    let start: Vec<u32> = (0..4).collect();
+    let prompt = |i: u32| format!("q{i} {}", "tell me more. ".repeat(12));
+    let own = |i: u32| -> Vec<u32> { start.iter().copied().chain(1000 * (i + 1)..1000 * (i + 1) + 20).collect() };
+    let mut r = router("", keys(&start), true);
+    let delta = Msg::Delta(BlockDelta { replica: 0, added: keys(&start), removed: vec![] });
+    r.feed.apply(&FeedMessage { seq: 3, body: Some(delta) }).unwrap();
+    r.set_background_calls(Some(5));
+    let mut steps = String::new();
+    for i in 0..8u32 {
+        if i == 7 {
+            // B holds prompt 7's second block from now on.
+            let delta = Msg::Delta(BlockDelta { replica: 1, added: keys(&own(7)), removed: vec![] });
+            r.feed.apply(&FeedMessage { seq: 4, body: Some(delta) }).unwrap();
+        }
+        let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&prompt(i)), too_large: false }, &(), 2);
+        match step {
+            Step::Tokenize(t) => {
+                steps.push('w');
+                let read = ok_reply(&own(i));
+                let read = || read.clone();
+                let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
+                let routed = r.on_tokenizer_reply(*t.pending, &reply, &(), 3);
+                assert!(matches!(routed, Step::Route(_)), "{routed:?}");
+            }
+            Step::RouteThenTokenize(routed, _) => {
+                steps.push('o');
+                assert_eq!((routed.report.tokenizer_cache, routed.decision.matched), (Some(CacheLookup::NewPrompt), 0));
+                assert!(routed.explain("0").contains("; scored_on=new_prompt"), "{}", routed.explain("0"));
+                // Its length at the latest prompt's bytes per token (24 tokens in as many bytes).
+                assert_eq!(routed.prefill_tokens, 24);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // The first waits with nothing to estimate a length by; the second's wait found A and B
+    // holding alike: 1 at once; then 3 after the next; the next wait found B holding more.
+    assert_eq!(steps, "wwowooow");
+    let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&prompt(8)), too_large: false }, &(), 4);
+    assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
+}
