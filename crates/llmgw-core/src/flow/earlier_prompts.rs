@@ -247,9 +247,7 @@ impl Router {
         let c = self.prompt_context(profile, spec, parsed).ok_or(None)?;
         let (whole_ok, part_ok) = (self.config.route_on_earlier_turns, self.config.route_on_shared_prefixes);
         self.earlier_prompts.take_up(gw);
-        let Some(claim) = self.earlier_prompts.claim(c.key, &c.parts(), c.text, whole_ok, part_ok) else {
-            return self.route_new_prompt(req, c.text.len(), report);
-        };
+        let claim = self.earlier_prompts.claim(c.key, &c.parts(), c.text, whole_ok, part_ok).ok_or(None)?;
         let lookup = if claim.whole { CacheLookup::EarlierTurn } else { CacheLookup::SharedPrefix };
         let mut report = Report { tokenizer_cache: Some(lookup), ..report };
         let model = parsed.model.as_deref();

@@ -257,14 +257,6 @@ impl Router {
             tokens: Vec::new(),
             prompt: self.learn_prompt(pending.profile, pending.spec, &pending.parsed, tokens),
         };
-        let bytes = match (&pending.parsed.prompt, pending.turn_tags.as_ref()) {
-            (Prompt::Text(text), _) => Some(text.len()),
-            (_, Some(tags)) => Some(tags.bytes),
-            _ => None,
-        };
-        if let Some(bytes) = bytes.filter(|&b| b > 0 && !tokens.is_empty()) {
-            self.latest_rate = Some((tokens.len(), bytes));
-        }
         let Some(tags) = pending.turn_tags.as_ref() else { return keep };
         if self.config.route_on_earlier_turns {
             keep.tokens.push((tags.whole.0, tokens.to_vec()));

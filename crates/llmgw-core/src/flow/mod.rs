@@ -103,9 +103,6 @@ pub struct Router {
     earlier_prompts: earlier_prompts::EarlierPrompts,
     /// Whether waiting for a request's own tokens paid, per family ([`wait_ledger`]).
     waits: wait_ledger::WaitLedger,
-    /// The tokens and bytes of the latest request tokenized here: a new prompt's length is
-    /// estimated at its rate.
-    latest_rate: Option<(usize, usize)>,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -156,7 +153,6 @@ impl Router {
             shared_prefixes: shared_prefix::SharedPrefixes::default(),
             earlier_prompts: earlier_prompts::EarlierPrompts::default(),
             waits: wait_ledger::WaitLedger::default(),
-            latest_rate: None,
         }
     }
 

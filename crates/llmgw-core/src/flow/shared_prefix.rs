@@ -133,9 +133,6 @@ impl SharedPrefixes {
     }
 }
 
-/// The family of requests that share nothing known with earlier ones ([`Router::route_new_prompt`]).
-const NEW_PROMPTS: u128 = u128::MAX;
-
 /// No replica can hold blocks of the request past its common prefix unless it holds the whole
 /// prefix: scored on the prefix, the request is scored as its own tokens would score it when at
 /// most one replica holds it all (and some replica holds part of it).
@@ -166,7 +163,7 @@ impl Router {
     pub(super) fn route_on_shared_prefix(&mut self, req: &EarlyRequest<'_>, report: Report) -> EarlyRoute {
         let EarlyRequest { parsed, gw, .. } = *req;
         let tags = req.tags.ok_or(None)?;
-        let Some((tag, bytes)) = tags.siblings else { return self.route_new_prompt(req, tags.bytes, report) };
+        let (tag, bytes) = tags.siblings.ok_or(None)?;
         // This VM's, else the one another VM of this Envoy kept, else what the one sibling
         // tokenized here shares with this one (the request's length at that sibling's bytes
         // per token).
@@ -179,10 +176,7 @@ impl Router {
                 let estimate = estimated_tokens(t.len(), bytes, tags.bytes).ok_or(None)?;
                 (t, estimate)
             }
-            None => match self.shared_prefixes.claim(tag.0, bytes, tags.bytes) {
-                Some(claimed) => claimed,
-                None => return self.route_new_prompt(req, tags.bytes, report),
-            },
+            None => self.shared_prefixes.claim(tag.0, bytes, tags.bytes).ok_or(None)?,
         };
         let mut report = Report { tokenizer_cache: Some(CacheLookup::SharedPrefix), ..report };
         let model = parsed.model.as_deref();
@@ -213,35 +207,6 @@ impl Router {
         let deepest = leading.iter().copied().max().unwrap_or(0);
         let shallowest = leading.iter().copied().min().unwrap_or(0);
         self.waits.waited(on.family, deepest > prefix_blocks.max(shallowest));
-    }
-
-    /// A request that shares nothing known with earlier ones (no sibling, no earlier prompt,
-    /// nothing claimed: a new system prompt, a conversation's first turn): what its own tokens
-    /// tell is whether a replica holds more of it than the others do (a prompt cached before
-    /// this VM learned it, or a start every replica holds). Where the recent such waits found
-    /// none did, it goes at once, scored on nothing, its length estimated at the rate of the
-    /// latest request tokenized here (`bytes` of its prompt or messages); else it waits, and
-    /// learns.
-    pub(super) fn route_new_prompt(&mut self, req: &EarlyRequest<'_>, bytes: usize, report: Report) -> EarlyRoute {
-        let on = WaitedOn { family: NEW_PROMPTS, prefix: 0 };
-        let Some((count, per)) = self.latest_rate.filter(|_| self.config.route_on_shared_prefixes) else {
-            return Err(None);
-        };
-        if !self.waits.skips_waiting(on.family) {
-            return Err(Some(on));
-        }
-        let mut report = Report { tokenizer_cache: Some(CacheLookup::NewPrompt), ..report };
-        let exact = ExactRequest {
-            profile: req.profile,
-            model: req.parsed.model.as_deref(),
-            cache_salt: req.parsed.cache_salt.as_deref(),
-            tokens: &[],
-            known: &[],
-            mm: Vec::new(),
-        };
-        let mut scored = self.exact(exact, req.gw, &mut report).ok().ok_or(None)?;
-        scored.tokens = estimated_tokens(count, per, bytes).ok_or(None)?;
-        self.route_early(req, &scored, report).ok_or(None)
     }
 
     /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores

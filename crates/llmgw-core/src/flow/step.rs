@@ -59,10 +59,6 @@ pub enum CacheLookup {
     /// Not seen, but earlier requests with the same messages but the last (its siblings) were:
     /// routed on the tokens they share, its own call made after it was routed.
     SharedPrefix,
-    /// Not seen, and sharing nothing known with earlier requests: routed at once, where the
-    /// recent such requests' own tokens showed no replica holding more of them than the others
-    /// did ([`super::wait_ledger`]); its own call made after it was routed.
-    NewPrompt,
     Miss,
 }
 
@@ -126,7 +122,7 @@ pub const MAX_EXPLAINED_INCOMPLETE: usize = 8;
 impl Routed {
     /// The explain header's value: the candidate engines whose mirror is incomplete
     /// (`incomplete=IP:PORT,IP:PORT#1,+3`); what a request routed before its tokenizer answered
-    /// was scored on (`scored_on=earlier_turn|shared_prefix|new_prompt`); with the `ttft` policy, the winner's predicted time
+    /// was scored on (`scored_on=earlier_turn|shared_prefix`); with the `ttft` policy, the winner's predicted time
     /// to first token and the runner-up's (`predicted_ms=12.3; runner_up=IP:PORT 180.1`), what
     /// a new prefix's prefill would cost the requests expected back on each
     /// (`returning_ms=40.2 0.0`, when either is not 0), and
@@ -149,7 +145,6 @@ impl Routed {
         match self.report.tokenizer_cache {
             Some(CacheLookup::EarlierTurn) => out.push_str("; scored_on=earlier_turn"),
             Some(CacheLookup::SharedPrefix) => out.push_str("; scored_on=shared_prefix"),
-            Some(CacheLookup::NewPrompt) => out.push_str("; scored_on=new_prompt"),
             _ => {}
         }
         out.push_str(&format!("; vm={vm}"));
