@@ -16,7 +16,8 @@
 //!   them only where that loses nothing, as a chat request on its siblings' common prefix: no
 //!   replica, or exactly one, holds all those blocks ([`super::shared_prefix`]), or waiting for
 //!   its own tokens cannot pay, or the recent waits of prompts sharing the same leading text
-//!   (to the same mark: their family) found nothing past it ([`super::wait_ledger`]).
+//!   (their family: the tag of the longest lookup boundary within the text they agree on) found
+//!   nothing past it ([`super::wait_ledger`]).
 //!
 //! The longest claim is used; the request's own call is made after it is routed, and its answer
 //! kept for the prompts after it. Each VM keeps what it learned, and hands it to the gateway
@@ -60,8 +61,8 @@ pub struct Claim {
     /// The earlier prompt is the start of the new one (else: they share leading text).
     pub whole: bool,
     pub per: (usize, usize),
-    /// Where they share leading text: its tag (to the last mark both agree on), the family of
-    /// the prompts that share it.
+    /// Where they share leading text: the tag of its longest lookup boundary (128, 256, 512, …
+    /// bytes) within what they agree on, the family of the prompts that share it.
     pub family: Option<u128>,
 }
 
@@ -163,7 +164,10 @@ impl EarlierPrompts {
                 let agreed = marks.iter().zip(&e.marks).take_while(|(a, b)| a.0 as u64 == **b).count();
                 let n = e.count.saturating_mul(agreed.saturating_mul(MARK)).checked_div(e.bytes).unwrap_or(0);
                 let n = n.saturating_sub(n / 8);
-                let family = agreed.checked_sub(1).and_then(|i| marks.get(i)).map(|t| t.0);
+                // The family: the tag at the longest lookup boundary within what they agree on
+                // (questions that happen to begin alike past it stay in their system prompt's).
+                let agreed_bytes = agreed.saturating_mul(MARK);
+                let family = boundary_tags(&marks).take_while(|&(b, _)| b <= agreed_bytes).last().map(|(_, t)| t.0);
                 let tokens = e.tokens.iter().copied().take(n).collect();
                 Claim { tokens, whole: false, per: (e.count, e.bytes), family }
             } else {

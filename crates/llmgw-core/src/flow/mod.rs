@@ -419,7 +419,9 @@ impl Router {
             mm,
         };
         let scored = self.exact(req, gw, &mut report);
-        self.note_whether_waiting_paid(&pending, scored.as_ref().ok());
+        if pending.generation == self.generation {
+            self.note_whether_waiting_paid(&pending, scored.as_ref().ok());
+        }
         let same = scored.is_ok()
             && pending.generation == self.generation
             && pending.spec == self.plan_fingerprint(pending.profile, model, &mut report);

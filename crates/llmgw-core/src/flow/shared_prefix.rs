@@ -198,15 +198,16 @@ impl Router {
     /// A request that waited for its tokens was scored on them (`scored`, its scores in the
     /// scratch space): whether a replica held blocks of it past the prefix it could have been
     /// routed on, for its family's next members.
-    /// It paid where some replica held more of it than that prefix and than every other
-    /// replica held (a block all hold alike changes no choice).
+    /// It paid where the replicas holding that whole prefix (among which routing on it would
+    /// have chosen by load alone) held different amounts of the request: its tokens told one
+    /// of them apart. Past a claim, which stops short of the shared text by design, they all
+    /// hold the rest of that text alike, and that is no gain.
     pub(super) fn note_whether_waiting_paid(&mut self, pending: &Pending, scored: Option<&Scored>) {
         let (Some(on), Some(scored)) = (pending.waited_on, scored) else { return };
         let prefix_blocks = u32::try_from(on.prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
-        let leading = &self.scratch.scores.leading;
-        let deepest = leading.iter().copied().max().unwrap_or(0);
-        let shallowest = leading.iter().copied().min().unwrap_or(0);
-        self.waits.waited(on.family, deepest > prefix_blocks.max(shallowest));
+        let holders = self.scratch.scores.leading.iter().copied().filter(|&l| l > 0 && l >= prefix_blocks);
+        let (least, most) = holders.fold((u32::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
+        self.waits.waited(on.family, most > least);
     }
 
     /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores

@@ -4,8 +4,9 @@
 //!
 //! A request routed on a prefix it shares with earlier ones waits for its own tokens where two
 //! or more replicas hold that prefix whole: only its tokens tell which of them holds more of it.
-//! Where the family's recent waits found no replica holding anything past the prefix (each
-//! sibling asks a new question), waiting costs a tokenizer round trip and gains nothing. So a
+//! Where the family's recent waits found those holders holding no more of the request than one
+//! another (each sibling asks a new question), waiting costs a tokenizer round trip and gains
+//! nothing. So a
 //! wait that found nothing lets the next member go at once; each further such wait doubles how
 //! many go at once before the next one waits to check (1, 3, 7, … up to 63 of 64), and a wait
 //! that found a replica holding more (a question asked before) makes every member wait again.
@@ -67,8 +68,13 @@ impl WaitLedger {
     /// seen first here goes by every family's waits in a row; its own count starts from its
     /// own first wait.
     pub fn skips_waiting(&mut self, family: u128) -> bool {
+        // Only a family given members to send at once takes a slot before its first wait.
         if !self.families.contains(family) {
-            self.families.insert(family, Waits { unpaid: 0, at_once: at_once_after(self.streak) });
+            let at_once = at_once_after(self.streak);
+            if at_once == 0 {
+                return false;
+            }
+            self.families.insert(family, Waits { unpaid: 0, at_once });
         }
         let Some(w) = self.families.get(family) else { return false };
         if w.at_once == 0 {
@@ -146,6 +152,8 @@ mod tests {
         // and the families already seen keep their own count.
         l.waited(1, true);
         assert_eq!(at_once(&mut l, 3), 0);
+        // Checked without a budget, it takes no slot (only its first wait does).
+        assert!(!l.families.contains(3));
         l.waited(2, false);
         assert_eq!(at_once(&mut l, 2), 3);
     }

@@ -2,8 +2,8 @@
 //! with, or on those of the leading text it shares with one where that decides as its own
 //! tokens would.
 
-use super::{keys, ok_reply, router, tokenize, A, B};
-use crate::feed::{BlockDelta, Body as Msg, FeedMessage};
+use super::{keys, ok_reply, replica, router, tokenize, A, B};
+use crate::feed::{BlockDelta, Body as Msg, FeedMessage, ReplicaTable};
 use crate::flow::{Body, CacheLookup, Router, Step, TokenizerReply};
 use crate::policy::Outcome;
 
@@ -117,30 +117,40 @@ fn a_prompt_is_routed_at_once_on_an_earlier_prompt_another_vm_tokenized() {
 
 #[test]
 fn prompts_sharing_leading_text_skip_their_wait_once_waiting_found_nothing_past_it() {
-    // A and B both hold the 16 tokens every prompt's first 256 bytes claim: which holds more of
-    // a prompt only its own tokens tell, and no round trip is known to weigh the wait against.
+    // The system prompt is 20 tokens (5 blocks), which A and B hold and C does not; every
+    // prompt's first 256 bytes claim 16 of them. Which of A and B holds more of a prompt only
+    // its own tokens tell, and no round trip is known to weigh the wait against.
     let first = format!("{}user: what is the first question of all?", system());
-    let shared: Vec<u32> = (0..16).collect();
-    let tokens: Vec<u32> = shared.iter().copied().chain(100..108).collect();
+    let shared: Vec<u32> = (0..20).collect();
+    let tokens: Vec<u32> = shared.iter().copied().chain(100..104).collect();
     let mut r = tokenized_once("", &shared, &first, &tokens);
+    let table = vec![replica(0, A, true), replica(1, B, true), replica(2, "127.0.0.1:8003", true)];
+    r.feed.apply(&FeedMessage { seq: 3, body: Some(Msg::Replicas(ReplicaTable { replicas: table })) }).unwrap();
     let delta = Msg::Delta(BlockDelta { replica: 0, added: keys(&shared), removed: vec![] });
-    r.feed.apply(&FeedMessage { seq: 3, body: Some(delta) }).unwrap();
+    r.feed.apply(&FeedMessage { seq: 4, body: Some(delta) }).unwrap();
+    // C holds another prompt.
+    let other: Vec<u32> = (500..508).collect();
+    let delta = Msg::Delta(BlockDelta { replica: 2, added: keys(&other), removed: vec![] });
+    r.feed.apply(&FeedMessage { seq: 5, body: Some(delta) }).unwrap();
     let mut steps = String::new();
     for i in 0..7u32 {
         if i == 6 {
-            // B holds the first prompt's 5th block from now on.
+            // B holds the first prompt's 6th block from now on.
             let delta = Msg::Delta(BlockDelta { replica: 1, added: keys(&tokens), removed: vec![] });
-            r.feed.apply(&FeedMessage { seq: 4, body: Some(delta) }).unwrap();
+            r.feed.apply(&FeedMessage { seq: 6, body: Some(delta) }).unwrap();
         }
-        let prompt = format!("{}{i} user: question number {i}?", system());
+        // After the first, the questions begin alike for a mark more than the first's did: the
+        // same family still (its tag is the lookup boundary's, 256 bytes).
+        let prompt = format!("{}user: a question that begins as the others do, number {i}?", system());
         let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&prompt), too_large: false }, &(), 2);
         match step {
             Step::Tokenize(t) => {
                 steps.push('w');
-                // Its own tokens: nobody holds past the shared text, but for the last, which
-                // goes on as the first prompt did (B holds its 5th block).
+                // Its own tokens: the whole system prompt, which A and B hold alike (past the
+                // claim: no gain), then its question; but for the last, which goes on as the
+                // first prompt did (B holds its 6th block).
                 let tail = if i == 6 { 100 } else { 200 + 10 * i };
-                let own: Vec<u32> = shared.iter().copied().chain(tail..tail + 8).collect();
+                let own: Vec<u32> = shared.iter().copied().chain(tail..tail + 4).collect();
                 let read = ok_reply(&own);
                 let read = || read.clone();
                 let reply = TokenizerReply::Answered { status: Some(b"200"), body: &read };
@@ -157,7 +167,7 @@ fn prompts_sharing_leading_text_skip_their_wait_once_waiting_found_nothing_past_
     // Waited, 1 at once, waited, 3 at once, waited (and found B holding more).
     assert_eq!(steps, "wowooow");
     // So the next waits again.
-    let prompt = format!("{}7 user: question number 7?", system());
+    let prompt = format!("{}user: a question that begins as the others do, number 7?", system());
     let step = r.on_body(&Body { path: COMPLETIONS, bytes: &completion(&prompt), too_large: false }, &(), 4);
     assert!(matches!(step, Step::Tokenize(_)), "{step:?}");
 }
