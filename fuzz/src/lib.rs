@@ -6,7 +6,9 @@ use llmgw_core::config::{Compiled, MemoSettings};
 use llmgw_core::feed::{
     Body as Msg, FeedMessage, LoadReport, Replica, ReplicaLoad, ReplicaTable, SnapshotChunk, SnapshotComplete,
 };
-use llmgw_core::flow::{EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, Router, SpeculativeEntries};
+use llmgw_core::flow::{
+    EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, Router, SpeculativeEntries, TokenizerCalls,
+};
 use llmgw_core::hash::{BlockHasher, HashAlgo, RequestExtras};
 
 /// Splits `data` into frames, each a 2-byte little-endian length then that many bytes (the last
@@ -124,4 +126,5 @@ impl ReplicaAvoidance for Counts {
 
 impl SpeculativeEntries for Counts {}
 impl LearnedRates for Counts {}
+impl TokenizerCalls for Counts {}
 impl EarlierTurns for Counts {}
