@@ -58,12 +58,25 @@ impl Default for EarlierPrompts {
 #[derive(Debug, PartialEq)]
 pub struct Claim {
     pub tokens: Vec<u32>,
-    /// The earlier prompt is the start of the new one (else: they share leading text).
-    pub whole: bool,
+    pub on: ClaimOn,
     pub per: (usize, usize),
-    /// Where they share leading text: the tag of its longest lookup boundary (128, 256, 512, …
-    /// bytes) within what they agree on, the family of the prompts that share it.
-    pub family: Option<u128>,
+}
+
+/// What a claim rests on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOn {
+    /// The earlier prompt is the start of the new one.
+    Whole,
+    /// They share leading text; `family`: the tag of its longest lookup boundary (128, 256,
+    /// 512, … bytes) within what they agree on, the family of the prompts that share it.
+    Shared { family: u128 },
+}
+
+impl Claim {
+    /// Whether the earlier prompt is the start of the new one.
+    pub fn whole(&self) -> bool {
+        self.on == ClaimOn::Whole
+    }
 }
 
 /// The lengths of leading text marked in a prompt of `len` bytes.
@@ -157,7 +170,7 @@ impl EarlierPrompts {
             let claim = if begins_with(e) {
                 let n = e.tokens.len().min(e.count.saturating_sub(1));
                 let tokens = e.tokens.iter().copied().take(n).collect();
-                Claim { tokens, whole: true, per: (e.count, e.bytes), family: None }
+                Claim { tokens, on: ClaimOn::Whole, per: (e.count, e.bytes) }
             } else if part_ok {
                 // The tokens of the leading text both agree on (to a mark), at the earlier
                 // prompt's bytes per token, less an eighth.
@@ -166,10 +179,12 @@ impl EarlierPrompts {
                 let n = n.saturating_sub(n / 8);
                 // The family: the tag at the longest lookup boundary within what they agree on
                 // (questions that happen to begin alike past it stay in their system prompt's).
+                // (An earlier prompt is found under a boundary's tag: they agree on one at least.)
                 let agreed_bytes = agreed.saturating_mul(MARK);
-                let family = boundary_tags(&marks).take_while(|&(b, _)| b <= agreed_bytes).last().map(|(_, t)| t.0);
+                let family = boundary_tags(&marks).take_while(|&(b, _)| b <= agreed_bytes).last();
+                let Some((_, family)) = family else { continue };
                 let tokens = e.tokens.iter().copied().take(n).collect();
-                Claim { tokens, whole: false, per: (e.count, e.bytes), family }
+                Claim { tokens, on: ClaimOn::Shared { family: family.0 }, per: (e.count, e.bytes) }
             } else {
                 continue;
             };
@@ -252,7 +267,7 @@ impl Router {
         let (whole_ok, part_ok) = (self.config.route_on_earlier_turns, self.config.route_on_shared_prefixes);
         self.earlier_prompts.take_up(gw);
         let claim = self.earlier_prompts.claim(c.key, &c.parts(), c.text, whole_ok, part_ok).ok_or(None)?;
-        let lookup = if claim.whole { CacheLookup::EarlierTurn } else { CacheLookup::SharedPrefix };
+        let lookup = if claim.whole() { CacheLookup::EarlierTurn } else { CacheLookup::SharedPrefix };
         let mut report = Report { tokenizer_cache: Some(lookup), ..report };
         let model = parsed.model.as_deref();
         let exact = ExactRequest {
@@ -263,19 +278,16 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let mut scored = self.exact(exact, gw, &mut report).ok().ok_or(None)?;
+        let mut scored = self.exact(exact, gw, &mut report).map_err(|_| None)?;
         let (count, bytes) = claim.per;
         scored.tokens = super::earlier_turns::estimated_tokens(count, bytes, c.text.len()).ok_or(None)?;
-        match claim.family {
-            _ if claim.whole => {
-                if self.scratch.scores.total == 0 {
-                    return Err(None);
-                }
-            }
-            Some(family) => {
+        match claim.on {
+            // Its own tokens but the last: held or not, nothing more to learn by waiting.
+            ClaimOn::Whole if self.scratch.scores.total == 0 => return Err(None),
+            ClaimOn::Whole => {}
+            ClaimOn::Shared { family } => {
                 self.the_prefix_decides(profile, &scored, WaitedOn { family, prefix: claim.tokens.len() }, gw)?
             }
-            None => return Err(None),
         }
         self.route_early(req, &scored, report).ok_or(None)
     }
@@ -300,11 +312,11 @@ mod tests {
         let mut next = first.clone();
         next.extend_from_slice(b" and then some more text");
         let c = p.claim(KEY, &[b"ctx"], &next, true, true).unwrap();
-        assert_eq!((c.tokens.len(), c.whole, c.per), (59, true, (60, 300)));
+        assert_eq!((c.tokens.len(), c.whole(), c.per), (59, true, (60, 300)));
         // Not with whole claims off: then only the leading 256 bytes' worth (60 × 256 / 300 = 51,
         // less an eighth).
         let c = p.claim(KEY, &[b"ctx"], &next, false, true).unwrap();
-        assert_eq!((c.tokens.len(), c.whole), (45, false));
+        assert_eq!((c.tokens.len(), c.whole()), (45, false));
         // Another context, or text that differs in its first 128 bytes: nothing.
         assert_eq!(p.claim(KEY, &[b"other"], &next, true, true), None);
         assert_eq!(p.claim(KEY, &[b"ctx"], &text(300, 2), true, true), None);
@@ -324,7 +336,7 @@ mod tests {
         p.learn(KEY, &[], &a, &(0..200).collect::<Vec<_>>());
         let c = p.claim(KEY, &[], &b, true, true).unwrap();
         // The first 576 bytes (nine marks): 200 × 576 / 800 = 144 tokens, less an eighth.
-        assert_eq!((c.tokens.len(), c.whole), (126, false));
+        assert_eq!((c.tokens.len(), c.whole()), (126, false));
         assert_eq!(p.claim(KEY, &[], &b, true, false), None);
     }
 

@@ -188,7 +188,7 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        let mut scored = self.exact(exact, gw, &mut report).ok().ok_or(None)?;
+        let mut scored = self.exact(exact, gw, &mut report).map_err(|_| None)?;
         scored.tokens = estimate;
         let on = WaitedOn { family: tag.0, prefix: tokens.len() };
         self.the_prefix_decides(tags.profile, &scored, on, gw)?;
@@ -196,12 +196,11 @@ impl Router {
     }
 
     /// A request that waited for its tokens was scored on them (`scored`, its scores in the
-    /// scratch space): whether a replica held blocks of it past the prefix it could have been
-    /// routed on, for its family's next members.
-    /// It paid where the replicas holding that whole prefix (among which routing on it would
-    /// have chosen by load alone) held different amounts of the request: its tokens told one
-    /// of them apart. Past a claim, which stops short of the shared text by design, they all
-    /// hold the rest of that text alike, and that is no gain.
+    /// scratch space): whether that paid, for its family's next members. It paid where the
+    /// replicas holding the whole prefix it could have been routed on (among which routing on
+    /// it would have chosen by load alone) held different amounts of the request: its tokens
+    /// told one of them apart. Past a claim, which stops short of the shared text by design,
+    /// they all hold the rest of that text alike, and that is no gain.
     pub(super) fn note_whether_waiting_paid(&mut self, pending: &Pending, scored: Option<&Scored>) {
         let (Some(on), Some(scored)) = (pending.waited_on, scored) else { return };
         let prefix_blocks = u32::try_from(on.prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
