@@ -285,6 +285,7 @@ impl Request {
             return self.call_after_routing(&s, *t);
         }
         self.correct_learning(b.tokens, b.estimated_tokens);
+        self.learn_late(&s);
     }
 
     /// A tokenizer call answered or failed after `round_trip_us`: the histogram and the round

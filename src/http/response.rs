@@ -5,7 +5,7 @@
 use super::Request;
 use super::{Phase, EXPLAIN_HEADER};
 use crate::host::Headers;
-use crate::{inflight, phases};
+use crate::{inflight, phases, Shared};
 use proxy_wasm::types::Action;
 
 /// A response chunk as it went by: when, whether it had data, whether it ended the answer.
@@ -152,14 +152,16 @@ impl Request {
                 match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
                     (true, Some(us), _) => {
                         s.metrics.phase_upstream_first_chunk_us(us);
-                        // The replica's observed time to first token teaches its rates (not
-                        // while its prompt tokens are an estimate still unanswered, by a call or
-                        // by an answer event not yet whole).
+                        // The replica's observed time to first token teaches its rates; while
+                        // its prompt tokens are an estimate still unanswered (by a call, or by an
+                        // answer event not yet whole), once they are ([`Self::learn_late`]).
                         let estimated = matches!(self.phase, Phase::Background { .. })
                             || self.answer.as_ref().is_some_and(|a| a.call.is_some());
-                        if let (Some(basis), Some(addr), false) = (self.learning.take(), &self.counted, estimated) {
-                            if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
-                                s.metrics.shared_update_failed([k]);
+                        if !estimated {
+                            if let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) {
+                                if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
+                                    s.metrics.shared_update_failed([k]);
+                                }
                             }
                         }
                     }
@@ -170,6 +172,16 @@ impl Request {
         }
         if chunk || end_of_stream {
             self.log_phases();
+        }
+    }
+
+    /// A first token that came while the request's prompt tokens were still an estimate
+    /// teaches the replica's rates once they are known (corrected in `learning`).
+    pub(super) fn learn_late(&mut self, s: &Shared) {
+        let Some(us) = self.phases.breakdown().upstream_first_chunk_us else { return };
+        let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) else { return };
+        if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
+            s.metrics.shared_update_failed([k]);
         }
     }
 

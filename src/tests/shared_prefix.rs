@@ -3,6 +3,7 @@
 //! with.
 
 use super::{keys, second_vm, synced, tokenize_answer, B};
+use crate::host::{Headers, Host};
 use proxy_wasm::traits::HttpContext;
 use proxy_wasm::types::Action;
 
@@ -103,5 +104,32 @@ fn a_text_prompt_goes_at_once_on_an_earlier_prompt_it_begins_with_on_any_vm() {
     assert_eq!(e.host.calls.borrow().len(), calls + 1, "the call after routing");
     assert_eq!(e2.counter("llmgw_tokenizer_cache_total.result.earlier_turn"), 1);
     e2.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(1)));
+    ctx.on_log();
+}
+
+#[test]
+fn a_first_token_that_came_before_the_call_after_routing_answered_teaches_the_rates_once_it_does() {
+    let e = synced("", vec![], keys(&sibling(0)), true);
+    let (mut ctx, action) = e.request(CHAT, &chat("q0"));
+    assert_eq!(action, Action::Pause);
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(0)));
+    ctx.on_log();
+    // A sibling goes at once, its length estimated; not asked to stream, so its tokens come
+    // from a call after routing. Its answer streams all the same, and its first chunks come
+    // (and go on) before the call answers.
+    let (mut ctx, action) = e.request(CHAT, &chat("q1"));
+    assert_eq!(action, Action::Continue);
+    let learned = || crate::rates::Learned::read(e.host.as_ref()).of(B).is_some();
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    ctx.on_http_response_headers(2, false);
+    e.host.now_ns.set(e.host.now_ns.get() + 10_000_000);
+    ctx.on_http_response_body(64, false);
+    ctx.on_http_response_body(64, false);
+    assert!(!learned(), "nothing learned from an estimate");
+    // Its tokens: the first chunk's time teaches B's rates, with the length they say.
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(1)));
+    assert!(learned());
+    ctx.on_http_response_body(64, true);
     ctx.on_log();
 }
