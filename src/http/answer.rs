@@ -69,7 +69,11 @@ impl Request {
             }
             (Some(FirstEvent::Missing), Some(call)) => {
                 s.metrics.answer_tokens(false);
-                if !ending {
+                if ending {
+                    // No call from a context being destroyed: its prompt tokens stay an
+                    // estimate, and its first token teaches no rates.
+                    self.learning = None;
+                } else {
                     self.call_after_routing(&s, *call);
                 }
             }

@@ -125,9 +125,14 @@ fn a_first_chunk_goes_on_before_its_ids_and_phases_are_taken() {
     e.host.set_buffer(Buffer::Response, plain.as_bytes());
     ctx.on_http_response_body(plain.len(), false);
     let (calls, missing) = (e.host.calls.borrow().len(), e.counter("llmgw_answer_tokens_total.result.missing"));
+    let rates = || crate::rates::Learned::read(e.host.as_ref()).of(B);
+    let before = rates();
+    e.host.now_ns.set(e.host.now_ns.get() + 500_000_000);
     ctx.on_log();
     assert_eq!(e.counter("llmgw_answer_tokens_total.result.missing"), missing + 1);
     assert_eq!(e.host.calls.borrow().len(), calls, "no call at the end");
+    // Its length stays an estimate: its first chunk teaches B's rates nothing.
+    assert_eq!(rates(), before);
 }
 
 #[test]
