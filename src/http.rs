@@ -62,7 +62,8 @@ pub struct Request {
     /// Its body's room in the VM's body budget, until it is routed or answered.
     held: Option<crate::body_budget::Held>,
     /// What the prediction for its replica rested on, while its observed time to first token
-    /// can still be learned (a streamed 200 answer's first chunk; `crate::rates`).
+    /// can still be learned (a streamed 200 answer's first chunk, taught once its prompt's
+    /// tokens are known; `crate::rates`).
     learning: Option<Box<Basis>>,
     /// The key it is recorded under from its first token, for the next request extending its
     /// prompt (`crate::returns`); whether that record was written (its end is then recorded).
@@ -257,7 +258,7 @@ impl Request {
 
     /// The answer to the tokenizer call made after routing: cached for the next turn; the
     /// tokenizer's health and latency are counted; the prompt tokens the decision estimated
-    /// are corrected in what the replica's first token will teach its rates.
+    /// are corrected in what the replica's first token teaches its rates (now, if it came).
     fn background_reply(
         &mut self,
         started_ns: u64,
@@ -266,8 +267,15 @@ impl Request {
         num_headers: usize,
         body_size: usize,
     ) {
-        let Some(shared) = self.shared.clone() else { return };
-        let Ok(mut s) = shared.try_borrow_mut() else { return };
+        // Unread, the prompt's tokens stay an estimate: its first token teaches no rates.
+        let Some(shared) = self.shared.clone() else {
+            self.learning = None;
+            return;
+        };
+        let Ok(mut s) = shared.try_borrow_mut() else {
+            self.learning = None;
+            return;
+        };
         let now = self.host.now_ns();
         let round_trip_us = now.saturating_sub(started_ns) / 1_000;
         self.call_timed(&mut s, round_trip_us);
@@ -314,7 +322,7 @@ impl Request {
     }
 
     /// The prompt tokens the decision estimated, corrected to `tokens` in what the replica's
-    /// first token will teach its rates (nothing is taught when they stay unknown).
+    /// first token teaches its rates (nothing is taught when they stay unknown).
     fn correct_learning(&mut self, tokens: Option<u64>, estimated: Option<u64>) {
         self.learning = match (self.learning.take(), tokens, estimated) {
             (Some(mut basis), Some(tokens), Some(estimated)) => {

@@ -1,7 +1,8 @@
 //! Rates learned per replica from observed times to first token
 //! ([`llmgw_core::policy::rates`]), shared by every worker of this Envoy through proxy-wasm
-//! shared data like the in-flight counts: a streamed request's first chunk updates its replica's
-//! record with compare-and-swap, and every decision reads the records once.
+//! shared data like the in-flight counts: a streamed request's first chunk (once its prompt's
+//! tokens are known) updates its replica's record with compare-and-swap, and every decision
+//! reads the records once.
 //!
 //! The shared value holds 180-byte records, little-endian: the address's stable hash (u64), its
 //! observations (u32), when it was last updated (u64, nanoseconds), then 20 `f64` (as their bit

@@ -1,6 +1,6 @@
 //! A routed request's response: its status as passive health, the end of its prefill at the
-//! first token, the phases and the replica's rates taken once the first chunk went on, and its
-//! end in the shared counts.
+//! first token, the phases and the replica's rates taken once the first chunk went on (the rates
+//! once the prompt's tokens are known, if later), and its end in the shared counts.
 
 use super::Request;
 use super::{Phase, EXPLAIN_HEADER};
@@ -152,9 +152,9 @@ impl Request {
                 match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
                     (true, Some(us), _) => {
                         s.metrics.phase_upstream_first_chunk_us(us);
-                        // The replica's observed time to first token teaches its rates; while
-                        // its prompt tokens are an estimate still unanswered (by a call, or by an
-                        // answer event not yet whole), once they are ([`Self::learn_late`]).
+                        // The replica's observed time to first token teaches its rates; if its
+                        // prompt tokens are still an estimate (its call, or its answer event, not
+                        // yet whole), once they are known ([`Self::learn_late`]).
                         let estimated = matches!(self.phase, Phase::Background { .. })
                             || self.answer.as_ref().is_some_and(|a| a.call.is_some());
                         if !estimated {

@@ -125,9 +125,10 @@ fn a_first_chunk_goes_on_before_its_ids_and_phases_are_taken() {
     e.host.set_buffer(Buffer::Response, plain.as_bytes());
     ctx.on_http_response_body(plain.len(), false);
     let (calls, missing) = (e.host.calls.borrow().len(), e.counter("llmgw_answer_tokens_total.result.missing"));
+    assert_eq!(e.dest().as_deref(), Some(B));
     let rates = || crate::rates::Learned::read(e.host.as_ref()).of(B);
     let before = rates();
-    e.host.now_ns.set(e.host.now_ns.get() + 500_000_000);
+    assert!(before.is_some(), "the streams before taught B's rates");
     ctx.on_log();
     assert_eq!(e.counter("llmgw_answer_tokens_total.result.missing"), missing + 1);
     assert_eq!(e.host.calls.borrow().len(), calls, "no call at the end");
@@ -202,4 +203,38 @@ data: [DONE]
     assert_eq!(action, Action::Continue);
     assert_eq!(off.host.calls.borrow().len(), calls + 1);
     assert_eq!(off.host.buffer(Buffer::Request, usize::MAX), body);
+}
+
+/// A first event split over two chunks: the first chunk's time teaches the replica's rates once
+/// the event is whole (its ids known), once.
+#[test]
+fn a_first_event_split_over_chunks_teaches_the_rates_once_it_is_whole() {
+    use crate::host::{Buffer, Headers, Host};
+    let first: Vec<u32> = (0..24).collect();
+    let e = synced("", vec![], keys(&first), true);
+    let (mut ctx, _) = e.request(CHAT, &streamed(&["hi"]));
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&first));
+    ctx.on_log();
+    let (mut ctx, action) = e.request(CHAT, &streamed(&["hi", "hello there", "and then?"]));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e.dest().as_deref(), Some(B));
+    let observations = || crate::rates::Learned::read(e.host.as_ref()).of(B).map_or(0, |r| r.observations);
+    let ids = format!("{:?}", (0..40).collect::<Vec<u32>>()).replace(' ', "");
+    let event = format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids}}}\n\n");
+    let (head, tail) = event.split_at(event.len() / 2);
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
+    ctx.on_http_response_headers(2, false);
+    for part in [head, tail] {
+        e.host.set_buffer(Buffer::Response, part.as_bytes());
+        ctx.on_http_response_body(part.len(), false);
+    }
+    // The tail's lessons are taken at the next callback: the event is whole there.
+    assert_eq!(observations(), 0);
+    let next = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+    e.host.set_buffer(Buffer::Response, next.as_bytes());
+    ctx.on_http_response_body(next.len(), true);
+    ctx.on_log();
+    assert_eq!(e.counter("llmgw_answer_tokens_total.result.read"), 1);
+    assert_eq!(observations(), 1);
 }

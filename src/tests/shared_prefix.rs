@@ -127,9 +127,10 @@ fn a_first_token_that_came_before_the_call_after_routing_answered_teaches_the_ra
     ctx.on_http_response_body(64, false);
     ctx.on_http_response_body(64, false);
     assert!(!learned(), "nothing learned from an estimate");
-    // Its tokens: the first chunk's time teaches B's rates, with the length they say.
+    // Its tokens: the first chunk's time teaches B's rates, with the length they say, once.
     e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(1)));
     assert!(learned());
     ctx.on_http_response_body(64, true);
     ctx.on_log();
+    assert_eq!(crate::rates::Learned::read(e.host.as_ref()).of(B).map(|r| r.observations), Some(1));
 }
