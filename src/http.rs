@@ -293,7 +293,7 @@ impl Request {
             return self.call_after_routing(&s, *t);
         }
         self.correct_learning(b.tokens, b.estimated_tokens);
-        self.learn_late(&s);
+        s.metrics.shared_update_failed(self.teach_rates());
     }
 
     /// A tokenizer call answered or failed after `round_trip_us`: the histogram and the round

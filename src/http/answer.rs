@@ -65,7 +65,7 @@ impl Request {
                 let now = self.host.now_ns();
                 let b = self.tokens_after_routing(&mut s, *call.pending, &TokenizerReply::FromAnswer(&ids), now);
                 self.correct_learning(b.tokens, b.estimated_tokens);
-                self.learn_late(&s);
+                s.metrics.shared_update_failed(self.teach_rates());
             }
             (Some(FirstEvent::Missing), Some(call)) => {
                 s.metrics.answer_tokens(false);

@@ -4,8 +4,8 @@
 
 use super::Request;
 use super::{Phase, EXPLAIN_HEADER};
-use crate::host::Headers;
-use crate::{inflight, phases, Shared};
+use crate::host::{Headers, SharedKind};
+use crate::{inflight, phases};
 use proxy_wasm::types::Action;
 
 /// A response chunk as it went by: when, whether it had data, whether it ended the answer.
@@ -148,26 +148,14 @@ impl Request {
         let first = if chunk { self.phases.first_chunk(c.at_ns) } else { self.phases.first_byte(c.at_ns) };
         if first {
             let b = self.phases.breakdown();
+            let taught = self.teach_rates();
             if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
                 match (chunk, b.upstream_first_chunk_us, b.upstream_first_byte_us) {
-                    (true, Some(us), _) => {
-                        s.metrics.phase_upstream_first_chunk_us(us);
-                        // The replica's observed time to first token teaches its rates; if its
-                        // prompt tokens are still an estimate (its call, or its answer event, not
-                        // yet whole), once they are known ([`Self::learn_late`]).
-                        let estimated = matches!(self.phase, Phase::Background { .. })
-                            || self.answer.as_ref().is_some_and(|a| a.call.is_some());
-                        if !estimated {
-                            if let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) {
-                                if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
-                                    s.metrics.shared_update_failed([k]);
-                                }
-                            }
-                        }
-                    }
+                    (true, Some(us), _) => s.metrics.phase_upstream_first_chunk_us(us),
                     (false, _, Some(us)) => s.metrics.phase_upstream_first_byte_us(us),
                     _ => {}
                 }
+                s.metrics.shared_update_failed(taught);
             }
         }
         if chunk || end_of_stream {
@@ -175,14 +163,17 @@ impl Request {
         }
     }
 
-    /// A first token that came while the request's prompt tokens were still an estimate
-    /// teaches the replica's rates once they are known (corrected in `learning`).
-    pub(super) fn learn_late(&mut self, s: &Shared) {
-        let Some(us) = self.phases.breakdown().upstream_first_chunk_us else { return };
-        let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) else { return };
-        if let Err(k) = crate::rates::observe(self.host.as_ref(), addr, &basis, us) {
-            s.metrics.shared_update_failed([k]);
-        }
+    /// The replica's observed time to first token (decision to first body chunk) teaches its
+    /// rates, once, when both are known: that chunk, and the request's prompt tokens (not an
+    /// estimate still awaited from its call or its answer's first event; the estimate is
+    /// corrected in `learning` when they come). Called at the first chunk and where the tokens
+    /// come; whichever is later teaches. The failure, if the shared record was not updated.
+    pub(super) fn teach_rates(&mut self) -> Option<SharedKind> {
+        let estimated =
+            matches!(self.phase, Phase::Background { .. }) || self.answer.as_ref().is_some_and(|a| a.call.is_some());
+        let us = self.phases.breakdown().upstream_first_chunk_us.filter(|_| !estimated)?;
+        let (Some(basis), Some(addr)) = (self.learning.take(), &self.counted) else { return None };
+        crate::rates::observe(self.host.as_ref(), addr, &basis, us).err()
     }
 
     /// Writes the breakdown for Envoy's access log, once.

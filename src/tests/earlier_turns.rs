@@ -74,6 +74,15 @@ fn streamed(turns: &[&str]) -> Vec<u8> {
     body.replacen('{', r#"{"stream":true,"#, 1).into_bytes()
 }
 
+/// A chat stream's first event as vLLM sends it when asked, with prompt ids `0..n`.
+fn first_event(n: u32) -> String {
+    let ids = format!("{:?}", (0..n).collect::<Vec<u32>>()).replace(' ', "");
+    format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids}}}\n\n")
+}
+
+/// A chat stream's next event, with text.
+const NEXT_EVENT: &str = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+
 /// The first chunk of a stream asked for its ids goes to the client before what it teaches is
 /// taken (its ids, its phases): at the next chunk, or at the end of a stream cut after it.
 #[test]
@@ -84,9 +93,8 @@ fn a_first_chunk_goes_on_before_its_ids_and_phases_are_taken() {
     let (mut ctx, _) = e.request(CHAT, &streamed(&["hi"]));
     e.answer(&mut ctx, Some("200"), &tokenize_answer(&first));
     ctx.on_log();
-    let ids = format!("{:?}", (0..40).collect::<Vec<u32>>()).replace(' ', "");
-    let event = format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids}}}\n\n");
-    let next = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+    let event = first_event(40);
+    let next = NEXT_EVENT;
     let read = "llmgw_answer_tokens_total.result.read";
     for cut in [false, true] {
         let samples = e.host.samples("llmgw_phase_upstream_first_chunk_us").len();
@@ -219,8 +227,7 @@ fn a_first_event_split_over_chunks_teaches_the_rates_once_it_is_whole() {
     assert_eq!(action, Action::Continue);
     assert_eq!(e.dest().as_deref(), Some(B));
     let observations = || crate::rates::Learned::read(e.host.as_ref()).of(B).map_or(0, |r| r.observations);
-    let ids = format!("{:?}", (0..40).collect::<Vec<u32>>()).replace(' ', "");
-    let event = format!("data: {{\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids}}}\n\n");
+    let event = first_event(40);
     let (head, tail) = event.split_at(event.len() / 2);
     e.host.set_header(Headers::Response, ":status", Some("200"));
     e.host.set_header(Headers::Response, "content-type", Some("text/event-stream"));
@@ -231,7 +238,7 @@ fn a_first_event_split_over_chunks_teaches_the_rates_once_it_is_whole() {
     }
     // The tail's lessons are taken at the next callback: the event is whole there.
     assert_eq!(observations(), 0);
-    let next = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+    let next = NEXT_EVENT;
     e.host.set_buffer(Buffer::Response, next.as_bytes());
     ctx.on_http_response_body(next.len(), true);
     ctx.on_log();
