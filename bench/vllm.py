@@ -198,7 +198,9 @@ class Router:
             # The ablation: no routing before the tokenizer answers (neither on a conversation's
             # turn before nor on what a request's siblings share).
             waits = {"route_on_earlier_turns": False, "route_on_shared_prefixes": False} if self.name == "llmgw-waits" else {}
-            cfg = kit.filter_config(profile, explain_header=True, **waits)
+            # The shipped defaults: the explain header (a debugging aid, off by default) only
+            # when asked for.
+            cfg = kit.filter_config(profile, explain_header=a.explain_header, **waits)
             text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_interval="0.5s")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
             self.procs.append(proc)
@@ -691,6 +693,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     ap.add_argument("--llmgw-profile", default="{}", help="JSON fields added to llmgw's profile (e.g. its ttft rates)")
+    ap.add_argument("--explain-header", action="store_true",
+                    help="llmgw adds its explain header to every answer (off by default, as shipped)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--wasm", type=Path, default=None, help="the filter to load (default dist/llmgw.wasm)")
     ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")

@@ -61,6 +61,8 @@ pub struct FakeHost {
     /// Filter state the request set (`set_property`), by name, and Envoy's stream attributes
     /// the filter reads, by dotted path (`response.code_details`).
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// How many times Envoy's stream attributes were read (`property`).
+    pub property_reads: Cell<u32>,
     pub tick: Cell<Option<Duration>>,
     next_token: Cell<u32>,
 }
@@ -248,6 +250,7 @@ impl Host for FakeHost {
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.property_reads.set(self.property_reads.get().saturating_add(1));
         self.properties.borrow().get(&path.join(".")).cloned()
     }
 

@@ -155,11 +155,24 @@ pub fn origin(host: &dyn Host, status: u32) -> Origin {
 /// came from ([`origin`]); Envoy's own replies change nothing. `Err` when the record could not
 /// be updated.
 pub fn observe_response(host: &dyn Host, address: &str, status: u32) -> Result<(), SharedKind> {
+    // An answer below 500 is no failure, whoever sent it (Envoy answers a replica's failures
+    // with 502 or 503): it can only clear the replica's record, and only the replica's own
+    // answer may. Nearly every answer finds no record to clear, so Envoy's stream info (host
+    // calls on the first token's way) is read only where there is one.
+    if status < 500 && nothing_recorded(host, KEY, address) {
+        return Ok(());
+    }
     match origin(host, status) {
         Origin::Replica(code) => observe(host, address, code),
         Origin::ReplicaFailed => update(host, KEY, SharedKind::Health, address, true),
         Origin::Envoy => Ok(()),
     }
+}
+
+/// Whether the record under `key` could be read and holds nothing of `address`.
+fn nothing_recorded(host: &dyn Host, key: &str, address: &str) -> bool {
+    let id = address_id(address);
+    host.shared_data(key).is_some_and(|(v, _)| !records(v.as_deref().unwrap_or_default()).any(|a| a.id == id))
 }
 
 /// The replica's answer: 5xx avoids it for a while, anything else clears it. `Err` when the
@@ -251,6 +264,18 @@ mod tests {
         assert!(!Health::read(&host).avoided(A));
         observe_response(&host, A, 502).unwrap();
         assert!(Health::read(&host).avoided(A));
+        // An answer below 500 with nothing to clear reads none of Envoy's stream info.
+        let reads = host.property_reads.get();
+        observe_response(&host, "10.0.0.2:8000", 200).unwrap();
+        assert_eq!(host.property_reads.get(), reads);
+        // Where there is something to clear, only the replica's own answer clears it.
+        host.set_response_info("direct_response", 0);
+        observe_response(&host, A, 200).unwrap();
+        assert!(host.property_reads.get() > reads);
+        assert!(Health::read(&host).avoided(A), "Envoy's own answer cleared the replica's record");
+        host.set_response_info("via_upstream", 0);
+        observe_response(&host, A, 200).unwrap();
+        assert!(!Health::read(&host).avoided(A));
         // A host without the attributes: the status is the replica's, as before.
         let bare = FakeHost::default();
         assert_eq!(origin(&bare, 503), Origin::Replica(503));
