@@ -42,14 +42,17 @@ fn a_tokenizer_that_times_out_is_left_alone_by_every_worker_then_tried_again() {
     let e = synced("", vec![], vec![], true);
     e.host.now_ns.set(1_000_000_000);
     let target = |e: &Env| e.host.last_call().unwrap().header(":authority").map(str::to_owned);
-    // Each request ends (its in-flight count goes) so that equal loads choose A first.
+    // Each request ends (its in-flight count goes), so that loads are equal and a prompt's
+    // call goes where its rendezvous order puts it first.
     let (mut ctx, _) = e.request(COMPLETIONS, hello);
-    assert_eq!(target(&e).as_deref(), Some(A));
+    let first = target(&e).unwrap();
+    let second = if first == A { B } else { A };
     e.answer(&mut ctx, Some("504"), b"");
     ctx.on_log();
-    // The next call (any worker: the record is shared) goes to B; B times out too.
+    // The same prompt's next call (any worker: the record is shared) goes to the other; it
+    // times out too.
     let (mut ctx, _) = e.request(COMPLETIONS, hello);
-    assert_eq!(target(&e).as_deref(), Some(B));
+    assert_eq!(target(&e).as_deref(), Some(second));
     e.answer(&mut ctx, None, b"");
     ctx.on_log();
     // Both failing: no call at all, routed at once.
@@ -59,19 +62,20 @@ fn a_tokenizer_that_times_out_is_left_alone_by_every_worker_then_tried_again() {
     assert_eq!(e.counter("llmgw_tokenizer_failures_total.reason.circuit_open"), 1);
     assert!(e.dest().is_some());
     ctx.on_log();
-    // A second later A is tried again, and a good answer clears it.
+    // A second later both are tried again, and a good answer clears the first.
     e.host.now_ns.set(2_000_000_001);
     let (mut ctx, _) = e.request(COMPLETIONS, hello);
-    assert_eq!(target(&e).as_deref(), Some(A));
+    assert_eq!(target(&e).as_deref(), Some(first.as_str()));
     e.answer(&mut ctx, Some("200"), &tokenize_answer(&tokens));
     ctx.on_log();
-    // A 4xx says nothing about the tokenizer: A stays in use.
-    let (mut ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"other"}"#);
-    assert_eq!(target(&e).as_deref(), Some(A));
+    // A 4xx says nothing about the tokenizer: the same prompt's next call goes there again.
+    let other = br#"{"model":"m","prompt":"other"}"#;
+    let (mut ctx, _) = e.request(COMPLETIONS, other);
+    let to = target(&e);
     e.answer(&mut ctx, Some("400"), b"");
     ctx.on_log();
-    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"third"}"#);
-    assert_eq!(target(&e).as_deref(), Some(A), "a 400 does not open the circuit");
+    let (_ctx, _) = e.request(COMPLETIONS, other);
+    assert_eq!(target(&e), to, "a 400 does not open the circuit");
 }
 
 #[test]
@@ -84,21 +88,25 @@ fn tokenizer_failures_a_request_causes_are_charged_to_it_not_to_the_tokenizer() 
     let e = synced("", vec![], vec![], true);
     e.host.now_ns.set(1_000_000_000);
     let target = |e: &Env| e.host.last_call().unwrap().header(":authority").map(str::to_owned);
+    let mut targets = Vec::new();
     for (i, body) in [&image[..], huge.as_bytes(), &image[..], huge.as_bytes()].into_iter().enumerate() {
         let path = if i % 2 == 0 { "/v1/chat/completions" } else { COMPLETIONS };
         let (mut ctx, _) = e.request(path, body);
-        assert_eq!(target(&e).as_deref(), Some(A), "call {i}: A is still in use");
+        targets.push(target(&e));
         e.answer(&mut ctx, Some("504"), b"");
         ctx.on_log();
     }
+    // Each went where the same request's call went before: none was left alone.
+    assert_eq!((&targets[2], &targets[3]), (&targets[0], &targets[1]), "a tokenizer was left alone");
     assert_eq!(e.counter("llmgw_tokenizer_failures_request_caused_total"), 4);
     assert_eq!(e.counter("llmgw_tokenizer_failures_total.reason.timeout"), 4);
-    let (mut ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hello"}"#);
-    assert_eq!(target(&e).as_deref(), Some(A));
+    let hello = br#"{"model":"m","prompt":"hello"}"#;
+    let (mut ctx, _) = e.request(COMPLETIONS, hello);
+    let struck = target(&e);
     e.answer(&mut ctx, Some("504"), b"");
     ctx.on_log();
-    let (_ctx, _) = e.request(COMPLETIONS, br#"{"model":"m","prompt":"hello again"}"#);
-    assert_eq!(target(&e).as_deref(), Some(B), "an ordinary request's timeout strikes A");
+    let (_ctx, _) = e.request(COMPLETIONS, hello);
+    assert_ne!(target(&e), struck, "an ordinary request's timeout strikes its tokenizer");
 }
 
 #[test]

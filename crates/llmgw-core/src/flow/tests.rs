@@ -314,9 +314,11 @@ fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one()
     impl crate::flow::EarlierTurns for Failing {}
     let text = br#"{"model":"m","prompt":"hello"}"#;
     let mut r = router("", vec![], true);
-    // Equal loads: A first; A failing: B.
-    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[]), 0)).target, A);
-    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[A]), 0)).target, B);
+    // Equal loads: the first in the prompt's rendezvous order; that one failing: the other.
+    let first = tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[]), 0)).target;
+    let (first, second, failing): (&str, &str, &'static [&'static str]) =
+        if first == A { (A, B, &[A]) } else { (B, A, &[B]) };
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(failing), 0)).target, second);
     // Every tokenizer failing: no call, an immediate fallback that names the open circuit,
     // still routed.
     let got = routed(r.on_body(&body(COMPLETIONS, text), &Failing(&[A, B]), 0));
@@ -329,9 +331,35 @@ fn tokenizer_calls_leave_failing_tokenizers_alone_and_prefer_the_dedicated_one()
     );
     r.reconfigure(Compiled::from_json(profile.as_bytes(), None).unwrap());
     assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[]), 0)).target, T);
-    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[T]), 0)).target, A);
+    assert_eq!(tokenize(r.on_body(&body(COMPLETIONS, text), &Failing(&[T]), 0)).target, first);
     let bad = br#"{"profiles":[{"name":"p","models":["m"],"tokenizer_address":"render:8000"}]}"#;
     assert!(Compiled::from_json(bad, None).err().unwrap().to_string().contains("profiles[0].tokenizer_address"));
+}
+
+#[test]
+fn tokenizer_calls_for_different_prompts_spread_over_equally_loaded_replicas() {
+    struct Busy(Option<&'static str>);
+    impl InFlightCounts for Busy {
+        fn in_flight(&self, address: &str) -> u32 {
+            u32::from(self.0 == Some(address))
+        }
+    }
+    impl ReplicaAvoidance for Busy {}
+    impl SpeculativeEntries for Busy {}
+    impl LearnedRates for Busy {}
+    impl crate::flow::TokenizerCalls for Busy {}
+    impl crate::flow::EarlierTurns for Busy {}
+    let mut r = router("", vec![], true);
+    let text = |i: u32| format!(r#"{{"model":"m","prompt":"a long shared start, then question {i}"}}"#);
+    let targets = |r: &mut Router, gw: &Busy| -> Vec<String> {
+        (0..16).map(|i| tokenize(r.on_body(&body(COMPLETIONS, text(i).as_bytes()), gw, 0)).target).collect()
+    };
+    // Idle replicas: the calls of different prompts go to both, the same prompt's to one.
+    let idle = targets(&mut r, &Busy(None));
+    assert!(idle.iter().any(|t| t == A) && idle.iter().any(|t| t == B), "{idle:?}");
+    assert_eq!(idle, targets(&mut r, &Busy(None)));
+    // A busier: every call goes to B.
+    assert!(targets(&mut r, &Busy(Some(A))).iter().all(|t| t == B));
 }
 
 #[test]
@@ -369,7 +397,8 @@ fn a_call_the_dedicated_tokenizer_declines_goes_once_to_a_replica_without_striki
     // Declined: the same call, now to the least-loaded replica; the decline is reported and
     // does not count against the dedicated tokenizer's circuit.
     let again = tokenize(declined(&mut r, *first.pending));
-    assert_eq!((again.target.as_str(), again.path), (A, first.path));
+    assert!([A, B].contains(&again.target.as_str()), "{}", again.target);
+    assert_eq!(again.path, first.path);
     assert_eq!(again.body, first.body);
     assert_eq!(again.report.tokenizer_failure, Some(TokenizerFailure::Declined));
     assert!(!TokenizerFailure::Declined.strikes());

@@ -149,6 +149,24 @@ pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits) -> Option<usize> {
     least_of(cands, &limits.eligible(cands))
 }
 
+/// The least-loaded healthy replica for a tokenizer call, ties broken by `key`'s rendezvous
+/// order (a key of the call's prompt): calls made at once for different prompts spread over
+/// equally loaded replicas' API servers instead of queueing on one (the first of them by
+/// address, or by KV-cache use, which says nothing of an API server's work).
+pub fn least_loaded_for(cands: &[Candidate<'_>], limits: &Limits, key: u64) -> Option<usize> {
+    limits
+        .eligible(cands)
+        .into_iter()
+        .filter_map(|i| cands.get(i).map(|c| (i, c)))
+        .min_by(|(_, a), (_, b)| {
+            a.pressure()
+                .cmp(&b.pressure())
+                .then(b.rendezvous_weight(key).cmp(&a.rendezvous_weight(key)))
+                .then(a.address.cmp(b.address))
+        })
+        .map(|(i, _)| i)
+}
+
 /// The load bound: `ceil(factor × (total pressure + 1) / n) + slack`, the most pressure a
 /// replica may have after taking the request.
 fn load_cap(cands: &[Candidate<'_>], idx: &[usize], factor: f64, slack: u32) -> u64 {
