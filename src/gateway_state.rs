@@ -16,8 +16,8 @@ use crate::recent::Recent;
 use crate::returns::Returns;
 use crate::speculative::Entries;
 use llmgw_core::flow::{
-    AllWaits, EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SharedPrompt, SpeculativeEntries,
-    SpeculativeHit, TokenizerCalls,
+    EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SharedPrompt, SpeculativeEntries, SpeculativeHit,
+    TokenizerCalls,
 };
 use llmgw_core::policy::rates::Rates;
 use llmgw_core::policy::returns::Returning;
@@ -114,14 +114,13 @@ impl TokenizerCalls for Snapshot {
         crate::wait_families::of(self.host.as_ref(), family)
     }
 
-    fn all_waits(&self) -> Option<AllWaits> {
-        crate::wait_families::all(self.host.as_ref())
+    fn every_family_waits(&self) -> Option<u8> {
+        crate::wait_families::every(self.host.as_ref())
     }
 
-    fn record_wait(&self, family: u128, paid: bool, local: (u8, u8)) -> Option<(u8, u8)> {
-        let (counts, failed) = crate::wait_families::record(self.host.as_ref(), family, paid, local);
+    fn record_waits(&self, family: u128, unpaid: u8, every_family: u8) {
+        let failed = crate::wait_families::record(self.host.as_ref(), family, unpaid, every_family);
         self.failed.borrow_mut().extend(failed);
-        counts
     }
 }
 

@@ -1,26 +1,20 @@
 //! What the workers' waits for a request's own tokens found, per family of requests that share
 //! a prefix (`llmgw_core::flow::wait_ledger`), shared by every worker of this Envoy through
 //! proxy-wasm shared data, so that a family is learned once per Envoy, not once per worker.
-//! Each wait updates the counts with compare-and-swap, counting on from what the value holds
-//! then (so concurrent workers' waits all count, and a wait that paid is never overwritten by a
-//! stale count); the family's count is read where a worker meets a family it has not seen,
-//! would make a member wait, or sees that a wait paid since (up to 20 KiB each), and every
-//! family's (8 bytes) at each member that might go at once.
+//! Read where a worker meets a family it has not seen or would make a member wait (not at
+//! every decision); written with compare-and-swap after each wait.
 //!
 //! Two values: the families' counts, 20-byte records (the family's tag, u128; its waits in a
 //! row that found nothing past the prefix, u32; little-endian), the most recently written last,
-//! at most [`MAX_WAIT_FAMILIES`] (the ledger's own bound: the oldest go first); and every
-//! family's, two u32: its waits in a row that found nothing past the prefix, and the waits that
-//! paid so far. Family tags carry the hashing plan they were computed under, so a
-//! configuration that changes it starts new records; one that changes other settings keeps
-//! what was learned of the traffic (whether its questions repeat).
+//! at most [`MAX_FAMILIES`] (the ledger's own bound: the oldest go first); and every family's
+//! count, one u32.
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{decode, encode, FieldReader, SharedRecord};
-use llmgw_core::flow::{unpaid_after, AllWaits, MAX_WAIT_FAMILIES};
+use llmgw_core::flow::wait_ledger::MAX_FAMILIES;
 
 const KEY: &str = "llmgw.wait_families";
-const ALL_KEY: &str = "llmgw.wait_families.all";
+const EVERY_KEY: &str = "llmgw.wait_families.every";
 
 /// One family's count.
 struct Family {
@@ -39,60 +33,37 @@ impl SharedRecord for Family {
     }
 }
 
-fn count(unpaid: u32) -> u8 {
-    u8::try_from(unpaid).unwrap_or(u8::MAX)
-}
-
-/// `family`'s count in the value `v` (its latest record).
-fn family_in(v: &[u8], family: u128) -> Option<u8> {
-    let records: Vec<Family> = decode::<Family>(v).collect();
-    records.iter().rev().find(|f| f.tag == family).map(|f| count(f.unpaid))
-}
-
-/// Every family's counts in the value `v`.
-fn all_in(v: &[u8]) -> Option<AllWaits> {
-    let mut f = FieldReader::new(v);
-    Some(AllWaits { unpaid: count(f.u32()?), paid: f.u32()? })
-}
-
-/// `family`'s count as every worker's waits left it.
+/// `family`'s count as the worker that waited last recorded it.
 pub fn of(host: &dyn Host, family: u128) -> Option<u8> {
-    family_in(&host.shared_data(KEY).and_then(|(v, _)| v)?, family)
+    let value = host.shared_data(KEY).and_then(|(v, _)| v)?;
+    let unpaid = decode::<Family>(&value).filter(|f| f.tag == family).last()?.unpaid;
+    Some(u8::try_from(unpaid).unwrap_or(u8::MAX))
 }
 
-/// Every family's counts.
-pub fn all(host: &dyn Host) -> Option<AllWaits> {
-    all_in(&host.shared_data(ALL_KEY).and_then(|(v, _)| v)?)
+/// Every family's count.
+pub fn every(host: &dyn Host) -> Option<u8> {
+    let value = host.shared_data(EVERY_KEY).and_then(|(v, _)| v)?;
+    let unpaid = FieldReader::new(&value).u32()?;
+    Some(u8::try_from(unpaid).unwrap_or(u8::MAX))
 }
 
-/// Applies what one wait found (`paid`) to `family`'s count (moved to the end) and every
-/// family's, each from what the value holds as it is updated (`local`: this worker's counts,
-/// where it holds none). The counts after it (`None` unless both were updated), and the kinds
-/// not updated (refused, or every compare-and-swap lost its race).
-pub fn record(host: &dyn Host, family: u128, paid: bool, local: (u8, u8)) -> (Option<(u8, u8)>, Vec<SharedKind>) {
-    let mut unpaid = local.0;
+/// Records a wait's counts: `family`'s (moved to the end) and every family's. The kinds not
+/// updated (refused, or every compare-and-swap lost its race).
+pub fn record(host: &dyn Host, family: u128, unpaid: u8, every_family: u8) -> Vec<SharedKind> {
+    let mut failed = Vec::new();
     let families = update_shared(host, KEY, |v| {
-        unpaid = unpaid_after(family_in(v, family).unwrap_or(local.0), paid);
         let mut out: Vec<Family> = decode::<Family>(v).filter(|f| f.tag != family).collect();
         out.push(Family { tag: family, unpaid: u32::from(unpaid) });
-        let extra = out.len().saturating_sub(MAX_WAIT_FAMILIES);
+        let extra = out.len().saturating_sub(MAX_FAMILIES);
         out.drain(..extra);
         Some(encode(out))
     });
-    let mut every = local.1;
-    let everyone = update_shared(host, ALL_KEY, |v| {
-        let was = all_in(v);
-        every = unpaid_after(was.map_or(local.1, |a| a.unpaid), paid);
-        let paid_so_far = was.map_or(0, |a| a.paid).wrapping_add(u32::from(paid));
-        let mut out = u32::from(every).to_le_bytes().to_vec();
-        out.extend_from_slice(&paid_so_far.to_le_bytes());
-        Some(out)
-    });
-    if families && everyone {
-        return (Some((unpaid, every)), Vec::new());
+    let every = update_shared(host, EVERY_KEY, |_| Some(u32::from(every_family).to_le_bytes().to_vec()));
+    if !families || !every {
+        log::debug!("llmgw: the waits' counts of a family were not shared (shared data refused or contended)");
+        failed.push(SharedKind::WaitFamilies);
     }
-    log::debug!("llmgw: a wait's finding was not shared with the other workers (shared data refused or contended)");
-    (None, vec![SharedKind::WaitFamilies])
+    failed
 }
 
 #[cfg(test)]
@@ -101,26 +72,19 @@ mod tests {
     use crate::fake::FakeHost;
 
     #[test]
-    fn each_wait_counts_on_from_what_the_workers_left_and_the_oldest_families_go_first() {
+    fn every_worker_reads_the_latest_count_of_each_family_and_the_oldest_go_first() {
         let host = FakeHost::default();
-        assert_eq!((of(&host, 1), all(&host)), (None, None));
-        // From the worker's own counts where nothing is held.
-        assert_eq!(record(&host, 1, false, (1, 2)), (Some((2, 3)), vec![]));
-        assert_eq!(record(&host, 7, false, (0, 0)), (Some((1, 4)), vec![]));
-        assert_eq!((of(&host, 1), of(&host, 7)), (Some(2), Some(1)));
-        // Then from what is held, whatever the worker knew (a stale count does not win).
-        assert_eq!(record(&host, 1, false, (0, 0)), (Some((3, 5)), vec![]));
-        // A wait that paid: both counts back to nothing, and one more wait that paid.
-        assert_eq!(record(&host, 1, true, (5, 5)).0, Some((0, 0)));
-        assert_eq!(all(&host), Some(AllWaits { unpaid: 0, paid: 1 }));
-        // A lost race is tried again from the value as it then is.
-        host.cas_failures.set(1);
-        assert_eq!(record(&host, 1, false, (0, 0)).0, Some((1, 1)));
+        assert_eq!((of(&host, 1), every(&host)), (None, None));
+        assert!(record(&host, 1, 2, 2).is_empty());
+        assert!(record(&host, 7, 0, 0).is_empty());
+        assert_eq!((of(&host, 1), of(&host, 7), every(&host)), (Some(2), Some(0), Some(0)));
+        record(&host, 1, 3, 1);
+        assert_eq!((of(&host, 1), every(&host)), (Some(3), Some(1)));
         // Bounded: the families written longest ago go first.
-        for f in 100..(100 + MAX_WAIT_FAMILIES as u128) {
-            record(&host, f, false, (0, 0));
+        for f in 100..(100 + MAX_FAMILIES as u128) {
+            record(&host, f, 1, 1);
         }
         assert_eq!((of(&host, 1), of(&host, 100)), (None, Some(1)));
-        assert_eq!(host.shared_value(KEY).unwrap().len(), 20 * MAX_WAIT_FAMILIES);
+        assert_eq!(host.shared_value(KEY).unwrap().len(), 20 * MAX_FAMILIES);
     }
 }

@@ -71,33 +71,19 @@ pub trait TokenizerCalls {
         None
     }
     /// What the gateway's waits for a request's own tokens found for `family` (see
-    /// [`super::wait_ledger`]): its waits in a row that found nothing past the prefix, as every
-    /// worker's waits left them; `None` where none is recorded.
+    /// [`super::wait_ledger`]): its waits in a row that found nothing past the prefix, as the
+    /// worker that waited last recorded them; `None` where none is recorded.
     fn family_waits(&self, _family: u128) -> Option<u8> {
         None
     }
-    /// Every family's waits in a row that found nothing past the prefix, and how many waits
-    /// have paid so far (of any family, on any worker); `None` where none is recorded.
-    fn all_waits(&self) -> Option<AllWaits> {
+    /// The waits in a row, of any family on any worker, that found nothing past the prefix;
+    /// `None` where none is recorded.
+    fn every_family_waits(&self) -> Option<u8> {
         None
     }
-    /// Applies what one wait found (`paid`) to the counts the gateway holds, as one update
-    /// (concurrent workers' waits all count), starting from `local` (this worker's counts:
-    /// the family's, every family's) where it holds none; the counts after it, or `None` where
-    /// it keeps none or could not update them.
-    fn record_wait(&self, _family: u128, _paid: bool, _local: (u8, u8)) -> Option<(u8, u8)> {
-        None
-    }
-}
-
-/// Every family's waits as the gateway holds them (see [`TokenizerCalls::all_waits`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AllWaits {
-    /// Waits in a row, of any family, that found nothing past the prefix.
-    pub unpaid: u8,
-    /// Waits that paid so far, of any family: a change tells a worker to read a family's
-    /// count again.
-    pub paid: u32,
+    /// Records what a wait found: `family`'s waits in a row that found nothing past the
+    /// prefix, and every family's.
+    fn record_waits(&self, _family: u128, _unpaid: u8, _every_family: u8) {}
 }
 
 /// Tokenizations this Envoy made, for the next turn of chat conversations (see

@@ -37,12 +37,10 @@ mod tokenizer_reply;
 mod tokenizer_target;
 pub mod tokenizer_wait;
 mod triage;
-mod wait_ledger;
-pub use wait_ledger::{unpaid_after, MAX_FAMILIES as MAX_WAIT_FAMILIES, MAX_UNPAID};
+pub mod wait_ledger;
 
 pub use gateway::{
-    AllWaits, EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries,
-    TokenizerCalls,
+    EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
 };
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};

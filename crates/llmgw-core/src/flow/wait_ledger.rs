@@ -14,16 +14,13 @@
 //! in a row, so that each new system prompt's first members do not each wait to learn what the
 //! others already showed.
 //!
-//! Each worker keeps its own ledger, and what each wait found is also applied to counts the
-//! gateway holds ([`TokenizerCalls::record_wait`]; the filter keeps them in Envoy's shared
-//! data), so that the workers learn together: a family a worker has not seen starts from the
-//! count the workers' waits left for it (else from every family's), each wait counts on from
-//! that count, a worker whose next member would wait first takes up a larger count another
-//! worker's waits reached, and a wait that paid on any worker makes the next member of its
-//! family wait on every worker (each worker reads the family's count again once it sees that
-//! the gateway's count of paid waits moved). Without that, an Envoy of N workers would wait N
-//! times to learn each family, and go on sending members at once where another worker had
-//! just found that waiting pays.
+//! Each worker keeps its own ledger, and what a wait found is also handed to the gateway
+//! ([`TokenizerCalls::record_waits`]; the filter keeps it in Envoy's shared data), so that the
+//! workers learn together: a family a worker has not seen starts from what another worker's
+//! waits found for it (else from every family's count), each wait counts on from the count the
+//! gateway holds, and a worker whose members would wait again first takes up a larger count
+//! another worker's waits reached since. Without that, an Envoy of N workers would wait N times
+//! to learn each family.
 
 use super::gateway::TokenizerCalls;
 use super::recent::Recent;
@@ -33,7 +30,7 @@ pub const MAX_FAMILIES: usize = 1024;
 
 /// The most waits in a row that found nothing past the prefix counted: afterwards one member
 /// in 2^6 still waits, so a family whose questions start to repeat is noticed.
-pub const MAX_UNPAID: u8 = 6;
+const MAX_UNPAID: u8 = 6;
 
 /// A request that waited for its tokens to learn for its family (`family`, a tag) whether they
 /// show more than the `prefix` tokens it could have been routed on.
@@ -50,9 +47,6 @@ struct Waits {
     unpaid: u8,
     /// Members that may still go at once before the next one waits to check.
     at_once: u8,
-    /// The gateway's count of paid waits when this count was last taken from it or checked
-    /// against it.
-    paid_seen: Option<u32>,
 }
 
 /// Each family's recent waits, and every family's.
@@ -72,51 +66,37 @@ impl Default for WaitLedger {
 
 impl WaitLedger {
     /// A member of `family` that waited for its own tokens found a replica holding blocks past
-    /// the prefix (`paid`), or none did. Counted in the gateway's counts (which go on from any
-    /// worker's latest), else in this worker's.
+    /// the prefix (`paid`), or none did. The counts go on from those the gateway holds (any
+    /// worker's latest), else from this worker's, and are handed back to it.
     pub fn waited(&mut self, family: u128, paid: bool, gw: &dyn TokenizerCalls) {
-        let local = (self.families.peek(family).map_or(0, |w| w.unpaid), self.streak);
-        let (unpaid, streak) = gw
-            .record_wait(family, paid, local)
-            .map(|(u, s)| (u.min(MAX_UNPAID), s.min(MAX_UNPAID)))
-            .unwrap_or_else(|| (unpaid_after(local.0, paid), unpaid_after(local.1, paid)));
-        self.families.insert(family, Waits { unpaid, at_once: at_once_after(unpaid), paid_seen: None });
-        self.streak = streak;
+        let before = gw.family_waits(family).or_else(|| self.families.peek(family).map(|w| w.unpaid));
+        let unpaid = unpaid_after(before.unwrap_or(0), paid);
+        self.families.insert(family, Waits { unpaid, at_once: at_once_after(unpaid) });
+        self.streak = unpaid_after(gw.every_family_waits().unwrap_or(self.streak), paid);
+        gw.record_waits(family, unpaid, self.streak);
     }
 
     /// Whether a member of `family` may skip waiting for its tokens (and counts it). A family
-    /// seen first here goes by the count the gateway holds for it, else by every family's
-    /// waits in a row; its own count starts from its own first wait. Where a wait paid since
-    /// (on any worker), the family's count is read again and a lower one taken; a member that
-    /// would wait goes at once after all where the gateway's count is higher than this
-    /// worker's (another worker's waits found nothing past the prefix since).
+    /// seen first here goes by what the gateway's waits found for it, else by every family's
+    /// waits in a row; its own count starts from its own first wait. A member that would wait
+    /// goes at once after all where another worker's waits found nothing past the prefix more
+    /// times in a row than this worker knew.
     pub fn skips_waiting(&mut self, family: u128, gw: &dyn TokenizerCalls) -> bool {
-        let all = gw.all_waits();
         // Only a family given members to send at once takes a slot before its first wait.
         if !self.families.contains(family) {
-            let (unpaid, at_once) = match gateway_count(gw, family) {
+            let (unpaid, at_once) = match gw.family_waits(family) {
                 Some(unpaid) => (unpaid, at_once_after(unpaid)),
-                None => (0, at_once_after(all.map_or(self.streak, |a| a.unpaid.min(MAX_UNPAID)))),
+                None => (0, at_once_after(gw.every_family_waits().unwrap_or(self.streak))),
             };
             if at_once == 0 {
                 return false;
             }
-            self.families.insert(family, Waits { unpaid, at_once, paid_seen: all.map(|a| a.paid) });
+            self.families.insert(family, Waits { unpaid, at_once });
         }
         let Some(w) = self.families.get(family) else { return false };
-        if let Some(a) = all.filter(|a| w.paid_seen != Some(a.paid)) {
-            w.paid_seen = Some(a.paid);
-            if let Some(unpaid) = gateway_count(gw, family).filter(|&u| u < w.unpaid) {
-                w.unpaid = unpaid;
-                w.at_once = w.at_once.min(at_once_after(unpaid));
-            }
-        }
         if w.at_once == 0 {
-            match gateway_count(gw, family).filter(|&u| u > w.unpaid) {
-                Some(unpaid) => {
-                    w.unpaid = unpaid;
-                    w.at_once = at_once_after(unpaid);
-                }
+            match gw.family_waits(family).filter(|&u| u > w.unpaid) {
+                Some(unpaid) => *w = Waits { unpaid, at_once: at_once_after(unpaid) },
                 None => return false,
             }
         }
@@ -135,13 +115,8 @@ impl WaitLedger {
     }
 }
 
-/// `family`'s count as the gateway holds it, within [`MAX_UNPAID`] (another build's may not be).
-fn gateway_count(gw: &dyn TokenizerCalls, family: u128) -> Option<u8> {
-    gw.family_waits(family).map(|u| u.min(MAX_UNPAID))
-}
-
 /// The waits in a row that found nothing past the prefix, after one that did (`paid`) or not.
-pub fn unpaid_after(unpaid: u8, paid: bool) -> u8 {
+fn unpaid_after(unpaid: u8, paid: bool) -> u8 {
     if paid {
         0
     } else {
@@ -208,23 +183,18 @@ mod tests {
     struct Shared {
         families: std::cell::RefCell<std::collections::HashMap<u128, u8>>,
         every: std::cell::Cell<Option<u8>>,
-        paid: std::cell::Cell<u32>,
     }
 
     impl TokenizerCalls for Shared {
         fn family_waits(&self, family: u128) -> Option<u8> {
             self.families.borrow().get(&family).copied()
         }
-        fn all_waits(&self) -> Option<crate::flow::AllWaits> {
-            self.every.get().map(|unpaid| crate::flow::AllWaits { unpaid, paid: self.paid.get() })
+        fn every_family_waits(&self) -> Option<u8> {
+            self.every.get()
         }
-        fn record_wait(&self, family: u128, paid: bool, local: (u8, u8)) -> Option<(u8, u8)> {
-            let unpaid = unpaid_after(self.family_waits(family).unwrap_or(local.0), paid);
-            let every = unpaid_after(self.every.get().unwrap_or(local.1), paid);
+        fn record_waits(&self, family: u128, unpaid: u8, every_family: u8) {
             self.families.borrow_mut().insert(family, unpaid);
-            self.every.set(Some(every));
-            self.paid.set(self.paid.get().wrapping_add(u32::from(paid)));
-            Some((unpaid, every))
+            self.every.set(Some(every_family));
         }
     }
 
@@ -232,8 +202,8 @@ mod tests {
     fn workers_learn_together_through_the_gateway() {
         let gw = Shared::default();
         let (mut one, mut two) = (WaitLedger::default(), WaitLedger::default());
-        let at_once = |l: &mut WaitLedger, family| (0..100).take_while(|_| l.skips_waiting(family, &gw)).count();
         // Worker one's waits found nothing past family 1's prefix twice in a row.
+        let at_once = |l: &mut WaitLedger, family| (0..100).take_while(|_| l.skips_waiting(family, &gw)).count();
         one.waited(1, false, &gw);
         one.waited(1, false, &gw);
         assert_eq!(at_once(&mut one, 1), 3);
@@ -246,39 +216,13 @@ mod tests {
         assert_eq!(gw.family_waits(1), Some(3));
         // Worker one, out of members to send at once, takes up the larger count.
         assert_eq!(at_once(&mut one, 1), 7);
-    }
-
-    #[test]
-    fn a_wait_that_paid_on_one_worker_makes_the_next_member_wait_on_every_worker() {
-        let gw = Shared::default();
-        let (mut one, mut two) = (WaitLedger::default(), WaitLedger::default());
-        for _ in 0..3 {
-            one.waited(1, false, &gw);
-        }
-        // Worker two takes up family 1's count and sends one member at once, 6 left to send.
-        assert!(two.skips_waiting(1, &gw));
-        // Worker one's wait finds a replica holding more (a question asked before): worker
-        // two's next member waits, though it had members left to send at once.
-        one.waited(1, true, &gw);
-        assert!(!two.skips_waiting(1, &gw));
-        // The count goes on from there on either worker: one wait that found nothing, one
-        // member at once.
-        two.waited(1, false, &gw);
+        // A wait that paid on worker two: worker one's next member waits, and its wait counts
+        // from nothing again (one member at once after it, on either worker).
+        two.waited(1, true, &gw);
+        assert!(!one.skips_waiting(1, &gw));
+        one.waited(1, false, &gw);
         assert_eq!(gw.family_waits(1), Some(1));
-        assert!(one.skips_waiting(1, &gw) && !one.skips_waiting(1, &gw));
-        // Another family's count is read again too, but only a lower one is taken.
-        one.waited(2, false, &gw);
-        assert!(two.skips_waiting(2, &gw));
-    }
-
-    #[test]
-    fn a_count_past_the_cap_from_the_gateway_is_taken_at_the_cap() {
-        let gw = Shared::default();
-        gw.families.borrow_mut().insert(1, 200);
-        gw.every.set(Some(200));
-        let mut l = WaitLedger::default();
-        assert_eq!((0..300).take_while(|_| l.skips_waiting(1, &gw)).count(), 63);
-        assert_eq!((0..300).take_while(|_| l.skips_waiting(2, &gw)).count(), 63);
+        assert_eq!((at_once(&mut two, 1), at_once(&mut one, 1)), (1, 1));
     }
 
     #[test]
