@@ -4,12 +4,11 @@
 //! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`) and
 //! the requests answered lately (`crate::returns`);
 //! the tokens kept for conversations' next turns (`crate::earlier_turns`), the text prompts
-//! the other VMs handed on (`crate::earlier_prompts`), the tokenizer calls' usual round trip
-//! (`crate::tokenizer_times`) and what waits for requests' own tokens found
-//! (`crate::wait_families`) are read when asked; the last is also written through it.
+//! the other VMs handed on (`crate::earlier_prompts`) and the tokenizer calls' usual round trip
+//! (`crate::tokenizer_times`) are read when asked.
 
 use crate::health::Health;
-use crate::host::{Host, SharedKind};
+use crate::host::Host;
 use crate::inflight::Counts;
 use crate::rates::Learned;
 use crate::recent::Recent;
@@ -21,7 +20,6 @@ use llmgw_core::flow::{
 };
 use llmgw_core::policy::rates::Rates;
 use llmgw_core::policy::returns::Returning;
-use std::cell::RefCell;
 use std::rc::Rc;
 
 pub struct Snapshot {
@@ -33,17 +31,9 @@ pub struct Snapshot {
     rates: Learned,
     recent: Recent,
     returns: Returns,
-    /// The shared records the router's writes could not update (see [`Snapshot::take_failed`]).
-    failed: RefCell<Vec<SharedKind>>,
 }
 
 impl Snapshot {
-    /// The shared records the router's writes through this snapshot could not update, for the
-    /// metrics.
-    pub fn take_failed(&self) -> Vec<SharedKind> {
-        self.failed.take()
-    }
-
     pub fn read(shared: &Rc<dyn Host>) -> Snapshot {
         let host = shared.as_ref();
         Snapshot {
@@ -55,7 +45,6 @@ impl Snapshot {
             rates: Learned::read(host),
             recent: Recent::read(host),
             returns: Returns::read(host),
-            failed: RefCell::new(Vec::new()),
         }
     }
 }
@@ -108,19 +97,6 @@ impl LearnedRates for Snapshot {
 impl TokenizerCalls for Snapshot {
     fn tokenizer_round_trip_us(&self) -> Option<u64> {
         crate::tokenizer_times::median_us(self.host.as_ref())
-    }
-
-    fn family_waits(&self, family: u128) -> Option<u8> {
-        crate::wait_families::of(self.host.as_ref(), family)
-    }
-
-    fn every_family_waits(&self) -> Option<u8> {
-        crate::wait_families::every(self.host.as_ref())
-    }
-
-    fn record_waits(&self, family: u128, unpaid: u8, every_family: u8) {
-        let failed = crate::wait_families::record(self.host.as_ref(), family, unpaid, every_family);
-        self.failed.borrow_mut().extend(failed);
     }
 }
 

@@ -65,12 +65,10 @@ pub enum SharedKind {
     EarlierPrompts,
     /// The tokenizer calls' round trips (`crate::tokenizer_times`).
     TokenizerTimes,
-    /// What the waits for requests' own tokens found, per family (`crate::wait_families`).
-    WaitFamilies,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 12] = [
+    pub const ALL: [SharedKind; 11] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
@@ -82,7 +80,6 @@ impl SharedKind {
         SharedKind::EarlierTurns,
         SharedKind::EarlierPrompts,
         SharedKind::TokenizerTimes,
-        SharedKind::WaitFamilies,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -98,7 +95,6 @@ impl SharedKind {
             SharedKind::EarlierTurns => "earlier_turns",
             SharedKind::EarlierPrompts => "earlier_prompts",
             SharedKind::TokenizerTimes => "tokenizer_times",
-            SharedKind::WaitFamilies => "wait_families",
         }
     }
 }

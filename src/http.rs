@@ -392,8 +392,6 @@ impl Context for Request {
         let step = self.with_call_reply(num_headers, body_size, |reply| {
             s.router.on_tokenizer_reply(*pending, reply, &in_flight, t0)
         });
-        // What its wait found went to the other workers (`crate::wait_families`).
-        s.metrics.shared_update_failed(in_flight.take_failed());
         // The tokenizer's circuit breaker: a timeout, reset, 5xx or garbage leaves it alone for
         // a while; a good answer clears it.
         let failure = step.report().tokenizer_failure;

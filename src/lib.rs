@@ -30,7 +30,6 @@ mod returns;
 mod shared_records;
 mod speculative;
 mod tokenizer_times;
-mod wait_families;
 mod warm_view;
 
 #[cfg(feature = "bench-internals")]

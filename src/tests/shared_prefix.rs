@@ -83,35 +83,6 @@ fn where_two_replicas_hold_the_prefix_a_sibling_goes_at_once_once_calls_are_know
 }
 
 #[test]
-fn what_one_workers_waits_found_lets_another_workers_siblings_go_at_once() {
-    // A and B both hold the system prompt: a sibling waits for its own tokens to learn whether
-    // one of them holds more of it. On the first VM the second and fourth siblings wait and
-    // find nothing past the prefix (the third goes at once between them).
-    let system: Vec<u64> = keys(&sibling(0)).into_iter().take(4).collect();
-    let e = synced("", system.clone(), keys(&sibling(0)), true);
-    let e2 = second_vm(&e, system, keys(&sibling(0)));
-    let mut seen = String::new();
-    for i in 0..4u32 {
-        let (mut ctx, action) = e.request(CHAT, &chat(&format!("q{i}")));
-        seen.push(if action == Action::Pause { 'w' } else { 'o' });
-        e.host.now_ns.set(e.host.now_ns.get() + 5_000_000);
-        e.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(i)));
-        ctx.on_log();
-    }
-    assert_eq!(seen, "wwow");
-    // The other VM has seen none of the family: it goes by what the first VM's waits found
-    // (3 members at once), not by its own none.
-    for i in 4..7u32 {
-        let (mut ctx, action) = e2.request(CHAT, &chat(&format!("q{i}")));
-        assert_eq!(action, Action::Continue, "sibling {i} waited on the second VM");
-        e2.answer(&mut ctx, Some("200"), &tokenize_answer(&sibling(i)));
-        ctx.on_log();
-    }
-    let (_ctx, action) = e2.request(CHAT, &chat("q7"));
-    assert_eq!(action, Action::Pause, "the fourth waits to check");
-}
-
-#[test]
 fn a_text_prompt_goes_at_once_on_an_earlier_prompt_it_begins_with_on_any_vm() {
     const COMPLETIONS: &str = "/v1/completions";
     let first = format!("system: {}\\nuser: hello?\\nassistant:", "be brief. ".repeat(14));

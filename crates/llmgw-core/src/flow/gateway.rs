@@ -70,20 +70,6 @@ pub trait TokenizerCalls {
     fn tokenizer_round_trip_us(&self) -> Option<u64> {
         None
     }
-    /// What the gateway's waits for a request's own tokens found for `family` (see
-    /// [`super::wait_ledger`]): its waits in a row that found nothing past the prefix, as the
-    /// worker that waited last recorded them; `None` where none is recorded.
-    fn family_waits(&self, _family: u128) -> Option<u8> {
-        None
-    }
-    /// The waits in a row, of any family on any worker, that found nothing past the prefix;
-    /// `None` where none is recorded.
-    fn every_family_waits(&self) -> Option<u8> {
-        None
-    }
-    /// Records what a wait found: `family`'s waits in a row that found nothing past the
-    /// prefix, and every family's.
-    fn record_waits(&self, _family: u128, _unpaid: u8, _every_family: u8) {}
 }
 
 /// Tokenizations this Envoy made, for the next turn of chat conversations (see

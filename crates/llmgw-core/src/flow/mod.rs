@@ -37,7 +37,7 @@ mod tokenizer_reply;
 mod tokenizer_target;
 pub mod tokenizer_wait;
 mod triage;
-pub mod wait_ledger;
+mod wait_ledger;
 
 pub use gateway::{
     EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
@@ -420,7 +420,7 @@ impl Router {
         };
         let scored = self.exact(req, gw, &mut report);
         if pending.generation == self.generation {
-            self.note_whether_waiting_paid(&pending, scored.as_ref().ok(), gw);
+            self.note_whether_waiting_paid(&pending, scored.as_ref().ok());
         }
         let same = scored.is_ok()
             && pending.generation == self.generation

@@ -201,17 +201,12 @@ impl Router {
     /// it would have chosen by load alone) held different amounts of the request: its tokens
     /// told one of them apart. Past a claim, which stops short of the shared text by design,
     /// they all hold the rest of that text alike, and that is no gain.
-    pub(super) fn note_whether_waiting_paid(
-        &mut self,
-        pending: &Pending,
-        scored: Option<&Scored>,
-        gw: &dyn GatewayState,
-    ) {
+    pub(super) fn note_whether_waiting_paid(&mut self, pending: &Pending, scored: Option<&Scored>) {
         let (Some(on), Some(scored)) = (pending.waited_on, scored) else { return };
         let prefix_blocks = u32::try_from(on.prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
         let holders = self.scratch.scores.leading.iter().copied().filter(|&l| l > 0 && l >= prefix_blocks);
         let (least, most) = holders.fold((u32::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
-        self.waits.waited(on.family, most > least, gw);
+        self.waits.waited(on.family, most > least);
     }
 
     /// Whether a request scored on a prefix it shares with earlier ones (`scored`, its scores
@@ -234,7 +229,7 @@ impl Router {
         if whole_holders(scores).nth(1).is_none() {
             return Err(None);
         }
-        if self.waiting_cannot_pay(profile, scores, scored, gw) || self.waits.skips_waiting(on.family, gw) {
+        if self.waiting_cannot_pay(profile, scores, scored, gw) || self.waits.skips_waiting(on.family) {
             return Ok(());
         }
         Err(Some(on))

@@ -13,16 +13,7 @@
 //! A family that has not waited yet starts from the same count taken over every family's waits
 //! in a row, so that each new system prompt's first members do not each wait to learn what the
 //! others already showed.
-//!
-//! Each worker keeps its own ledger, and what a wait found is also handed to the gateway
-//! ([`TokenizerCalls::record_waits`]; the filter keeps it in Envoy's shared data), so that the
-//! workers learn together: a family a worker has not seen starts from what another worker's
-//! waits found for it (else from every family's count), each wait counts on from the count the
-//! gateway holds, and a worker whose members would wait again first takes up a larger count
-//! another worker's waits reached since. Without that, an Envoy of N workers would wait N times
-//! to learn each family.
 
-use super::gateway::TokenizerCalls;
 use super::recent::Recent;
 
 /// Families kept per VM (a few dozen bytes each), the least recently used dropped first.
@@ -66,39 +57,28 @@ impl Default for WaitLedger {
 
 impl WaitLedger {
     /// A member of `family` that waited for its own tokens found a replica holding blocks past
-    /// the prefix (`paid`), or none did. The counts go on from those the gateway holds (any
-    /// worker's latest), else from this worker's, and are handed back to it.
-    pub fn waited(&mut self, family: u128, paid: bool, gw: &dyn TokenizerCalls) {
-        let before = gw.family_waits(family).or_else(|| self.families.peek(family).map(|w| w.unpaid));
-        let unpaid = unpaid_after(before.unwrap_or(0), paid);
+    /// the prefix (`paid`), or none did.
+    pub fn waited(&mut self, family: u128, paid: bool) {
+        let unpaid = unpaid_after(self.families.peek(family).map_or(0, |w| w.unpaid), paid);
         self.families.insert(family, Waits { unpaid, at_once: at_once_after(unpaid) });
-        self.streak = unpaid_after(gw.every_family_waits().unwrap_or(self.streak), paid);
-        gw.record_waits(family, unpaid, self.streak);
+        self.streak = unpaid_after(self.streak, paid);
     }
 
     /// Whether a member of `family` may skip waiting for its tokens (and counts it). A family
-    /// seen first here goes by what the gateway's waits found for it, else by every family's
-    /// waits in a row; its own count starts from its own first wait. A member that would wait
-    /// goes at once after all where another worker's waits found nothing past the prefix more
-    /// times in a row than this worker knew.
-    pub fn skips_waiting(&mut self, family: u128, gw: &dyn TokenizerCalls) -> bool {
+    /// seen first here goes by every family's waits in a row; its own count starts from its
+    /// own first wait.
+    pub fn skips_waiting(&mut self, family: u128) -> bool {
         // Only a family given members to send at once takes a slot before its first wait.
         if !self.families.contains(family) {
-            let (unpaid, at_once) = match gw.family_waits(family) {
-                Some(unpaid) => (unpaid, at_once_after(unpaid)),
-                None => (0, at_once_after(gw.every_family_waits().unwrap_or(self.streak))),
-            };
+            let at_once = at_once_after(self.streak);
             if at_once == 0 {
                 return false;
             }
-            self.families.insert(family, Waits { unpaid, at_once });
+            self.families.insert(family, Waits { unpaid: 0, at_once });
         }
         let Some(w) = self.families.get(family) else { return false };
         if w.at_once == 0 {
-            match gw.family_waits(family).filter(|&u| u > w.unpaid) {
-                Some(unpaid) => *w = Waits { unpaid, at_once: at_once_after(unpaid) },
-                None => return false,
-            }
+            return false;
         }
         w.at_once = w.at_once.saturating_sub(1);
         true
@@ -134,7 +114,7 @@ mod tests {
     use super::*;
 
     fn at_once(l: &mut WaitLedger, family: u128) -> usize {
-        (0..100).take_while(|_| l.skips_waiting(family, &())).count()
+        (0..100).take_while(|_| l.skips_waiting(family)).count()
     }
 
     #[test]
@@ -143,97 +123,50 @@ mod tests {
         assert_eq!(at_once(&mut l, 1), 0);
         let mut seen = Vec::new();
         for _ in 0..8 {
-            l.waited(1, false, &());
+            l.waited(1, false);
             seen.push(at_once(&mut l, 1));
         }
         assert_eq!(seen, [1, 3, 7, 15, 31, 63, 63, 63]);
         // A wait that paid: every member waits again.
-        l.waited(1, false, &());
-        l.waited(1, true, &());
+        l.waited(1, false);
+        l.waited(1, true);
         assert_eq!(at_once(&mut l, 1), 0);
-        l.waited(1, false, &());
+        l.waited(1, false);
         assert_eq!(at_once(&mut l, 1), 1);
     }
 
     #[test]
     fn a_family_that_has_not_waited_starts_from_the_recent_waits_of_every_family() {
         let mut l = WaitLedger::default();
-        l.waited(1, false, &());
-        l.waited(1, false, &());
+        l.waited(1, false);
+        l.waited(1, false);
         // Two waits in a row found nothing past family 1's prefix: family 2's first 3 members
         // go at once, then one waits; what it finds is family 2's own from then on.
         assert_eq!(at_once(&mut l, 2), 3);
-        l.waited(2, false, &());
+        l.waited(2, false);
         assert_eq!(at_once(&mut l, 2), 1);
         // A family whose first wait comes before any skip counts from that wait.
-        l.waited(4, false, &());
+        l.waited(4, false);
         assert_eq!(at_once(&mut l, 4), 1);
         // A wait that paid (any family's): a new family waits from its first member again,
         // and the families already seen keep their own count.
-        l.waited(1, true, &());
+        l.waited(1, true);
         assert_eq!(at_once(&mut l, 3), 0);
         // Checked without a budget, it takes no slot (only its first wait does).
         assert!(!l.families.contains(3));
-        l.waited(2, false, &());
+        l.waited(2, false);
         assert_eq!(at_once(&mut l, 2), 3);
-    }
-
-    /// A gateway holding what every worker's waits found, as the filter's shared data does.
-    #[derive(Default)]
-    struct Shared {
-        families: std::cell::RefCell<std::collections::HashMap<u128, u8>>,
-        every: std::cell::Cell<Option<u8>>,
-    }
-
-    impl TokenizerCalls for Shared {
-        fn family_waits(&self, family: u128) -> Option<u8> {
-            self.families.borrow().get(&family).copied()
-        }
-        fn every_family_waits(&self) -> Option<u8> {
-            self.every.get()
-        }
-        fn record_waits(&self, family: u128, unpaid: u8, every_family: u8) {
-            self.families.borrow_mut().insert(family, unpaid);
-            self.every.set(Some(every_family));
-        }
-    }
-
-    #[test]
-    fn workers_learn_together_through_the_gateway() {
-        let gw = Shared::default();
-        let (mut one, mut two) = (WaitLedger::default(), WaitLedger::default());
-        // Worker one's waits found nothing past family 1's prefix twice in a row.
-        let at_once = |l: &mut WaitLedger, family| (0..100).take_while(|_| l.skips_waiting(family, &gw)).count();
-        one.waited(1, false, &gw);
-        one.waited(1, false, &gw);
-        assert_eq!(at_once(&mut one, 1), 3);
-        // Worker two has not seen family 1: it starts from that count, not from its own none.
-        assert_eq!(at_once(&mut two, 1), 3);
-        // A family neither has seen starts from every family's count on either worker.
-        assert_eq!(at_once(&mut two, 2), 3);
-        // Worker two's wait counts on from the gateway's count (a third in a row).
-        two.waited(1, false, &gw);
-        assert_eq!(gw.family_waits(1), Some(3));
-        // Worker one, out of members to send at once, takes up the larger count.
-        assert_eq!(at_once(&mut one, 1), 7);
-        // A wait that paid on worker two: worker one's next member waits, and its wait counts
-        // from nothing again (one member at once after it, on either worker).
-        two.waited(1, true, &gw);
-        assert!(!one.skips_waiting(1, &gw));
-        one.waited(1, false, &gw);
-        assert_eq!(gw.family_waits(1), Some(1));
-        assert_eq!((at_once(&mut two, 1), at_once(&mut one, 1)), (1, 1));
     }
 
     #[test]
     fn families_are_bounded_and_the_least_recently_used_go_first() {
         let mut l = WaitLedger::default();
-        l.waited(0, false, &());
+        l.waited(0, false);
         for f in 1..(MAX_FAMILIES as u128 + 5) {
-            l.waited(f, false, &());
+            l.waited(f, false);
             // Family 0 is used now and then: it stays.
             if f % 100 == 0 {
-                l.skips_waiting(0, &());
+                l.skips_waiting(0);
             }
         }
         assert!(l.families.contains(0) && !l.families.contains(1));
