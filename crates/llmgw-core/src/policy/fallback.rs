@@ -144,7 +144,8 @@ fn least_of(cands: &[Candidate<'_>], idx: &[usize]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// The least-loaded healthy replica (used for tokenizer callouts and the load fallback).
+/// The least-loaded healthy replica (the load fallback; a call after routing that must avoid
+/// the replica computing the request).
 pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits) -> Option<usize> {
     least_of(cands, &limits.eligible(cands))
 }
