@@ -19,13 +19,11 @@
 //! Requests sharing only a system prompt are not routed this way: their tokens past it are their
 //! own (see [`super::shared_prefix`]).
 
-use super::candidates::candidates;
 use super::exact::Scored;
 use super::step::{
     Background, CacheLookup, EarlyRequest, EarlyRoute, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags,
 };
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
-use crate::policy::least_loaded;
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
 use crate::tokcache::{keyed_tag, Alias, CacheTag, Tokenized};
 use serde_json::value::RawValue;
@@ -150,12 +148,10 @@ impl Router {
     pub(super) fn then_tokenize(&self, routed: Option<Routed>, mut call: Tokenize, gw: &dyn GatewayState) -> Step {
         let Some(routed) = routed else { return Step::Tokenize(call) };
         if call.target == routed.address && call.pending.retry.is_none() {
-            let model = call.pending.parsed.model.as_deref();
-            let w = self.config.profile(call.pending.profile).map_or(&self.default_weights, |p| &p.weights);
-            let mut cands = candidates(self.feed.serving(), model, gw);
-            cands.retain(|c| c.up && c.address != routed.address && !gw.tokenizer_avoided(c.address));
-            if let Some(c) = least_loaded(&cands, &w.limits).and_then(|i| cands.get(i)) {
-                call.target = c.address.to_owned();
+            let (pi, model) = (call.pending.profile, call.pending.parsed.model.as_deref());
+            let key = super::tokenizer_target::call_key(&call.body);
+            if let Some(address) = self.tokenizer_replica(pi, model, key, gw, Some(&routed.address)) {
+                call.target = address;
             }
         }
         let p = &call.pending.parsed;

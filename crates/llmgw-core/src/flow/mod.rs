@@ -330,7 +330,7 @@ impl Router {
         }
         // Tokenize on the dedicated tokenizer, else the least-loaded healthy replica of the
         // model, leaving alone those whose recent calls failed.
-        let target = call.as_ref().map(|c| self.tokenizer_target(pi, model, &c.body, gw));
+        let target = call.as_ref().map(|c| self.tokenizer_target(pi, model, tokenizer_target::call_key(&c.body), gw));
         let (Some(call), Some(target)) = (call, target) else {
             // No call possible; without a replica `finish` answers 503.
             return self.finish(model, Some(pi), None, &approx, why, gw, report);
@@ -459,7 +459,7 @@ impl Router {
                 report,
             );
         };
-        match self.replica_tokenizer(pending.profile, model.as_deref(), &body, gw) {
+        match self.replica_tokenizer(pending.profile, model.as_deref(), tokenizer_target::call_key(&body), gw) {
             TokenizerTarget::At(target) => {
                 Step::Tokenize(Tokenize::new(target, path, body, timeout_ms, Box::new(pending), report))
             }

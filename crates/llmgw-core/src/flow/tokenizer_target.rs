@@ -11,15 +11,21 @@ use crate::stable_hash::stable_hash;
 /// The bytes of a call's body (its end) that key its place among equally loaded replicas.
 const CALL_KEY_BYTES: usize = 256;
 
+/// A tokenizer call's key among equally loaded replicas: a hash of its body's last bytes
+/// (where prompts sharing a system prompt differ).
+pub(super) fn call_key(body: &[u8]) -> u64 {
+    stable_hash(body.get(body.len().saturating_sub(CALL_KEY_BYTES)..).unwrap_or(body))
+}
+
 impl Router {
-    /// Where profile `pi`'s tokenizer call (`body`) goes: its dedicated tokenizer unless that
-    /// is failing, else the least-loaded healthy replica serving `model` whose tokenizer is not
-    /// failing.
+    /// Where profile `pi`'s tokenizer call (its [`call_key`] `key`) goes: its dedicated
+    /// tokenizer unless that is failing, else the least-loaded healthy replica serving `model`
+    /// whose tokenizer is not failing.
     pub(super) fn tokenizer_target(
         &self,
         pi: usize,
         model: Option<&str>,
-        body: &[u8],
+        key: u64,
         gw: &dyn GatewayState,
     ) -> TokenizerTarget {
         let p = self.config.profile(pi);
@@ -28,30 +34,40 @@ impl Router {
                 return TokenizerTarget::At(a.to_owned());
             }
         }
-        self.replica_tokenizer(pi, model, body, gw)
+        self.replica_tokenizer(pi, model, key, gw)
     }
 
     /// The least-loaded healthy replica serving `model` whose tokenizer is not failing; among
-    /// equally loaded ones, the first in the rendezvous order of the call `body`'s last bytes
-    /// (where prompts sharing a system prompt differ).
+    /// equally loaded ones, the first in the rendezvous order of the call's `key`.
     pub(super) fn replica_tokenizer(
         &self,
         pi: usize,
         model: Option<&str>,
-        body: &[u8],
+        key: u64,
         gw: &dyn GatewayState,
     ) -> TokenizerTarget {
-        let p = self.config.profile(pi);
-        let w = p.map_or(&self.default_weights, |p| &p.weights);
-        let mut cands = candidates::candidates(self.feed.serving(), model, gw);
-        if !cands.iter().any(|c| c.up) {
+        if !candidates::candidates(self.feed.serving(), model, gw).iter().any(|c| c.up) {
             return TokenizerTarget::Nobody;
         }
-        cands.retain(|c| c.up && !gw.tokenizer_avoided(c.address));
-        let tail = body.get(body.len().saturating_sub(CALL_KEY_BYTES)..).unwrap_or(body);
-        match policy::least_loaded_for(&cands, &w.limits, stable_hash(tail)).and_then(|i| cands.get(i)) {
-            Some(c) => TokenizerTarget::At(c.address.to_owned()),
+        match self.tokenizer_replica(pi, model, key, gw, None) {
+            Some(address) => TokenizerTarget::At(address),
             None => TokenizerTarget::CircuitOpen,
         }
+    }
+
+    /// As [`Self::replica_tokenizer`], leaving `except` out too (a call after routing avoids the
+    /// replica computing its request); `None` where no replica is left.
+    pub(super) fn tokenizer_replica(
+        &self,
+        pi: usize,
+        model: Option<&str>,
+        key: u64,
+        gw: &dyn GatewayState,
+        except: Option<&str>,
+    ) -> Option<String> {
+        let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
+        let mut cands = candidates::candidates(self.feed.serving(), model, gw);
+        cands.retain(|c| c.up && Some(c.address) != except && !gw.tokenizer_avoided(c.address));
+        policy::least_loaded_for(&cands, &w.limits, key).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
     }
 }

@@ -135,17 +135,26 @@ impl FallbackWeights {
 
 /// The least-pressured replica among `idx` (ties: lower KV usage, then address order).
 fn least_of(cands: &[Candidate<'_>], idx: &[usize]) -> Option<usize> {
+    least_by(cands, idx, None)
+}
+
+/// The least pressure among `idx`; ties by `key`'s rendezvous order where given (spreading
+/// requests of different keys), else by KV-cache use; then by address.
+fn least_by(cands: &[Candidate<'_>], idx: &[usize], key: Option<u64>) -> Option<usize> {
     idx.iter()
         .copied()
         .filter_map(|i| cands.get(i).map(|c| (i, c)))
         .min_by(|(_, a), (_, b)| {
-            a.pressure().cmp(&b.pressure()).then(a.kv_usage.total_cmp(&b.kv_usage)).then(a.address.cmp(b.address))
+            let tie = match key {
+                Some(k) => b.rendezvous_weight(k).cmp(&a.rendezvous_weight(k)),
+                None => a.kv_usage.total_cmp(&b.kv_usage),
+            };
+            a.pressure().cmp(&b.pressure()).then(tie).then(a.address.cmp(b.address))
         })
         .map(|(i, _)| i)
 }
 
-/// The least-loaded healthy replica (the load fallback; a call after routing that must avoid
-/// the replica computing the request).
+/// The least-loaded healthy replica (the load fallback).
 pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits) -> Option<usize> {
     least_of(cands, &limits.eligible(cands))
 }
@@ -153,19 +162,9 @@ pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits) -> Option<usize> {
 /// The least-loaded healthy replica for a tokenizer call, ties broken by `key`'s rendezvous
 /// order (a key of the call's prompt): calls made at once for different prompts spread over
 /// equally loaded replicas' API servers instead of queueing on one (the first of them by
-/// address, or by KV-cache use, which says nothing of an API server's work).
+/// KV-cache use, which says nothing of an API server's work, or by address).
 pub fn least_loaded_for(cands: &[Candidate<'_>], limits: &Limits, key: u64) -> Option<usize> {
-    limits
-        .eligible(cands)
-        .into_iter()
-        .filter_map(|i| cands.get(i).map(|c| (i, c)))
-        .min_by(|(_, a), (_, b)| {
-            a.pressure()
-                .cmp(&b.pressure())
-                .then(b.rendezvous_weight(key).cmp(&a.rendezvous_weight(key)))
-                .then(a.address.cmp(b.address))
-        })
-        .map(|(i, _)| i)
+    least_by(cands, &limits.eligible(cands), Some(key))
 }
 
 /// The load bound: `ceil(factor × (total pressure + 1) / n) + slack`, the most pressure a
