@@ -134,3 +134,38 @@ fn a_first_token_that_came_before_the_call_after_routing_answered_teaches_the_ra
     ctx.on_log();
     assert_eq!(crate::rates::Learned::read(e.host.as_ref()).of(B).map(|r| r.observations), Some(1));
 }
+
+#[test]
+fn a_new_prompt_sent_at_once_leaves_its_blocks_entries_for_every_vm_once_its_tokens_are_known() {
+    const COMPLETIONS: &str = "/v1/completions";
+    // Prompts that differ from their first bytes, which nobody holds.
+    let completion = |i: u32| format!(r#"{{"model":"m","prompt":"prompt {i}: {}"}}"#, "words ".repeat(30)).into_bytes();
+    let fresh = |i: u32| -> Vec<u32> { (0..24).map(|k| 1000 * (i + 1) + k).collect() };
+    let e = synced("", vec![], vec![], true);
+    let e2 = second_vm(&e, vec![], vec![]);
+    // New prompts wait until 8 calls were timed and a wait found nothing held.
+    let mut i = 0;
+    let mut ctx = loop {
+        let (mut ctx, action) = e.request(COMPLETIONS, &completion(i));
+        if action == Action::Continue {
+            break ctx;
+        }
+        e.host.now_ns.set(e.host.now_ns.get() + 1_000_000);
+        e.answer(&mut ctx, Some("200"), &tokenize_answer(&fresh(i)));
+        ctx.on_log();
+        i += 1;
+        assert!(i <= 12, "still waiting after {i} calls");
+    };
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.new_prompt"), 1);
+    let first = e.dest().unwrap();
+    // Its call after routing answers: its blocks' entries are written for every worker. Its
+    // tokens, sent as ids on the other VM, are credited there.
+    e.answer(&mut ctx, Some("200"), &tokenize_answer(&fresh(i)));
+    ctx.on_log();
+    let ids = format!(r#"{{"model":"m","prompt":{:?}}}"#, fresh(i)).into_bytes();
+    let (_, action) = e2.request(COMPLETIONS, &ids);
+    assert_eq!(action, Action::Continue);
+    assert_eq!(e2.dest(), Some(first.clone()));
+    let line = e2.host.property("llmgw_decision").unwrap();
+    assert!(line.starts_with(&format!("outcome=exact replica={first} matched=6/6")), "{line}");
+}
