@@ -169,3 +169,49 @@ fn a_new_prompt_sent_at_once_leaves_its_blocks_entries_for_every_vm_once_its_tok
     let line = e2.host.property("llmgw_decision").unwrap();
     assert!(line.starts_with(&format!("outcome=exact replica={first} matched=6/6")), "{line}");
 }
+
+#[test]
+fn a_new_prompt_sent_at_once_is_counted_as_a_request_that_ended_once_its_answer_gave_its_ids() {
+    use crate::host::{Buffer, Headers, Host};
+    use crate::returns::Returns;
+    const COMPLETIONS: &str = "/v1/completions";
+    let completion = |i: u32| {
+        format!(r#"{{"model":"m","stream":true,"prompt":"prompt {i}: {}"}}"#, "words ".repeat(30)).into_bytes()
+    };
+    let fresh = |i: u32| -> Vec<u32> { (0..24).map(|k| 1000 * (i + 1) + k).collect() };
+    let e = synced("", vec![], vec![], true);
+    e.host.now_ns.set(100_000_000_000);
+    let mut i = 0;
+    let mut ctx = loop {
+        let (mut ctx, action) = e.request(COMPLETIONS, &completion(i));
+        if action == Action::Continue {
+            break ctx;
+        }
+        e.host.now_ns.set(e.host.now_ns.get() + 1_000_000);
+        e.answer(&mut ctx, Some("200"), &tokenize_answer(&fresh(i)));
+        ctx.on_log();
+        i += 1;
+        assert!(i <= 12, "still waiting after {i} calls");
+    };
+    assert_eq!(e.counter("llmgw_tokenizer_cache_total.result.new_prompt"), 1);
+    // No call: its ids come with its answer's first event; its end is recorded under its last
+    // block, as a request routed on its tokens would be.
+    let calls = e.host.calls.borrow().len();
+    let ids = format!("{:?}", fresh(i)).replace(' ', "");
+    let first = format!(
+        "data: {{\"id\":\"cmpl-a\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"text\":\"a\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,\"prompt_token_ids\":{ids},\"token_ids\":[7]}}]}}\n\n"
+    );
+    let next = "data: {\"id\":\"cmpl-a\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"b\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,\"prompt_token_ids\":null,\"token_ids\":[8]}]}\n\n";
+    e.host.set_header(Headers::Response, ":status", Some("200"));
+    e.host.set_header(Headers::Response, "content-type", Some("text/event-stream; charset=utf-8"));
+    ctx.on_http_response_headers(2, false);
+    for (n, c) in [first.as_str(), next].iter().enumerate() {
+        e.host.set_buffer(Buffer::Response, c.as_bytes());
+        ctx.on_http_response_body(c.len(), false);
+        assert!(n == 1 || !Returns::read(e.host.as_ref()).ended(*keys(&fresh(i)).last().unwrap()));
+    }
+    assert_eq!(e.host.calls.borrow().len(), calls, "its ids came with its answer");
+    let key = *keys(&fresh(i)).last().unwrap();
+    ctx.on_log();
+    assert!(Returns::read(e.host.as_ref()).ended(key));
+}

@@ -196,6 +196,7 @@ impl Router {
             estimated_tokens,
             keep: Keep::default(),
             speculation: None,
+            ends_as: None,
             retry,
         };
         let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
@@ -218,15 +219,15 @@ impl Router {
             self.new_prompts.note_tokens(&pending.parsed.prompt, tokens.len(), pending.call_bytes);
         }
         let keep = self.kept(&pending, same && mm.is_empty(), &tokens, gw);
-        let speculation = match &pending.new_route {
+        let (speculation, ends_as) = match &pending.new_route {
             Some(route) if same && mm.is_empty() => self.speculation_after(&pending, route, &tokens, gw),
-            _ => None,
+            _ => (None, None),
         };
         if let Some(tag) = pending.cache_tag.filter(|_| same && mm.is_empty()) {
             self.tokcache.insert(tag, Tokenized { tokens, hashes: Vec::new() }, now_ns);
             self.remember_tokenized(&pending, tag);
         }
-        Background { failure: None, tokens: Some(count), estimated_tokens, keep, speculation, retry: None }
+        Background { failure: None, tokens: Some(count), estimated_tokens, keep, speculation, ends_as, retry: None }
     }
 }
 

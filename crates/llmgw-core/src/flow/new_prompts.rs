@@ -228,14 +228,15 @@ impl Router {
     }
 
     /// What a new prompt sent at once to `route` (address, rank) leaves once its `tokens` are
-    /// known: the speculative entries its route would have left had it waited for them.
+    /// known: the speculative entries its route would have left had it waited for them, and its
+    /// key as a request that ended (its last hashed block's, as a route's `ends_as`).
     pub(super) fn speculation_after(
         &mut self,
         pending: &Pending,
         route: &(String, Option<u32>),
         tokens: &[u32],
         gw: &dyn GatewayState,
-    ) -> Option<Speculation> {
+    ) -> (Option<Speculation>, Option<u64>) {
         let p = &pending.parsed;
         let exact = ExactRequest {
             profile: pending.profile,
@@ -245,11 +246,14 @@ impl Router {
             known: &[],
             mm: Vec::new(),
         };
-        self.exact(exact, gw, &mut Report::default()).ok()?;
+        if self.exact(exact, gw, &mut Report::default()).is_err() {
+            return (None, None);
+        }
+        let ends_as = self.scratch.hashes.last().map(|h| h.key.0).filter(|&k| k != 0);
         let replica = replica_key(&route.0, route.1);
-        let r = self.feed.serving().replicas.iter().find(|r| r.engine == replica)?;
+        let Some(r) = self.feed.serving().replicas.iter().find(|r| r.engine == replica) else { return (None, ends_as) };
         let held = self.scratch.index_leading.get(usize::from(r.id)).copied().unwrap_or(0);
-        speculation(replica, held, &self.scratch, &self.resets)
+        (speculation(replica, held, &self.scratch, &self.resets), ends_as)
     }
 }
 

@@ -295,6 +295,8 @@ pub struct Background {
     /// The speculative entries of a new prompt's route, now that its tokens are known, as
     /// [`Routed::speculation`].
     pub speculation: Option<Speculation>,
+    /// A new prompt's key as a request that ended ([`Routed::ends_as`]), known with its tokens.
+    pub ends_as: Option<u64>,
     /// The call again, on a replica (the dedicated tokenizer declined it): its reply comes
     /// back here too.
     pub retry: Option<Box<Tokenize>>,
