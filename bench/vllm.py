@@ -196,9 +196,8 @@ class Router:
             if self.name == "llmgw-native":
                 profile["tokenizer_address"] = f"127.0.0.1:{self.tokenizer_port}"
             # The ablation: no routing before the tokenizer answers (neither on a conversation's
-            # turn before, nor on what a request's siblings share, nor a new prompt at once).
-            waits = {"route_on_earlier_turns": False, "route_on_shared_prefixes": False,
-                     "route_new_prompts": False} if self.name == "llmgw-waits" else {}
+            # turn before nor on what a request's siblings share).
+            waits = {"route_on_earlier_turns": False, "route_on_shared_prefixes": False} if self.name == "llmgw-waits" else {}
             # The shipped defaults: the explain header (a debugging aid, off by default) only
             # when asked for.
             cfg = kit.filter_config(profile, explain_header=a.explain_header, **waits)

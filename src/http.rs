@@ -208,7 +208,10 @@ impl Request {
         s.metrics.shared_update_failed(gave_up);
         self.prefilling = if self.in_flight_recorded { tokens } else { 0 };
         if let Some(spec) = &r.speculation {
-            self.record_speculation(s, spec);
+            match crate::speculative::record(self.host.as_ref(), spec) {
+                Ok(dropped) => s.metrics.speculative_dropped(dropped),
+                Err(k) => s.metrics.shared_update_failed([k]),
+            }
         }
         if cfg.explain_header {
             self.explain = Some(r.explain(&s.vm_tag));
@@ -293,15 +296,6 @@ impl Request {
         s.metrics.shared_update_failed(self.teach_rates());
     }
 
-    /// Speculative entries for every worker: a route's, or a new prompt's once its tokens are
-    /// known.
-    fn record_speculation(&self, s: &Shared, spec: &llmgw_core::flow::Speculation) {
-        match crate::speculative::record(self.host.as_ref(), spec) {
-            Ok(dropped) => s.metrics.speculative_dropped(dropped),
-            Err(k) => s.metrics.shared_update_failed([k]),
-        }
-    }
-
     /// A tokenizer call answered or failed after `round_trip_us`: the histogram and the round
     /// trips every worker shares (`crate::tokenizer_times`), which the router weighs waits by.
     fn call_timed(&self, s: &mut Shared, round_trip_us: u64) {
@@ -324,9 +318,6 @@ impl Request {
         let b = s.router.on_background_reply(pending, reply, &in_flight, now);
         s.metrics.report(&Report { tokenizer_failure: b.failure, ..Report::default() });
         s.metrics.shared_update_failed(keep_shared(self.host.as_ref(), &b.keep));
-        if let Some(spec) = &b.speculation {
-            self.record_speculation(s, spec);
-        }
         b
     }
 

@@ -46,7 +46,6 @@ pub struct Metrics {
     tokenizer_cache_misses: Option<u32>,
     tokenizer_cache_earlier_turns: Option<u32>,
     tokenizer_cache_shared_prefix: Option<u32>,
-    tokenizer_cache_new_prompts: Option<u32>,
     hash_mismatches: Option<u32>,
     tokenizer_failures_request_caused: Option<u32>,
     hybrid_unsupported: Option<u32>,
@@ -112,7 +111,6 @@ impl Metrics {
             tokenizer_cache_misses: c("llmgw_tokenizer_cache_total.result.miss"),
             tokenizer_cache_earlier_turns: c("llmgw_tokenizer_cache_total.result.earlier_turn"),
             tokenizer_cache_shared_prefix: c("llmgw_tokenizer_cache_total.result.shared_prefix"),
-            tokenizer_cache_new_prompts: c("llmgw_tokenizer_cache_total.result.new_prompt"),
             hash_mismatches: c("llmgw_hash_mismatch_total"),
             tokenizer_failures_request_caused: c("llmgw_tokenizer_failures_request_caused_total"),
             hybrid_unsupported: c("llmgw_hybrid_unsupported_total"),
@@ -161,7 +159,6 @@ impl Metrics {
             self.inc(match lookup {
                 CacheLookup::EarlierTurn => self.tokenizer_cache_earlier_turns,
                 CacheLookup::SharedPrefix => self.tokenizer_cache_shared_prefix,
-                CacheLookup::NewPrompt => self.tokenizer_cache_new_prompts,
                 l if l.is_hit() => self.tokenizer_cache_hits,
                 _ => self.tokenizer_cache_misses,
             });

@@ -64,9 +64,6 @@ impl Request {
                 s.metrics.answer_tokens(true);
                 let now = self.host.now_ns();
                 let b = self.tokens_after_routing(&mut s, *call.pending, &TokenizerReply::FromAnswer(&ids), now);
-                // A new prompt's end is known with its tokens: counted as a request's that
-                // ended from its next chunk on.
-                self.ends_as = self.ends_as.or(b.ends_as);
                 self.correct_learning(b.tokens, b.estimated_tokens);
                 s.metrics.shared_update_failed(self.teach_rates());
             }

@@ -98,7 +98,6 @@ pub struct Compiled {
     pub route_on_earlier_turns: bool,
     /// Route a chat request on what its siblings share (see `FilterConfig`).
     pub route_on_shared_prefixes: bool,
-    pub route_new_prompts: bool,
     /// Read a streamed request's token ids from its answer (see `FilterConfig`).
     pub tokens_from_answers: bool,
     /// Where requests and tokenizer calls may go.
@@ -163,7 +162,6 @@ impl Compiled {
             tokenizer_cache_ttl_ns: u64::from(cfg.tokenizer_cache_ttl_ms).saturating_mul(1_000_000),
             route_on_earlier_turns: cfg.route_on_earlier_turns,
             route_on_shared_prefixes: cfg.route_on_shared_prefixes,
-            route_new_prompts: cfg.route_new_prompts,
             tokens_from_answers: cfg.tokens_from_answers,
             allow,
             profiles,

@@ -217,13 +217,6 @@ pub struct FilterConfig {
     /// text prompt sharing leading text with an earlier one is routed the same way.
     #[serde(default = "default_true")]
     pub route_on_shared_prefixes: bool,
-    /// Routes a new prompt (one nothing above routes before its tokens) at once on its
-    /// estimated length, where new prompts' recent waits for their tokens showed no replica
-    /// holding more of them than another by the wait's worth; one in up to 64 still waits to
-    /// check. Its tokenizer call is made after routing. Needs the tokenization cache and the
-    /// `ttft` policy. False: every new prompt waits for its tokenizer call.
-    #[serde(default = "default_true")]
-    pub route_new_prompts: bool,
     /// A streamed request routed before its tokenizer answered asks the replica for its
     /// prompt's token ids (`return_token_ids`), read from the stream's first chunk and taken out
     /// of every chunk before the client sees it, instead of a tokenizer call after routing.

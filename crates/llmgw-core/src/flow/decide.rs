@@ -49,8 +49,15 @@ pub fn decide(
         .and_then(|i| cands.get(i))
         .and_then(|c| exact.map(|(_, sc)| (c, sc.index_leading.get(usize::from(c.id)).copied().unwrap_or(0), sc)));
     let speculative_blocks = exact_winner.map_or(0, |(_, held, _)| d.matched.saturating_sub(held));
-    let speculation =
-        exact_winner.and_then(|(c, held, sc)| speculation(replica_key(c.address, c.dp_rank), held, sc, ctx.resets));
+    let speculation = exact_winner.and_then(|(c, held, sc)| {
+        let held = usize::try_from(held).unwrap_or(usize::MAX);
+        let n = sc.hashes.len().min(MAX_BLOCKS);
+        let keys: Vec<u64> =
+            checkpoints(n).filter(|&p| p >= held).filter_map(|p| sc.hashes.get(p).map(|h| h.key.0)).collect();
+        let replica = replica_key(c.address, c.dp_rank);
+        let reset_ns = ctx.resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
+        (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
+    });
     // The deepest block that ended a request lately, short of this one's last (the same prompt
     // again is no next turn): this request is its next one.
     let follows =
@@ -91,16 +98,4 @@ pub fn decide(
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }
-}
-
-/// What a route to `replica` of the request hashed in `scratch` leaves for the next ones: its
-/// blocks at the checkpoints past the `held` ones the index shows that replica holding.
-/// `resets`: engines reset recently, with when this VM learned it.
-pub(super) fn speculation(replica: u64, held: u32, scratch: &Scratch, resets: &[(u64, u64)]) -> Option<Speculation> {
-    let held = usize::try_from(held).unwrap_or(usize::MAX);
-    let n = scratch.hashes.len().min(MAX_BLOCKS);
-    let keys: Vec<u64> =
-        checkpoints(n).filter(|&p| p >= held).filter_map(|p| scratch.hashes.get(p).map(|h| h.key.0)).collect();
-    let reset_ns = resets.iter().find(|&&(e, _)| e == replica).map_or(0, |&(_, at)| at);
-    (!keys.is_empty()).then_some(Speculation { replica, keys, reset_ns })
 }

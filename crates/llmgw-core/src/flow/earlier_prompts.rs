@@ -285,12 +285,9 @@ impl Router {
             // Its own tokens but the last: held or not, nothing more to learn by waiting.
             ClaimOn::Whole if self.scratch.scores.total == 0 => return Err(None),
             ClaimOn::Whole => {}
-            ClaimOn::Shared { family } => self.the_prefix_decides(
-                profile,
-                &scored,
-                WaitedOn { family, prefix: claim.tokens.len(), new_prompt: false },
-                gw,
-            )?,
+            ClaimOn::Shared { family } => {
+                self.the_prefix_decides(profile, &scored, WaitedOn { family, prefix: claim.tokens.len() }, gw)?
+            }
         }
         self.route_early(req, &scored, report).ok_or(None)
     }

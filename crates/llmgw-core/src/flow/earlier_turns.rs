@@ -190,15 +190,8 @@ impl Router {
         now_ns: u64,
     ) -> Background {
         let estimated_tokens = pending.estimated_tokens;
-        let failed = |f, retry| Background {
-            failure: Some(f),
-            tokens: None,
-            estimated_tokens,
-            keep: Keep::default(),
-            speculation: None,
-            ends_as: None,
-            retry,
-        };
+        let failed =
+            |f, retry| Background { failure: Some(f), tokens: None, estimated_tokens, keep: Keep::default(), retry };
         let TokenizerAnswer { tokens, mm } = match tokenizer_answer(reply) {
             Ok(answer) => answer,
             // The dedicated tokenizer declined: the same call once to a replica.
@@ -215,19 +208,12 @@ impl Router {
         let mut report = Report::default();
         let same = pending.generation == self.generation
             && pending.spec == self.plan_fingerprint(pending.profile, pending.parsed.model.as_deref(), &mut report);
-        if same {
-            self.new_prompts.note_tokens(&pending.parsed.prompt, tokens.len(), pending.call_bytes);
-        }
         let keep = self.kept(&pending, same && mm.is_empty(), &tokens, gw);
-        let (speculation, ends_as) = match &pending.new_route {
-            Some(route) if same && mm.is_empty() => self.speculation_after(&pending, route, &tokens, gw),
-            _ => (None, None),
-        };
         if let Some(tag) = pending.cache_tag.filter(|_| same && mm.is_empty()) {
             self.tokcache.insert(tag, Tokenized { tokens, hashes: Vec::new() }, now_ns);
             self.remember_tokenized(&pending, tag);
         }
-        Background { failure: None, tokens: Some(count), estimated_tokens, keep, speculation, ends_as, retry: None }
+        Background { failure: None, tokens: Some(count), estimated_tokens, keep, retry: None }
     }
 }
 

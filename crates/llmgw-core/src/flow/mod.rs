@@ -26,7 +26,6 @@ mod exact;
 mod gateway;
 mod hash_plan;
 mod hybrid;
-mod new_prompts;
 mod prefix;
 mod reasons;
 mod recent;
@@ -102,10 +101,8 @@ pub struct Router {
     shared_prefixes: shared_prefix::SharedPrefixes,
     /// Earlier text prompts' tokens ([`earlier_prompts`]).
     earlier_prompts: earlier_prompts::EarlierPrompts,
-    /// Whether waiting for a request's own tokens paid, per family ([`wait_ledger`]), and for
-    /// new prompts ([`new_prompts`], with the tokens per byte they are estimated at).
+    /// Whether waiting for a request's own tokens paid, per family ([`wait_ledger`]).
     waits: wait_ledger::WaitLedger,
-    new_prompts: new_prompts::NewPrompts,
 }
 
 fn token_cache(config: &Compiled, key: u64) -> TokenCache {
@@ -156,7 +153,6 @@ impl Router {
             shared_prefixes: shared_prefix::SharedPrefixes::default(),
             earlier_prompts: earlier_prompts::EarlierPrompts::default(),
             waits: wait_ledger::WaitLedger::default(),
-            new_prompts: new_prompts::NewPrompts::default(),
         }
     }
 
@@ -176,7 +172,6 @@ impl Router {
         self.shared_prefixes.clear();
         self.earlier_prompts.clear();
         self.waits.clear();
-        self.new_prompts.clear();
         self.hashers = Hashers::new(config.memo);
         self.feed.set_allowlist(&config.allow);
         self.config = config;
@@ -360,7 +355,6 @@ impl Router {
         let early =
             EarlyRequest { profile: pi, spec, tags: turn_tags.as_ref(), parsed: &parsed, approx: &approx, gw, now_ns };
         let earlier = self.route_before_tokenizing(&early, report);
-        let earlier = earlier.or_else(|waits| self.route_new_prompt(waits, &early, call_bytes, report));
         let pending = Box::new(Pending {
             profile: pi,
             parsed,
@@ -374,7 +368,6 @@ impl Router {
             turn_tags,
             estimated_tokens: earlier.as_ref().ok().map(|(_, e)| *e),
             waited_on: earlier.as_ref().err().copied().flatten(),
-            new_route: new_prompts::new_route(&earlier),
         });
         // What the tokenizer step reports is counted now; the hash check is reported with the
         // decision once the reply is back.
@@ -427,7 +420,7 @@ impl Router {
         };
         let scored = self.exact(req, gw, &mut report);
         if pending.generation == self.generation {
-            self.note_whether_waiting_paid(&pending, scored.as_ref().ok(), tokens.len(), gw);
+            self.note_whether_waiting_paid(&pending, scored.as_ref().ok());
         }
         let same = scored.is_ok()
             && pending.generation == self.generation

@@ -190,7 +190,7 @@ impl Router {
         };
         let mut scored = self.exact(exact, gw, &mut report).map_err(|_| None)?;
         scored.tokens = estimate;
-        let on = WaitedOn { family: tag.0, prefix: tokens.len(), new_prompt: false };
+        let on = WaitedOn { family: tag.0, prefix: tokens.len() };
         self.the_prefix_decides(tags.profile, &scored, on, gw)?;
         self.route_early(req, &scored, report).ok_or(None)
     }
@@ -200,21 +200,9 @@ impl Router {
     /// replicas holding the whole prefix it could have been routed on (among which routing on
     /// it would have chosen by load alone) held different amounts of the request: its tokens
     /// told one of them apart. Past a claim, which stops short of the shared text by design,
-    /// they all hold the rest of that text alike, and that is no gain. Its `tokens` also teach
-    /// new prompts' tokens per byte ([`super::new_prompts`]).
-    pub(super) fn note_whether_waiting_paid(
-        &mut self,
-        pending: &Pending,
-        scored: Option<&Scored>,
-        tokens: usize,
-        gw: &dyn GatewayState,
-    ) {
-        self.new_prompts.note_tokens(&pending.parsed.prompt, tokens, pending.call_bytes);
+    /// they all hold the rest of that text alike, and that is no gain.
+    pub(super) fn note_whether_waiting_paid(&mut self, pending: &Pending, scored: Option<&Scored>) {
         let (Some(on), Some(scored)) = (pending.waited_on, scored) else { return };
-        if on.new_prompt {
-            let model = pending.parsed.model.as_deref();
-            return self.note_new_prompt_wait(pending.profile, model, scored.block_size, gw);
-        }
         let prefix_blocks = u32::try_from(on.prefix.checked_div(scored.block_size).unwrap_or(0)).unwrap_or(u32::MAX);
         let holders = self.scratch.scores.leading.iter().copied().filter(|&l| l > 0 && l >= prefix_blocks);
         let (least, most) = holders.fold((u32::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));

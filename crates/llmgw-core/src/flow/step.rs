@@ -59,10 +59,6 @@ pub enum CacheLookup {
     /// Not seen, but earlier requests with the same messages but the last (its siblings) were:
     /// routed on the tokens they share, its own call made after it was routed.
     SharedPrefix,
-    /// Not seen, and nothing routes it before its tokens, where waiting for new prompts'
-    /// tokens has not paid lately: routed at once on its estimated length
-    /// ([`super::new_prompts`]), its own call made after it was routed.
-    NewPrompt,
     Miss,
 }
 
@@ -149,7 +145,6 @@ impl Routed {
         match self.report.tokenizer_cache {
             Some(CacheLookup::EarlierTurn) => out.push_str("; scored_on=earlier_turn"),
             Some(CacheLookup::SharedPrefix) => out.push_str("; scored_on=shared_prefix"),
-            Some(CacheLookup::NewPrompt) => out.push_str("; scored_on=new_prompt"),
             _ => {}
         }
         out.push_str(&format!("; vm={vm}"));
@@ -243,9 +238,6 @@ pub struct Pending {
     pub(super) estimated_tokens: Option<u64>,
     /// It waits to learn for its family whether waiting pays ([`super::wait_ledger`]).
     pub(super) waited_on: Option<WaitedOn>,
-    /// A new prompt routed at once, to this address and rank ([`super::new_prompts`]): its
-    /// tokens leave the speculative entries of that route.
-    pub(super) new_route: Option<(String, Option<u32>)>,
 }
 
 /// A request routed before its tokenizer answers, on tokens it shares with earlier ones: the
@@ -292,11 +284,6 @@ pub struct Background {
     pub estimated_tokens: Option<u64>,
     /// What to keep in the gateway's shared data, as [`Routed::keep`].
     pub keep: Keep,
-    /// The speculative entries of a new prompt's route, now that its tokens are known, as
-    /// [`Routed::speculation`].
-    pub speculation: Option<Speculation>,
-    /// A new prompt's key as a request that ended ([`Routed::ends_as`]), known with its tokens.
-    pub ends_as: Option<u64>,
     /// The call again, on a replica (the dedicated tokenizer declined it): its reply comes
     /// back here too.
     pub retry: Option<Box<Tokenize>>,

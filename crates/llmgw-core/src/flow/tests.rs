@@ -481,6 +481,5 @@ mod earlier_prompts;
 mod earlier_turns;
 mod hash_settings;
 mod incomplete;
-mod new_prompts;
 mod shared_data;
 mod shared_prefix;

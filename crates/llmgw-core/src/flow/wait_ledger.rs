@@ -29,8 +29,6 @@ const MAX_UNPAID: u8 = 6;
 pub struct WaitedOn {
     pub family: u128,
     pub prefix: usize,
-    /// A new prompt's wait, counted in their own ledger ([`super::new_prompts`]).
-    pub new_prompt: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
