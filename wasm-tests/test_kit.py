@@ -65,6 +65,10 @@ def test_shipped_config_fills_ports_wasm_and_filter_configuration(tmp_path):
         assert default not in text
     assert f"filename: {(tmp_path / 'llmgw.wasm').resolve()}" in text
     assert "\nstats_flush_interval: 0.2s\nstats_config:" in text
+    on_admin = kit.shipped_config(tmp_path / "llmgw.wasm", 1111, 2222, 3333, cfg, stats_flush_on_admin=True)
+    assert "\nstats_flush_on_admin: true\nstats_config:" in on_admin and "stats_flush_interval" not in on_admin
+    with pytest.raises(ValueError):
+        kit.shipped_config(tmp_path / "llmgw.wasm", 1, 2, 3, cfg, stats_flush_interval="1s", stats_flush_on_admin=True)
     value = next(line for line in text.splitlines() if line.strip().startswith("value: \""))
     assert json.loads(json.loads(value.split("value: ", 1)[1])) == cfg
     assert cfg["profiles"][0]["block_size"] == 4 and cfg["profiles"][0]["hash_algo"] == "sha256_cbor"

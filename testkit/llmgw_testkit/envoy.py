@@ -24,10 +24,12 @@ def filter_config(profile: dict | None = None, **top) -> dict:
 
 
 def shipped_config(wasm: Path, listen: int, admin: int, agent: int, filter_cfg: dict,
-                   stats_flush_interval: str | None = None) -> str:
+                   stats_flush_interval: str | None = None, stats_flush_on_admin: bool = False) -> str:
     """envoy/llmgw-local.yaml with these ports (listener, admin, the agent's feed), an absolute
     wasm path and the given filter configuration; `stats_flush_interval` (e.g. "0.2s") makes
-    histograms reach /stats/prometheus sooner."""
+    histograms reach /stats/prometheus sooner; `stats_flush_on_admin` makes every read of the
+    admin's stats flush them, and nothing else (no timer: what a benchmark reads is current, and
+    Envoy does no flushing work between its reads)."""
     text = SHIPPED.read_text()
     for old, new in (("port_value: 9901", f"port_value: {admin}"), ("port_value: 10000", f"port_value: {listen}"),
                      ("port_value: 9090", f"port_value: {agent}"),
@@ -39,10 +41,15 @@ def shipped_config(wasm: Path, listen: int, admin: int, agent: int, filter_cfg: 
     text, n = re.subn(r"value: \|\n(?:\s{20}.*\n)+", f"value: {json.dumps(json.dumps(filter_cfg))}\n", text)
     if n != 1:
         raise RuntimeError(f"filter configuration block not found in {SHIPPED.relative_to(ROOT)}")
-    if stats_flush_interval:
+    if stats_flush_interval and stats_flush_on_admin:
+        raise ValueError("stats_flush_interval and stats_flush_on_admin exclude each other")
+    flush = f"stats_flush_interval: {stats_flush_interval}" if stats_flush_interval else None
+    if stats_flush_on_admin:
+        flush = "stats_flush_on_admin: true"
+    if flush:
         if "\nstats_config:" not in text:
             raise RuntimeError(f"no stats_config in {SHIPPED.relative_to(ROOT)}")
-        text = text.replace("\nstats_config:", f"\nstats_flush_interval: {stats_flush_interval}\nstats_config:", 1)
+        text = text.replace("\nstats_config:", f"\n{flush}\nstats_config:", 1)
     return text
 
 
