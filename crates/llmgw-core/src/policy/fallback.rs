@@ -96,23 +96,15 @@ impl FallbackWeights {
     }
 
     /// Where a prefix known to be new may go: its first `approx_choices` replicas in the key's
-    /// rendezvous order among those within the load bound (empty when none is), and among
-    /// those, the ones within the same bound on the requests routed lately
-    /// ([`Candidate::recent`]) while any is: a replica that carried past it holds prefixes
-    /// whose requests keep coming (a system prompt's siblings, a conversation's turns), and
-    /// being the fastest at this moment does not make it the place for one more.
+    /// rendezvous order among those within the load bound (empty when none is).
     pub fn new_prefix_choices(&self, cands: &[Candidate<'_>], idx: &[usize], key: u64) -> Vec<usize> {
         let cap = load_cap(cands, idx, self.spill_factor, self.spill_slack);
-        let within: Vec<(&Candidate<'_>, usize)> = idx
+        let mut order: Vec<(u64, usize)> = idx
             .iter()
             .filter_map(|&i| cands.get(i).map(|c| (c, i)))
             .filter(|(c, _)| c.pressure().saturating_add(1) <= cap)
+            .map(|(c, i)| (c.rendezvous_weight(key), i))
             .collect();
-        let carried = recent_cap(cands, idx, self.spill_factor, self.spill_slack);
-        let light = || within.iter().copied().filter(|(c, _)| c.recent <= carried);
-        let members: Vec<(&Candidate<'_>, usize)> =
-            if light().next().is_some() { light().collect() } else { within.clone() };
-        let mut order: Vec<(u64, usize)> = members.iter().map(|(c, i)| (c.rendezvous_weight(key), *i)).collect();
         order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         order.into_iter().take(choice_count(self.approx_choices)).map(|(_, i)| i).collect()
     }
@@ -183,14 +175,6 @@ fn load_cap(cands: &[Candidate<'_>], idx: &[usize], factor: f64, slack: u32) -> 
     let mean = (total.saturating_add(1)) as f64 / n as f64;
     let cap = (factor * mean).ceil() as u64;
     cap.saturating_add(u64::from(slack))
-}
-
-/// The bound on the requests a replica among `idx` carried lately ([`Candidate::recent`]):
-/// `factor` × their mean, + `slack`.
-fn recent_cap(cands: &[Candidate<'_>], idx: &[usize], factor: f64, slack: u32) -> f64 {
-    let n = idx.len().max(1);
-    let total: f64 = idx.iter().filter_map(|&i| cands.get(i)).map(|c| c.recent).filter(|r| r.is_finite()).sum();
-    factor * (total / n as f64) + f64::from(slack)
 }
 
 /// How many of a prefix's rendezvous order may take it: `approx_choices`, 0 meaning all.
