@@ -21,7 +21,8 @@
 
 use super::exact::Scored;
 use super::step::{
-    Background, CacheLookup, EarlyRequest, EarlyRoute, Keep, Pending, Report, Routed, Step, Tokenize, TurnTags,
+    Background, CacheLookup, EarlyRequest, EarlyRoute, Keep, Pending, Report, Routed, Step, Tokenize, TokenizerTarget,
+    TurnTags,
 };
 use super::{tokenizer_answer, ExactRequest, GatewayState, Router, TokenizerFailure, TokenizerReply};
 use crate::request::{ParsedRequest, Prompt, RawJson, TokenizerAnswer};
@@ -150,7 +151,7 @@ impl Router {
         if call.target == routed.address && call.pending.retry.is_none() {
             let (pi, model) = (call.pending.profile, call.pending.parsed.model.as_deref());
             let key = super::tokenizer_target::call_key(&call.body);
-            if let Some(address) = self.tokenizer_replica(pi, model, key, gw, Some(&routed.address)) {
+            if let TokenizerTarget::At(address) = self.replica_tokenizer(pi, model, key, gw, Some(&routed.address)) {
                 call.target = address;
             }
         }

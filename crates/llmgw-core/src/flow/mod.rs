@@ -459,7 +459,7 @@ impl Router {
                 report,
             );
         };
-        match self.replica_tokenizer(pending.profile, model.as_deref(), tokenizer_target::call_key(&body), gw) {
+        match self.replica_tokenizer(pending.profile, model.as_deref(), tokenizer_target::call_key(&body), gw, None) {
             TokenizerTarget::At(target) => {
                 Step::Tokenize(Tokenize::new(target, path, body, timeout_ms, Box::new(pending), report))
             }

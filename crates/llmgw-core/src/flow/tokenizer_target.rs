@@ -34,10 +34,11 @@ impl Router {
                 return TokenizerTarget::At(a.to_owned());
             }
         }
-        self.replica_tokenizer(pi, model, key, gw)
+        self.replica_tokenizer(pi, model, key, gw, None)
     }
 
-    /// The least-loaded healthy replica serving `model` whose tokenizer is not failing; among
+    /// The least-loaded healthy replica serving `model` whose tokenizer is not failing, leaving
+    /// `except` out too (a call after routing avoids the replica computing its request); among
     /// equally loaded ones, the first in the rendezvous order of the call's `key`.
     pub(super) fn replica_tokenizer(
         &self,
@@ -45,29 +46,17 @@ impl Router {
         model: Option<&str>,
         key: u64,
         gw: &dyn GatewayState,
-    ) -> TokenizerTarget {
-        if !candidates::candidates(self.feed.serving(), model, gw).iter().any(|c| c.up) {
-            return TokenizerTarget::Nobody;
-        }
-        match self.tokenizer_replica(pi, model, key, gw, None) {
-            Some(address) => TokenizerTarget::At(address),
-            None => TokenizerTarget::CircuitOpen,
-        }
-    }
-
-    /// As [`Self::replica_tokenizer`], leaving `except` out too (a call after routing avoids the
-    /// replica computing its request); `None` where no replica is left.
-    pub(super) fn tokenizer_replica(
-        &self,
-        pi: usize,
-        model: Option<&str>,
-        key: u64,
-        gw: &dyn GatewayState,
         except: Option<&str>,
-    ) -> Option<String> {
+    ) -> TokenizerTarget {
         let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
         let mut cands = candidates::candidates(self.feed.serving(), model, gw);
+        if !cands.iter().any(|c| c.up) {
+            return TokenizerTarget::Nobody;
+        }
         cands.retain(|c| c.up && Some(c.address) != except && !gw.tokenizer_avoided(c.address));
-        policy::least_loaded_for(&cands, &w.limits, key).and_then(|i| cands.get(i)).map(|c| c.address.to_owned())
+        match policy::least_loaded(&cands, &w.limits, key).and_then(|i| cands.get(i)) {
+            Some(c) => TokenizerTarget::At(c.address.to_owned()),
+            None => TokenizerTarget::CircuitOpen,
+        }
     }
 }

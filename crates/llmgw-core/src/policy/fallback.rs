@@ -154,16 +154,11 @@ fn least_by(cands: &[Candidate<'_>], idx: &[usize], key: Option<u64>) -> Option<
         .map(|(i, _)| i)
 }
 
-/// The least-loaded healthy replica (the load fallback).
-pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits) -> Option<usize> {
-    least_of(cands, &limits.eligible(cands))
-}
-
 /// The least-loaded healthy replica for a tokenizer call, ties broken by `key`'s rendezvous
 /// order (a key of the call's prompt): calls made at once for different prompts spread over
 /// equally loaded replicas' API servers instead of queueing on one (the first of them by
 /// KV-cache use, which says nothing of an API server's work, or by address).
-pub fn least_loaded_for(cands: &[Candidate<'_>], limits: &Limits, key: u64) -> Option<usize> {
+pub fn least_loaded(cands: &[Candidate<'_>], limits: &Limits, key: u64) -> Option<usize> {
     least_by(cands, &limits.eligible(cands), Some(key))
 }
 

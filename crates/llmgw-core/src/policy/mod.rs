@@ -30,7 +30,7 @@ mod weights;
 pub use candidate::{rendezvous_weight, Candidate};
 pub use contest::{Contest, HolderPolicy, Pick, Work};
 pub use decision::{Decision, Outcome};
-pub use fallback::{least_loaded, least_loaded_for, FallbackWeights};
+pub use fallback::{least_loaded, FallbackWeights};
 pub use limits::Limits;
 pub use score::ScoreWeights;
 pub use ttft::TtftWeights;

@@ -88,7 +88,7 @@ fn overloaded_or_down_replica_loses_despite_longest_prefix() {
     c[0].waiting = 100;
     c[1].waiting = 90;
     assert_eq!(decide(&c, None, None, &w).winner, Some(1));
-    assert_eq!(least_loaded(&c, &w.limits), Some(1));
+    assert_eq!(least_loaded(&c, &w.limits, 0), Some(1));
 }
 
 #[test]
@@ -99,7 +99,7 @@ fn no_healthy_replica() {
     c[1].up = false;
     assert_eq!(decide(&c, None, Some(1), &w).outcome, Outcome::NoReplica);
     assert_eq!(decide(&[], None, None, &w).winner, None);
-    assert_eq!(least_loaded(&c, &w.limits), None);
+    assert_eq!(least_loaded(&c, &w.limits, 0), None);
 }
 
 #[test]
@@ -350,7 +350,7 @@ fn load_fallback_without_prompt() {
     c[1].in_flight = 1;
     c[2].in_flight = 2;
     assert_eq!(decide(&c, None, None, &w), Decision::new(Some(1), Outcome::Load, 0, 0));
-    assert_eq!(least_loaded(&c, &w.limits), Some(1));
+    assert_eq!(least_loaded(&c, &w.limits, 0), Some(1));
 }
 
 #[test]
