@@ -8,7 +8,9 @@ kv_aware).
 
 Workloads: shared-prefix (groups of chats sharing a long system prompt), multi-turn (each
 turn extends the conversation) and tenants (shared-prefix traffic over four tenants' cache
-salts: the same text, no shared KV blocks), at concurrency 4 by default, through the chat API
+salts: the same text, no shared KV blocks); rolling-prefix (shared-prefix with the system
+prompts arriving one after another, about four asked at a time) when asked for with --workloads;
+at concurrency 4 by default, through the chat API
 or, with `--api completions`, the same prompts written out as text through the completions API. Before every run the replicas'
 prefix caches are emptied (vLLM's /reset_prefix_cache, dev mode) and the router is started
 fresh. Hit rate is read from the replicas' own counters (vllm:prefix_cache_hits_total /
@@ -64,7 +66,10 @@ WORKLOADS = {
     "shared-prefix": "groups of chats sharing a long system prompt",
     "multi-turn": "conversations, each turn extends the last",
     "tenants": "shared-prefix over 4 tenants' cache salts: same text, no shared KV",
+    "rolling-prefix": "shared-prefix with the system prompts arriving one after another (about four asked at a time)",
 }
+# Run unless --workloads names others.
+DEFAULT_WORKLOADS = ["shared-prefix", "multi-turn", "tenants"]
 # The request path of each API.
 API_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -79,6 +84,8 @@ SHAPES = {
     "shared-prefix": SharedPrefix(groups=8, system_words=120, question_words=(8, 24), per_group=24, vocab=1000),
     "multi-turn": Conversations(48, 4, first_user_words=(60, 90), user_words=(10, 30), assistant_words=8, vocab=1000),
     "tenants": SharedPrefix(groups=6, system_words=120, question_words=(8, 24), per_group=32, vocab=1000, tenants=4),
+    "rolling-prefix": SharedPrefix(groups=8, system_words=120, question_words=(8, 24), per_group=24, vocab=1000,
+                                   stagger=0.25),
 }
 
 
@@ -681,7 +688,8 @@ def report(out: Path, header: list[str], results: list[dict], skipped: dict, ora
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="runs of every router on every workload (default 3)")
-    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=DEFAULT_WORKLOADS,
+                    help=f"default: {' '.join(DEFAULT_WORKLOADS)}")
     ap.add_argument("--routers", nargs="+", choices=list(ROUTERS), default=[r for r in ROUTERS if r != "llmgw-waits"],
                     help="default: every router but the llmgw-waits ablation")
     ap.add_argument("--replicas", type=int, default=3)

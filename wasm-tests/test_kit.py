@@ -139,3 +139,26 @@ def test_tenants_send_the_same_text_under_their_own_cache_salts():
     comp = as_completion(salted[0][0])
     assert "messages" not in comp and comp["cache_salt"] == salted[0][0]["cache_salt"]
     assert comp["prompt"].startswith("system: ") and comp["prompt"].endswith("assistant:")
+
+
+def test_staggered_system_prompts_begin_one_after_another_and_overlap():
+    from llmgw_testkit.workloads import SharedPrefix, make_sessions
+    shape = SharedPrefix(groups=8, system_words=6, question_words=(2, 4), per_group=24, vocab=50, stagger=0.25)
+    sessions = make_sessions(shape, 3, "m", 4)
+    order: list[str] = []
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, s in enumerate(sessions):
+        system = s[0]["messages"][0]["content"]
+        if system not in first:
+            order.append(system)
+            first[system] = i
+        last[system] = i
+    assert len(order) == 8 and len(sessions) == 8 * 24
+    # Each begins before the one begun before it is done (several are asked at a time), the last
+    # past the middle of the run, when the first is done.
+    assert all(first[b] < last[a] for a, b in zip(order, order[1:]))
+    assert first[order[-1]] > len(sessions) // 2 and last[order[0]] < len(sessions) // 2
+    # Without the stagger, every prompt is asked from the start.
+    plain = make_sessions(SharedPrefix(**{**shape.__dict__, "stagger": None}), 3, "m", 4)
+    assert len({s[0]["messages"][0]["content"] for s in plain[:40]}) == 8

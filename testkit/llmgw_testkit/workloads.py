@@ -61,7 +61,10 @@ class SharedPrefix:
     of `question_words` (low, high) words: `per_group` requests per group, or with `zipf` set,
     `requests` requests drawn by Zipf popularity. With `unique_words`, as many requests again of
     one unique user prompt each. With `tenants`, each request carries one of that many tenants'
-    cache salts. Shuffled."""
+    cache salts. Shuffled; with `stagger` the groups begin one after another instead: group g's
+    requests are spread at random over [g × stagger, g × stagger + 1) of the run, so that new
+    system prompts keep arriving while earlier ones are still asked (at 0.25, about four at a
+    time)."""
 
     groups: int
     system_words: int
@@ -72,6 +75,7 @@ class SharedPrefix:
     unique_words: tuple[int, int] | None = None
     vocab: int = 100000
     tenants: int = 0
+    stagger: float | None = None
 
     def sessions(self, rng: random.Random, model: str, max_tokens: int, n) -> list[list[dict]]:
         systems = [words(rng, f"g{g}s", self.system_words, self.vocab) for g in range(self.groups)]
@@ -89,6 +93,9 @@ class SharedPrefix:
             for _ in range(len(picks)):
                 msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(*self.unique_words), self.vocab)}]
                 sessions.append([chat_body(model, msgs, max_tokens, tenant_salt(rng, self.tenants))])
+        if self.stagger is not None and self.unique_words is None:
+            at = [g * self.stagger + rng.random() for g in picks]
+            return [s for _, s in sorted(zip(at, sessions), key=lambda p: p[0])]
         rng.shuffle(sessions)
         return sessions
 
