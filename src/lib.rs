@@ -27,6 +27,7 @@ mod phases;
 mod rates;
 mod recent;
 mod returns;
+mod reuse;
 mod shared_records;
 mod speculative;
 mod tokenizer_times;

@@ -354,3 +354,43 @@ fn a_new_prompt_is_not_computed_where_a_conversation_is_about_to_come_back() {
         e.host.now_ns.set(now);
     }
 }
+
+#[test]
+fn requests_brought_by_a_prefix_one_replica_holds_make_a_family_there_for_every_worker() {
+    use crate::reuse::Reuse;
+    use llmgw_core::policy::returns::Returning;
+    let prefix: Vec<u32> = (0..48).collect();
+    let e = synced("", vec![], keys(&prefix), true);
+    let vm2 = second_vm(&e, vec![], keys(&prefix));
+    let families = |e: &Env, address: &str| {
+        let mut r = Returning::default();
+        Reuse::read(e.host.as_ref()).fill(address, &mut r);
+        r.reused_count
+    };
+    e.host.now_ns.set(100_000_000_000);
+    for i in 0..20u32 {
+        let prompt: Vec<u32> = prefix.iter().copied().chain(1000 * (i + 1)..1000 * (i + 1) + 20).collect();
+        let vm = if i % 2 == 0 { &e } else { &vm2 };
+        let (mut ctx, _) = vm.request(COMPLETIONS, &tokens_body("m", &prompt));
+        assert_eq!(vm.dest().as_deref(), Some(B), "request {i}");
+        vm.host.set_header(Headers::Response, ":status", Some("200"));
+        ctx.on_http_response_headers(1, true);
+        ctx.on_log();
+        // Reused twice: a family on B, for both workers.
+        assert_eq!(families(&vm2, B), usize::from(i >= 1), "after request {i}");
+        e.host.now_ns.set(e.host.now_ns.get() + 3_000_000);
+    }
+    assert_eq!(families(&e, A), 0);
+    e.host.now_ns.set(e.host.now_ns.get() - 2_500_000);
+    // A new prompt of 100 tokens goes to A and stays in flight there (10 ms of queued prefill
+    // and a request, at the profile's 100 µs a token and 20 ms a request).
+    let (_busy, _) = e.request(COMPLETIONS, &tokens_body("m", &(5_000..5_100).collect::<Vec<u32>>()));
+    assert_eq!(e.dest().as_deref(), Some(A));
+    // A new prompt of 800 tokens, half a millisecond after the family's last request: 80 ms
+    // of prefill on idle B, 110 ms on A. But B's family, reused every 3 ms so far, is expected
+    // back within it (a chance of e^(-1/6)): about 68 ms more there.
+    let (_ctx, _) = vm2.request(COMPLETIONS, &tokens_body("m", &(6_000..6_800).collect::<Vec<u32>>()));
+    assert_eq!(vm2.dest().as_deref(), Some(A));
+    let line = vm2.host.property("llmgw_decision").unwrap_or_default();
+    assert!(!line.contains("returning_us"), "{line}");
+}
