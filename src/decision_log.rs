@@ -30,9 +30,6 @@ pub fn routed(r: &Routed, tokenizer_us: Option<u64>) -> String {
     if let Some(us) = d.predicted_us {
         let _ = write!(out, " predicted_us={us} prefill_tokens={}", r.prefill_tokens);
     }
-    if d.returning_us.0 > 0 {
-        let _ = write!(out, " returning_us={}", d.returning_us.0);
-    }
     tail(&mut out, &r.report, tokenizer_us);
     out
 }

@@ -1,9 +1,8 @@
 //! What the router asks the gateway, read once per decision from this Envoy's shared data: the
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
-//! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`),
-//! the requests answered lately (`crate::returns`) and the prefixes reused lately
-//! (`crate::reuse`);
+//! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`) and
+//! the requests answered lately (`crate::returns`);
 //! the tokens kept for conversations' next turns (`crate::earlier_turns`), the text prompts
 //! the other VMs handed on (`crate::earlier_prompts`) and the tokenizer calls' usual round trip
 //! (`crate::tokenizer_times`) are read when asked.
@@ -14,7 +13,6 @@ use crate::inflight::Counts;
 use crate::rates::Learned;
 use crate::recent::Recent;
 use crate::returns::Returns;
-use crate::reuse::Reuse;
 use crate::speculative::Entries;
 use llmgw_core::flow::{
     EarlierTurns, InFlightCounts, LearnedRates, ReplicaAvoidance, SharedPrompt, SpeculativeEntries, SpeculativeHit,
@@ -33,7 +31,6 @@ pub struct Snapshot {
     rates: Learned,
     recent: Recent,
     returns: Returns,
-    reuse: Reuse,
 }
 
 impl Snapshot {
@@ -48,7 +45,6 @@ impl Snapshot {
             rates: Learned::read(host),
             recent: Recent::read(host),
             returns: Returns::read(host),
-            reuse: Reuse::read(host),
         }
     }
 }
@@ -68,9 +64,7 @@ impl InFlightCounts for Snapshot {
 
     fn returning(&self, address: &str) -> Returning {
         let (in_flight, pending_tokens) = self.counts.of(address);
-        let mut r = self.returns.of(address, in_flight, pending_tokens > 0);
-        self.reuse.fill(address, &mut r);
-        r
+        self.returns.of(address, in_flight, pending_tokens > 0)
     }
 
     fn ended_request(&self, key: u64) -> bool {

@@ -204,9 +204,6 @@ impl Request {
         if let Some(key) = r.follows {
             gave_up.extend(crate::returns::followed(self.host.as_ref(), key));
         }
-        if let Some(key) = r.reuses {
-            gave_up.extend(crate::reuse::reused(self.host.as_ref(), &r.address, key));
-        }
         self.ends_as = r.ends_as;
         s.metrics.shared_update_failed(gave_up);
         self.prefilling = if self.in_flight_recorded { tokens } else { 0 };

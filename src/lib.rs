@@ -27,7 +27,6 @@ mod phases;
 mod rates;
 mod recent;
 mod returns;
-mod reuse;
 mod shared_records;
 mod speculative;
 mod tokenizer_times;

@@ -253,7 +253,7 @@ impl Returns {
         let streams = answered.iter().take(count).filter(|a| !a.ended).count();
         let prefilling =
             if prefilling { in_flight.saturating_sub(u32::try_from(streams).unwrap_or(u32::MAX)).max(1) } else { 0 };
-        Returning { answered, count, prefilling, curves: self.curves.clone(), ..Default::default() }
+        Returning { answered, count, prefilling, curves: self.curves.clone() }
     }
 }
 

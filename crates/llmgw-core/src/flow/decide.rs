@@ -79,19 +79,6 @@ pub fn decide(
     if exact.is_some() {
         report.matched_blocks = Some(d.matched);
     }
-    // The prefix it reuses on the winner, where that prefix brought it there: the winner holds
-    // more of it than some other replica up (a prefix every replica holds steers nothing). Not a
-    // conversation's next turn (the returns count those). Named by its block at the largest
-    // power of two within the match, so that a family's requests name the same block while what
-    // they are known to share grows (a claim, then the common prefix of two, of more).
-    let reuses = exact.filter(|_| d.matched > 0 && follows.is_none()).and_then(|(_, sc)| {
-        let steered = cands
-            .iter()
-            .filter(|c| c.up)
-            .any(|c| sc.scores.leading.get(usize::from(c.id)).is_none_or(|&l| l < d.matched));
-        let depth = 1usize.checked_shl(d.matched.checked_ilog2()?)?;
-        sc.hashes.get(depth.checked_sub(1)?).map(|h| h.key.0).filter(|_| steered)
-    });
     match d.winner.and_then(|i| cands.get(i)) {
         Some(c) => Step::Route(Routed {
             address: c.address.to_owned(),
@@ -108,7 +95,6 @@ pub fn decide(
             keep: Keep::default(),
             ends_as: work.map(|w| w.prompt_key).filter(|&k| k != 0),
             follows,
-            reuses,
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }

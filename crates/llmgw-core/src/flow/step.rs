@@ -103,11 +103,6 @@ pub struct Routed {
     pub ends_as: Option<u64>,
     /// The key of the request that ended lately whose next request this is.
     pub follows: Option<u64>,
-    /// A block of the prefix it reuses on the chosen replica (at the largest power of two
-    /// within its match), where that prefix is what brought it there (some other replica up
-    /// holds less of it) and it is no conversation's next turn: the requests reusing a prefix
-    /// there are counted as returns too ([`crate::policy::returns`]).
-    pub reuses: Option<u64>,
 }
 
 /// What the gateway keeps in its shared data for every VM of the Envoy (see

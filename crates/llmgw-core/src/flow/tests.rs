@@ -483,35 +483,3 @@ mod hash_settings;
 mod incomplete;
 mod shared_data;
 mod shared_prefix;
-
-#[test]
-fn a_request_brought_by_a_prefix_one_replica_holds_names_the_prefix_it_reuses() {
-    // Token ids: 3 blocks, B holding the first 2.
-    let prompt: Vec<u32> = (1..=12).collect();
-    let k = keys(&prompt);
-    let ids = |t: &[u32]| format!(r#"{{"model":"m","prompt":{t:?},"max_tokens":1}}"#).into_bytes();
-    let mut r = router("", k[..2].to_vec(), true);
-    let got = routed(r.on_body(&body(COMPLETIONS, &ids(&prompt)), &(), 0));
-    assert_eq!((got.address.as_str(), got.decision.matched), (B, 2));
-    assert_eq!(got.reuses, Some(k[1]));
-    // Both hold it: the prefix brought it nowhere in particular.
-    let mut both = router("", k[..2].to_vec(), true);
-    both.feed
-        .apply(&FeedMessage {
-            seq: 3,
-            body: Some(Msg::Delta(crate::feed::BlockDelta { replica: 0, added: k[..2].to_vec(), removed: vec![] })),
-        })
-        .unwrap();
-    let got = routed(both.on_body(&body(COMPLETIONS, &ids(&prompt)), &(), 0));
-    assert_eq!(got.decision.matched, 2);
-    assert_eq!(got.reuses, None);
-    // Nothing held: nothing reused.
-    let mut none = router("", vec![], true);
-    assert_eq!(routed(none.on_body(&body(COMPLETIONS, &ids(&prompt)), &(), 0)).reuses, None);
-    // Three blocks held: named by the second, as a request matching two of them is.
-    let longer: Vec<u32> = (1..=16).collect();
-    let kl = keys(&longer);
-    let mut three = router("", kl[..3].to_vec(), true);
-    let got = routed(three.on_body(&body(COMPLETIONS, &ids(&longer)), &(), 0));
-    assert_eq!((got.decision.matched, got.reuses), (3, Some(kl[1])));
-}

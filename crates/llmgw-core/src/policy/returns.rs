@@ -13,18 +13,6 @@
 //! within the prefill's predicted time, each delayed by about that time. Traffic with human
 //! think times (seconds) expects none within a prefill; a loop that sends its next request
 //! milliseconds after the last answer expects one on the replica it just left.
-//!
-//! Requests come back to a replica a second way: a prefix several requests began with (a system
-//! prompt and its questions, an agent's instructions and its tasks) brings its next request to
-//! the replica that holds it. Each such prefix reused there at least twice lately, a family, is
-//! a source of returns too ([`Reused`]), from its own pace: its reuses so far came on average
-//! `gap` apart, so its next one comes within a window `w` with the chance `1 − e^(−w/gap)` were
-//! it a steady stream, discounted by `e^(−since/gap)`, the chance that its silence since its last
-//! reuse would have lasted this long at that pace (a family that stopped fades out). A family
-//! counts once at most: a burst of its requests a moment apart says nothing of how many more
-//! come. So a replica holding four busy families expects more of their requests within a new
-//! prefix's prefill than one holding one, from a family's second reuse on, with nothing to learn
-//! first.
 
 use std::sync::Arc;
 
@@ -39,8 +27,6 @@ pub const GAP_BUCKETS: usize = 24;
 pub const MEMORY: f64 = 256.0;
 /// Below this many observations nothing is expected: too few to tell a loop from people.
 pub const MIN_OBSERVATIONS: f64 = 16.0;
-/// The families on a replica that are counted: those reused last there.
-pub const MAX_REUSED: usize = 16;
 
 /// A request answered on a replica and not yet followed: the time since its end, or since its
 /// first token while it streams (µs).
@@ -48,29 +34,6 @@ pub const MAX_REUSED: usize = 16;
 pub struct Answered {
     pub since_us: u64,
     pub ended: bool,
-}
-
-/// A family on a replica: a prefix reused there at least twice.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Reused {
-    /// Since its last reuse (µs).
-    pub since_us: u64,
-    /// The mean time between its reuses so far (µs).
-    pub gap_us: u64,
-}
-
-impl Reused {
-    /// The chance that its next request comes within `window_us`, as its pace tells.
-    pub fn chance_within(&self, window_us: f64) -> f64 {
-        let gap = self.gap_us.max(1) as f64;
-        let next = 1.0 - (-window_us / gap).exp();
-        let still = (-(self.since_us as f64) / gap).exp();
-        if (next * still).is_finite() {
-            (next * still).clamp(0.0, 1.0)
-        } else {
-            0.0
-        }
-    }
 }
 
 /// The gaps learned from the first token and from the end, summed for lookups; shared by every
@@ -97,9 +60,6 @@ pub struct Returning {
     /// theirs; each comes back within the new one's prefill as a request comes back within
     /// that time of its first token.
     pub prefilling: u32,
-    /// The families there reused last (the first `reused_count`).
-    pub reused: [Reused; MAX_REUSED],
-    pub reused_count: usize,
     /// What was learned (none: nothing is expected).
     pub curves: Option<Arc<ReturnCurves>>,
 }
@@ -108,11 +68,10 @@ impl Returning {
     /// The returns expected within a new request's prefill of `window_us`: for each request,
     /// the chance that it comes back within the window given that it has not yet.
     pub fn expected_within(&self, window_us: f64) -> f64 {
+        let Some(c) = &self.curves else { return 0.0 };
         if window_us.is_nan() || window_us <= 0.0 {
             return 0.0;
         }
-        let reused: f64 = self.reused.iter().take(self.reused_count).map(|f| f.chance_within(window_us)).sum();
-        let Some(c) = &self.curves else { return reused };
         let w = window_us as u64;
         let chance = |curve: &Option<Cumulative>, since: u64| curve.as_ref().map_or(0.0, |k| k.chance(since, w));
         let answered: f64 = self
@@ -121,7 +80,7 @@ impl Returning {
             .take(self.count)
             .map(|a| chance(if a.ended { &c.from_end } else { &c.from_first }, a.since_us))
             .sum();
-        reused + answered + f64::from(self.prefilling) * chance(&c.from_first, 0)
+        answered + f64::from(self.prefilling) * chance(&c.from_first, 0)
     }
 }
 
@@ -295,34 +254,6 @@ mod tests {
         let within = r.expected_within(300_000.0);
         assert!((1.9..2.01).contains(&within), "{within}");
         assert!(r.expected_within(10_000.0) < 0.01);
-    }
-
-    #[test]
-    fn a_family_reused_every_few_tens_of_milliseconds_is_expected_again_within_a_prefill() {
-        let family = |since_ms: u64, gap_ms: u64| Reused { since_us: since_ms * 1_000, gap_us: gap_ms * 1_000 };
-        let mut r = Returning::default();
-        assert_eq!(r.expected_within(200_000.0), 0.0);
-        // Four families there, reused every 40 ms, each last 5 ms ago: each is expected within
-        // a prefill of 200 ms, with nothing learned.
-        r.reused[..4].fill(family(5, 40));
-        r.reused_count = 4;
-        let four = r.expected_within(200_000.0);
-        assert!((3.4..4.0).contains(&four), "{four}");
-        // Within 10 ms: about a fifth each.
-        assert!((0.6..1.0).contains(&r.expected_within(10_000.0)), "{}", r.expected_within(10_000.0));
-        // One family: a quarter of that; one silent for 10 of its gaps: nothing.
-        r.reused_count = 1;
-        assert!((0.85..1.0).contains(&r.expected_within(200_000.0)));
-        r.reused[0] = family(400, 40);
-        assert!(r.expected_within(200_000.0) < 0.001, "{}", r.expected_within(200_000.0));
-        // A family a burst made (reuses an instant apart) counts once at most.
-        r.reused[0] = family(0, 0);
-        assert!(r.expected_within(200_000.0) <= 1.0);
-        // A count past the array counts what the array holds.
-        r.reused_count = usize::MAX;
-        assert!(r.expected_within(200_000.0) <= MAX_REUSED as f64);
-        r.reused[..].fill(Reused { since_us: u64::MAX, gap_us: u64::MAX });
-        assert!(r.expected_within(f64::INFINITY) <= MAX_REUSED as f64);
     }
 
     #[test]

@@ -212,34 +212,3 @@ fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_pref
         assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
     }
 }
-
-#[test]
-fn a_new_prefix_goes_where_fewer_families_are_expected_back_within_its_prefill() {
-    use super::returns::{Returning, Reused};
-    let none = scores(&[0, 0, 0], 50);
-    let mut w = Weights::default();
-    w.fallback.approx_choices = 3;
-    // Families reused every 30 ms, each last 5 ms ago.
-    let families = |n: usize| {
-        let mut r = Returning { reused_count: n, ..Default::default() };
-        r.reused[..n].fill(Reused { since_us: 5_000, gap_us: 30_000 });
-        r
-    };
-    for p in 0..30u32 {
-        let key = stable_hash(format!("system prompt {p}").as_bytes());
-        let mut c = fleet(3);
-        // Idle everywhere, no family anywhere: the prompt's order and recent requests decide.
-        let alone = ttft(&c, &none, 800, key, &w).winner;
-        // Families on each replica: 1, 2 and 3 in a rotating order. 800 tokens at 100 µs: each
-        // family's next request would wait about 80 ms behind the new prefill.
-        let fewest = p as usize % 3;
-        for (i, cand) in c.iter_mut().enumerate() {
-            cand.returning = families([1, 2, 3][(i + 3 - fewest) % 3]);
-        }
-        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(fewest), "prompt {p}");
-        // Ignoring what comes back, the families change nothing.
-        let mut ignoring = w.clone();
-        ignoring.ttft.returning = 0.0;
-        assert_eq!(ttft(&c, &none, 800, key, &ignoring).winner, alone, "prompt {p}");
-    }
-}
