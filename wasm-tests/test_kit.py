@@ -162,3 +162,5 @@ def test_staggered_system_prompts_begin_one_after_another_and_overlap():
     # Without the stagger, every prompt is asked from the start.
     plain = make_sessions(SharedPrefix(**{**shape.__dict__, "stagger": None}), 3, "m", 4)
     assert len({s[0]["messages"][0]["content"] for s in plain[:40]}) == 8
+    with pytest.raises(ValueError, match="unique prompts"):
+        make_sessions(SharedPrefix(**{**shape.__dict__, "unique_words": (2, 3)}), 3, "m", 4)

@@ -93,7 +93,9 @@ class SharedPrefix:
             for _ in range(len(picks)):
                 msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(*self.unique_words), self.vocab)}]
                 sessions.append([chat_body(model, msgs, max_tokens, tenant_salt(rng, self.tenants))])
-        if self.stagger is not None and self.unique_words is None:
+        if self.stagger is not None:
+            if self.unique_words is not None:
+                raise ValueError("SharedPrefix: stagger places groups' requests; unique prompts belong to no group")
             at = [g * self.stagger + rng.random() for g in picks]
             return [s for _, s in sorted(zip(at, sessions), key=lambda p: p[0])]
         rng.shuffle(sessions)
