@@ -18,6 +18,7 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             rates: None,
             incomplete: false,
             recent: 0.0,
+            cached_blocks: 0,
             returning: Default::default(),
         })
         .collect()
