@@ -40,7 +40,6 @@ fn candidates_avoiding<'a>(
                 rates: gw.learned_rates(&r.address),
                 incomplete: r.incomplete,
                 recent: gw.recent_requests(&r.address),
-                cached_blocks: feed.index.replica_blocks(r.id),
                 returning: gw.returning(&r.address),
             }
         })

@@ -33,10 +33,6 @@ pub struct Candidate<'a> {
     /// New prefixes go, among equally fast choices, where it is lowest. 0 when the gateway keeps
     /// no such count.
     pub recent: f64,
-    /// The blocks the index shows this replica holding (its KV cache as its events tell). A
-    /// new prefix, among equally fast places, goes where it holds fewer prompts' worth: where
-    /// it evicts the least of what others brought there. 0 when unknown.
-    pub cached_blocks: u64,
     /// The requests expected back on this replica within windows from now: ended there, not
     /// yet followed by their next request ([`super::returns`]). None when the gateway keeps no
     /// such record.

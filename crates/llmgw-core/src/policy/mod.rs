@@ -151,9 +151,7 @@ fn place_new(
     w: &Weights,
 ) -> Option<Decision> {
     let members = w.fallback.new_prefix_choices(cands, idx, key);
-    // The prompt's size is the unit the caches' contents are compared in.
-    let prompt_blocks = u64::from(s.total).max(1);
-    let tiebreak = |i: usize| cands.get(i).map(|c| tie_rank(c, key, prompt_blocks));
+    let tiebreak = |i: usize| cands.get(i).map(|c| tie_rank(c, key));
     let contest = Contest { cands, members: &members, scores: s, work, tiebreak: &tiebreak, counts_returns: true };
     let new_prefix;
     let policy: &dyn HolderPolicy = match w.policy {
@@ -184,20 +182,13 @@ fn common_leading(cands: &[Candidate<'_>], s: &Scores, idx: &[usize]) -> Option<
     held.all(|l| l == first).then_some(first)
 }
 
-/// The order of equally good places for a new prefix (higher first): fewer prompts' worth of
-/// blocks cached (in units of this prompt's `prompt_blocks`: while caches fill, a new prefix
-/// goes where it evicts least of what earlier prefixes brought; once every cache is full they
-/// are equal), then fewer recent requests, then the prompt's rendezvous weight. Recent counts
-/// are compared in whole requests: a difference of less than one is what two workers' reads a
+/// The order of equally good places for a new prefix (higher first): fewer recent requests,
+/// then the prompt's rendezvous weight. Recent counts are compared in whole requests: a difference of less than one is what two workers' reads a
 /// moment apart differ by, and there the rendezvous order, the same on every gateway, decides.
-fn tie_rank(c: &Candidate<'_>, key: u64, prompt_blocks: u64) -> u64 {
-    let held = c.cached_blocks.checked_div(prompt_blocks).unwrap_or(0).min(u64::from(u16::MAX));
-    let fewer_held = u64::from(u16::MAX).saturating_sub(held);
-    let recent = c.recent.round().clamp(0.0, f64::from(u16::MAX)) as u64;
-    let fewer_recent = u64::from(u16::MAX).saturating_sub(recent);
-    (fewer_held.checked_shl(48).unwrap_or(0))
-        | (fewer_recent.checked_shl(32).unwrap_or(0))
-        | (c.rendezvous_weight(key).checked_shr(32).unwrap_or(0))
+fn tie_rank(c: &Candidate<'_>, key: u64) -> u64 {
+    let recent = c.recent.round().clamp(0.0, f64::from(u32::MAX)) as u32;
+    let fewer = u64::from(u32::MAX.saturating_sub(recent));
+    (fewer.checked_shl(32).unwrap_or(0)) | (c.rendezvous_weight(key).checked_shr(32).unwrap_or(0))
 }
 
 #[cfg(test)]

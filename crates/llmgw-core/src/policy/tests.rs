@@ -18,7 +18,6 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             rates: None,
             incomplete: false,
             recent: 0.0,
-            cached_blocks: 0,
             returning: Default::default(),
         })
         .collect()

@@ -212,35 +212,3 @@ fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_pref
         assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
     }
 }
-
-#[test]
-fn a_new_prefix_among_equally_fast_places_goes_where_fewer_prompts_worth_are_cached() {
-    let none = scores(&[0, 0, 0], 50);
-    let mut w = Weights::default();
-    w.fallback.approx_choices = 3;
-    for p in 0..30u32 {
-        let key = stable_hash(format!("system prompt {p}").as_bytes());
-        let mut c = fleet(3);
-        // Idle everywhere. Caches filling: 4, 2 and 3 prompts of 50 blocks' worth, rotating.
-        let emptiest = p as usize % 3;
-        for (i, cand) in c.iter_mut().enumerate() {
-            cand.cached_blocks = [100, 150, 200][(i + 3 - emptiest) % 3] + 10;
-        }
-        // More recent requests there do not outweigh the room.
-        c[emptiest].recent = 5.0;
-        assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(emptiest), "prompt {p}");
-        // Within one prompt's worth of each other, the recent requests decide.
-        for (i, cand) in c.iter_mut().enumerate() {
-            cand.cached_blocks = 200 + 10 * i as u64;
-        }
-        assert_ne!(ttft(&c, &none, 800, key, &w).winner, Some(emptiest), "prompt {p}");
-        // A prediction past the tie margin still decides: 1,000 tokens queued on the emptiest.
-        c[emptiest].recent = 0.0;
-        for (i, cand) in c.iter_mut().enumerate() {
-            cand.cached_blocks = if i == emptiest { 0 } else { 200 };
-        }
-        c[emptiest].in_flight = 1;
-        c[emptiest].pending_tokens = 1_000;
-        assert_ne!(ttft(&c, &none, 800, key, &w).winner, Some(emptiest), "prompt {p}");
-    }
-}
