@@ -68,8 +68,8 @@ WORKLOADS = {
     "tenants": "shared-prefix over 4 tenants' cache salts: same text, no shared KV",
     "rolling-prefix": "shared-prefix with the system prompts arriving one after another (about four asked at a time)",
 }
-# Run unless --workloads names others.
-DEFAULT_WORKLOADS = ["shared-prefix", "multi-turn", "tenants"]
+# Run unless --workloads names others: every workload but rolling-prefix.
+DEFAULT_WORKLOADS = [w for w in WORKLOADS if w != "rolling-prefix"]
 # The request path of each API.
 API_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 

@@ -77,6 +77,11 @@ class SharedPrefix:
     tenants: int = 0
     stagger: float | None = None
 
+    def __post_init__(self) -> None:
+        # Refused when the shape is written, before any prompt is made.
+        if self.stagger is not None and self.unique_words is not None:
+            raise ValueError("SharedPrefix: stagger places groups' requests; unique prompts belong to no group")
+
     def sessions(self, rng: random.Random, model: str, max_tokens: int, n) -> list[list[dict]]:
         systems = [words(rng, f"g{g}s", self.system_words, self.vocab) for g in range(self.groups)]
         if self.zipf is not None:
@@ -94,8 +99,6 @@ class SharedPrefix:
                 msgs = [{"role": "user", "content": words(rng, "u", rng.randrange(*self.unique_words), self.vocab)}]
                 sessions.append([chat_body(model, msgs, max_tokens, tenant_salt(rng, self.tenants))])
         if self.stagger is not None:
-            if self.unique_words is not None:
-                raise ValueError("SharedPrefix: stagger places groups' requests; unique prompts belong to no group")
             at = [g * self.stagger + rng.random() for g in picks]
             return [s for _, s in sorted(zip(at, sessions), key=lambda p: p[0])]
         rng.shuffle(sessions)

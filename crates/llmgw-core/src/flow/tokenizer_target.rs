@@ -48,11 +48,11 @@ impl Router {
         gw: &dyn GatewayState,
         except: Option<&str>,
     ) -> TokenizerTarget {
-        let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
         let mut cands = candidates::candidates(self.feed.serving(), model, gw);
         if !cands.iter().any(|c| c.up) {
             return TokenizerTarget::Nobody;
         }
+        let w = self.config.profile(pi).map_or(&self.default_weights, |p| &p.weights);
         cands.retain(|c| c.up && Some(c.address) != except && !gw.tokenizer_avoided(c.address));
         match policy::least_loaded(&cands, &w.limits, key).and_then(|i| cands.get(i)) {
             Some(c) => TokenizerTarget::At(c.address.to_owned()),
