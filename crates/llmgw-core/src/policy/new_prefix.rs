@@ -8,6 +8,11 @@
 //!   predictions within that is no evidence that one replica is faster; letting it decide
 //!   sends every new prefix to whichever replica's estimate is lowest. So predictions from the
 //!   replicas' own rates decide only past the larger of the tie margin and that residual.
+//!   While a member's rates rest on too few observations for their residual to say that
+//!   ([`Rates::residual_known`]: the profile's, or fewer than clipping waits for), nobody knows
+//!   how far off they are, and they do not decide at all. Two observations taken in a moment of
+//!   slowness (two prefills at once on a fresh engine) can make a replica's rates several times
+//!   its peers'; judged by them it would get no new prefix, and nothing would correct them.
 //! * **The load.** Prefill tokens queued there, requests running and waiting: known work, not
 //!   scatter. Early in a fleet's life, or after a change, the residual is hundreds of
 //!   milliseconds, and within it three new prefixes sent a moment apart would go to one
@@ -25,7 +30,8 @@ use super::ttft::{by_cost, TtftWeights};
 /// The `ttft` policy for the places of a new prefix.
 pub(super) struct NewPrefixTtft<'w> {
     ttft: &'w TtftWeights,
-    /// The largest mean absolute residual of the members' rates (µs).
+    /// The largest mean absolute residual of the members' rates (µs); infinite while one
+    /// member's is not known.
     scatter_us: f64,
     /// The members' rates, averaged: what compares their loads alone.
     common: Rates,
@@ -37,7 +43,9 @@ impl<'w> NewPrefixTtft<'w> {
         // One pass: the largest residual, and the sums of the finite rates.
         let (mut scatter_us, mut sums, mut n) = (0.0_f64, [0.0_f64; 4], 0.0_f64);
         for r in members.iter().filter_map(|&i| cands.get(i)).map(|c| ttft.rates(c)) {
-            if r.residual_us.is_finite() {
+            if !r.residual_known() {
+                scatter_us = f64::INFINITY;
+            } else if r.residual_us.is_finite() {
                 scatter_us = scatter_us.max(r.residual_us);
             }
             let rates = [r.base_us, r.prefill_us_per_token, r.queued_us_per_token, r.request_us];

@@ -212,3 +212,43 @@ fn a_new_prefix_is_not_computed_where_a_request_is_expected_back_within_its_pref
         assert_eq!(ttft(&c, &none, 800, key, &w).winner, Some(first), "prompt {p}");
     }
 }
+
+#[test]
+fn a_replica_that_looked_slow_in_its_first_requests_still_takes_new_prefixes_while_idle() {
+    use super::rates::Rates;
+    let rates = |prefill: f64, observations: u32, residual: f64| Rates {
+        base_us: 5_000.0,
+        prefill_us_per_token: prefill,
+        queued_us_per_token: prefill,
+        request_us: 10_000.0,
+        observations,
+        residual_us: residual,
+    };
+    // Replicas 0 and 1 are known (60 observations, 200 µs a token, predictions off by 20 ms
+    // typically) and each computing a new conversation of 500 tokens. Replica 2's first two
+    // requests came while it was slow: its rates, fitted to them, say 900 µs a token, and
+    // their residual rests on those two. It is idle. Every replica holds the prompts' common
+    // first block.
+    let common = scores(&[1, 1, 1], 40);
+    let fleet_with = |slow: Rates| {
+        let mut c = fleet(3);
+        for x in c.iter_mut().take(2) {
+            x.rates = Some(rates(200.0, 60, 20_000.0));
+            x.in_flight = 1;
+            x.pending_tokens = 500;
+        }
+        c[2].rates = Some(slow);
+        c
+    };
+    for p in 0..30u32 {
+        let key = stable_hash(format!("conversation {p}").as_bytes());
+        // Two observations are too few to judge it by: the loads decide, and being idle it
+        // takes the new conversation (whose first token teaches its rates).
+        let d = ttft(&fleet_with(rates(900.0, 2, 220_000.0)), &common, 640, key, &Weights::default());
+        assert_eq!(d.winner, Some(2), "prompt {p}");
+        // The same rates resting on as many observations as the others', as sure of themselves:
+        // it is that slow, and the new conversation waits for a busy replica instead.
+        let c = fleet_with(rates(900.0, 60, 20_000.0));
+        assert_ne!(ttft(&c, &common, 640, key, &Weights::default()).winner, Some(2), "prompt {p}");
+    }
+}
