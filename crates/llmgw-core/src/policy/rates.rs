@@ -22,7 +22,7 @@ pub const CLIP: f64 = 3.0;
 /// How much the clipping bound widens at each clipped observation.
 const GROWTH: f64 = 1.5;
 /// Observations before clipping starts (the scale of residuals is known by then).
-pub const WARMUP: u32 = 8;
+const WARMUP: u32 = 8;
 /// The `(row, column)` of each upper-triangle entry, row by row.
 const TRI_AT: [(usize, usize); TRI] = [(0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3)];
 
@@ -90,7 +90,7 @@ impl Rates {
     }
 
     /// Whether `residual_us` says how far off these rates' predictions typically are: they rest
-    /// on [`WARMUP`] observations or more. Before, it rests on too few residuals, each measured
+    /// on `WARMUP` (8) observations or more. Before, it rests on too few residuals, each measured
     /// against rates that moved with every observation (the profile's rates have none).
     pub fn residual_known(&self) -> bool {
         self.observations >= WARMUP
