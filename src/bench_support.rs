@@ -79,7 +79,7 @@ impl Decision {
     /// The shared records' total size in bytes.
     pub fn shared_bytes(&self) -> usize {
         [
-            "llmgw.inflight.v2",
+            "llmgw.inflight.v3",
             "llmgw.inflight.vms",
             "llmgw.health",
             "llmgw.tokenizer_health",
@@ -101,7 +101,7 @@ impl Decision {
 fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
     for vm in 0..vms {
         for id in 0..replicas {
-            inflight::increment(host, VmId(vm), &address(id), 100);
+            inflight::increment(host, VmId(vm), &address(id), 100, 0);
         }
     }
     // The shipped profile's rates as the prior, as a default configuration learns from.

@@ -29,6 +29,9 @@ pub fn routed(r: &Routed, tokenizer_us: Option<u64>) -> String {
     }
     if let Some(us) = d.predicted_us {
         let _ = write!(out, " predicted_us={us} prefill_tokens={}", r.prefill_tokens);
+        if d.capacity_wait_us > 0 {
+            let _ = write!(out, " capacity_wait_us={}", d.capacity_wait_us);
+        }
     }
     tail(&mut out, &r.report, tokenizer_us);
     out

@@ -2,12 +2,14 @@
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
 //! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`) and
-//! the requests answered lately (`crate::returns`);
+//! the requests answered lately (`crate::returns`), how long requests hold their KV blocks
+//! (`crate::hold_times`);
 //! the tokens kept for conversations' next turns (`crate::earlier_turns`), the text prompts
 //! the other VMs handed on (`crate::earlier_prompts`) and the tokenizer calls' usual round trip
 //! (`crate::tokenizer_times`) are read when asked.
 
 use crate::health::Health;
+use crate::hold_times::HoldTimes;
 use crate::host::Host;
 use crate::inflight::Counts;
 use crate::rates::Learned;
@@ -31,6 +33,7 @@ pub struct Snapshot {
     rates: Learned,
     recent: Recent,
     returns: Returns,
+    holds: HoldTimes,
 }
 
 impl Snapshot {
@@ -45,6 +48,7 @@ impl Snapshot {
             rates: Learned::read(host),
             recent: Recent::read(host),
             returns: Returns::read(host),
+            holds: HoldTimes::read(host),
         }
     }
 }
@@ -69,6 +73,14 @@ impl InFlightCounts for Snapshot {
 
     fn ended_request(&self, key: u64) -> bool {
         self.returns.ended(key)
+    }
+
+    fn held_blocks(&self, address: &str) -> u64 {
+        self.counts.blocks(address)
+    }
+
+    fn hold_us(&self, address: &str) -> f64 {
+        self.holds.of(address)
     }
 }
 

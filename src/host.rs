@@ -65,10 +65,12 @@ pub enum SharedKind {
     EarlierPrompts,
     /// The tokenizer calls' round trips (`crate::tokenizer_times`).
     TokenizerTimes,
+    /// How long requests hold their KV blocks per replica (`crate::hold_times`).
+    HoldTimes,
 }
 
 impl SharedKind {
-    pub const ALL: [SharedKind; 11] = [
+    pub const ALL: [SharedKind; 12] = [
         SharedKind::InFlight,
         SharedKind::Heartbeat,
         SharedKind::Health,
@@ -80,6 +82,7 @@ impl SharedKind {
         SharedKind::EarlierTurns,
         SharedKind::EarlierPrompts,
         SharedKind::TokenizerTimes,
+        SharedKind::HoldTimes,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -95,6 +98,7 @@ impl SharedKind {
             SharedKind::EarlierTurns => "earlier_turns",
             SharedKind::EarlierPrompts => "earlier_prompts",
             SharedKind::TokenizerTimes => "tokenizer_times",
+            SharedKind::HoldTimes => "hold_times",
         }
     }
 }

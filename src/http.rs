@@ -7,7 +7,7 @@ use crate::host::{Buffer, Headers, Host, SharedKind};
 use crate::phases::Phases;
 use crate::{gateway_state, inflight, Shared};
 use llmgw_core::config::{DEFAULT_APPROX_PREFIX_BYTES, DEFAULT_DESTINATION_HEADER};
-use llmgw_core::flow::{Background, Body, Keep, Pending, Rejected, Report, Routed, Step, TokenizerReply};
+use llmgw_core::flow::{Background, Body, Holding, Keep, Pending, Rejected, Report, Routed, Step, TokenizerReply};
 use llmgw_core::policy::rates::Basis;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -56,6 +56,10 @@ pub struct Request {
     in_flight_recorded: bool,
     /// Prefill tokens counted for it there until its first token.
     prefilling: u32,
+    /// The KV blocks its prompt holds there, counted in the VM's held blocks until its end
+    /// (`crate::held_blocks`), and when it was routed (its hold, `crate::hold_times`).
+    holding: Option<Holding>,
+    routed_ns: u64,
     explain: Option<String>,
     /// Where its time went (`crate::phases`).
     phases: Phases,
@@ -87,6 +91,8 @@ impl Request {
             counted: None,
             in_flight_recorded: false,
             prefilling: 0,
+            holding: None,
+            routed_ns: 0,
             explain: None,
             phases: Phases::default(),
             held: None,
@@ -198,8 +204,14 @@ impl Request {
         let rank = r.dp_rank.map(|rank| rank.to_string());
         self.host.set_header(Headers::Request, DP_RANK_HEADER, rank.as_deref());
         let tokens = u32::try_from(r.prefill_tokens).unwrap_or(u32::MAX);
-        let mut gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens);
+        let blocks = r.holding.map_or(0, |h| s.held.borrow_mut().add(&r.address, &h));
+        let mut gave_up = inflight::increment(self.host.as_ref(), s.vm, &r.address, tokens, blocks);
         self.in_flight_recorded = !gave_up.contains(&SharedKind::InFlight);
+        self.holding = r.holding.filter(|_| self.in_flight_recorded);
+        if let (false, Some(h)) = (self.in_flight_recorded, &r.holding) {
+            s.held.borrow_mut().remove(&r.address, h);
+        }
+        self.routed_ns = self.host.now_ns();
         gave_up.extend(crate::recent::routed(self.host.as_ref(), &r.address).err());
         if let Some(key) = r.follows {
             gave_up.extend(crate::returns::followed(self.host.as_ref(), key));
@@ -218,7 +230,9 @@ impl Request {
         }
         let line = decision_log::routed(&r, self.phases.breakdown().tokenizer_us);
         self.host.set_property(decision_log::PROPERTY, line.as_bytes());
-        self.learning = r.decision.basis.filter(|b| b.learning.enabled);
+        // A prediction with a wait for room in the cache: its observation says nothing of the
+        // rates.
+        self.learning = r.decision.basis.filter(|b| b.learning.enabled && r.decision.capacity_wait_us == 0);
         self.counted = Some(r.address);
         self.phase = Phase::Done;
         if resuming {

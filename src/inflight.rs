@@ -2,9 +2,10 @@
 //! shared data (process-wide, namespaced by vm_id, so every worker running this filter sees the
 //! same counts).
 //!
-//! Each VM counts its own requests: one key holds 20-byte records (the VM's id, u32; the
+//! Each VM counts its own requests: one key holds 24-byte records (the VM's id, u32; the
 //! address's stable hash, u64; its count, u32; the prefill tokens of those requests that have
-//! not produced a first token yet, u32; little-endian), a second key each VM's last heartbeat
+//! not produced a first token yet, u32; the KV blocks their prompts hold there, u32
+//! ([`crate::held_blocks`]); little-endian), a second key each VM's last heartbeat
 //! (its id, u32; the time, u64 nanoseconds). A decision reads both once whatever the fleet's
 //! size and sums the counts of live VMs; a request updates its VM's record at its start, at its
 //! first token (when it had prefill tokens counted) and at its end, each time with
@@ -15,8 +16,9 @@
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, SharedRecord};
 
-/// (Versioned: the records grew a token count; a VM of an older build keeps its own key.)
-const KEY: &str = "llmgw.inflight.v2";
+/// (Versioned: the records grew a token count, then a block count; a VM of an older build keeps
+/// its own key.)
+const KEY: &str = "llmgw.inflight.v3";
 const LIVE_KEY: &str = "llmgw.inflight.vms";
 /// A VM silent this long is gone: its requests no longer count.
 pub const STALE_NS: u64 = 10_000_000_000;
@@ -34,18 +36,20 @@ struct Record {
     id: u64,
     requests: u32,
     tokens: u32,
+    blocks: u32,
 }
 
 impl SharedRecord for Record {
-    const SIZE: usize = 20;
+    const SIZE: usize = 24;
     fn read(f: &mut FieldReader<'_>) -> Option<Self> {
-        Some(Record { vm: f.u32()?, id: f.u64()?, requests: f.u32()?, tokens: f.u32()? })
+        Some(Record { vm: f.u32()?, id: f.u64()?, requests: f.u32()?, tokens: f.u32()?, blocks: f.u32()? })
     }
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.vm.to_le_bytes());
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.requests.to_le_bytes());
         out.extend_from_slice(&self.tokens.to_le_bytes());
+        out.extend_from_slice(&self.blocks.to_le_bytes());
     }
 }
 
@@ -78,6 +82,8 @@ pub struct Change {
     pub requests: i32,
     /// Prefill tokens added (at the start) or removed (at the first token, or the end).
     pub tokens: i64,
+    /// KV blocks the VM's requests hold there, added or removed ([`crate::held_blocks`]).
+    pub blocks: i64,
 }
 
 fn apply(n: u32, d: i64) -> u32 {
@@ -105,13 +111,15 @@ pub fn bump(v: &[u8], live: Option<&[u32]>, vm: u32, id: u64, change: Change) ->
             found = true;
             r.requests = apply(r.requests, i64::from(change.requests));
             r.tokens = apply(r.tokens, change.tokens);
+            r.blocks = apply(r.blocks, change.blocks);
         }
         if r.requests > 0 && (r.vm == vm || live.is_none_or(|l| l.contains(&r.vm))) {
             out.push(r);
         }
     }
     if !found && change.requests > 0 {
-        out.push(Record { vm, id, requests: apply(0, i64::from(change.requests)), tokens: apply(0, change.tokens) });
+        let requests = apply(0, i64::from(change.requests));
+        out.push(Record { vm, id, requests, tokens: apply(0, change.tokens), blocks: apply(0, change.blocks) });
     }
     encode(out)
 }
@@ -138,7 +146,15 @@ pub fn heartbeat(host: &dyn Host, vm: VmId, now: u64) -> Option<Vec<u32>> {
 /// The in-flight records summed per address over the live VMs, read once per decision: a
 /// lookup costs the same whatever the number of records and VMs.
 pub struct Counts {
-    by_address: IdMap<(u32, u64)>,
+    by_address: IdMap<Summed>,
+}
+
+/// One address's records summed over the live VMs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Summed {
+    requests: u32,
+    tokens: u64,
+    blocks: u64,
 }
 
 impl Counts {
@@ -153,11 +169,12 @@ impl Counts {
         // The live VMs are few (a VM per worker thread): a sorted list searched by halves.
         let mut live = live.to_vec();
         live.sort_unstable();
-        let mut by_address: IdMap<(u32, u64)> = IdMap::default();
+        let mut by_address: IdMap<Summed> = IdMap::default();
         for r in decode::<Record>(records).filter(|r| live.binary_search(&r.vm).is_ok()) {
-            let (n, t) = by_address.entry(r.id).or_default();
-            *n = n.saturating_add(r.requests);
-            *t = t.saturating_add(u64::from(r.tokens));
+            let s = by_address.entry(r.id).or_default();
+            s.requests = s.requests.saturating_add(r.requests);
+            s.tokens = s.tokens.saturating_add(u64::from(r.tokens));
+            s.blocks = s.blocks.saturating_add(u64::from(r.blocks));
         }
         Counts { by_address }
     }
@@ -165,7 +182,13 @@ impl Counts {
     /// The requests to `address` over the live VMs, and their prefill tokens awaiting a first
     /// token.
     pub fn of(&self, address: &str) -> (u32, u64) {
-        self.by_address.get(&address_id(address)).copied().unwrap_or_default()
+        let s = self.by_address.get(&address_id(address)).copied().unwrap_or_default();
+        (s.requests, s.tokens)
+    }
+
+    /// The KV blocks the requests to `address` hold there, over the live VMs.
+    pub fn blocks(&self, address: &str) -> u64 {
+        self.by_address.get(&address_id(address)).map_or(0, |s| s.blocks)
     }
 }
 
@@ -186,10 +209,11 @@ fn update(host: &dyn Host, vm: VmId, address: &str, change: Change) -> Vec<Share
     gave_up
 }
 
-/// A request routed to `address`, with `tokens` of prefill to compute there. Returns the shared
-/// records it could not update.
-pub fn increment(host: &dyn Host, vm: VmId, address: &str, tokens: u32) -> Vec<SharedKind> {
-    update(host, vm, address, Change { requests: 1, tokens: i64::from(tokens) })
+/// A request routed to `address`, with `tokens` of prefill to compute there, growing the KV
+/// blocks this VM's requests hold there by `blocks`. Returns the shared records it could not
+/// update.
+pub fn increment(host: &dyn Host, vm: VmId, address: &str, tokens: u32, blocks: i64) -> Vec<SharedKind> {
+    update(host, vm, address, Change { requests: 1, tokens: i64::from(tokens), blocks })
 }
 
 /// A request's first token: its `tokens` of prefill are done. Returns the shared records it
@@ -198,13 +222,14 @@ pub fn first_token(host: &dyn Host, vm: VmId, address: &str, tokens: u32) -> Vec
     if tokens == 0 {
         return Vec::new();
     }
-    update(host, vm, address, Change { requests: 0, tokens: 0i64.saturating_sub(i64::from(tokens)) })
+    update(host, vm, address, Change { requests: 0, tokens: 0i64.saturating_sub(i64::from(tokens)), blocks: 0 })
 }
 
 /// A request's end, with the prefill tokens still counted for it (it never produced a first
-/// token). Returns the shared records it could not update.
-pub fn decrement(host: &dyn Host, vm: VmId, address: &str, tokens: u32) -> Vec<SharedKind> {
-    update(host, vm, address, Change { requests: -1, tokens: 0i64.saturating_sub(i64::from(tokens)) })
+/// token), and what it moved the blocks this VM's requests hold there by (`blocks`, 0 or
+/// negative). Returns the shared records it could not update.
+pub fn decrement(host: &dyn Host, vm: VmId, address: &str, tokens: u32, blocks: i64) -> Vec<SharedKind> {
+    update(host, vm, address, Change { requests: -1, tokens: 0i64.saturating_sub(i64::from(tokens)), blocks })
 }
 
 #[cfg(test)]
@@ -213,17 +238,18 @@ mod tests {
     use crate::fake::FakeHost;
 
     /// The documented record sizes.
-    const RECORD: usize = 20;
+    const RECORD: usize = 24;
     const LIVE_RECORD: usize = 12;
-    const UP: Change = Change { requests: 1, tokens: 0 };
-    const DOWN: Change = Change { requests: -1, tokens: 0 };
+    const UP: Change = Change { requests: 1, tokens: 0, blocks: 0 };
+    const DOWN: Change = Change { requests: -1, tokens: 0, blocks: 0 };
 
     fn n(v: &[u8], live: &[u32], id: u64) -> u32 {
         count(v, live, id).0
     }
 
     fn count(v: &[u8], live: &[u32], id: u64) -> (u32, u64) {
-        Counts::summed(v, live).by_address.get(&id).copied().unwrap_or_default()
+        let s = Counts::summed(v, live).by_address.get(&id).copied().unwrap_or_default();
+        (s.requests, s.tokens)
     }
 
     #[test]
@@ -263,8 +289,8 @@ mod tests {
         host.now_ns.set(1_000_000_000);
         const A: &str = "10.0.0.1:8000";
         // Two workers route to A: 700 and 300 tokens to compute there.
-        increment(&host, VmId(1), A, 700);
-        increment(&host, VmId(2), A, 300);
+        increment(&host, VmId(1), A, 700, 0);
+        increment(&host, VmId(2), A, 300, 0);
         let s = Counts::read(&host);
         assert_eq!(s.of(A), (2, 1000));
         // The first one's first token: its prefill is done, the request still in flight.
@@ -272,14 +298,14 @@ mod tests {
         let s = Counts::read(&host);
         assert_eq!(s.of(A), (2, 300));
         // The second ends without a first token (an error, a reset): its tokens go with it.
-        decrement(&host, VmId(2), A, 300);
-        decrement(&host, VmId(1), A, 0);
+        decrement(&host, VmId(2), A, 300, 0);
+        decrement(&host, VmId(1), A, 0, 0);
         let s = Counts::read(&host);
         assert_eq!(s.of(A), (0, 0));
         assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());
         // Sums saturate instead of wrapping.
-        let v = bump(&[], None, 1, 9, Change { requests: 1, tokens: i64::MAX });
-        let v = bump(&v, None, 1, 9, Change { requests: 1, tokens: i64::MAX });
+        let v = bump(&[], None, 1, 9, Change { requests: 1, tokens: i64::MAX, blocks: 0 });
+        let v = bump(&v, None, 1, 9, Change { requests: 1, tokens: i64::MAX, blocks: 0 });
         assert_eq!(count(&v, &[1], 9), (2, u64::from(u32::MAX)));
     }
 
@@ -291,12 +317,12 @@ mod tests {
         const A: &str = "10.0.0.1:8000";
         // The old VM routes three requests, then traps (no on_log ever runs for them).
         for _ in 0..3 {
-            increment(&host, old, A, 10);
+            increment(&host, old, A, 10, 0);
         }
         assert_eq!(Counts::read(&host).of(A).0, 3);
         // Its replacement starts, heartbeats and routes one of its own.
         host.now_ns.set(2_000_000_000);
-        increment(&host, new, A, 5);
+        increment(&host, new, A, 5, 0);
         assert_eq!(Counts::read(&host).of(A).0, 4);
         assert_eq!(Counts::read(&host).of(A).1, 35);
         // Past STALE_NS without the old VM's heartbeat: only the new VM's request counts.
@@ -306,7 +332,7 @@ mod tests {
         }
         assert_eq!(Counts::read(&host).of(A).0, 1);
         assert_eq!(Counts::read(&host).of(A).1, 5);
-        decrement(&host, new, A, 5);
+        decrement(&host, new, A, 5, 0);
         assert_eq!(Counts::read(&host).of(A).0, 0);
         // The dead VM's records are gone from the value too.
         assert_eq!(host.shared_value(KEY).unwrap(), Vec::<u8>::new());

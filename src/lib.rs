@@ -19,6 +19,8 @@ mod earlier_turns;
 mod feed;
 mod gateway_state;
 mod health;
+mod held_blocks;
+mod hold_times;
 mod host;
 mod http;
 mod inflight;
@@ -70,6 +72,8 @@ pub(crate) struct Shared {
     pub vm_tag: String,
     /// This VM's id in the shared in-flight records.
     pub vm: inflight::VmId,
+    /// The KV blocks this VM's requests in flight hold per replica.
+    pub held: RefCell<held_blocks::HeldBlocks>,
 }
 
 /// A random value per VM (`RandomState` draws from the host's WASI random source).
@@ -171,6 +175,7 @@ impl RootContext for Root {
                     metrics,
                     vm_tag: self.vm_tag.clone(),
                     vm: inflight::VmId(u32::from_str_radix(&self.vm_tag, 16).unwrap_or_default()),
+                    held: RefCell::default(),
                 }));
                 warm_view::register_root(&shared);
                 self.shared = Some(shared);

@@ -90,8 +90,8 @@ pub fn fixture_feed() -> Vec<FeedMessage> {
         Msg::Snapshot(SnapshotChunk { replica: 1, first: true, blocks: keys(&(1..=12).collect::<Vec<u32>>()) }),
         Msg::Load(LoadReport {
             loads: vec![
-                ReplicaLoad { replica: 0, running: 1, waiting: 0, kv_cache_usage: 0.25 },
-                ReplicaLoad { replica: 1, running: 2, waiting: 1, kv_cache_usage: 0.5 },
+                ReplicaLoad { replica: 0, running: 1, waiting: 0, kv_cache_usage: 0.25, gpu_blocks: 0 },
+                ReplicaLoad { replica: 1, running: 2, waiting: 1, kv_cache_usage: 0.5, gpu_blocks: 0 },
             ],
         }),
         Msg::SnapshotComplete(SnapshotComplete {}),

@@ -103,7 +103,10 @@ impl Request {
         }
         if let Some(addr) = self.counted.take().filter(|_| std::mem::take(&mut self.in_flight_recorded)) {
             if let Some(s) = self.shared.as_ref().and_then(|s| s.try_borrow().ok()) {
-                s.metrics.shared_update_failed(inflight::decrement(self.host.as_ref(), s.vm, &addr, tokens));
+                let blocks = self.holding.take().map_or(0, |h| s.held.borrow_mut().remove(&addr, &h));
+                s.metrics.shared_update_failed(inflight::decrement(self.host.as_ref(), s.vm, &addr, tokens, blocks));
+                let held_us = self.host.now_ns().saturating_sub(self.routed_ns) / 1_000;
+                s.metrics.shared_update_failed(crate::hold_times::observe(self.host.as_ref(), &addr, held_us).err());
             }
         }
     }

@@ -74,7 +74,7 @@ fn while_the_agent_is_away_loads_then_the_index_go_stale_and_come_back_with_it()
     let tokens: Vec<u32> = (0..32).collect();
     // B holds the prompt but reports a long queue; A is idle.
     let mut e = synced("", vec![], keys(&tokens), true);
-    let load = |replica, waiting| ReplicaLoad { replica, running: 0, waiting, kv_cache_usage: 0.0 };
+    let load = |replica, waiting| ReplicaLoad { replica, running: 0, waiting, kv_cache_usage: 0.0, gpu_blocks: 0 };
     e.feed(vec![Msg::Load(LoadReport { loads: vec![load(0, 0), load(1, 40)] })]);
     let t0 = e.host.now_ns.get();
     let at = |e: &mut Env, ms: u64| {

@@ -50,8 +50,8 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
     assert_eq!(e.counter("llmgw_prefix_decisions_total.outcome.exact"), 1);
     assert_eq!(e.host.samples("llmgw_matched_blocks"), vec![8]);
     assert_eq!(e.host.samples("llmgw_decision_us").len(), 1);
-    let in_flight = e.host.shared_value("llmgw.inflight.v2").unwrap();
-    assert_eq!(in_flight.len(), 20);
+    let in_flight = e.host.shared_value("llmgw.inflight.v3").unwrap();
+    assert_eq!(in_flight.len(), 24);
     ctx.on_http_response_headers(1, false);
     assert!(e
         .host
@@ -59,7 +59,77 @@ fn exact_routing_sets_the_header_counts_in_flight_and_explains() {
         .unwrap()
         .starts_with(&format!("outcome=exact; replica={B}; matched=8/8")));
     ctx.on_log();
-    assert_eq!(e.host.shared_value("llmgw.inflight.v2").unwrap(), Vec::<u8>::new());
+    assert_eq!(e.host.shared_value("llmgw.inflight.v3").unwrap(), Vec::<u8>::new());
+}
+
+#[test]
+fn requests_in_flight_count_the_blocks_their_prompts_hold_and_their_ends_time_the_hold() {
+    use llmgw_core::flow::InFlightCounts;
+    let held = |e: &Env| {
+        let host: Rc<dyn Host> = e.host.clone();
+        let s = crate::gateway_state::Snapshot::read(&host);
+        (s.held_blocks(B), s.hold_us(B))
+    };
+    // 32 tokens in blocks of 4, all 8 on B; a second prompt shares them and has 3 of its own
+    // (10 tokens past them: the last block partly filled).
+    let tokens: Vec<u32> = (0..32).collect();
+    let longer: Vec<u32> = (0..42).collect();
+    // Requests in flight cost nothing here: every request goes where its blocks are.
+    let rates = r#""weights":{"request_us":0,"learn_rates":false}"#;
+    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{rates}}}"#));
+    let e1 = synced_with(&cfg, vec![], keys(&tokens), true);
+    let e2 = second_vm(&e1, vec![], keys(&tokens));
+    e1.host.now_ns.set(1_000_000_000);
+    let (mut c1, _) = e1.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(held(&e1), (8, 0.0));
+    // On the same worker, the shared run counts once: its own 3 blocks are added.
+    let (mut c2, _) = e1.request(COMPLETIONS, &tokens_body("m", &longer));
+    assert_eq!(e1.dest().as_deref(), Some(B));
+    assert_eq!(held(&e1), (11, 0.0));
+    // Another worker's request sharing it counts it again (once per worker).
+    let (mut c3, _) = e2.request(COMPLETIONS, &tokens_body("m", &tokens));
+    assert_eq!(e2.dest().as_deref(), Some(B));
+    assert_eq!(held(&e1), (19, 0.0));
+    // The run stays while a request of its worker shares it; each end times a hold.
+    e1.host.now_ns.set(1_400_000_000);
+    c1.on_log();
+    assert_eq!(held(&e1), (19, 400_000.0));
+    c2.on_log();
+    c3.on_log();
+    assert_eq!(held(&e1).0, 0);
+    assert_eq!(e1.host.shared_value("llmgw.inflight.v3").unwrap(), Vec::<u8>::new());
+}
+
+#[test]
+fn a_prompt_that_does_not_fit_beside_the_blocks_held_on_its_holder_goes_where_it_fits() {
+    use llmgw_core::feed::{LoadReport, ReplicaLoad};
+    // B holds two prompts of 8 blocks each; its KV cache holds 12 blocks (the agent says so
+    // with its load). Requests in flight cost nothing else: without the cache's size every
+    // request goes to B.
+    let (p1, p2): (Vec<u32>, Vec<u32>) = ((0..32).collect(), (100..132).collect());
+    let on_b = [keys(&p1), keys(&p2)].concat();
+    let rates = r#""weights":{"prefill_us_per_token":200,"request_us":0,"learn_rates":false}"#;
+    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{rates}}}"#));
+    for (gpu_blocks, second) in [(12, A), (0, B)] {
+        let mut e = synced_with(&cfg, vec![], on_b.clone(), true);
+        let load = |replica| ReplicaLoad { replica, running: 0, waiting: 0, kv_cache_usage: 0.0, gpu_blocks };
+        e.feed(vec![Msg::Load(LoadReport { loads: vec![load(0), load(1)] })]);
+        e.root.on_tick();
+        // A first request to B holds its blocks there for a second.
+        let t0 = e.host.now_ns.get();
+        let (mut c0, _) = e.request(COMPLETIONS, &tokens_body("m", &p1));
+        assert_eq!(e.dest().as_deref(), Some(B));
+        e.host.now_ns.set(t0 + 1_000_000_000);
+        c0.on_log();
+        // Another holds 8 of B's 12 blocks while the second prompt comes: on B it would wait for
+        // that one to end (half a second's hold), on A compute 32 tokens (6.4 ms).
+        let (mut c1, _) = e.request(COMPLETIONS, &tokens_body("m", &p1));
+        assert_eq!(e.dest().as_deref(), Some(B));
+        let (mut c2, _) = e.request(COMPLETIONS, &tokens_body("m", &p2));
+        assert_eq!(e.dest().as_deref(), Some(second), "cache of {gpu_blocks} blocks");
+        c1.on_log();
+        c2.on_log();
+    }
 }
 
 #[test]

@@ -112,7 +112,7 @@ fn tokenizer_failures_a_request_causes_are_charged_to_it_not_to_the_tokenizer() 
 #[test]
 fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
     use crate::host::CAS_RETRIES;
-    const IN_FLIGHT: &str = "llmgw.inflight.v2";
+    const IN_FLIGHT: &str = "llmgw.inflight.v3";
     let tokens: Vec<u32> = (0..32).collect();
     let e = synced("", vec![], keys(&tokens), true);
     let gave_up = |what: &str| e.counter(&format!("llmgw_shared_update_failures_total.what.{what}"));
@@ -123,7 +123,7 @@ fn shared_data_updates_that_give_up_are_counted_by_what_they_keep() {
     e.host.cas_failures.set(CAS_RETRIES - 1);
     let (mut ctx, _) = e.request(COMPLETIONS, &tokens_body("m", &tokens));
     assert_eq!(e.host.cas_failures.get(), 0);
-    assert_eq!(e.host.shared_value(IN_FLIGHT).map(|v| v.len()), Some(20));
+    assert_eq!(e.host.shared_value(IN_FLIGHT).map(|v| v.len()), Some(24));
     assert_eq!(gave_up("in_flight"), 0);
     ctx.on_log();
     // Every attempt lost: the in-flight count stays unwritten, and that is counted.

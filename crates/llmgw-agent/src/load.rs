@@ -25,6 +25,9 @@ pub struct Load {
     /// The blocks its KV cache holds (`vllm:cache_config_info`'s `num_gpu_blocks` plus
     /// `num_cpu_blocks`), when the page says.
     pub cache_blocks: Option<u64>,
+    /// Of those, the GPU's (`num_gpu_blocks`): what a request's prompt must fit in before the
+    /// engine starts it.
+    pub gpu_blocks: Option<u64>,
 }
 
 /// Parses vLLM's Prometheus text. Series with an `engine` label other than `rank` are left
@@ -64,6 +67,7 @@ pub fn parse_load(text: &str, rank: u32) -> Load {
             "vllm:cache_config_info" => {
                 let blocks = |k| label(labels, k).and_then(|v| v.parse::<u64>().ok());
                 if let Some(gpu) = blocks("num_gpu_blocks") {
+                    l.gpu_blocks = Some(gpu);
                     l.cache_blocks = Some(gpu.saturating_add(blocks("num_cpu_blocks").unwrap_or(0)));
                 }
             }
@@ -199,6 +203,7 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
                         running: to_u32(l.running),
                         waiting: to_u32(l.waiting),
                         kv_cache_usage: l.kv_cache_usage as f32,
+                        gpu_blocks: l.gpu_blocks.map_or(0, |b| u32::try_from(b).unwrap_or(u32::MAX)),
                     },
                 );
             }
@@ -252,7 +257,13 @@ vllm:num_requests_running_other 99
 
     #[test]
     fn parses_per_rank() {
-        let load = |running, waiting, kv_cache_usage| Load { running, waiting, kv_cache_usage, cache_blocks: None };
+        let load = |running, waiting, kv_cache_usage| Load {
+            running,
+            waiting,
+            kv_cache_usage,
+            cache_blocks: None,
+            gpu_blocks: None,
+        };
         assert_eq!(parse_load(PAGE, 0), load(3.0, 2.0, 0.25));
         assert_eq!(parse_load(PAGE, 1), load(5.0, 0.0, 0.5));
         let unlabelled = "vllm:num_requests_running 4\nvllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.1\n";
@@ -273,6 +284,8 @@ vllm:num_requests_running_other 99
         );
         assert_eq!(parse_load(page, 0).cache_blocks, Some(27834));
         assert_eq!(parse_load(page, 1).cache_blocks, Some(1500));
+        // The GPU's alone: the pool a prompt must fit in before the engine starts it.
+        assert_eq!((parse_load(page, 0).gpu_blocks, parse_load(page, 1).gpu_blocks), (Some(27834), Some(500)));
         assert_eq!(parse_load(PAGE, 0).cache_blocks, None);
         assert_eq!(parse_load("vllm:cache_config_info{num_gpu_blocks=\"None\"} 1.0\n", 0).cache_blocks, None);
     }

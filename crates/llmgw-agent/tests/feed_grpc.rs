@@ -87,7 +87,7 @@ fn generated_and_core_messages_agree_on_field_numbers() {
         G::SnapshotComplete(pb::SnapshotComplete {}),
         G::Delta(pb::BlockDelta { replica: 4, added: vec![5, 6], removed: vec![7] }),
         G::Load(pb::LoadReport {
-            loads: vec![pb::ReplicaLoad { replica: 1, running: 2, waiting: 3, kv_cache_usage: 0.5 }],
+            loads: vec![pb::ReplicaLoad { replica: 1, running: 2, waiting: 3, kv_cache_usage: 0.5, gpu_blocks: 0 }],
         }),
         G::Reset(pb::ReplicaReset { replica: 9, reason: "restart".into() }),
         G::Heartbeat(pb::Heartbeat {}),

@@ -87,6 +87,8 @@ pub struct Load {
     pub waiting: u32,
     /// KV cache usage, 0..1.
     pub kv_cache_usage: f32,
+    /// The blocks its GPU KV cache holds (0: unknown).
+    pub gpu_blocks: u32,
 }
 
 #[cfg(test)]

@@ -501,8 +501,10 @@ mod tests {
         let h = hub(2, 64);
         h.state().apply(0, 3, &batch(vec![stored(vec![9, 4, 7, 1])]));
         h.state().skipped(1, "malformed");
-        h.state()
-            .set_load(0, llmgw_core::feed::ReplicaLoad { replica: 0, running: 2, waiting: 1, kv_cache_usage: 0.5 });
+        h.state().set_load(
+            0,
+            llmgw_core::feed::ReplicaLoad { replica: 0, running: 2, waiting: 1, kv_cache_usage: 0.5, gpu_blocks: 0 },
+        );
         let _sub = h.subscribe("t".into());
         let got = debug_replicas(&h);
         let engine = |id: u32, keys: Vec<u64>, last_seq: Option<u64>, load: Value, applied: u64, skipped: Value| {

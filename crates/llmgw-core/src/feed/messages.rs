@@ -231,13 +231,22 @@ pub struct ReplicaLoad {
     pub waiting: u32,
     #[prost(float, tag = "4")]
     pub kv_cache_usage: f32,
+    /// The blocks its GPU KV cache holds (0: unknown, from older agents).
+    #[prost(uint32, tag = "5")]
+    pub gpu_blocks: u32,
 }
 
 impl ReplicaLoad {
     /// The load as routing sees it (`None`: an id beyond what the index can address).
     pub fn resolve(&self) -> Option<Load> {
         let replica = ReplicaId::try_from(self.replica).ok()?;
-        Some(Load { replica, running: self.running, waiting: self.waiting, kv_cache_usage: self.kv_cache_usage })
+        Some(Load {
+            replica,
+            running: self.running,
+            waiting: self.waiting,
+            kv_cache_usage: self.kv_cache_usage,
+            gpu_blocks: self.gpu_blocks,
+        })
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::gateway::GatewayState;
 use crate::feed::FeedState;
-use crate::policy::Candidate;
+use crate::policy::{Candidate, Pool};
 
 /// Replicas that serve `model` (all replicas when the model is unknown), with their loads.
 /// Replicas the gateway avoids count as down, unless it avoids every one that is up (then none
@@ -41,6 +41,11 @@ fn candidates_avoiding<'a>(
                 incomplete: r.incomplete,
                 recent: gw.recent_requests(&r.address),
                 returning: gw.returning(&r.address),
+                pool: Pool {
+                    blocks: load.map_or(0, |l| u64::from(l.gpu_blocks)),
+                    held: gw.held_blocks(&r.address),
+                    hold_us: gw.hold_us(&r.address),
+                },
             }
         })
         .collect()

@@ -8,7 +8,7 @@ use super::gateway::GatewayState;
 use super::prefix::Scratch;
 use super::reasons::Fallback;
 use super::speculative::{checkpoints, Speculation, MAX_BLOCKS};
-use super::step::{no_replica_body, Keep, Rejected, Report, Routed, Step, MAX_EXPLAINED_INCOMPLETE};
+use super::step::{no_replica_body, Holding, Keep, Rejected, Report, Routed, Step, MAX_EXPLAINED_INCOMPLETE};
 use crate::feed::FeedState;
 use crate::fleet::replica_key;
 use crate::policy::{self, Decision, Outcome, Weights};
@@ -62,6 +62,17 @@ pub fn decide(
     // again is no next turn): this request is its next one.
     let follows =
         exact.and_then(|(_, sc)| sc.hashes.iter().rev().skip(1).map(|h| h.key.0).find(|&k| ctx.gw.ended_request(k)));
+    let holding = exact.map(|(s, sc)| {
+        let run_blocks = u64::from(d.matched);
+        let run = usize::try_from(run_blocks)
+            .ok()
+            .and_then(|m| m.checked_sub(1))
+            .and_then(|last| sc.hashes.get(last))
+            .map_or(0, |h| h.key.0);
+        let run_blocks = if run == 0 { 0 } else { run_blocks };
+        let own_blocks = policy::capacity::blocks_of(s.tokens, block_size).saturating_sub(run_blocks);
+        Holding { run, run_blocks, own_blocks }
+    });
     let incomplete_count = cands.iter().filter(|c| c.incomplete).count();
     let incomplete: Vec<String> = cands
         .iter()
@@ -95,6 +106,7 @@ pub fn decide(
             keep: Keep::default(),
             ends_as: work.map(|w| w.prompt_key).filter(|&k| k != 0),
             follows,
+            holding,
         }),
         None => Step::Reject(Rejected { status: 503, body: no_replica_body(ctx.model), report }),
     }

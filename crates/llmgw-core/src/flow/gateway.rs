@@ -30,6 +30,16 @@ pub trait InFlightCounts {
     fn ended_request(&self, _key: u64) -> bool {
         false
     }
+    /// The blocks those requests' prompts hold on the replica (see
+    /// [`crate::policy::capacity`]); 0 when the gateway does not count them.
+    fn held_blocks(&self, _address: &str) -> u64 {
+        0
+    }
+    /// How long a request held its blocks on the replica lately, from its routing to its end
+    /// (µs); 0 when none was observed.
+    fn hold_us(&self, _address: &str) -> f64 {
+        0.0
+    }
 }
 
 /// The replicas the gateway leaves alone for now.

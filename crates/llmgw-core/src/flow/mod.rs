@@ -52,7 +52,7 @@ pub use speculative::{
     checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
 };
 pub use step::{
-    no_replica_body, Background, Body, CacheLookup, Keep, Pending, Rejected, Report, Routed, Step, Tokenize,
+    no_replica_body, Background, Body, CacheLookup, Holding, Keep, Pending, Rejected, Report, Routed, Step, Tokenize,
 };
 pub use tokenizer_reply::{tokenizer_answer, tokenizer_tokens, TokenizerReply};
 

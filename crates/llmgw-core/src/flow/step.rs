@@ -103,6 +103,22 @@ pub struct Routed {
     pub ends_as: Option<u64>,
     /// The key of the request that ended lately whose next request this is.
     pub follows: Option<u64>,
+    /// The blocks its prompt holds on the chosen replica while it is in flight, when the
+    /// decision had exact data ([`crate::policy::capacity`]).
+    pub holding: Option<Holding>,
+}
+
+/// The KV blocks a routed request's prompt holds on its replica: the leading run it shares with
+/// what the replica holds (its blocks counted once however many requests in flight share it),
+/// and the rest, its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// The key of the shared run's last block (0: no run shared).
+    pub run: u64,
+    /// The shared run's blocks.
+    pub run_blocks: u64,
+    /// The blocks past it: the prompt's last, partly filled block included.
+    pub own_blocks: u64,
 }
 
 /// What the gateway keeps in its shared data for every VM of the Envoy (see
@@ -158,6 +174,10 @@ impl Routed {
             let (w, r) = d.returning_us;
             if w > 0 || r > 0 {
                 out.push_str(&format!("; returning_ms={:.1} {:.1}", w as f64 / 1000.0, r as f64 / 1000.0));
+            }
+            // Of the prediction, the wait for room in the winner's KV cache.
+            if d.capacity_wait_us > 0 {
+                out.push_str(&format!("; capacity_wait_ms={:.1}", d.capacity_wait_us as f64 / 1000.0));
             }
             if let Some(b) = &d.basis {
                 out.push_str(&format!("; {}", b.rates.explain()));

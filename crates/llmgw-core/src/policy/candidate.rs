@@ -37,6 +37,8 @@ pub struct Candidate<'a> {
     /// yet followed by their next request ([`super::returns`]). None when the gateway keeps no
     /// such record.
     pub returning: Returning,
+    /// Its KV cache, and the blocks this gateway's requests hold there ([`super::capacity`]).
+    pub pool: Pool,
 }
 
 impl Candidate<'_> {
@@ -69,4 +71,16 @@ impl Candidate<'_> {
 /// The rendezvous weight of `address` for a prefix key.
 pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
     mix64(key ^ stable_hash(address.as_bytes()))
+}
+
+/// A replica's KV cache as this gateway sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Pool {
+    /// The blocks its GPU KV cache holds (0: unknown).
+    pub blocks: u64,
+    /// The blocks this gateway's requests in flight there hold: their prompts' blocks.
+    pub held: u64,
+    /// How long a request of this gateway held its blocks there lately, routing to end (µs;
+    /// 0: none observed yet).
+    pub hold_us: f64,
 }

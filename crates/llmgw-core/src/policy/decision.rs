@@ -53,6 +53,9 @@ pub struct Decision {
     /// What the request would cost the requests expected back on the winner and on the
     /// runner-up (µs), counted besides the predictions (new prefixes only).
     pub returning_us: (u64, u64),
+    /// Of `predicted_us`, the wait for room in the winner's KV cache (µs; 0: the prompt fits
+    /// there): an observation that includes it says nothing of the rates.
+    pub capacity_wait_us: u64,
 }
 
 impl Decision {
@@ -66,6 +69,7 @@ impl Decision {
             runner_up: None,
             basis: None,
             returning_us: (0, 0),
+            capacity_wait_us: 0,
         }
     }
 }

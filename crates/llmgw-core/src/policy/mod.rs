@@ -15,6 +15,7 @@
 //! [`HolderPolicy`]), a [`PolicyMode`] variant and a [`Weights`] field.
 
 mod candidate;
+pub mod capacity;
 mod contest;
 mod decision;
 pub mod fallback;
@@ -27,7 +28,7 @@ pub mod ttft;
 mod validation;
 mod weights;
 
-pub use candidate::{rendezvous_weight, Candidate};
+pub use candidate::{rendezvous_weight, Candidate, Pool};
 pub use contest::{Contest, HolderPolicy, Pick, Work};
 pub use decision::{Decision, Outcome};
 pub use fallback::{least_loaded, FallbackWeights};
@@ -115,6 +116,7 @@ pub fn decide_lazy(
                     runner_up: p.runner_up,
                     basis: p.basis,
                     returning_us: p.returning_us,
+                    capacity_wait_us: p.capacity_wait_us,
                     ..Decision::new(Some(p.winner), outcome, matched, s.total)
                 };
             }
@@ -170,6 +172,7 @@ fn place_new(
         runner_up: p.runner_up,
         basis: p.basis,
         returning_us: p.returning_us,
+        capacity_wait_us: p.capacity_wait_us,
         ..Decision::new(Some(p.winner), outcome, matched, s.total)
     })
 }

@@ -73,6 +73,13 @@ impl HolderPolicy for ScoreWeights {
                 sa.total_cmp(&sb)
             }
         });
-        best.map(|b| Pick { winner: b, predicted_us: None, runner_up: None, basis: None, returning_us: (0, 0) })
+        best.map(|b| Pick {
+            winner: b,
+            predicted_us: None,
+            runner_up: None,
+            basis: None,
+            returning_us: (0, 0),
+            capacity_wait_us: 0,
+        })
     }
 }

@@ -19,6 +19,7 @@ fn fleet(n: usize) -> Vec<Candidate<'static>> {
             incomplete: false,
             recent: 0.0,
             returning: Default::default(),
+            pool: Default::default(),
         })
         .collect()
 }
@@ -463,3 +464,6 @@ fn an_incomplete_engines_misses_are_not_proof_that_a_prefix_is_new() {
 
 /// Where new and shared prefixes go.
 mod new_prefix;
+
+/// Room in the replicas' KV caches.
+mod capacity;

@@ -7,9 +7,11 @@
 //! token yet, and `requests = max(in-flight, running + waiting) + waiting` (engine-reported, so
 //! other gateways' requests count too), with the rates learned for that replica
 //! ([`super::rates`]) or the profile's; the lowest wins, predictions within the tie margin
-//! (`tie_requests` requests' worth) being equal.
+//! (`tie_requests` requests' worth) being equal. Where the prompt's blocks do not fit in the room
+//! left in a replica's KV cache, the wait for room is added ([`super::capacity`]).
 
 use super::candidate::Candidate;
+use super::capacity;
 use super::contest::{Contest, HolderPolicy, Pick, Work};
 use super::rates::{Basis, Features, Learning, Rates};
 use super::validation::{non_negative, InvalidWeight};
@@ -142,10 +144,17 @@ impl Costs<'_, '_, '_> {
         self.work.tokens.saturating_sub(cached)
     }
 
-    /// Member `i`'s predicted time to first token with its own rates (µs).
+    /// Member `i`'s predicted time to first token with its own rates (µs), the wait for room in
+    /// its KV cache included.
     fn predicted(&self, i: usize) -> f64 {
         let Some(c) = self.contest.cands.get(i) else { return f64::INFINITY };
-        self.w.predicted_us(c, self.uncached(i))
+        self.w.predicted_us(c, self.uncached(i)) + self.capacity_wait(i)
+    }
+
+    /// The wait for room in member `i`'s KV cache before its engine starts the request (µs).
+    fn capacity_wait(&self, i: usize) -> f64 {
+        let need = capacity::blocks_of(self.work.tokens, self.work.block_size);
+        self.contest.cands.get(i).map_or(0.0, |c| capacity::wait_us(c, need))
     }
 
     /// What member `i`'s prefill would cost the requests expected back there (µs), where the
@@ -169,7 +178,7 @@ impl Costs<'_, '_, '_> {
         } else {
             0.0
         };
-        r.predict(&TtftWeights::features(c, uncached)) + returning
+        r.predict(&TtftWeights::features(c, uncached)) + returning + self.capacity_wait(i)
     }
 
     /// The margin within which two costs from rates with these per-request rates are equal.
@@ -212,6 +221,7 @@ impl TtftWeights {
                 })
             }),
             returning_us: (costs.returning(b) as u64, second.map_or(0, |r| costs.returning(r) as u64)),
+            capacity_wait_us: costs.capacity_wait(b) as u64,
         })
     }
 }
