@@ -29,8 +29,9 @@ pub fn routed(r: &Routed, tokenizer_us: Option<u64>) -> String {
     }
     if let Some(us) = d.predicted_us {
         let _ = write!(out, " predicted_us={us} prefill_tokens={}", r.prefill_tokens);
-        if d.capacity_wait_us > 0 {
-            let _ = write!(out, " capacity_wait_us={}", d.capacity_wait_us);
+        let (w, r) = d.capacity_wait_us;
+        if w > 0 || r > 0 {
+            let _ = write!(out, " capacity_wait_us={w}/{r}");
         }
     }
     tail(&mut out, &r.report, tokenizer_us);

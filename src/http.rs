@@ -232,7 +232,7 @@ impl Request {
         self.host.set_property(decision_log::PROPERTY, line.as_bytes());
         // A prediction with a wait for room in the cache: its observation says nothing of the
         // rates.
-        self.learning = r.decision.basis.filter(|b| b.learning.enabled && r.decision.capacity_wait_us == 0);
+        self.learning = r.decision.basis.filter(|b| b.learning.enabled && r.decision.capacity_wait_us.0 == 0);
         self.counted = Some(r.address);
         self.phase = Phase::Done;
         if resuming {

@@ -127,6 +127,9 @@ fn a_prompt_that_does_not_fit_beside_the_blocks_held_on_its_holder_goes_where_it
         assert_eq!(e.dest().as_deref(), Some(B));
         let (mut c2, _) = e.request(COMPLETIONS, &tokens_body("m", &p2));
         assert_eq!(e.dest().as_deref(), Some(second), "cache of {gpu_blocks} blocks");
+        // The access log says what the holder, the runner-up, would have waited.
+        let line = e.host.property("llmgw_decision").unwrap();
+        assert_eq!(line.contains(" capacity_wait_us=0/500000"), gpu_blocks > 0, "{line}");
         c1.on_log();
         c2.on_log();
     }

@@ -175,9 +175,11 @@ impl Routed {
             if w > 0 || r > 0 {
                 out.push_str(&format!("; returning_ms={:.1} {:.1}", w as f64 / 1000.0, r as f64 / 1000.0));
             }
-            // Of the prediction, the wait for room in the winner's KV cache.
-            if d.capacity_wait_us > 0 {
-                out.push_str(&format!("; capacity_wait_ms={:.1}", d.capacity_wait_us as f64 / 1000.0));
+            // Of the predictions, the waits for room in the winner's and the runner-up's KV
+            // caches.
+            let (w, r) = d.capacity_wait_us;
+            if w > 0 || r > 0 {
+                out.push_str(&format!("; capacity_wait_ms={:.1} {:.1}", w as f64 / 1000.0, r as f64 / 1000.0));
             }
             if let Some(b) = &d.basis {
                 out.push_str(&format!("; {}", b.rates.explain()));

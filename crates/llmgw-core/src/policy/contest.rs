@@ -80,8 +80,9 @@ pub struct Pick {
     /// What computing the request would cost the requests expected back on the winner and on
     /// the runner-up (µs; [`super::returns`]), counted in the contest besides the predictions.
     pub returning_us: (u64, u64),
-    /// The wait for room in the winner's KV cache in its prediction (µs; [`super::capacity`]).
-    pub capacity_wait_us: u64,
+    /// The waits for room in the winner's and the runner-up's KV caches in their predictions
+    /// (µs; [`super::capacity`]).
+    pub capacity_wait_us: (u64, u64),
 }
 
 /// How replicas in contest for a request whose blocks the index knows are compared.

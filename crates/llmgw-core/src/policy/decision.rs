@@ -53,9 +53,10 @@ pub struct Decision {
     /// What the request would cost the requests expected back on the winner and on the
     /// runner-up (µs), counted besides the predictions (new prefixes only).
     pub returning_us: (u64, u64),
-    /// Of `predicted_us`, the wait for room in the winner's KV cache (µs; 0: the prompt fits
-    /// there): an observation that includes it says nothing of the rates.
-    pub capacity_wait_us: u64,
+    /// Of the winner's and the runner-up's predictions, the waits for room in their KV caches
+    /// (µs; 0: the prompt fits there). An observation whose prediction includes one says
+    /// nothing of the rates.
+    pub capacity_wait_us: (u64, u64),
 }
 
 impl Decision {
@@ -69,7 +70,7 @@ impl Decision {
             runner_up: None,
             basis: None,
             returning_us: (0, 0),
-            capacity_wait_us: 0,
+            capacity_wait_us: (0, 0),
         }
     }
 }

@@ -79,7 +79,7 @@ impl HolderPolicy for ScoreWeights {
             runner_up: None,
             basis: None,
             returning_us: (0, 0),
-            capacity_wait_us: 0,
+            capacity_wait_us: (0, 0),
         })
     }
 }

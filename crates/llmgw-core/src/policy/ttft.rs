@@ -221,7 +221,7 @@ impl TtftWeights {
                 })
             }),
             returning_us: (costs.returning(b) as u64, second.map_or(0, |r| costs.returning(r) as u64)),
-            capacity_wait_us: costs.capacity_wait(b) as u64,
+            capacity_wait_us: (costs.capacity_wait(b) as u64, second.map_or(0, |r| costs.capacity_wait(r) as u64)),
         })
     }
 }

@@ -25,30 +25,30 @@ fn a_late_turn_that_does_not_fit_in_its_holders_cache_goes_where_it_fits() {
     // hold (300 ms). Elsewhere it computes all 1,280 tokens besides one request (296 ms).
     let d = ttft(&crowded(), &held, 1280, 7, &w);
     assert_ne!(d.winner, Some(0), "{d:?}");
-    assert_eq!((d.predicted_us, d.capacity_wait_us), (Some(296_000), 0));
+    assert_eq!((d.predicted_us, d.capacity_wait_us), (Some(296_000), (0, 0)));
     assert_eq!(d.runner_up.map(|(_, us)| us), Some(296_000));
     // Room for it on the holder (100 blocks held there): it stays.
     let mut c = crowded();
     c[0].pool.held = 100;
     let d = ttft(&c, &held, 1280, 7, &w);
-    assert_eq!((d.winner, d.predicted_us, d.capacity_wait_us), (Some(0), Some(144_000), 0));
+    assert_eq!((d.winner, d.predicted_us, d.capacity_wait_us), (Some(0), Some(144_000), (0, 0)));
     // Short holds (answers of a few tokens): a third of 200 ms is less than the recompute
     // elsewhere costs, and the holder keeps it with the wait in its prediction.
     let mut c = crowded();
     c[0].pool.hold_us = 200_000.0;
     let d = ttft(&c, &held, 1280, 7, &w);
-    assert_eq!((d.winner, d.capacity_wait_us), (Some(0), 66_666));
+    assert_eq!((d.winner, d.capacity_wait_us), (Some(0), (66_666, 0)));
     assert_eq!(d.predicted_us, Some(144_000 + 66_666));
     // Nothing said of the cache's size, or no hold observed yet: nothing is added.
     for unknown in [Pool { blocks: 0, ..crowded()[0].pool }, Pool { hold_us: 0.0, ..crowded()[0].pool }] {
         let mut c = crowded();
         c[0].pool = unknown;
         let d = ttft(&c, &held, 1280, 7, &w);
-        assert_eq!((d.winner, d.predicted_us, d.capacity_wait_us), (Some(0), Some(144_000), 0));
+        assert_eq!((d.winner, d.predicted_us, d.capacity_wait_us), (Some(0), Some(144_000), (0, 0)));
     }
     // A prompt larger than every cache: it fits nowhere, nothing is added.
     let d = ttft(&crowded(), &scores(&[60, 0, 0], 200), 3200, 7, &w);
-    assert_eq!((d.winner, d.capacity_wait_us), (Some(0), 0));
+    assert_eq!((d.winner, d.capacity_wait_us), (Some(0), (0, 0)));
 }
 
 #[test]
@@ -62,7 +62,9 @@ fn a_new_prefix_goes_where_its_prompt_fits() {
     c[2].pool.held = 150;
     let none = scores(&[0, 0, 0], 80);
     let d = ttft(&c, &none, 1280, 11, &w);
-    assert_eq!((d.winner, d.predicted_us, d.capacity_wait_us), (Some(1), Some(376_000), 0), "{d:?}");
+    // The runner-up, replica 0, would wait a third of a hold behind its two: 336 + 300 ms.
+    assert_eq!((d.winner, d.predicted_us, d.runner_up), (Some(1), Some(376_000), Some((0, 636_000))), "{d:?}");
+    assert_eq!(d.capacity_wait_us, (0, 300_000));
     // With room there, the fewer requests decide, as without counting blocks.
     c[2].pool.held = 100;
     let d = ttft(&c, &none, 1280, 11, &w);
