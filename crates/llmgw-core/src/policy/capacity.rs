@@ -9,9 +9,10 @@
 //! small cache with a few requests.
 //!
 //! The gateway counts the blocks its own requests in flight hold on each replica (their
-//! prompts', those of one prefix counted once per worker, [`Pool::held`](super::Pool::held)), and how long a
-//! request held them there lately ([`Pool::hold_us`](super::Pool::hold_us), from its routing to its end). Where the
-//! prompt's blocks and the held ones exceed the cache ([`Pool::blocks`](super::Pool::blocks), from the engine's
+//! prompts', those of one prefix counted once per worker: [`Pool::held`](super::Pool::held)),
+//! and how long a request held them there lately, from its routing to its end
+//! ([`Pool::hold_us`](super::Pool::hold_us)). Where the prompt's blocks and the held ones
+//! exceed the cache ([`Pool::blocks`](super::Pool::blocks), from the engine's
 //! `vllm:cache_config_info`), the request is predicted to wait for the first of the `k`
 //! requests in flight there to end: with their ends spread evenly over a hold, `hold / (k + 1)`.
 //! Where the prompt fits nowhere or nothing is known (no cache size, no hold observed yet, no
