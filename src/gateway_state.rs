@@ -2,8 +2,8 @@
 //! in-flight counts over the live VMs (`crate::inflight`), which replicas and tokenizers are
 //! avoided (`crate::health`), the speculative index entries (`crate::speculative`), the
 //! rates learned per replica (`crate::rates`), the requests routed lately (`crate::recent`) and
-//! the requests answered lately (`crate::returns`), how long requests hold their KV blocks
-//! (`crate::hold_times`);
+//! the requests answered lately (`crate::returns`); how long requests hold their KV blocks
+//! (`crate::hold_times`) is read only where an engine's cache size is known;
 //! the tokens kept for conversations' next turns (`crate::earlier_turns`), the text prompts
 //! the other VMs handed on (`crate::earlier_prompts`) and the tokenizer calls' usual round trip
 //! (`crate::tokenizer_times`) are read when asked.
@@ -33,7 +33,8 @@ pub struct Snapshot {
     rates: Learned,
     recent: Recent,
     returns: Returns,
-    holds: HoldTimes,
+    /// Read at the first ask: only where an engine's cache size is known.
+    holds: std::cell::OnceCell<HoldTimes>,
 }
 
 impl Snapshot {
@@ -48,7 +49,7 @@ impl Snapshot {
             rates: Learned::read(host),
             recent: Recent::read(host),
             returns: Returns::read(host),
-            holds: HoldTimes::read(host),
+            holds: std::cell::OnceCell::new(),
         }
     }
 }
@@ -80,7 +81,7 @@ impl InFlightCounts for Snapshot {
     }
 
     fn hold_us(&self, address: &str) -> f64 {
-        self.holds.of(address)
+        self.holds.get_or_init(|| HoldTimes::read(self.host.as_ref())).of(address)
     }
 }
 

@@ -17,7 +17,7 @@
 //! avoidance (u64, nanoseconds), its failures in a row (u32), little-endian.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, IdSet, SharedRecord};
+use crate::shared_records::{address_id, decode, encode, keep_highest, FieldReader, IdSet, SharedRecord};
 
 const KEY: &str = "llmgw.health";
 const TOKENIZER_KEY: &str = "llmgw.tokenizer_health";
@@ -88,11 +88,7 @@ fn with(v: &[u8], id: u64, now: u64, failed: bool) -> Vec<u8> {
         let strikes = records(v).find(|a| a.id == id).map_or(0, |a| a.strikes).saturating_add(1);
         let span = FIRST_NS.saturating_mul(1u64 << strikes.saturating_sub(1).min(5)).min(MAX_NS);
         out.push(Avoidance { id, until: now.saturating_add(span), strikes });
-        if out.len() > MAX_RECORDS {
-            out.sort_by_key(|a| a.until);
-            let extra = out.len().saturating_sub(MAX_RECORDS);
-            out.drain(..extra);
-        }
+        keep_highest(&mut out, MAX_RECORDS, |a| a.until);
     }
     encode(out)
 }

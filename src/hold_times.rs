@@ -7,7 +7,7 @@
 //! longest ago goes first): 6 KiB at most.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, SharedRecord};
+use crate::shared_records::{address_id, decode, encode, keep_highest, FieldReader, IdMap, SharedRecord};
 
 const KEY: &str = "llmgw.holds";
 /// At most this many replicas' holds are kept.
@@ -65,11 +65,7 @@ fn with(v: &[u8], id: u64, now: u64, us: f64) -> Vec<u8> {
         _ => us,
     };
     out.push(Record { id, mean_us, updated_ns: now });
-    if out.len() > MAX_RECORDS {
-        out.sort_by_key(|r| r.updated_ns);
-        let extra = out.len().saturating_sub(MAX_RECORDS);
-        out.drain(..extra);
-    }
+    keep_highest(&mut out, MAX_RECORDS, |r| r.updated_ns);
     encode(out)
 }
 

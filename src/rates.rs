@@ -12,7 +12,7 @@
 //! longest ago goes first): 46 KiB at most.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, SharedRecord};
+use crate::shared_records::{address_id, decode, encode, keep_highest, FieldReader, IdMap, SharedRecord};
 use llmgw_core::policy::rates::{Basis, Estimator, Rates, N, TRI};
 
 const KEY: &str = "llmgw.rates";
@@ -101,11 +101,7 @@ fn with(v: &[u8], id: u64, now: u64, basis: &Basis, ttft_us: f64) -> Vec<u8> {
     estimator.observe(&basis.features, ttft_us, &current, &basis.learning);
     let rates = estimator.rates(&basis.prior, &basis.learning);
     out.push(Record { id, updated_ns: now, estimator, rates });
-    if out.len() > MAX_RECORDS {
-        out.sort_by_key(|r| r.updated_ns);
-        let extra = out.len().saturating_sub(MAX_RECORDS);
-        out.drain(..extra);
-    }
+    keep_highest(&mut out, MAX_RECORDS, |r| r.updated_ns);
     encode(out)
 }
 

@@ -60,6 +60,16 @@ pub fn decode<R: SharedRecord>(v: &[u8]) -> impl Iterator<Item = R> + '_ {
     v.chunks_exact(R::SIZE).filter_map(|r| R::read(&mut FieldReader(r)))
 }
 
+/// Keeps at most `max` of `records`: those with the lowest `key` (the updated longest ago, the
+/// soonest to lapse) go first.
+pub fn keep_highest<R, K: Ord>(records: &mut Vec<R>, max: usize, key: impl FnMut(&R) -> K) {
+    if records.len() > max {
+        records.sort_by_key(key);
+        let extra = records.len().saturating_sub(max);
+        records.drain(..extra);
+    }
+}
+
 /// A shared value holding `records`.
 pub fn encode<R: SharedRecord>(records: impl IntoIterator<Item = R>) -> Vec<u8> {
     let mut out = Vec::new();

@@ -27,6 +27,8 @@ fn candidates_avoiding<'a>(
         .filter(|r| r.serves(model) && feed.allowed(u32::from(r.id)))
         .map(|r| {
             let load = if feed.loads_stale { None } else { feed.load(r.id) };
+            // Room in the cache is weighed only where its size is known.
+            let blocks = load.map_or(0, |l| u64::from(l.gpu_blocks));
             Candidate {
                 id: r.id,
                 address: r.address.as_str(),
@@ -41,10 +43,9 @@ fn candidates_avoiding<'a>(
                 incomplete: r.incomplete,
                 recent: gw.recent_requests(&r.address),
                 returning: gw.returning(&r.address),
-                pool: Pool {
-                    blocks: load.map_or(0, |l| u64::from(l.gpu_blocks)),
-                    held: gw.held_blocks(&r.address),
-                    hold_us: gw.hold_us(&r.address),
+                pool: match blocks {
+                    0 => Pool::default(),
+                    _ => Pool { blocks, held: gw.held_blocks(&r.address), hold_us: gw.hold_us(&r.address) },
                 },
             }
         })
