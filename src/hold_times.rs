@@ -2,18 +2,16 @@
 //! ([`llmgw_core::policy::capacity`]), shared by every worker of this Envoy through proxy-wasm
 //! shared data: 24-byte records, little-endian: the address's stable hash (u64), the mean hold
 //! (an `f64` bit pattern, µs), when it was last updated (u64, ns). Each end moves its replica's
-//! mean by `1 / MEMORY` of the difference (the first sets it): it follows the answers' lengths
-//! as the traffic changes them. At most [`MAX_RECORDS`] replicas are kept (the one updated
+//! mean ([`moved_hold_us`]). At most [`MAX_RECORDS`] replicas are kept (the one updated
 //! longest ago goes first): 6 KiB at most.
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, keep_highest, FieldReader, IdMap, SharedRecord};
+use llmgw_core::policy::capacity::moved_hold_us;
 
 const KEY: &str = "llmgw.holds";
 /// At most this many replicas' holds are kept.
 pub const MAX_RECORDS: usize = 256;
-/// The requests whose holds the mean remembers, about.
-const MEMORY: f64 = 16.0;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Record {
@@ -60,10 +58,7 @@ impl HoldTimes {
 /// The records with `id`'s moved by one hold of `us`.
 fn with(v: &[u8], id: u64, now: u64, us: f64) -> Vec<u8> {
     let mut out: Vec<Record> = decode::<Record>(v).filter(|r| r.id != id).collect();
-    let mean_us = match decode::<Record>(v).find(|r| r.id == id).map(|r| r.mean_us) {
-        Some(m) if m.is_finite() && m >= 0.0 => m + (us - m) / MEMORY,
-        _ => us,
-    };
+    let mean_us = moved_hold_us(decode::<Record>(v).find(|r| r.id == id).map(|r| r.mean_us), us);
     out.push(Record { id, mean_us, updated_ns: now });
     keep_highest(&mut out, MAX_RECORDS, |r| r.updated_ns);
     encode(out)

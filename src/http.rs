@@ -57,7 +57,7 @@ pub struct Request {
     /// Prefill tokens counted for it there until its first token.
     prefilling: u32,
     /// The KV blocks its prompt holds there, counted in the VM's held blocks until its end
-    /// (`crate::held_blocks`), and when it was routed (its hold, `crate::hold_times`).
+    /// (`llmgw_core::flow::HeldBlocks`), and when it was routed (its hold, `crate::hold_times`).
     holding: Option<Holding>,
     routed_ns: u64,
     explain: Option<String>,

@@ -5,7 +5,7 @@
 //! Each VM counts its own requests: one key holds 24-byte records (the VM's id, u32; the
 //! address's stable hash, u64; its count, u32; the prefill tokens of those requests that have
 //! not produced a first token yet, u32; the KV blocks their prompts hold there, u32
-//! ([`crate::held_blocks`]); little-endian), a second key each VM's last heartbeat
+//! ([`llmgw_core::flow::HeldBlocks`]); little-endian), a second key each VM's last heartbeat
 //! (its id, u32; the time, u64 nanoseconds). A decision reads both once whatever the fleet's
 //! size and sums the counts of live VMs; a request updates its VM's record at its start, at its
 //! first token (when it had prefill tokens counted) and at its end, each time with
@@ -82,7 +82,7 @@ pub struct Change {
     pub requests: i32,
     /// Prefill tokens added (at the start) or removed (at the first token, or the end).
     pub tokens: i64,
-    /// KV blocks the VM's requests hold there, added or removed ([`crate::held_blocks`]).
+    /// KV blocks the VM's requests hold there, added or removed ([`llmgw_core::flow::HeldBlocks`]).
     pub blocks: i64,
 }
 

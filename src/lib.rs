@@ -19,7 +19,6 @@ mod earlier_turns;
 mod feed;
 mod gateway_state;
 mod health;
-mod held_blocks;
 mod hold_times;
 mod host;
 mod http;
@@ -73,7 +72,7 @@ pub(crate) struct Shared {
     /// This VM's id in the shared in-flight records.
     pub vm: inflight::VmId,
     /// The KV blocks this VM's requests in flight hold per replica.
-    pub held: RefCell<held_blocks::HeldBlocks>,
+    pub held: RefCell<llmgw_core::flow::HeldBlocks>,
 }
 
 /// A random value per VM (`RandomState` draws from the host's WASI random source).

@@ -97,9 +97,7 @@ impl Learned {
 fn with(v: &[u8], id: u64, now: u64, basis: &Basis, ttft_us: f64) -> Vec<u8> {
     let mut out: Vec<Record> = decode::<Record>(v).filter(|r| r.id != id).collect();
     let mut estimator = decode::<Record>(v).find(|r| r.id == id).map(|r| r.estimator).unwrap_or_default();
-    let current = estimator.rates(&basis.prior, &basis.learning);
-    estimator.observe(&basis.features, ttft_us, &current, &basis.learning);
-    let rates = estimator.rates(&basis.prior, &basis.learning);
+    let rates = estimator.teach(basis, ttft_us);
     out.push(Record { id, updated_ns: now, estimator, rates });
     keep_highest(&mut out, MAX_RECORDS, |r| r.updated_ns);
     encode(out)

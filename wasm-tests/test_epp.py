@@ -78,7 +78,8 @@ def epp_fleet(request, procs, tmp_path, agent_bin, sim_bin, envoy_bin):
     wait_publishers(agent, len(sims))
     wait_until(lambda: f"llmgw_epp::127.0.0.1:{epp_port}::health_flags::healthy" in envoy.get("/clusters"),
                20, "the picker's gRPC health check")
-    return {"sims": sims, "listen": listen, "agent": agent, "envoy": envoy, "epp": epp_port}
+    return {"sims": sims, "listen": listen, "agent": agent, "envoy": envoy, "epp": epp_port,
+            "buffered": request.param == "buffered"}
 
 
 SYSTEM = " ".join(f"policy{i}" for i in range(300))
@@ -99,6 +100,31 @@ def test_a_followup_lands_exactly_on_its_prefix_holder(epp_fleet):
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         # Decided from the index (not by the approximate fallback, which keys on the same text).
         assert metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}') == exact_before + 1
+
+
+def test_the_picker_learns_each_endpoints_rates_from_its_streamed_answers_first_chunks(epp_fleet):
+    """Where the answer's body is streamed through the picker (the shipped configuration), each
+    streamed answer's first chunk teaches its endpoint's rates, and the answer arrives whole;
+    buffered, nothing reaches the picker to time, and nothing is learned."""
+    agent, listen = epp_fleet["agent"], epp_fleet["listen"]
+    n = 6
+    for i in range(n):
+        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 4,
+                           "messages": [{"role": "user", "content": f"question {i} " * 30}]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{listen}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        assert r.status == 200 and text.rstrip().endswith("data: [DONE]"), text[-200:]
+
+    def observations() -> float:
+        return sum(float(v) for v in re.findall(r"^llmgw_rates_observations\{replica=\"[^\"]+\"\} (\S+)$",
+                                                  agent.metrics(), re.M))
+    if epp_fleet["buffered"]:
+        assert observations() == 0
+    else:
+        wait_until(lambda: observations() >= n, 10, f"{n} first tokens taught")
+        assert observations() == n
 
 
 def test_a_client_destination_header_is_never_honoured(epp_fleet, decoy):

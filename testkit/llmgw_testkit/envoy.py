@@ -59,11 +59,14 @@ def epp_bootstrap(listen: int, admin: int, epp: int, pool: list[int], fail_open:
     pool's endpoints at 127.0.0.1:`pool`, FailOpen or FailClose, the request body streamed in
     full-duplex mode or buffered (FailOpen needs the latter in Envoy 1.40: in full-duplex mode an
     unreachable picker fails the request whatever failure_mode_allow says), and with
-    `served_by_header` every answer naming the upstream address that served it in that header."""
+    `served_by_header` every answer naming the upstream address that served it in that header.
+    Buffered (or FailOpen), the answer's body is not sent to the picker either."""
     text = SHIPPED_EPP.read_text()
     if buffered or fail_open:
         text = text.replace("request_body_mode: FULL_DUPLEX_STREAMED", "request_body_mode: BUFFERED")
         text = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
+        text = text.replace("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE")
+        text = text.replace("response_trailer_mode: SEND", "response_trailer_mode: SKIP")
     pool_eps = "\n".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}"
                          for p in pool)
     subs = [("port_value: 9901", f"port_value: {admin}"), ("port_value: 10000", f"port_value: {listen}"),

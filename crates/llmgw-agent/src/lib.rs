@@ -164,8 +164,7 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
             let listener = bind("epp.listen", e.listen).await?;
             info!(listen = %listener.local_addr().map_err(RunError::LocalAddr)?, "endpoint picker listening");
             let picker = epp::picker(e, compiled, hub.clone());
-            let metrics = picker.metrics.clone();
-            Some((metrics, tokio::spawn(epp::serve(listener, picker, e.max_streams, wait(rx.clone())))))
+            Some((picker.clone(), tokio::spawn(epp::serve(listener, picker, e.max_streams, wait(rx.clone())))))
         }
         None => None,
     };

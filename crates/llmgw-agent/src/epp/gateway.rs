@@ -1,20 +1,59 @@
 //! What the routing core asks the gateway, as the endpoint picker knows it: the requests it sent
-//! and that have not finished (per endpoint), the endpoints it avoids for now (a primary the data
-//! plane could not use, a tokenizer that failed), and the subset hint of the request being
-//! decided (an endpoint outside it counts as down). The filter keeps the same in Envoy's shared
-//! data; here one mutex-guarded table serves every stream, and each decision reads a snapshot.
+//! and that have not finished (per endpoint, with the prefill tokens of those that have not
+//! produced a first token and the KV blocks their prompts hold), how long its requests held their
+//! blocks and the rates learned from their first tokens ([`super::learned`]), the endpoints it
+//! avoids for now (a primary the data plane could not use, a tokenizer that failed), and the
+//! subset hint of the request being decided (an endpoint outside it counts as down). The filter
+//! keeps the same in Envoy's shared data; here one mutex-guarded table serves every stream, and
+//! each decision reads a snapshot.
 
-use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls};
+use super::learned::Learned;
+use llmgw_core::flow::{
+    HeldBlocks, Holding, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
+};
+use llmgw_core::policy::rates::{Basis, Rates};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// One endpoint's requests in flight.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Busy {
+    requests: u32,
+    /// Prefill tokens of those that have not produced a first token.
+    pending_tokens: u64,
+}
+
 #[derive(Debug, Default)]
 struct Table {
-    in_flight: HashMap<String, u32>,
+    in_flight: HashMap<String, Busy>,
+    held: HeldBlocks,
+    learned: Learned,
     /// Endpoint → until when requests avoid it.
     avoided: HashMap<String, Instant>,
     tokenizers: HashMap<String, Instant>,
+}
+
+/// One routed request as the picker counts it, from its routing ([`Gateway::started`]) to its
+/// end ([`Gateway::finished`]).
+#[derive(Debug)]
+pub struct Charge {
+    pub address: String,
+    /// The prompt tokens it computes there, counted as queued prefill until its first token
+    /// (0 once that came).
+    prefill_tokens: u64,
+    /// The KV blocks its prompt holds there while it is in flight.
+    holding: Option<Holding>,
+    /// What its first token teaches the endpoint's rates: the prediction it was routed by
+    /// (none where nothing is learned).
+    learning: Option<Box<Basis>>,
+    routed_at: Instant,
+}
+
+impl Charge {
+    pub fn new(address: String, prefill_tokens: u64, holding: Option<Holding>, learning: Option<Basis>) -> Charge {
+        Charge { address, prefill_tokens, holding, learning: learning.map(Box::new), routed_at: Instant::now() }
+    }
 }
 
 /// The picker's view of its own traffic, shared by every stream.
@@ -22,6 +61,10 @@ struct Table {
 pub struct Gateway {
     table: Mutex<Table>,
     avoid_for: Duration,
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
 }
 
 impl Gateway {
@@ -33,22 +76,56 @@ impl Gateway {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A request was sent to `address`.
-    pub fn started(&self, address: &str) {
+    /// A request was sent to `c.address`.
+    pub fn started(&self, c: &Charge) {
         let mut t = self.table();
-        let n = t.in_flight.entry(address.to_owned()).or_insert(0);
-        *n = n.saturating_add(1);
+        let b = t.in_flight.entry(c.address.clone()).or_default();
+        b.requests = b.requests.saturating_add(1);
+        b.pending_tokens = b.pending_tokens.saturating_add(c.prefill_tokens);
+        if let Some(h) = &c.holding {
+            t.held.add(&c.address, h);
+        }
     }
 
-    /// A request counted at `address` finished.
-    pub fn finished(&self, address: &str) {
+    /// The request's first token came (or its answer, where not streamed): its prefill tokens
+    /// stop counting. `teach`: it is a streamed answer's first chunk, whose time from the
+    /// routing teaches the endpoint's rates (once).
+    pub fn first_token(&self, c: &mut Charge, teach: bool) {
+        let tokens = std::mem::take(&mut c.prefill_tokens);
+        let basis = c.learning.take().filter(|_| teach);
+        if tokens == 0 && basis.is_none() {
+            return;
+        }
+        let ttft_us = micros(c.routed_at.elapsed());
         let mut t = self.table();
-        if let Some(n) = t.in_flight.get_mut(address) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                t.in_flight.remove(address);
+        if let Some(b) = t.in_flight.get_mut(&c.address) {
+            b.pending_tokens = b.pending_tokens.saturating_sub(tokens);
+        }
+        if let Some(basis) = basis {
+            t.learned.teach(&c.address, &basis, ttft_us);
+        }
+    }
+
+    /// A request counted at `c.address` finished: its hold is observed.
+    pub fn finished(&self, mut c: Charge) {
+        self.first_token(&mut c, false);
+        let held_us = micros(c.routed_at.elapsed());
+        let mut t = self.table();
+        if let Some(b) = t.in_flight.get_mut(&c.address) {
+            b.requests = b.requests.saturating_sub(1);
+            if b.requests == 0 {
+                t.in_flight.remove(&c.address);
             }
         }
+        if let Some(h) = &c.holding {
+            t.held.remove(&c.address, h);
+        }
+        t.learned.hold(&c.address, held_us);
+    }
+
+    /// The learned rates, as Prometheus gauges.
+    pub fn learned_text(&self) -> String {
+        self.table().learned.text()
     }
 
     /// When an avoidance starting now ends.
@@ -75,8 +152,21 @@ impl Gateway {
         let mut t = self.table();
         t.avoided.retain(|_, until| *until > now);
         t.tokenizers.retain(|_, until| *until > now);
+        let endpoints = t.in_flight.keys().chain(t.learned.addresses()).cloned().collect::<HashSet<String>>();
+        let per_endpoint = endpoints
+            .into_iter()
+            .map(|a| {
+                let e = Endpoint {
+                    busy: t.in_flight.get(&a).copied().unwrap_or_default(),
+                    held_blocks: t.held.total(&a),
+                    hold_us: t.learned.hold_us(&a),
+                    rates: t.learned.rates(&a),
+                };
+                (a, e)
+            })
+            .collect();
         Snapshot {
-            in_flight: t.in_flight.clone(),
+            per_endpoint,
             avoided: t.avoided.keys().cloned().collect(),
             tokenizers: t.tokenizers.keys().cloned().collect(),
             subset: subset.map(|s| s.iter().cloned().collect()),
@@ -84,10 +174,19 @@ impl Gateway {
     }
 }
 
+/// One endpoint as a decision reads it.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Endpoint {
+    busy: Busy,
+    held_blocks: u64,
+    hold_us: f64,
+    rates: Option<Rates>,
+}
+
 /// One decision's view (see [`Gateway::snapshot`]).
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    in_flight: HashMap<String, u32>,
+    per_endpoint: HashMap<String, Endpoint>,
     avoided: HashSet<String>,
     tokenizers: HashSet<String>,
     subset: Option<HashSet<String>>,
@@ -100,9 +199,24 @@ impl Snapshot {
     }
 }
 
+impl Snapshot {
+    fn endpoint(&self, address: &str) -> Endpoint {
+        self.per_endpoint.get(address).copied().unwrap_or_default()
+    }
+}
+
 impl InFlightCounts for Snapshot {
     fn in_flight(&self, address: &str) -> u32 {
-        self.in_flight.get(address).copied().unwrap_or(0)
+        self.endpoint(address).busy.requests
+    }
+    fn pending_tokens(&self, address: &str) -> u64 {
+        self.endpoint(address).busy.pending_tokens
+    }
+    fn held_blocks(&self, address: &str) -> u64 {
+        self.endpoint(address).held_blocks
+    }
+    fn hold_us(&self, address: &str) -> f64 {
+        self.endpoint(address).hold_us
     }
 }
 
@@ -117,31 +231,70 @@ impl ReplicaAvoidance for Snapshot {
 }
 
 impl SpeculativeEntries for Snapshot {}
-impl LearnedRates for Snapshot {}
+impl LearnedRates for Snapshot {
+    fn learned_rates(&self, address: &str) -> Option<Rates> {
+        self.endpoint(address).rates
+    }
+}
 impl TokenizerCalls for Snapshot {}
 impl llmgw_core::flow::EarlierTurns for Snapshot {}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::epp::learned::basis;
+
+    const A: &str = "10.0.0.1:8000";
+
+    fn charge(address: &str) -> Charge {
+        Charge::new(address.to_owned(), 0, None, None)
+    }
 
     #[test]
     fn counts_avoidance_and_the_subset_are_what_decisions_read() {
         let g = Gateway::new(Duration::from_secs(60));
-        g.started("10.0.0.1:8000");
-        g.started("10.0.0.1:8000");
-        g.finished("10.0.0.1:8000");
+        g.started(&charge(A));
+        let second = charge(A);
+        g.started(&second);
+        g.finished(charge(A));
         g.avoid("10.0.0.2:8000");
-        let subset = vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()];
+        let subset = vec![A.to_owned(), "10.0.0.2:8000".to_owned()];
         let s = g.snapshot(Some(&subset));
-        assert_eq!(s.in_flight("10.0.0.1:8000"), 1);
-        assert!(!s.avoided("10.0.0.1:8000"));
+        assert_eq!(s.in_flight(A), 1);
+        assert!(!s.avoided(A));
         assert!(s.avoided("10.0.0.2:8000"), "avoided after the data plane could not use it");
         assert!(s.avoided("10.0.0.3:8000"), "outside the subset hint");
         let all = g.snapshot(None);
         assert!(!all.avoided("10.0.0.3:8000"));
-        g.finished("10.0.0.1:8000");
-        g.finished("10.0.0.1:8000");
-        assert_eq!(g.snapshot(None).in_flight("10.0.0.1:8000"), 0);
+        g.finished(second);
+        g.finished(charge(A));
+        assert_eq!(g.snapshot(None).in_flight(A), 0);
+    }
+
+    #[test]
+    fn a_request_queues_its_prefill_until_its_first_token_holds_its_blocks_until_its_end_and_teaches_once() {
+        let g = Gateway::new(Duration::from_secs(60));
+        // Two questions under one 40-block system prompt, the second taught nothing.
+        let h = |own| Some(Holding { run: 7, run_blocks: 40, own_blocks: own });
+        let mut first = Charge::new(A.to_owned(), 300, h(3), Some(basis(100)));
+        let second = Charge::new(A.to_owned(), 200, h(2), None);
+        g.started(&first);
+        g.started(&second);
+        let s = g.snapshot(None);
+        assert_eq!((s.in_flight(A), s.pending_tokens(A), s.held_blocks(A)), (2, 500, 45));
+        assert_eq!(s.hold_us(A), 0.0);
+        assert_eq!(s.learned_rates(A), None);
+        g.first_token(&mut first, true);
+        g.first_token(&mut first, true);
+        let s = g.snapshot(None);
+        assert_eq!(s.pending_tokens(A), 200, "the first's prefill is done, once");
+        assert_eq!(s.learned_rates(A).map(|r| r.observations), Some(1), "taught once");
+        g.finished(first);
+        g.finished(second);
+        let s = g.snapshot(None);
+        assert_eq!((s.in_flight(A), s.pending_tokens(A), s.held_blocks(A)), (0, 0, 0));
+        assert!(s.hold_us(A) > 0.0, "the ends timed the hold");
+        assert_eq!(s.learned_rates(A).map(|r| r.observations), Some(1), "an end teaches nothing");
+        assert!(g.learned_text().contains(&format!("llmgw_rates_observations{{replica=\"{A}\"}} 1")));
     }
 }

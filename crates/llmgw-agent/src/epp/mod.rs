@@ -15,6 +15,7 @@
 //! ext_proc service's name; the last two serve once the index holds its first snapshot).
 
 pub mod gateway;
+pub mod learned;
 pub mod metrics;
 pub mod picker;
 pub mod stream;

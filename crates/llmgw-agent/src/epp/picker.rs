@@ -4,7 +4,7 @@
 //! and hand its reply back). What the filter does with Envoy's shared data the picker does with
 //! [`Gateway`]; what it adds is the protocol's: the subset hint and the ordered fallback list.
 
-use super::gateway::{Gateway, Snapshot};
+use super::gateway::{Charge, Gateway, Snapshot};
 use super::metrics::{inc, EppMetrics};
 use super::tokenize::{self, Answer};
 use super::wire::Destination;
@@ -18,15 +18,12 @@ use tracing::{debug, warn};
 const MAX_TOKENIZER_CALLS: u32 = 3;
 
 /// The picker's answer for one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Pick {
-    Route(Destination),
+    /// The endpoints, and the request as counted at the primary until [`Picker::finished`].
+    Route(Destination, Charge),
     /// Answer locally with this status and JSON body.
-    Reject {
-        status: u32,
-        body: Vec<u8>,
-        details: &'static str,
-    },
+    Reject { status: u32, body: Vec<u8>, details: &'static str },
 }
 
 pub struct Picker {
@@ -65,17 +62,22 @@ impl Picker {
         let t0 = Instant::now();
         let pick = self.decide(path, bytes, too_large, subset).await;
         self.metrics.decided(u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX));
-        if let Pick::Route(d) = &pick {
-            if let Some(primary) = d.endpoints.first() {
-                self.gateway.started(primary);
-            }
+        if let Pick::Route(_, charge) = &pick {
+            self.gateway.started(charge);
         }
         pick
     }
 
-    /// A request routed to `address` finished.
-    pub fn finished(&self, address: &str) {
-        self.gateway.finished(address);
+    /// A request [`Self::pick`] routed finished.
+    pub fn finished(&self, charge: Charge) {
+        self.gateway.finished(charge);
+    }
+
+    /// The picker's metrics, the rates it learned included, as Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        let mut text = self.metrics.text();
+        text.push_str(&self.gateway.learned_text());
+        text
     }
 
     async fn decide(&self, path: &str, bytes: &[u8], too_large: bool, subset: Option<&[String]>) -> Pick {
@@ -92,8 +94,11 @@ impl Picker {
         };
         let mut calls = 0u32;
         loop {
+            // The picker's router makes no calls after routing (`set_background_calls`): a
+            // request routed before its tokens came was predicted on an estimate of its length,
+            // and its first token teaches nothing.
+            let exact = matches!(step, Step::Route(_));
             match step {
-                // The picker's router makes no calls after routing (`set_background_calls`).
                 Step::Route(routed) | Step::RouteThenTokenize(routed, _) => {
                     let gw = self.gateway.snapshot(subset);
                     if !gw.eligible(&routed.address) {
@@ -103,7 +108,15 @@ impl Picker {
                     }
                     let r = self.router();
                     let endpoints = self.ordered(&r, &routed.address, routed.runner_up.as_deref(), &gw, routed.model);
-                    return Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank });
+                    // A prediction with a wait for room in the cache says nothing of the rates.
+                    let d = &routed.decision;
+                    let learning = d
+                        .basis
+                        .as_deref()
+                        .copied()
+                        .filter(|b| exact && b.learning.enabled && d.capacity_wait_us.0 == 0);
+                    let charge = Charge::new(routed.address.clone(), routed.prefill_tokens, routed.holding, learning);
+                    return Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank }, charge);
                 }
                 Step::Reject(rej) => {
                     inc(&self.metrics.rejected);
@@ -282,34 +295,38 @@ mod tests {
 
     const BODY: &[u8] = br#"{"model":"m","prompt":"hello there"}"#;
 
-    fn route(p: Pick) -> Destination {
+    fn routed(p: Pick) -> (Destination, Charge) {
         match p {
-            Pick::Route(d) => d,
+            Pick::Route(d, c) => (d, c),
             other => panic!("not routed: {other:?}"),
         }
+    }
+
+    fn route(p: Pick) -> Destination {
+        routed(p).0
     }
 
     #[tokio::test]
     async fn the_answer_is_the_primary_then_distinct_fallbacks_of_the_model() {
         let p = picker();
-        let d = route(p.pick("/v1/completions", BODY, false, None).await);
+        let (d, charge) = routed(p.pick("/v1/completions", BODY, false, None).await);
         assert_eq!(d.endpoints.len(), 3);
         let mut sorted = d.endpoints.clone();
         sorted.sort();
         sorted.dedup();
         assert_eq!(sorted, vec![A.to_owned(), B.to_owned(), C.to_owned()]);
-        p.finished(&d.endpoints[0]);
+        p.finished(charge);
     }
 
     #[tokio::test]
     async fn fallbacks_serve_the_model_the_body_names() {
         let p = picker_serving(["m", "n", "m"]);
         for _ in 0..4 {
-            let d = route(p.pick("/v1/completions", BODY, false, None).await);
+            let (d, charge) = routed(p.pick("/v1/completions", BODY, false, None).await);
             let mut sorted = d.endpoints.clone();
             sorted.sort();
             assert_eq!(sorted, vec![A.to_owned(), C.to_owned()], "B serves another model");
-            p.finished(&d.endpoints[0]);
+            p.finished(charge);
         }
     }
 

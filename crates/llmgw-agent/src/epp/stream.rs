@@ -7,10 +7,16 @@
 //! the body is complete, or once its head reaches the limit (the rest is handed back chunk by
 //! chunk as it comes). In buffered mode the headers are answered at once and the route goes on
 //! the body's answer.
+//!
+//! On the way back, the request's first token ends its prefill's count at its endpoint: the
+//! first chunk of a streamed answer where the data plane streams response bodies to the picker
+//! (its time from the routing then teaches the endpoint's rates), else the response headers.
+//! Its end releases what it held there and times its hold.
 
+use super::gateway::Charge;
 use super::metrics::inc;
 use super::picker::{Pick, Picker};
-use super::wire;
+use super::wire::{self, ResponseBodies};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, ProcessingRequest, ProcessingResponse,
 };
@@ -29,8 +35,10 @@ struct Exchange {
     too_large: bool,
     /// Decided: later request-body chunks are handed back as they come.
     decided: bool,
-    /// The primary endpoint counted in flight for this request.
-    counted: Option<String>,
+    /// How response bodies come.
+    response_bodies: ResponseBodies,
+    /// The request as counted in flight at its primary endpoint.
+    counted: Option<Charge>,
     served_seen: bool,
 }
 
@@ -54,11 +62,11 @@ pub async fn run(picker: Arc<Picker>, mut inbound: Streaming<ProcessingRequest>,
             break;
         }
     }
-    if let Some(addr) = ex.counted.take() {
+    if let Some(charge) = ex.counted.take() {
         if !ex.served_seen {
             inc(&picker.metrics.served_unreported);
         }
-        picker.finished(&addr);
+        picker.finished(charge);
     }
 }
 
@@ -70,6 +78,9 @@ async fn send(out: &Out, r: ProcessingResponse) -> bool {
 async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit: usize, out: &Out) -> bool {
     if let Some(fd) = wire::full_duplex(&msg) {
         ex.full_duplex = fd;
+    }
+    if let Some(rb) = wire::response_bodies(&msg) {
+        ex.response_bodies = rb;
     }
     match msg.request {
         Some(Msg::RequestHeaders(ref h)) => {
@@ -129,12 +140,35 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
             }
             send(out, wire::trailers_unchanged(true)).await
         }
-        Some(Msg::ResponseHeaders(_)) => {
+        Some(Msg::ResponseHeaders(ref h)) => {
             note_served(picker, ex, &msg);
+            // Only a streamed 200 answer's first chunk is its first token, and only where the
+            // chunks come here; otherwise the headers end the prefill's count, and teach nothing.
+            let status = wire::header(h.headers.as_ref(), ":status");
+            let streamed = wire::header(h.headers.as_ref(), "content-type")
+                .is_some_and(|v| v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case("text/event-stream")));
+            let chunks_come = matches!(ex.response_bodies, ResponseBodies::Streamed { .. });
+            if status.as_deref() != Some("200") || !streamed || h.end_of_stream || !chunks_come {
+                if let Some(c) = ex.counted.as_mut() {
+                    picker.gateway.first_token(c, false);
+                }
+            }
             send(out, wire::headers_unchanged(false)).await
         }
         Some(Msg::ResponseBody(b)) => {
-            if ex.full_duplex {
+            if !b.body.is_empty() || b.end_of_stream {
+                let chunked = matches!(ex.response_bodies, ResponseBodies::Streamed { .. });
+                if let Some(c) = ex.counted.as_mut() {
+                    picker.gateway.first_token(c, chunked);
+                }
+            }
+            let full_duplex = match ex.response_bodies {
+                ResponseBodies::Streamed { full_duplex } => full_duplex,
+                ResponseBodies::Whole => false,
+                // Not said: as the request's body comes.
+                ResponseBodies::Unsent => ex.full_duplex,
+            };
+            if full_duplex {
                 send(out, wire::streamed_body(false, b.body, b.end_of_stream)).await
             } else {
                 send(out, wire::body_unchanged(false)).await
@@ -153,9 +187,9 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
 async fn decide(picker: &Picker, ex: &mut Exchange, out: &Out, on_headers: bool) -> bool {
     let bytes = if ex.too_large || !ex.body.is_empty() { ex.body.as_slice() } else { &[] };
     match picker.pick(&ex.path, bytes, ex.too_large, ex.subset.as_deref()).await {
-        Pick::Route(dest) => {
+        Pick::Route(dest, charge) => {
             ex.decided = true;
-            ex.counted = dest.endpoints.first().cloned();
+            ex.counted = Some(charge);
             let r = if on_headers { wire::route_headers(&dest) } else { wire::route_body(&dest) };
             send(out, r).await
         }
@@ -174,7 +208,7 @@ fn note_served(picker: &Picker, ex: &mut Exchange, msg: &ProcessingRequest) {
         return;
     }
     ex.served_seen = true;
-    if let Some(primary) = &ex.counted {
+    if let Some(primary) = ex.counted.as_ref().map(|c| &c.address) {
         if &served != primary {
             inc(&picker.metrics.served_by_fallback);
             picker.gateway.avoid(primary);
@@ -190,9 +224,74 @@ mod tests {
     use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
     use llmgw_core::config::Compiled;
-    use llmgw_core::flow::{ReplicaAvoidance, Router};
+    use llmgw_core::flow::{InFlightCounts, LearnedRates, ReplicaAvoidance, Router};
     use std::sync::atomic::Ordering;
     use std::time::Duration;
+
+    fn picker() -> Picker {
+        let router = Router::new(Compiled::from_json(b"", None).unwrap(), 1);
+        Picker::new(router, Gateway::new(Duration::from_secs(60)), Arc::new(EppMetrics::default()), 2)
+    }
+
+    fn response_headers(status: &str) -> ProcessingRequest {
+        use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+        use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
+        let headers = [(":status", status), ("content-type", "text/event-stream; charset=utf-8")]
+            .iter()
+            .map(|(k, v)| HeaderValue { key: (*k).to_owned(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
+            .collect();
+        let h = HttpHeaders { headers: Some(HeaderMap { headers }), ..Default::default() };
+        ProcessingRequest { request: Some(Msg::ResponseHeaders(h)), ..Default::default() }
+    }
+
+    fn response_chunk(data: &[u8]) -> ProcessingRequest {
+        use envoy_types::pb::envoy::service::ext_proc::v3::HttpBody;
+        let b = HttpBody { body: data.to_vec(), end_of_stream: false, ..Default::default() };
+        ProcessingRequest { request: Some(Msg::ResponseBody(b)), ..Default::default() }
+    }
+
+    #[tokio::test]
+    async fn a_streamed_answers_first_chunk_ends_its_prefill_and_teaches_the_rates_only_where_chunks_come_here() {
+        const A: &str = "10.0.0.1:8000";
+        // (how bodies come, the status, or none where the headers are not sent to the picker).
+        let cases = [
+            (ResponseBodies::Streamed { full_duplex: true }, Some("200"), true),
+            (ResponseBodies::Streamed { full_duplex: false }, Some("200"), true),
+            (ResponseBodies::Streamed { full_duplex: true }, Some("503"), false),
+            // The headers come before the first token; with no chunks to time, they end the
+            // prefill's count and teach nothing.
+            (ResponseBodies::Unsent, Some("200"), false),
+            (ResponseBodies::Whole, Some("200"), false),
+            // A whole body comes at the answer's end: not its first token's time.
+            (ResponseBodies::Whole, None, false),
+        ];
+        for (bodies, status, teaches) in cases {
+            let p = picker();
+            let (tx, mut rx) = mpsc::channel(16);
+            let charge = Charge::new(A.into(), 300, None, Some(crate::epp::learned::basis(300)));
+            p.gateway.started(&charge);
+            let mut ex = Exchange { response_bodies: bodies, counted: Some(charge), ..Default::default() };
+            if let Some(status) = status {
+                assert!(step(&p, &mut ex, response_headers(status), 1024, &tx).await);
+                let after_headers = p.gateway.snapshot(None).pending_tokens(A);
+                assert_eq!(after_headers, if teaches { 300 } else { 0 }, "{bodies:?} {status}");
+                rx.recv().await.unwrap().unwrap();
+            }
+            assert!(step(&p, &mut ex, response_chunk(b"data: {}\n\n"), 1024, &tx).await);
+            let s = p.gateway.snapshot(None);
+            assert_eq!(s.pending_tokens(A), 0, "{bodies:?} {status:?}");
+            assert_eq!(s.learned_rates(A).is_some(), teaches, "{bodies:?} {status:?}");
+            // The chunk is handed back in full-duplex mode, and only there.
+            let answer = rx.recv().await.unwrap().unwrap();
+            let back = match answer.response {
+                Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ResponseBody(b)) => {
+                    b.response.and_then(|c| c.body_mutation).is_some()
+                }
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(back, bodies == ResponseBodies::Streamed { full_duplex: true }, "{bodies:?}");
+        }
+    }
 
     fn served(addr: &str) -> ProcessingRequest {
         let mut lb = Struct::default();
@@ -206,10 +305,12 @@ mod tests {
     fn a_response_served_by_a_fallback_makes_the_primary_avoided() {
         let router = Router::new(Compiled::from_json(b"", None).unwrap(), 1);
         let p = Picker::new(router, Gateway::new(Duration::from_secs(60)), Arc::new(EppMetrics::default()), 2);
-        let mut ex = Exchange { counted: Some("10.0.0.1:8000".into()), ..Default::default() };
+        let mut ex =
+            Exchange { counted: Some(Charge::new("10.0.0.1:8000".into(), 0, None, None)), ..Default::default() };
         note_served(&p, &mut ex, &served("10.0.0.1:8000"));
         assert!(!p.gateway.snapshot(None).avoided("10.0.0.1:8000"), "served by the primary");
-        let mut ex = Exchange { counted: Some("10.0.0.1:8000".into()), ..Default::default() };
+        let mut ex =
+            Exchange { counted: Some(Charge::new("10.0.0.1:8000".into(), 0, None, None)), ..Default::default() };
         note_served(&p, &mut ex, &served("10.0.0.2:8000"));
         assert!(p.gateway.snapshot(None).avoided("10.0.0.1:8000"));
         assert_eq!(p.metrics.served_by_fallback.load(Ordering::Relaxed), 1);

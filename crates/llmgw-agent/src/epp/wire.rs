@@ -46,6 +46,32 @@ pub fn full_duplex(req: &ProcessingRequest) -> Option<bool> {
     req.protocol_config.as_ref().map(|p| p.request_body_mode == BodySendMode::FullDuplexStreamed as i32)
 }
 
+/// How the data plane sends a response's body to the picker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ResponseBodies {
+    /// Not at all (`NONE`), or not said (a data plane that sends no protocol configuration).
+    #[default]
+    Unsent,
+    /// Whole, once it ended (`BUFFERED`, `BUFFERED_PARTIAL`), or as gRPC messages (`GRPC`).
+    Whole,
+    /// Chunk by chunk as it comes (`STREAMED`); in full-duplex mode each chunk is taken back from
+    /// the picker.
+    Streamed { full_duplex: bool },
+}
+
+/// How the data plane sends response bodies, from the stream's first message (`None` on the
+/// others).
+pub fn response_bodies(req: &ProcessingRequest) -> Option<ResponseBodies> {
+    let mode = req.protocol_config.as_ref()?.response_body_mode;
+    Some(match BodySendMode::try_from(mode) {
+        Ok(BodySendMode::Streamed) => ResponseBodies::Streamed { full_duplex: false },
+        Ok(BodySendMode::FullDuplexStreamed) => ResponseBodies::Streamed { full_duplex: true },
+        // gRPC messages, not an answer's events: nothing to time either.
+        Ok(BodySendMode::Buffered | BodySendMode::BufferedPartial | BodySendMode::Grpc) => ResponseBodies::Whole,
+        Ok(BodySendMode::None) | Err(_) => ResponseBodies::Unsent,
+    })
+}
+
 fn namespace<'a>(meta: Option<&'a Metadata>, ns: &str) -> Option<&'a Struct> {
     meta?.filter_metadata.get(ns)
 }

@@ -9,7 +9,7 @@
 pub mod exposition;
 pub mod readiness;
 
-use crate::epp::metrics::EppMetrics;
+use crate::epp::picker::Picker;
 use crate::hub::Hub;
 use crate::native_tokenizer::NativeTokenizers;
 use axum::extract::{ConnectInfo, State};
@@ -27,8 +27,8 @@ use tokio::sync::Semaphore;
 pub struct HttpState {
     pub hub: Arc<Hub>,
     pub native: Option<Arc<NativeTokenizers>>,
-    /// The endpoint picker's counters, when it runs.
-    pub epp: Option<Arc<EppMetrics>>,
+    /// The endpoint picker, when it runs (its counters and learned rates).
+    pub epp: Option<Arc<Picker>>,
     /// The token a non-loopback client must present for `/debug/replicas`.
     pub debug_token: Option<String>,
     /// One `/debug/replicas` at a time (each copies every engine's keys).
@@ -39,7 +39,7 @@ pub struct HttpState {
 pub fn router(
     hub: Arc<Hub>,
     native: Option<Arc<NativeTokenizers>>,
-    epp: Option<Arc<EppMetrics>>,
+    epp: Option<Arc<Picker>>,
     debug_token: Option<String>,
     readiness: readiness::Readiness,
 ) -> Router {
@@ -84,7 +84,7 @@ async fn metrics(State(st): State<HttpState>) -> impl IntoResponse {
         text.push_str(&n.metrics_text());
     }
     if let Some(e) = &st.epp {
-        text.push_str(&e.text());
+        text.push_str(&e.metrics_text());
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
@@ -134,7 +134,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     hub: Arc<Hub>,
     native: Option<Arc<NativeTokenizers>>,
-    epp: Option<Arc<EppMetrics>>,
+    epp: Option<Arc<Picker>>,
     debug_token: Option<String>,
     readiness: readiness::Readiness,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,

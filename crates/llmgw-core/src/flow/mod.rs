@@ -25,6 +25,7 @@ mod earlier_turns;
 mod exact;
 mod gateway;
 mod hash_plan;
+mod held_blocks;
 mod hybrid;
 mod prefix;
 mod reasons;
@@ -42,6 +43,7 @@ mod wait_ledger;
 pub use gateway::{
     EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
 };
+pub use held_blocks::HeldBlocks;
 pub use hybrid::{hybrid_hit, HybridHit};
 pub use prefix::{prefix_scores, Scratch, FIRST_HASH_BATCH};
 pub use reasons::{Fallback, TokenizerFailure};

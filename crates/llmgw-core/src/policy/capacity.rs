@@ -37,6 +37,19 @@ pub fn wait_us(c: &Candidate<'_>, need: u64) -> f64 {
     p.hold_us / (f64::from(c.in_flight) + 1.0)
 }
 
+/// The requests whose holds a replica's mean hold remembers, about.
+const HOLD_MEMORY: f64 = 16.0;
+
+/// A replica's mean hold (µs) moved by one request that held its blocks `us`: by `1 /`
+/// [`HOLD_MEMORY`] of the difference, so that it follows the answers' lengths as the traffic
+/// changes them; the first hold observed (`mean` none, or not a hold) sets it.
+pub fn moved_hold_us(mean: Option<f64>, us: f64) -> f64 {
+    match mean {
+        Some(m) if m.is_finite() && m >= 0.0 => m + (us - m) / HOLD_MEMORY,
+        _ => us,
+    }
+}
+
 /// The blocks a prompt of `tokens` takes at `block_size` tokens a block (its last one partly
 /// filled counts whole).
 pub fn blocks_of(tokens: u64, block_size: u64) -> u64 {

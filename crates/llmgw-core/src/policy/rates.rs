@@ -291,6 +291,14 @@ impl Estimator {
         self.weight = self.weight * decay + 1.0;
         self.count = self.count.saturating_add(1);
     }
+
+    /// One observed time to first token `ttft_us` of a request predicted on `basis`, measured
+    /// against the rates these observations gave before it; the rates they give now.
+    pub fn teach(&mut self, basis: &Basis, ttft_us: f64) -> Rates {
+        let current = self.rates(&basis.prior, &basis.learning);
+        self.observe(&basis.features, ttft_us, &current, &basis.learning);
+        self.rates(&basis.prior, &basis.learning)
+    }
 }
 
 #[cfg(test)]

@@ -1,19 +1,24 @@
-//! The KV blocks this VM's requests in flight hold on each replica
-//! ([`llmgw_core::policy::capacity`]), kept in the VM: a request's own blocks, and the runs it
-//! shares with what the replica held when it was routed, each run counted once however many of
-//! this VM's requests in flight share it (their system prompt, for instance). What a change
-//! moves the VM's total by goes into its in-flight record ([`crate::inflight`]), which every
-//! worker sums; a run two workers' requests share counts once per worker.
+//! The KV blocks a gateway's requests in flight hold on each replica
+//! ([`crate::policy::capacity`]): a request's own blocks, and the runs it shares with what the
+//! replica held when it was routed, each run counted once however many of the requests in
+//! flight share it (their system prompt, for instance). The filter keeps one per VM (what a
+//! change moves the VM's total by goes into its in-flight record, which every worker sums, so a
+//! run two workers' requests share counts once per worker); the endpoint picker keeps one.
 
-use crate::shared_records::{address_id, IdMap};
-use llmgw_core::flow::Holding;
+use super::step::Holding;
+use crate::stable_hash::stable_hash;
+use std::collections::HashMap;
+
+fn address_id(address: &str) -> u64 {
+    stable_hash(address.as_bytes())
+}
 
 /// One replica's blocks held by this VM's requests.
 #[derive(Debug, Default)]
 struct Held {
     own: u64,
     /// Per shared run (its last block's key): its blocks and the requests sharing it.
-    runs: IdMap<(u64, u32)>,
+    runs: HashMap<u64, (u64, u32)>,
 }
 
 impl Held {
@@ -22,15 +27,15 @@ impl Held {
     }
 }
 
-/// This VM's held blocks per replica (by address id). Its size follows the requests in flight:
-/// a request adds one run at most, and its end takes it out.
+/// The held blocks per replica (by address). Its size follows the requests in flight: a
+/// request adds one run at most, and its end takes it out.
 #[derive(Debug, Default)]
 pub struct HeldBlocks {
-    by_address: IdMap<Held>,
+    by_address: HashMap<u64, Held>,
 }
 
 impl HeldBlocks {
-    /// A request routed to `address` holding `h`: what this VM's total there grew by.
+    /// A request routed to `address` holding `h`: what the total there grew by.
     pub fn add(&mut self, address: &str, h: &Holding) -> i64 {
         let held = self.by_address.entry(address_id(address)).or_default();
         let before = held.total();
@@ -42,7 +47,7 @@ impl HeldBlocks {
         delta(before, held.total())
     }
 
-    /// The end of a request `add` counted: what this VM's total on `address` fell by (negative).
+    /// The end of a request `add` counted: what the total on `address` fell by (negative).
     pub fn remove(&mut self, address: &str, h: &Holding) -> i64 {
         let id = address_id(address);
         let Some(held) = self.by_address.get_mut(&id) else { return 0 };
@@ -59,6 +64,11 @@ impl HeldBlocks {
             self.by_address.remove(&id);
         }
         delta(before, after)
+    }
+
+    /// The blocks held on `address`.
+    pub fn total(&self, address: &str) -> u64 {
+        self.by_address.get(&address_id(address)).map_or(0, Held::total)
     }
 }
 
@@ -87,6 +97,7 @@ mod tests {
         // Two conversations of their own: each holds its whole history.
         assert_eq!(h.add(B, &holding(0, 0, 80)), 80);
         assert_eq!(h.add(B, &holding(9, 1, 70)), 71);
+        assert_eq!((h.total(A), h.total(B)), (45, 151));
         // The run stays while a request shares it.
         assert_eq!(h.remove(A, &holding(7, 40, 3)), -3);
         assert_eq!(h.remove(A, &holding(7, 40, 2)), -42);
