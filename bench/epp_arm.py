@@ -106,9 +106,12 @@ class EppArm:
         self.port = free_port()
         self.http = free_port()
 
-    def start(self, ports: list[int], blocks: dict[int, list[int]], own: dict[int, int], tokens: list[int]) -> None:
+    def start(self, ports: list[int], blocks: dict[int, list[int]], own: dict[int, int], tokens: list[int],
+              filler_tokens: dict[int, list[int]]) -> None:
         """Starts the agent over replicas at `ports`, publishes `blocks[r]` for each (its first
-        `own[r]` are the prompt's, published with their tokens), and waits until it mirrors them."""
+        `own[r]` are the prompt's, published with `tokens`; the rest a chain of their own, with
+        `filler_tokens[r]`: the agent credits a block only where its ids hash to its key), and
+        waits until it mirrors them."""
         self.pubs = [EventPublisher(self.ctx) for _ in ports]
         replicas = [{"name": f"r{i}", "address": f"127.0.0.1:{p}", "models": [self.model],
                      "endpoint": f"tcp://127.0.0.1:{pub.port}", "mode": "connect", "topic": TOPIC.decode()}
@@ -125,7 +128,7 @@ class EppArm:
             pub.wait_subscribed()
             n = own.get(r, 0)
             pub.stored(blocks[r][:n], tokens[:n * self.block], self.block)
-            pub.stored(blocks[r][n:], None, self.block)
+            pub.stored(blocks[r][n:], filler_tokens.get(r), self.block)
         want = {f"r{r}": len(set(blocks[r])) for r in blocks}
 
         def mirrored():

@@ -443,11 +443,15 @@ class Run:
         EnvoyAdmin(b_admin).wait_ready(proc=self.backend)
 
     def feed_tables(self) -> None:
-        """The feed: replica 0 holds the whole prompt, replica 1 its first half, all hold filler."""
+        """The feed: replica 0 holds the whole prompt, replica 1 its first half, all hold filler
+        (a chain of blocks of random token ids, hashed as vLLM does: the endpoint picker's agent
+        credits a published block only where its ids hash to its key)."""
         rng = random.Random(3)
         self.blocks: dict[int, list[int]] = {}
+        self.filler_tokens: dict[int, list[int]] = {}
         for r in range(self.args.replicas):
-            filler = [rng.getrandbits(64) for _ in range(self.args.blocks)]
+            self.filler_tokens[r] = [rng.randrange(1, 50_000) for _ in range(self.args.blocks * BLOCK)]
+            filler = block_keys(self.filler_tokens[r], BLOCK, SEED)
             own = self.keys if r == 0 else self.keys[: len(self.keys) // 2] if r == 1 else []
             self.blocks[r] = own + filler
         self.replicas = [{"id": r, "name": f"r{r}", "address": f"127.0.0.1:{p}", "models": [MODEL], "up": True}
@@ -462,7 +466,8 @@ class Run:
         the load generator and the backend)."""
         agent = self.args.agent or kit.binary_path("llmgw-agent", "release")
         self.epp = EppArm(self.procs, self.tmp, agent, MODEL, FILTER_CONFIG, BLOCK, SEED, self.cpu_rest)
-        self.epp.start(self.ports, self.blocks, {0: len(self.keys), 1: len(self.keys) // 2}, self.tokens)
+        self.epp.start(self.ports, self.blocks, {0: len(self.keys), 1: len(self.keys) // 2}, self.tokens,
+                       self.filler_tokens)
 
     def start_front(self, name: str, reps: list[dict], blks: dict[int, list[int]], with_epp: bool = False):
         """A feed stub and a front Envoy (filter listener, plain listener to the first replica,
