@@ -54,6 +54,7 @@ ROUTERS = {
     "llmgw-render": "llmgw, tokenizer: vllm launch render",
     "llmgw-native": "llmgw, native tokenizer (agent)",
     "llmgw-waits": "llmgw, every new prompt waits for its tokenizer",
+    "llmgw-epp": "llmgw as endpoint picker (ext_proc)",
     "sglang": "sglang-router cache_aware",
     "smg": "SMG cache_aware",
     "vllm-ca": "vllm-router cache_aware",
@@ -214,6 +215,24 @@ class Router:
             text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_on_admin=True)
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
             self.procs.append(proc)
+        elif self.name == "llmgw-epp":
+            # The agent as a GAIE endpoint picker behind Envoy's ext_proc filter, configured as
+            # envoy/llmgw-epp-local.yaml ships (the answer streamed through the picker), with the
+            # filter's configuration as its routing configuration.
+            epp_port = kit.free_port()
+            profile = {"name": "bench", "block_size": BLOCK, "kv_events": True, **json.loads(a.llmgw_profile)}
+            routing = b.logdir / "epp-routing.json"
+            routing.write_text(json.dumps(kit.filter_config(profile)))
+            agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name="agent-epp",
+                              hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK},
+                              epp={"listen": f"127.0.0.1:{epp_port}", "routing": str(routing)}).wait_ready()
+            self.agent = agent
+            self.procs.append(agent.proc)
+            kit.wait_until(lambda: all(x["up"] and x["connected"] for x in agent.replicas()), 60,
+                           "the agent to see every replica up and its publisher connected")
+            text = kit.epp_bootstrap(self.port, admin, epp_port, [r.port for r in reps])
+            proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-epp", text, admin, feed=False)
+            self.procs.append(proc)
         else:
             venv, exe = PEER_BIN[self.name]
             cmd = peer_command(self.name, ROOT / venv / "bin" / exe, self.port, [r.url for r in reps], kit.free_port(),
@@ -235,7 +254,7 @@ class Router:
     def phases_us(self) -> dict:
         """llmgw: where its time went (docs/src/operations.md, "Where a request's time goes"),
         p50 and p99 per phase in µs from Envoy's histograms; the tokenizer's also as before."""
-        if not self.name.startswith("llmgw") or self.envoy is None:
+        if not self.name.startswith("llmgw") or self.name == "llmgw-epp" or self.envoy is None:
             return {}
         try:
             text = kit.get_text(f"http://127.0.0.1:{self.envoy.port}/stats?filter={PHASE_FILTER}&histogram_buckets=none")
@@ -708,6 +727,8 @@ def main() -> int:
                     help="llmgw adds its explain header to every answer (off by default, as shipped)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--wasm", type=Path, default=None, help="the filter to load (default dist/llmgw.wasm)")
+    ap.add_argument("--agent-bin", type=Path, default=None,
+                    help="the agent to run (default the release build: target/release/llmgw-agent)")
     ap.add_argument("--envoy", type=Path, default=ROOT / ".venv" / "bin" / "envoy")
     ap.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
     ap.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "llmgw-model")
@@ -718,7 +739,7 @@ def main() -> int:
         saved = json.loads(args.from_json.read_text())
         return report(args.out, saved["header"], saved["results"], saved["skipped"], saved["oracle"])
     try:
-        args.agent_bin = kit.built("llmgw-agent", "release")
+        args.agent_bin = args.agent_bin or kit.built("llmgw-agent", "release")
         args.wasm = args.wasm or kit.wasm()
     except FileNotFoundError as e:
         print(e, file=sys.stderr)
