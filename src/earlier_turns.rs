@@ -17,9 +17,9 @@ use crate::host::{update_shared, Host};
 use crate::shared_records::FieldReader;
 
 /// Slots kept.
-pub const SLOTS: u64 = 1024;
+pub const SLOTS: u64 = llmgw_core::flow::KEPT_TURNS;
 /// Leading tokens kept per request.
-pub const MAX_TOKENS: usize = 4096;
+pub const MAX_TOKENS: usize = llmgw_core::flow::KEPT_TURN_TOKENS;
 const KEY_KEY: &str = "llmgw.turn_key";
 
 fn slot(tag: u128) -> String {

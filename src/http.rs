@@ -339,14 +339,7 @@ impl Request {
     /// first token teaches its rates (nothing is taught when they stay unknown).
     fn correct_learning(&mut self, tokens: Option<u64>, estimated: Option<u64>) {
         self.learning = match (self.learning.take(), tokens, estimated) {
-            (Some(mut basis), Some(tokens), Some(estimated)) => {
-                let u = basis.features.uncached;
-                basis.features.uncached = match tokens.checked_sub(estimated) {
-                    Some(more) => u.saturating_add(more),
-                    None => u.saturating_sub(estimated.saturating_sub(tokens)),
-                };
-                Some(basis)
-            }
+            (Some(basis), Some(tokens), Some(estimated)) => Some(Box::new((*basis).corrected(tokens, estimated))),
             _ => None,
         };
     }

@@ -94,12 +94,15 @@ def test_a_followup_lands_exactly_on_its_prefix_holder(epp_fleet):
         assert status == 200 and served_by, (status, served_by)
         agent.wait_for(served_by, lambda r: r["blocks"] > 0, "the agent mirrored the blocks")
         exact_before = metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}')
+        turns_before = metric(agent, "llmgw_epp_tokenizer_cache_total", '{result="earlier_turn"}')
         followup = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
         status, again, reply = chat(epp_fleet["listen"], followup)
         assert status == 200 and again == served_by, f"follow-up went to {again}, its prefix is on {served_by}"
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        # Decided from the index (not by the approximate fallback, which keys on the same text).
+        # Decided from the index (not by the approximate fallback, which keys on the same text),
+        # on the tokens of the turn before, without waiting for its own tokenizer call.
         assert metric(agent, "llmgw_epp_decisions_total", '{outcome="exact"}') == exact_before + 1
+        assert metric(agent, "llmgw_epp_tokenizer_cache_total", '{result="earlier_turn"}') == turns_before + 1
 
 
 def test_the_picker_learns_each_endpoints_rates_from_its_streamed_answers_first_chunks(epp_fleet):

@@ -8,13 +8,15 @@
 //! each decision reads a snapshot.
 
 use super::learned::Learned;
+use super::turns::Turns;
 use llmgw_core::flow::{
-    HeldBlocks, Holding, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
+    EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates, ReplicaAvoidance, SpeculativeEntries,
+    TokenizerCalls,
 };
 use llmgw_core::policy::rates::{Basis, Rates};
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// One endpoint's requests in flight.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -47,12 +49,48 @@ pub struct Charge {
     /// What its first token teaches the endpoint's rates: the prediction it was routed by
     /// (none where nothing is learned).
     learning: Option<Box<Basis>>,
+    /// Where it was routed on an estimate of its length: its prompt's tokens, once its call
+    /// after routing counted them (its first token teaches nothing before).
+    counted: Option<Arc<Counted>>,
     routed_at: Instant,
 }
 
 impl Charge {
     pub fn new(address: String, prefill_tokens: u64, holding: Option<Holding>, learning: Option<Basis>) -> Charge {
-        Charge { address, prefill_tokens, holding, learning: learning.map(Box::new), routed_at: Instant::now() }
+        let learning = learning.map(Box::new);
+        Charge { address, prefill_tokens, holding, learning, counted: None, routed_at: Instant::now() }
+    }
+
+    /// The request was routed on an estimate of its length: what its first token teaches waits
+    /// for the count this returns to be set.
+    pub fn counted_later(&mut self) -> Arc<Counted> {
+        let c = Arc::new(Counted::default());
+        self.counted = Some(c.clone());
+        c
+    }
+
+    /// The prediction its first token teaches: as made, or corrected by its prompt's tokens
+    /// where it was made on an estimate (none while they are not counted).
+    fn lesson(&mut self) -> Option<Basis> {
+        let basis = *self.learning.take()?;
+        match &self.counted {
+            None => Some(basis),
+            Some(c) => c.get().map(|(tokens, estimated)| basis.corrected(tokens, estimated)),
+        }
+    }
+}
+
+/// A prompt's token count, set by its call after routing, with the estimate it was routed on.
+#[derive(Debug, Default)]
+pub struct Counted(Mutex<Option<(u64, u64)>>);
+
+impl Counted {
+    pub fn set(&self, tokens: u64, estimated: u64) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((tokens, estimated));
+    }
+
+    fn get(&self) -> Option<(u64, u64)> {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -60,7 +98,14 @@ impl Charge {
 #[derive(Debug)]
 pub struct Gateway {
     table: Mutex<Table>,
+    /// Apart from the table: a lookup is made while a decision runs, not copied into it.
+    turns: Arc<Mutex<Turns>>,
     avoid_for: Duration,
+}
+
+/// The wall clock as the routing core takes it (ns since the Unix epoch).
+pub fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 fn micros(d: Duration) -> f64 {
@@ -69,7 +114,15 @@ fn micros(d: Duration) -> f64 {
 
 impl Gateway {
     pub fn new(avoid_for: Duration) -> Gateway {
-        Gateway { table: Mutex::new(Table::default()), avoid_for }
+        Gateway { table: Mutex::new(Table::default()), turns: Arc::default(), avoid_for }
+    }
+
+    /// Keeps what a routing step, or a call after routing, said to keep (its tokens, for its
+    /// conversation's next turn).
+    pub fn keep(&self, keep: &Keep) {
+        if !keep.tokens.is_empty() {
+            self.turns.lock().unwrap_or_else(|p| p.into_inner()).keep(keep);
+        }
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -92,7 +145,7 @@ impl Gateway {
     /// routing teaches the endpoint's rates (once).
     pub fn first_token(&self, c: &mut Charge, teach: bool) {
         let tokens = std::mem::take(&mut c.prefill_tokens);
-        let basis = c.learning.take().filter(|_| teach);
+        let basis = if teach { c.lesson() } else { c.learning.take().and(None) };
         if tokens == 0 && basis.is_none() {
             return;
         }
@@ -170,6 +223,7 @@ impl Gateway {
             avoided: t.avoided.keys().cloned().collect(),
             tokenizers: t.tokenizers.keys().cloned().collect(),
             subset: subset.map(|s| s.iter().cloned().collect()),
+            turns: self.turns.clone(),
         }
     }
 }
@@ -190,6 +244,7 @@ pub struct Snapshot {
     avoided: HashSet<String>,
     tokenizers: HashSet<String>,
     subset: Option<HashSet<String>>,
+    turns: Arc<Mutex<Turns>>,
 }
 
 impl Snapshot {
@@ -237,7 +292,11 @@ impl LearnedRates for Snapshot {
     }
 }
 impl TokenizerCalls for Snapshot {}
-impl llmgw_core::flow::EarlierTurns for Snapshot {}
+impl EarlierTurns for Snapshot {
+    fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
+        self.turns.lock().unwrap_or_else(|p| p.into_inner()).lookup(tag)
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -296,5 +355,37 @@ mod tests {
         assert!(s.hold_us(A) > 0.0, "the ends timed the hold");
         assert_eq!(s.learned_rates(A).map(|r| r.observations), Some(1), "an end teaches nothing");
         assert!(g.learned_text().contains(&format!("llmgw_rates_observations{{replica=\"{A}\"}} 1")));
+    }
+
+    #[test]
+    fn a_request_routed_on_an_estimate_teaches_with_its_counted_tokens_and_not_before_they_come() {
+        // Counted before its first token: its uncached tokens moved by what the count says.
+        let mut c = Charge::new(A.to_owned(), 0, None, Some(basis(100)));
+        c.counted_later().set(150, 120);
+        assert_eq!(c.lesson().map(|b| b.features.uncached), Some(130));
+        let mut c = Charge::new(A.to_owned(), 0, None, Some(basis(100)));
+        c.counted_later().set(90, 120);
+        assert_eq!(c.lesson().map(|b| b.features.uncached), Some(70));
+        // Not counted yet when its first token comes: nothing is taught.
+        let g = Gateway::new(Duration::from_secs(60));
+        let mut c = Charge::new(A.to_owned(), 0, None, Some(basis(100)));
+        let counted = c.counted_later();
+        g.started(&c);
+        g.first_token(&mut c, true);
+        counted.set(100, 100);
+        g.finished(c);
+        assert_eq!(g.snapshot(None).learned_rates(A), None);
+        // Routed on its own tokens: taught as predicted.
+        let mut c = Charge::new(A.to_owned(), 0, None, Some(basis(100)));
+        assert_eq!(c.lesson().map(|b| b.features.uncached), Some(100));
+    }
+
+    #[test]
+    fn a_kept_turn_is_what_later_decisions_find() {
+        let g = Gateway::new(Duration::from_secs(60));
+        let before = g.snapshot(None);
+        assert_eq!(before.earlier_tokens(5), None);
+        g.keep(&Keep { tokens: vec![(5, vec![1, 2, 3])], prompt: None });
+        assert_eq!(before.earlier_tokens(5), Some((vec![1, 2, 3], 3)), "read when decided, not copied");
     }
 }

@@ -1,6 +1,6 @@
 //! The endpoint picker's counters, appended to the agent's `/metrics` as `llmgw_epp_*`.
 
-use llmgw_core::flow::{Fallback, Report};
+use llmgw_core::flow::{CacheLookup, Fallback, Report};
 use llmgw_core::policy::Outcome;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,11 +28,27 @@ pub struct EppMetrics {
     /// Tokenizer calls made, and failed.
     pub tokenizer_calls: AtomicU64,
     pub tokenizer_failures: AtomicU64,
+    /// How requests got their tokens: from the tokenization cache, routed on their
+    /// conversation's turn before or on what their siblings share (their call made after
+    /// routing), or by a call before routing.
+    tokenizer_cache: [AtomicU64; 4],
     outcomes: [AtomicU64; Outcome::ALL.len()],
     fallbacks: [AtomicU64; Fallback::ALL.len()],
     decision_us_sum: AtomicU64,
     decision_buckets: [AtomicU64; BUCKETS_US.len()],
     decision_count: AtomicU64,
+}
+
+/// The `result` label of each slot of the tokenizer-cache counters (the filter's values).
+const CACHE_RESULTS: [&str; 4] = ["hit", "earlier_turn", "shared_prefix", "miss"];
+
+fn cache_index(c: CacheLookup) -> usize {
+    match c {
+        CacheLookup::RawBodyHit | CacheLookup::Hit => 0,
+        CacheLookup::EarlierTurn => 1,
+        CacheLookup::SharedPrefix => 2,
+        CacheLookup::Miss => 3,
+    }
 }
 
 pub fn inc(c: &AtomicU64) {
@@ -46,6 +62,9 @@ fn add(c: &AtomicU64, n: u64) {
 impl EppMetrics {
     /// Counts what a routing step reports (its outcome, its fallback reason).
     pub fn report(&self, r: &Report) {
+        if let Some(c) = r.tokenizer_cache.and_then(|c| self.tokenizer_cache.get(cache_index(c))) {
+            inc(c);
+        }
         if let Some(o) = r.outcome {
             if let Some(c) = Outcome::ALL.iter().position(|x| *x == o).and_then(|i| self.outcomes.get(i)) {
                 inc(c);
@@ -67,6 +86,11 @@ impl EppMetrics {
                 inc(c);
             }
         }
+    }
+
+    /// The requests whose tokens came as `c` says.
+    pub fn tokenizer_cache(&self, c: CacheLookup) -> u64 {
+        self.tokenizer_cache.get(cache_index(c)).map_or(0, |n| n.load(Ordering::Relaxed))
     }
 
     /// The Prometheus text of every counter.
@@ -110,6 +134,13 @@ impl EppMetrics {
         );
         counter("llmgw_epp_tokenizer_calls_total", "Tokenizer calls made.", get(&self.tokenizer_calls));
         counter("llmgw_epp_tokenizer_failures_total", "Tokenizer calls that failed.", get(&self.tokenizer_failures));
+        let _ = writeln!(
+            out,
+            "# HELP llmgw_epp_tokenizer_cache_total How requests got their tokens.\n# TYPE llmgw_epp_tokenizer_cache_total counter"
+        );
+        for (result, c) in CACHE_RESULTS.iter().zip(&self.tokenizer_cache) {
+            let _ = writeln!(out, "llmgw_epp_tokenizer_cache_total{{result=\"{result}\"}} {}", get(c));
+        }
         let _ = writeln!(
             out,
             "# HELP llmgw_epp_decisions_total Routing decisions, by outcome.\n# TYPE llmgw_epp_decisions_total counter"

@@ -14,12 +14,14 @@
 //! Served on `[epp] listen` with the gRPC health service (`liveness`, `readiness`, and the
 //! ext_proc service's name; the last two serve once the index holds its first snapshot).
 
+pub mod after_routing;
 pub mod gateway;
 pub mod learned;
 pub mod metrics;
 pub mod picker;
 pub mod stream;
 pub mod tokenize;
+pub mod turns;
 pub mod wire;
 
 use crate::config::EppConfig;
@@ -73,12 +75,11 @@ fn cache_key() -> u64 {
 /// A picker fed from `hub` (the feeding task is spawned here).
 pub fn picker(cfg: &EppConfig, compiled: Compiled, hub: Arc<Hub>) -> Arc<Picker> {
     let gateway = gateway::Gateway::new(Duration::from_millis(cfg.avoid_ms));
-    let p = Arc::new(Picker::new(
-        Router::new(compiled, cache_key()),
-        gateway,
-        Arc::new(EppMetrics::default()),
-        cfg.max_fallbacks,
-    ));
+    let mut router = Router::new(compiled, cache_key());
+    // Calls after routing: a conversation's next turn is routed on the tokens of the turn before
+    // (a key of its own for their tags).
+    router.set_background_calls(Some(cache_key()));
+    let p = Arc::new(Picker::new(router, gateway, Arc::new(EppMetrics::default()), cfg.max_fallbacks));
     tokio::spawn(p.clone().follow(hub));
     p
 }

@@ -4,14 +4,15 @@
 //! and hand its reply back). What the filter does with Envoy's shared data the picker does with
 //! [`Gateway`]; what it adds is the protocol's: the subset hint and the ordered fallback list.
 
-use super::gateway::{Charge, Gateway, Snapshot};
+use super::after_routing;
+use super::gateway::{now_ns, Charge, Gateway, Snapshot};
 use super::metrics::{inc, EppMetrics};
 use super::tokenize::{self, Answer};
 use super::wire::Destination;
 use crate::hub::Hub;
-use llmgw_core::flow::{Body, Router, Step, TokenizerReply};
+use llmgw_core::flow::{Body, Routed, Router, Step, Tokenize};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 use tracing::{debug, warn};
 
 /// Tokenizer calls one decision may make (a dedicated tokenizer that declines, then a replica).
@@ -27,19 +28,15 @@ pub enum Pick {
 }
 
 pub struct Picker {
-    router: Mutex<Router>,
-    pub gateway: Gateway,
+    router: Arc<Mutex<Router>>,
+    pub gateway: Arc<Gateway>,
     pub metrics: Arc<EppMetrics>,
     max_fallbacks: usize,
 }
 
-fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-}
-
 impl Picker {
     pub fn new(router: Router, gateway: Gateway, metrics: Arc<EppMetrics>, max_fallbacks: usize) -> Picker {
-        Picker { router: Mutex::new(router), gateway, metrics, max_fallbacks }
+        Picker { router: Arc::new(Mutex::new(router)), gateway: Arc::new(gateway), metrics, max_fallbacks }
     }
 
     fn router(&self) -> MutexGuard<'_, Router> {
@@ -94,30 +91,9 @@ impl Picker {
         };
         let mut calls = 0u32;
         loop {
-            // The picker's router makes no calls after routing (`set_background_calls`): a
-            // request routed before its tokens came was predicted on an estimate of its length,
-            // and its first token teaches nothing.
-            let exact = matches!(step, Step::Route(_));
             match step {
-                Step::Route(routed) | Step::RouteThenTokenize(routed, _) => {
-                    let gw = self.gateway.snapshot(subset);
-                    if !gw.eligible(&routed.address) {
-                        // Every endpoint of the subset is down: the core chose outside it.
-                        inc(&self.metrics.subset_unavailable);
-                        return unavailable("no endpoint of the subset hint is eligible");
-                    }
-                    let r = self.router();
-                    let endpoints = self.ordered(&r, &routed.address, routed.runner_up.as_deref(), &gw, routed.model);
-                    // A prediction with a wait for room in the cache says nothing of the rates.
-                    let d = &routed.decision;
-                    let learning = d
-                        .basis
-                        .as_deref()
-                        .copied()
-                        .filter(|b| exact && b.learning.enabled && d.capacity_wait_us.0 == 0);
-                    let charge = Charge::new(routed.address.clone(), routed.prefill_tokens, routed.holding, learning);
-                    return Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank }, charge);
-                }
+                Step::Route(routed) => return self.route(routed, None, subset),
+                Step::RouteThenTokenize(routed, call) => return self.route(routed, Some(call), subset),
                 Step::Reject(rej) => {
                     inc(&self.metrics.rejected);
                     return Pick::Reject { status: rej.status, body: rej.body, details: "llmgw: no healthy replica" };
@@ -126,38 +102,52 @@ impl Picker {
                     calls = calls.saturating_add(1);
                     inc(&self.metrics.tokenizer_calls);
                     let answer = if calls > MAX_TOKENIZER_CALLS { Answer::Reset } else { tokenize::call(&t).await };
-                    let failed = !matches!(&answer, Answer::Status(s, _) if s.as_slice() == b"200");
-                    if failed {
+                    if answer.failed() {
                         inc(&self.metrics.tokenizer_failures);
                         debug!(target = %t.target, ?answer, "tokenizer call failed");
                     }
-                    let reply = match &answer {
-                        Answer::Status(status, body) => {
-                            let read = || body.clone();
-                            self.reply(t, TokenizerReplyOf::Answered(status, &read), subset)
-                        }
-                        Answer::TimedOut => self.reply(t, TokenizerReplyOf::TimedOut, subset),
-                        Answer::Reset => self.reply(t, TokenizerReplyOf::Reset, subset),
-                    };
-                    step = reply;
+                    step = self.reply(t, &answer, subset);
                 }
             }
         }
     }
 
+    /// The answer for a routed request: its endpoints, and what it counts at the primary. Its
+    /// tokens are kept for its conversation's next turn. `after`: it was routed on an estimate
+    /// of its length (on its conversation's turn before, or on what its siblings share), and
+    /// this call, made now in the background, tells its tokens (what its first token then
+    /// teaches) and keeps them.
+    fn route(&self, routed: Routed, after: Option<Box<Tokenize>>, subset: Option<&[String]>) -> Pick {
+        let gw = self.gateway.snapshot(subset);
+        if !gw.eligible(&routed.address) {
+            // Every endpoint of the subset is down: the core chose outside it.
+            inc(&self.metrics.subset_unavailable);
+            return unavailable("no endpoint of the subset hint is eligible");
+        }
+        let endpoints = {
+            let r = self.router();
+            self.ordered(&r, &routed.address, routed.runner_up.as_deref(), &gw, routed.model.clone())
+        };
+        self.gateway.keep(&routed.keep);
+        // A prediction with a wait for room in the cache says nothing of the rates.
+        let d = &routed.decision;
+        let learning = d.basis.as_deref().copied().filter(|b| b.learning.enabled && d.capacity_wait_us.0 == 0);
+        let mut charge = Charge::new(routed.address.clone(), routed.prefill_tokens, routed.holding, learning);
+        if let Some(call) = after {
+            let counted = charge.counted_later();
+            let (router, gateway, metrics) = (self.router.clone(), self.gateway.clone(), self.metrics.clone());
+            tokio::spawn(after_routing::call(router, gateway, metrics, call, counted));
+        }
+        Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank }, charge)
+    }
+
     /// Hands a tokenizer reply back to the core; a failure the tokenizer caused makes its
     /// address avoided for tokenizer calls, as the filter's circuit breaker does.
-    fn reply(&self, t: llmgw_core::flow::Tokenize, reply: TokenizerReplyOf<'_>, subset: Option<&[String]>) -> Step {
+    fn reply(&self, t: Tokenize, answer: &Answer, subset: Option<&[String]>) -> Step {
         let gw = self.gateway.snapshot(subset);
         let mut r = self.router();
-        let timed_out = || Vec::new();
-        let core_reply = match reply {
-            TokenizerReplyOf::Answered(status, body) => TokenizerReply::Answered { status: Some(status), body },
-            TokenizerReplyOf::TimedOut => TokenizerReply::Answered { status: Some(b"504"), body: &timed_out },
-            TokenizerReplyOf::Reset => TokenizerReply::Reset,
-        };
         let target = t.target.clone();
-        let step = r.on_tokenizer_reply(*t.pending, &core_reply, &gw, now_ns());
+        let step = answer.with_reply(|reply| r.on_tokenizer_reply(*t.pending, reply, &gw, now_ns()));
         if step.report().tokenizer_failure.is_some() && !step.report().tokenizer_failure_request_caused {
             self.gateway.avoid_tokenizer(&target);
         }
@@ -239,12 +229,6 @@ impl Picker {
 }
 
 /// A tokenizer reply, before it is lent to the core.
-enum TokenizerReplyOf<'a> {
-    Answered(&'a [u8], &'a dyn Fn() -> Vec<u8>),
-    TimedOut,
-    Reset,
-}
-
 fn unavailable(why: &'static str) -> Pick {
     let body = serde_json::json!({
         "error": { "message": why, "type": "llmgw_no_replica", "code": 503 }

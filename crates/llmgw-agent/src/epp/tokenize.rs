@@ -4,7 +4,7 @@
 //! answer is handed to the core as the filter hands Envoy's: a status and a body.
 
 use crate::http_client::{post_json, HttpError};
-use llmgw_core::flow::Tokenize;
+use llmgw_core::flow::{Tokenize, TokenizerReply};
 use std::time::Duration;
 
 /// What came back from a tokenizer call.
@@ -30,5 +30,35 @@ pub async fn call(t: &Tokenize) -> Answer {
         },
         Err(HttpError::TimedOut) => Answer::TimedOut,
         Err(HttpError::Io(_) | HttpError::Malformed(_) | HttpError::UnsupportedUrl) => Answer::Reset,
+    }
+}
+
+impl Answer {
+    /// Whether the call failed (anything but a 200).
+    pub fn failed(&self) -> bool {
+        !matches!(self, Answer::Status(s, _) if s.as_slice() == b"200")
+    }
+
+    /// Whether the tokenizer itself failed: it timed out, reset, or answered 5xx (a 4xx is the
+    /// request's own doing).
+    pub fn tokenizer_at_fault(&self) -> bool {
+        match self {
+            Answer::Status(s, _) => s.first() == Some(&b'5'),
+            Answer::TimedOut | Answer::Reset => true,
+        }
+    }
+
+    /// `f` over this answer as the core reads a tokenizer reply (a timeout as Envoy answers
+    /// one: a 504 without a body).
+    pub fn with_reply<R>(&self, f: impl FnOnce(&TokenizerReply<'_>) -> R) -> R {
+        let empty = Vec::new;
+        match self {
+            Answer::Status(status, body) => {
+                let read = || body.clone();
+                f(&TokenizerReply::Answered { status: Some(status), body: &read })
+            }
+            Answer::TimedOut => f(&TokenizerReply::Answered { status: Some(b"504"), body: &empty }),
+            Answer::Reset => f(&TokenizerReply::Reset),
+        }
     }
 }

@@ -82,6 +82,13 @@ pub trait TokenizerCalls {
     }
 }
 
+/// Turns a gateway keeps for their conversations' next requests (the filter: one shared-data
+/// slot each, a turn replacing the one in its slot; the endpoint picker: the same).
+pub const KEPT_TURNS: u64 = 1024;
+/// Leading tokens kept per turn: what routing reads (the replica holding them holds the
+/// conversation).
+pub const KEPT_TURN_TOKENS: usize = 4096;
+
 /// Tokenizations this Envoy made, for the next turn of chat conversations (see
 /// [`super::earlier_turns`]) and for text prompts that begin alike (see
 /// [`super::earlier_prompts`]): every worker sees them.

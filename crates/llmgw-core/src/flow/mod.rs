@@ -42,6 +42,7 @@ mod wait_ledger;
 
 pub use gateway::{
     EarlierTurns, GatewayState, InFlightCounts, LearnedRates, ReplicaAvoidance, SpeculativeEntries, TokenizerCalls,
+    KEPT_TURNS, KEPT_TURN_TOKENS,
 };
 pub use held_blocks::HeldBlocks;
 pub use hybrid::{hybrid_hit, HybridHit};

@@ -114,6 +114,19 @@ pub struct Basis {
     pub learning: Learning,
 }
 
+impl Basis {
+    /// This basis for a request routed on an estimate of `estimated` prompt tokens whose
+    /// tokens, counted since, are `tokens`: its uncached tokens moved by the difference.
+    pub fn corrected(mut self, tokens: u64, estimated: u64) -> Basis {
+        let u = self.features.uncached;
+        self.features.uncached = match tokens.checked_sub(estimated) {
+            Some(more) => u.saturating_add(more),
+            None => u.saturating_sub(estimated.saturating_sub(tokens)),
+        };
+        self
+    }
+}
+
 /// How rates are learned (`profiles[].weights`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Learning {
