@@ -139,8 +139,10 @@ fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
             }
         }
     }
-    let per_replica =
-        u64::try_from(speculative::MAX_RECORDS).unwrap_or(0).checked_div(u64::from(replicas)).unwrap_or(0);
+    let per_replica = u64::try_from(llmgw_core::flow::MAX_SPECULATIVE_ENTRIES)
+        .unwrap_or(0)
+        .checked_div(u64::from(replicas))
+        .unwrap_or(0);
     for id in 0..u64::from(replicas) {
         let keys = (0..per_replica.max(1)).map(|k| k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id).collect();
         speculative::record(host, &Speculation { replica: id, keys, reset_ns: 0 })

@@ -1,32 +1,22 @@
 //! Speculative index entries (`llmgw_core::flow::speculative`) in proxy-wasm shared data, so
 //! every worker of this Envoy sees the blocks any of them just sent: 24-byte records (the
 //! block key, u64; the engine's `replica_key`, u64; the expiry, u64 nanoseconds;
-//! little-endian). A record expires `TTL_NS` after it was first written (routing the same
-//! blocks again does not extend it: only KV events, through the index, keep them credited),
-//! unless it predates its engine's reset (then it is written anew).
-//! At most `MAX_RECORDS` are kept: past that the ones expiring first go, counted in
+//! little-endian), kept and looked up as the core keeps them ([`add_speculative`],
+//! [`speculative_hits`]): a record expires the TTL after it was first written, unless it
+//! predates its engine's reset. At most `MAX_SPECULATIVE_ENTRIES` are kept (48 KiB, read once
+//! per decision): past that the ones expiring first go, counted in
 //! `llmgw_speculative_dropped_total`.
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{decode, encode, FieldReader, SharedRecord};
-pub use llmgw_core::flow::SPECULATIVE_TTL_NS as TTL_NS;
-use llmgw_core::flow::{Speculation, SpeculativeHit};
+use llmgw_core::flow::{add_speculative, speculative_hits, Speculation, SpeculativeEntry, SpeculativeHit};
 
 const KEY: &str = "llmgw.speculative";
-/// The most entries kept (48 KiB, read once per decision).
-pub const MAX_RECORDS: usize = 2048;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Record {
-    key: u64,
-    engine: u64,
-    expires: u64,
-}
-
-impl SharedRecord for Record {
+impl SharedRecord for SpeculativeEntry {
     const SIZE: usize = 24;
     fn read(f: &mut FieldReader<'_>) -> Option<Self> {
-        Some(Record { key: f.u64()?, engine: f.u64()?, expires: f.u64()? })
+        Some(SpeculativeEntry { key: f.u64()?, engine: f.u64()?, expires: f.u64()? })
     }
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.key.to_le_bytes());
@@ -35,7 +25,7 @@ impl SharedRecord for Record {
     }
 }
 
-fn records(v: &[u8]) -> impl Iterator<Item = Record> + '_ {
+fn records(v: &[u8]) -> impl Iterator<Item = SpeculativeEntry> + '_ {
     decode(v)
 }
 
@@ -53,33 +43,15 @@ impl Entries {
 
     /// For each of `keys` an unexpired record holds, a hit.
     pub fn lookup(&self, keys: &[u64], out: &mut Vec<SpeculativeHit>) {
-        for r in records(&self.records).filter(|r| r.expires > self.now) {
-            if let Some(key) = keys.iter().position(|&k| k == r.key) {
-                out.push(SpeculativeHit { key, engine: r.engine, written_ns: r.expires.saturating_sub(TTL_NS) });
-            }
-        }
+        speculative_hits(records(&self.records), keys, self.now, out);
     }
 }
 
-/// The records with `spec`'s added (existing ones keep their expiry) and expired ones gone,
-/// and how many unexpired records the bound dropped.
+/// The records with `spec`'s added (see [`add_speculative`]), and how many unexpired records
+/// the bound dropped.
 fn with(v: &[u8], spec: &Speculation, now: u64) -> (Vec<u8>, usize) {
-    let mut out: Vec<Record> = records(v).filter(|r| r.expires > now).collect();
-    let expires = now.saturating_add(TTL_NS);
-    for &key in &spec.keys {
-        match out.iter_mut().find(|r| r.key == key && r.engine == spec.replica) {
-            // Written before the engine's reset (or at the instant it was learned): stale.
-            Some(r) if spec.reset_ns > 0 && r.expires.saturating_sub(TTL_NS) <= spec.reset_ns => r.expires = expires,
-            Some(_) => {}
-            None => out.push(Record { key, engine: spec.replica, expires }),
-        }
-    }
-    let dropped = out.len().saturating_sub(MAX_RECORDS);
-    if dropped > 0 {
-        // Stable: among equal expiries the older records (earlier in the value) go first.
-        out.sort_by_key(|r| r.expires);
-        out.drain(..dropped);
-    }
+    let mut out: Vec<SpeculativeEntry> = records(v).collect();
+    let dropped = add_speculative(&mut out, spec, now);
     (encode(out), dropped)
 }
 
@@ -103,6 +75,7 @@ pub fn record(host: &dyn Host, spec: &Speculation) -> Result<usize, SharedKind> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use llmgw_core::flow::{MAX_SPECULATIVE_ENTRIES as MAX_RECORDS, SPECULATIVE_TTL_NS as TTL_NS};
 
     /// The documented record size.
     const RECORD: usize = 24;

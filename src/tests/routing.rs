@@ -196,7 +196,7 @@ fn a_burst_sharing_a_new_prefix_follows_the_first_request_on_every_worker_before
     assert!(h5.starts_with("outcome=exact;"), "{h5}");
     c5.on_log();
     // Unconfirmed by any event, the entries expire: a prompt sharing the prefix is new again.
-    e1.host.now_ns.set(e1.host.now_ns.get() + crate::speculative::TTL_NS);
+    e1.host.now_ns.set(e1.host.now_ns.get() + llmgw_core::flow::SPECULATIVE_TTL_NS);
     new_again(&e1, 6000);
 }
 

@@ -10,8 +10,8 @@
 use super::learned::Learned;
 use super::turns::Turns;
 use llmgw_core::flow::{
-    EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates, ReplicaAvoidance, SpeculativeEntries,
-    TokenizerCalls,
+    add_speculative, speculative_hits, EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates,
+    ReplicaAvoidance, Speculation, SpeculativeEntries, SpeculativeEntry, SpeculativeHit, TokenizerCalls,
 };
 use llmgw_core::policy::rates::{Basis, Rates};
 use std::collections::{HashMap, HashSet};
@@ -98,8 +98,9 @@ impl Counted {
 #[derive(Debug)]
 pub struct Gateway {
     table: Mutex<Table>,
-    /// Apart from the table: a lookup is made while a decision runs, not copied into it.
+    /// Apart from the table, each: a lookup is made while a decision runs, not copied into it.
     turns: Arc<Mutex<Turns>>,
+    speculative: Arc<Mutex<Vec<SpeculativeEntry>>>,
     avoid_for: Duration,
 }
 
@@ -114,7 +115,13 @@ fn micros(d: Duration) -> f64 {
 
 impl Gateway {
     pub fn new(avoid_for: Duration) -> Gateway {
-        Gateway { table: Mutex::new(Table::default()), turns: Arc::default(), avoid_for }
+        Gateway { table: Mutex::new(Table::default()), turns: Arc::default(), speculative: Arc::default(), avoid_for }
+    }
+
+    /// Records a routed request's blocks as sent to its engine, until KV events confirm them;
+    /// how many unexpired entries the bound dropped.
+    pub fn speculate(&self, spec: &Speculation) -> usize {
+        add_speculative(&mut self.speculative.lock().unwrap_or_else(|p| p.into_inner()), spec, now_ns())
     }
 
     /// Keeps what a routing step, or a call after routing, said to keep (its tokens, for its
@@ -224,6 +231,7 @@ impl Gateway {
             tokenizers: t.tokenizers.keys().cloned().collect(),
             subset: subset.map(|s| s.iter().cloned().collect()),
             turns: self.turns.clone(),
+            speculative: self.speculative.clone(),
         }
     }
 }
@@ -245,6 +253,7 @@ pub struct Snapshot {
     tokenizers: HashSet<String>,
     subset: Option<HashSet<String>>,
     turns: Arc<Mutex<Turns>>,
+    speculative: Arc<Mutex<Vec<SpeculativeEntry>>>,
 }
 
 impl Snapshot {
@@ -285,7 +294,12 @@ impl ReplicaAvoidance for Snapshot {
     }
 }
 
-impl SpeculativeEntries for Snapshot {}
+impl SpeculativeEntries for Snapshot {
+    fn speculative(&self, keys: &[u64], out: &mut Vec<SpeculativeHit>) {
+        let entries = self.speculative.lock().unwrap_or_else(|p| p.into_inner());
+        speculative_hits(entries.iter().copied(), keys, now_ns(), out);
+    }
+}
 impl LearnedRates for Snapshot {
     fn learned_rates(&self, address: &str) -> Option<Rates> {
         self.endpoint(address).rates
@@ -302,6 +316,7 @@ impl EarlierTurns for Snapshot {
 mod tests {
     use super::*;
     use crate::epp::learned::basis;
+    use llmgw_core::flow::MAX_SPECULATIVE_ENTRIES;
 
     const A: &str = "10.0.0.1:8000";
 
@@ -387,5 +402,21 @@ mod tests {
         assert_eq!(before.earlier_tokens(5), None);
         g.keep(&Keep { tokens: vec![(5, vec![1, 2, 3])], prompt: None });
         assert_eq!(before.earlier_tokens(5), Some((vec![1, 2, 3], 3)), "read when decided, not copied");
+    }
+
+    #[test]
+    fn blocks_just_sent_to_an_engine_are_credited_to_it_by_the_next_decisions() {
+        let g = Gateway::new(Duration::from_secs(60));
+        let before = g.snapshot(None);
+        assert_eq!(g.speculate(&Speculation { replica: 7, keys: vec![10, 11], reset_ns: 0 }), 0);
+        let mut hits = Vec::new();
+        before.speculative(&[11, 99, 10], &mut hits);
+        let mut got: Vec<(usize, u64)> = hits.iter().map(|h| (h.key, h.engine)).collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![(0, 7), (2, 7)], "read when decided, not copied");
+        // Bounded: past the bound the entries expiring first go, and the drop is told.
+        let many = Speculation { replica: 8, keys: (100..100 + MAX_SPECULATIVE_ENTRIES as u64).collect(), reset_ns: 0 };
+        assert_eq!(g.speculate(&many), 2);
+        assert_eq!(g.speculative.lock().unwrap().len(), MAX_SPECULATIVE_ENTRIES);
     }
 }

@@ -27,6 +27,8 @@ pub struct EppMetrics {
     pub served_unreported: AtomicU64,
     /// Tokenizer calls made, and failed.
     pub tokenizer_calls: AtomicU64,
+    /// Unexpired speculative entries the bound dropped.
+    pub speculative_dropped: AtomicU64,
     pub tokenizer_failures: AtomicU64,
     /// How requests got their tokens: from the tokenization cache, routed on their
     /// conversation's turn before or on what their siblings share (their call made after
@@ -133,6 +135,11 @@ impl EppMetrics {
             get(&self.served_unreported),
         );
         counter("llmgw_epp_tokenizer_calls_total", "Tokenizer calls made.", get(&self.tokenizer_calls));
+        counter(
+            "llmgw_epp_speculative_dropped_total",
+            "Unexpired speculative entries dropped at the bound (2,048).",
+            get(&self.speculative_dropped),
+        );
         counter("llmgw_epp_tokenizer_failures_total", "Tokenizer calls that failed.", get(&self.tokenizer_failures));
         let _ = writeln!(
             out,

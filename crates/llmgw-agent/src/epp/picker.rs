@@ -129,6 +129,10 @@ impl Picker {
             self.ordered(&r, &routed.address, routed.runner_up.as_deref(), &gw, routed.model.clone())
         };
         self.gateway.keep(&routed.keep);
+        if let Some(spec) = &routed.speculation {
+            let dropped = self.gateway.speculate(spec);
+            self.metrics.speculative_dropped.fetch_add(dropped as u64, std::sync::atomic::Ordering::Relaxed);
+        }
         // A prediction with a wait for room in the cache says nothing of the rates.
         let d = &routed.decision;
         let learning = d.basis.as_deref().copied().filter(|b| b.learning.enabled && d.capacity_wait_us.0 == 0);

@@ -52,7 +52,9 @@ pub use shared_prompt::{
     EarlierPrompt, SharedPrompt, MAX_MARKS as MAX_PROMPT_MARKS, MAX_PROMPT_TAGS, MAX_TOKENS as MAX_PROMPT_TOKENS,
 };
 pub use speculative::{
-    checkpoints, Hit as SpeculativeHit, Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, TTL_NS as SPECULATIVE_TTL_NS,
+    add as add_speculative, checkpoints, hits as speculative_hits, Entry as SpeculativeEntry, Hit as SpeculativeHit,
+    Speculation, MAX_BLOCKS as SPECULATIVE_BLOCKS, MAX_ENTRIES as MAX_SPECULATIVE_ENTRIES,
+    TTL_NS as SPECULATIVE_TTL_NS,
 };
 pub use step::{
     no_replica_body, Background, Body, CacheLookup, Holding, Keep, Pending, Rejected, Report, Routed, Step, Tokenize,
