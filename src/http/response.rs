@@ -6,6 +6,7 @@ use super::Request;
 use super::{Phase, EXPLAIN_HEADER};
 use crate::host::{Headers, SharedKind};
 use crate::{inflight, phases};
+use llmgw_core::request::is_event_stream;
 use proxy_wasm::types::Action;
 
 /// A response chunk as it went by: when, whether it had data, whether it ended the answer.
@@ -38,9 +39,7 @@ impl Request {
             }
             // A stream's headers come before its first token (vLLM sends them at once); any
             // other answer (a whole completion, an error) comes after the prefill, or without one.
-            let streamed = self.host.header(Headers::Response, "content-type").is_some_and(|v| {
-                v.len() >= 17 && v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
-            });
+            let streamed = self.host.header(Headers::Response, "content-type").is_some_and(|v| is_event_stream(&v));
             // An error is nobody's turn to follow.
             if code != Some(200) {
                 self.ends_as = None;

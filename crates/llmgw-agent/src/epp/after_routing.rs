@@ -5,11 +5,10 @@
 //! for it.
 
 use super::gateway::{now_ns, Counted, Gateway};
-use super::metrics::{inc, EppMetrics};
+use super::metrics::EppMetrics;
 use super::tokenize;
 use llmgw_core::flow::{Report, Router, Tokenize};
 use std::sync::{Arc, Mutex};
-use tracing::debug;
 
 /// Calls one request may make (a dedicated tokenizer that declines, then a replica).
 const MAX_CALLS: u32 = 3;
@@ -30,12 +29,7 @@ pub async fn call(
         if calls > MAX_CALLS {
             return;
         }
-        inc(&metrics.tokenizer_calls);
-        let answer = tokenize::call(&t).await;
-        if answer.failed() {
-            inc(&metrics.tokenizer_failures);
-            debug!(target = %t.target, ?answer, "tokenizer call after routing failed");
-        }
+        let answer = tokenize::counted_call(&t, &metrics).await;
         let Tokenize { target, pending, .. } = *t;
         let b = answer.with_reply(|reply| {
             let gw = gateway.snapshot(None);

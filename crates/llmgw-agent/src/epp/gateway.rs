@@ -152,7 +152,12 @@ impl Gateway {
     /// routing teaches the endpoint's rates (once).
     pub fn first_token(&self, c: &mut Charge, teach: bool) {
         let tokens = std::mem::take(&mut c.prefill_tokens);
-        let basis = if teach { c.lesson() } else { c.learning.take().and(None) };
+        let basis = if teach {
+            c.lesson()
+        } else {
+            c.learning = None;
+            None
+        };
         if tokens == 0 && basis.is_none() {
             return;
         }
@@ -212,19 +217,19 @@ impl Gateway {
         let mut t = self.table();
         t.avoided.retain(|_, until| *until > now);
         t.tokenizers.retain(|_, until| *until > now);
-        let endpoints = t.in_flight.keys().chain(t.learned.addresses()).cloned().collect::<HashSet<String>>();
-        let per_endpoint = endpoints
-            .into_iter()
-            .map(|a| {
-                let e = Endpoint {
-                    busy: t.in_flight.get(&a).copied().unwrap_or_default(),
-                    held_blocks: t.held.total(&a),
-                    hold_us: t.learned.hold_us(&a),
-                    rates: t.learned.rates(&a),
-                };
-                (a, e)
-            })
-            .collect();
+        let mut per_endpoint = HashMap::new();
+        for a in t.in_flight.keys().chain(t.learned.addresses()) {
+            if per_endpoint.contains_key(a) {
+                continue;
+            }
+            let e = Endpoint {
+                busy: t.in_flight.get(a).copied().unwrap_or_default(),
+                held_blocks: t.held.total(a),
+                hold_us: t.learned.hold_us(a),
+                rates: t.learned.rates(a),
+            };
+            per_endpoint.insert(a.clone(), e);
+        }
         Snapshot {
             per_endpoint,
             avoided: t.avoided.keys().cloned().collect(),
@@ -261,9 +266,7 @@ impl Snapshot {
     pub fn eligible(&self, address: &str) -> bool {
         self.subset.as_ref().is_none_or(|s| s.contains(address))
     }
-}
 
-impl Snapshot {
     fn endpoint(&self, address: &str) -> Endpoint {
         self.per_endpoint.get(address).copied().unwrap_or_default()
     }

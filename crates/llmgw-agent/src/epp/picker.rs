@@ -13,7 +13,7 @@ use crate::hub::Hub;
 use llmgw_core::flow::{Body, Routed, Router, Step, Tokenize};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
-use tracing::{debug, warn};
+use tracing::warn;
 
 /// Tokenizer calls one decision may make (a dedicated tokenizer that declines, then a replica).
 const MAX_TOKENIZER_CALLS: u32 = 3;
@@ -100,12 +100,11 @@ impl Picker {
                 }
                 Step::Tokenize(t) => {
                     calls = calls.saturating_add(1);
-                    inc(&self.metrics.tokenizer_calls);
-                    let answer = if calls > MAX_TOKENIZER_CALLS { Answer::Reset } else { tokenize::call(&t).await };
-                    if answer.failed() {
-                        inc(&self.metrics.tokenizer_failures);
-                        debug!(target = %t.target, ?answer, "tokenizer call failed");
-                    }
+                    let answer = if calls > MAX_TOKENIZER_CALLS {
+                        Answer::Reset
+                    } else {
+                        tokenize::counted_call(&t, &self.metrics).await
+                    };
                     step = self.reply(t, &answer, subset);
                 }
             }

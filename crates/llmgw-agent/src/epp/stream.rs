@@ -20,6 +20,7 @@ use super::wire::{self, ResponseBodies};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, ProcessingRequest, ProcessingResponse,
 };
+use llmgw_core::request::is_event_stream;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
@@ -145,10 +146,9 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
             // Only a streamed 200 answer's first chunk is its first token, and only where the
             // chunks come here; otherwise the headers end the prefill's count, and teach nothing.
             let status = wire::header(h.headers.as_ref(), ":status");
-            let streamed = wire::header(h.headers.as_ref(), "content-type")
-                .is_some_and(|v| v.get(..17).is_some_and(|p| p.eq_ignore_ascii_case("text/event-stream")));
-            let chunks_come = matches!(ex.response_bodies, ResponseBodies::Streamed { .. });
-            if status.as_deref() != Some("200") || !streamed || h.end_of_stream || !chunks_come {
+            let streamed =
+                wire::header(h.headers.as_ref(), "content-type").is_some_and(|v| is_event_stream(v.as_bytes()));
+            if status.as_deref() != Some("200") || !streamed || h.end_of_stream || !ex.response_bodies.chunked() {
                 if let Some(c) = ex.counted.as_mut() {
                     picker.gateway.first_token(c, false);
                 }
@@ -157,9 +157,8 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
         }
         Some(Msg::ResponseBody(b)) => {
             if !b.body.is_empty() || b.end_of_stream {
-                let chunked = matches!(ex.response_bodies, ResponseBodies::Streamed { .. });
                 if let Some(c) = ex.counted.as_mut() {
-                    picker.gateway.first_token(c, chunked);
+                    picker.gateway.first_token(c, ex.response_bodies.chunked());
                 }
             }
             let full_duplex = match ex.response_bodies {

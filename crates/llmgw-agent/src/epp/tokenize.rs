@@ -3,9 +3,11 @@
 //! agent's native tokenizer, else the least-loaded replica), within the step's timeout. The
 //! answer is handed to the core as the filter hands Envoy's: a status and a body.
 
+use super::metrics::{inc, EppMetrics};
 use crate::http_client::{post_json, HttpError};
 use llmgw_core::flow::{Tokenize, TokenizerReply};
 use std::time::Duration;
+use tracing::debug;
 
 /// What came back from a tokenizer call.
 #[derive(Debug)]
@@ -16,6 +18,17 @@ pub enum Answer {
     TimedOut,
     /// Connection refused or reset, or an unreadable answer.
     Reset,
+}
+
+/// Calls the tokenizer `t` names, counted in `metrics` (the call, and its failure).
+pub async fn counted_call(t: &Tokenize, metrics: &EppMetrics) -> Answer {
+    inc(&metrics.tokenizer_calls);
+    let answer = call(t).await;
+    if answer.failed() {
+        inc(&metrics.tokenizer_failures);
+        debug!(target = %t.target, ?answer, "tokenizer call failed");
+    }
+    answer
 }
 
 /// Calls the tokenizer `t` names.

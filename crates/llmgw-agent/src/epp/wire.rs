@@ -59,6 +59,13 @@ pub enum ResponseBodies {
     Streamed { full_duplex: bool },
 }
 
+impl ResponseBodies {
+    /// Whether an answer's chunks come one by one as it streams (its first is its first token).
+    pub fn chunked(self) -> bool {
+        matches!(self, ResponseBodies::Streamed { .. })
+    }
+}
+
 /// How the data plane sends response bodies, from the stream's first message (`None` on the
 /// others).
 pub fn response_bodies(req: &ProcessingRequest) -> Option<ResponseBodies> {

@@ -19,6 +19,12 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+/// Whether a `content-type` is a server-sent event stream (a streamed answer, whose first chunk
+/// is its first token; vLLM sends the headers at once, before it).
+pub fn is_event_stream(content_type: &[u8]) -> bool {
+    content_type.get(..17).is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+}
+
 /// The field that asks vLLM for the ids, as it is added to the request body.
 const ASK: &[u8] = br#""return_token_ids":true"#;
 /// The largest stream event held while it is incomplete: a first chunk carries the whole

@@ -25,7 +25,7 @@ mod leading;
 mod parsed;
 
 pub use answer::{parse_tokenizer_answer, parse_tokenizer_response, TokenizerAnswer, MAX_MM_IDENTIFIER, MAX_MM_ITEMS};
-pub use answer_stream::{ask as ask_for_token_ids, AnswerStream, FirstEvent, MAX_EVENT_BYTES};
+pub use answer_stream::{ask as ask_for_token_ids, is_event_stream, AnswerStream, FirstEvent, MAX_EVENT_BYTES};
 pub use body::parse_request;
 pub use call::{TokenizerCall, TOKENIZE_PATH};
 pub use parsed::{ApiKind, ParsedRequest, Prompt, RawJson, RequestError};
