@@ -105,6 +105,49 @@ def test_a_followup_lands_exactly_on_its_prefix_holder(epp_fleet):
         assert metric(agent, "llmgw_epp_tokenizer_cache_total", '{result="earlier_turn"}') == turns_before + 1
 
 
+def chat_stream(port, messages) -> str:
+    """The text of a streamed chat completion through Envoy."""
+    body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+        return r.read().decode()
+
+
+def test_a_streamed_followup_reads_its_prompt_ids_from_its_answer_where_the_answer_passes_the_picker(epp_fleet):
+    """A next turn routed on its turn before asks its answer for the prompt's ids where the body
+    and the answer stream through the picker both ways: no tokenizer call is made for it, the
+    client's stream carries no ids, and its ids are kept for the turn after it. Buffered, the
+    picker sees no answer: the call is made, and nothing is asked."""
+    agent, listen = epp_fleet["agent"], epp_fleet["listen"]
+    calls = lambda: metric(agent, "llmgw_epp_tokenizer_calls_total")
+    read = lambda: metric(agent, "llmgw_epp_answer_tokens_total", '{result="read"}')
+    turns = lambda: metric(agent, "llmgw_epp_tokenizer_cache_total", '{result="earlier_turn"}')
+    first = [{"role": "system", "content": "streamed " + SYSTEM}, {"role": "user", "content": "question " * 20}]
+    status, served_by, _ = chat(listen, first)
+    assert status == 200 and served_by
+    agent.wait_for(served_by, lambda r: r["blocks"] > 0, "the agent mirrored the blocks")
+    second = first + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then? " * 8}]
+    calls_before, read_before, turns_before = calls(), read(), turns()
+    text = chat_stream(listen, second)
+    assert turns() == turns_before + 1, "routed on its turn before"
+    assert text.rstrip().endswith("data: [DONE]"), text[-200:]
+    assert '"prompt_token_ids":[' not in text and '"token_ids":[' not in text, text[:400]
+    if epp_fleet["buffered"]:
+        wait_until(lambda: calls() == calls_before + 1, 10, "the call made after routing")
+        assert read() == read_before
+        return
+    wait_until(lambda: read() == read_before + 1, 10, "the ids read from the answer")
+    assert calls() == calls_before, "no tokenizer call for a turn whose answer carried its ids"
+    # The turn after it is routed at once on the ids read, and finds its whole turn before.
+    third = second + [{"role": "assistant", "content": "more"}, {"role": "user", "content": "and after that?"}]
+    text = chat_stream(listen, third)
+    assert turns() == turns_before + 2
+    wait_until(lambda: read() == read_before + 2, 10, "the third turn's ids read")
+    assert calls() == calls_before
+
+
 def test_the_picker_learns_each_endpoints_rates_from_its_streamed_answers_first_chunks(epp_fleet):
     """Where the answer's body is streamed through the picker (the shipped configuration), each
     streamed answer's first chunk teaches its endpoint's rates, and the answer arrives whole;

@@ -30,6 +30,12 @@ pub struct EppMetrics {
     /// Unexpired speculative entries the bound dropped.
     pub speculative_dropped: AtomicU64,
     pub tokenizer_failures: AtomicU64,
+    /// Requests routed before their tokens came whose answers were asked for the prompt's ids:
+    /// read from the answer, or missing (the call then made), and answers whose first event
+    /// passed the bound held (handed on as they came).
+    pub answer_ids_read: AtomicU64,
+    pub answer_ids_missing: AtomicU64,
+    pub answer_event_too_large: AtomicU64,
     /// How requests got their tokens: from the tokenization cache, routed on their
     /// conversation's turn before or on what their siblings share (their call made after
     /// routing), or by a call before routing.
@@ -141,6 +147,17 @@ impl EppMetrics {
             get(&self.speculative_dropped),
         );
         counter("llmgw_epp_tokenizer_failures_total", "Tokenizer calls that failed.", get(&self.tokenizer_failures));
+        let _ = writeln!(
+            out,
+            "# HELP llmgw_epp_answer_tokens_total Answers asked for the prompt's ids: read, missing (a call made instead), or an event past the bound held.\n# TYPE llmgw_epp_answer_tokens_total counter"
+        );
+        for (result, c) in [
+            ("read", &self.answer_ids_read),
+            ("missing", &self.answer_ids_missing),
+            ("too_large", &self.answer_event_too_large),
+        ] {
+            let _ = writeln!(out, "llmgw_epp_answer_tokens_total{{result=\"{result}\"}} {}", get(c));
+        }
         let _ = writeln!(
             out,
             "# HELP llmgw_epp_tokenizer_cache_total How requests got their tokens.\n# TYPE llmgw_epp_tokenizer_cache_total counter"

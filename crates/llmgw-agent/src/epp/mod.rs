@@ -9,12 +9,15 @@
 //! * [`picker`]: the core's router over the hub, the subset hint and the fallback list.
 //! * [`gateway`]: the picker's own traffic as the core asks for it (in flight, avoided).
 //! * [`tokenize`]: the tokenizer calls the core asks for.
+//! * [`after_routing`], [`answer_ids`]: the tokens of a request routed before they came, from a
+//!   call made after routing or from its answer.
 //! * [`metrics`]: the `llmgw_epp_*` counters.
 //!
 //! Served on `[epp] listen` with the gRPC health service (`liveness`, `readiness`, and the
 //! ext_proc service's name; the last two serve once the index holds its first snapshot).
 
 pub mod after_routing;
+pub mod answer_ids;
 pub mod gateway;
 pub mod learned;
 pub mod metrics;

@@ -4,7 +4,7 @@
 //! and hand its reply back). What the filter does with Envoy's shared data the picker does with
 //! [`Gateway`]; what it adds is the protocol's: the subset hint and the ordered fallback list.
 
-use super::after_routing;
+use super::after_routing::{Keeper, Pending};
 use super::gateway::{now_ns, Charge, Gateway, Snapshot};
 use super::metrics::{inc, EppMetrics};
 use super::tokenize::{self, Answer};
@@ -21,8 +21,10 @@ const MAX_TOKENIZER_CALLS: u32 = 3;
 /// The picker's answer for one request.
 #[derive(Debug)]
 pub enum Pick {
-    /// The endpoints, and the request as counted at the primary until [`Picker::finished`].
-    Route(Destination, Charge),
+    /// The endpoints, the request as counted at the primary until [`Picker::finished`], and
+    /// the tokens it was routed without, still to come ([`Picker::after_routing`], or its
+    /// answer: [`Picker::ids_from_answer`]).
+    Route(Destination, Charge, Option<Pending>),
     /// Answer locally with this status and JSON body.
     Reject { status: u32, body: Vec<u8>, details: &'static str },
 }
@@ -59,10 +61,24 @@ impl Picker {
         let t0 = Instant::now();
         let pick = self.decide(path, bytes, too_large, subset).await;
         self.metrics.decided(u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX));
-        if let Pick::Route(_, charge) = &pick {
+        if let Pick::Route(_, charge, _) = &pick {
             self.gateway.started(charge);
         }
         pick
+    }
+
+    /// Makes the tokenizer call of a request routed before its tokens came, in the background.
+    pub fn after_routing(&self, p: Pending) {
+        self.keeper().spawn(p);
+    }
+
+    /// The prompt's ids of a request routed before its tokens came, read from its answer.
+    pub fn ids_from_answer(&self, p: Pending, ids: &[u32]) {
+        self.keeper().ids_from_answer(p, ids);
+    }
+
+    fn keeper(&self) -> Keeper {
+        Keeper { router: self.router.clone(), gateway: self.gateway.clone(), metrics: self.metrics.clone() }
     }
 
     /// A request [`Self::pick`] routed finished.
@@ -114,8 +130,8 @@ impl Picker {
     /// The answer for a routed request: its endpoints, and what it counts at the primary. Its
     /// tokens are kept for its conversation's next turn. `after`: it was routed on an estimate
     /// of its length (on its conversation's turn before, or on what its siblings share), and
-    /// this call, made now in the background, tells its tokens (what its first token then
-    /// teaches) and keeps them.
+    /// this call, made after the route is answered (or its answer read for them), tells its
+    /// tokens (what its first token then teaches) and keeps them.
     fn route(&self, routed: Routed, after: Option<Box<Tokenize>>, subset: Option<&[String]>) -> Pick {
         let gw = self.gateway.snapshot(subset);
         if !gw.eligible(&routed.address) {
@@ -136,12 +152,8 @@ impl Picker {
         let d = &routed.decision;
         let learning = d.basis.as_deref().copied().filter(|b| b.learning.enabled && d.capacity_wait_us.0 == 0);
         let mut charge = Charge::new(routed.address.clone(), routed.prefill_tokens, routed.holding, learning);
-        if let Some(call) = after {
-            let counted = charge.counted_later();
-            let (router, gateway, metrics) = (self.router.clone(), self.gateway.clone(), self.metrics.clone());
-            tokio::spawn(after_routing::call(router, gateway, metrics, call, counted));
-        }
-        Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank }, charge)
+        let pending = after.map(|call| Pending { call, counted: charge.counted_later() });
+        Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank }, charge, pending)
     }
 
     /// Hands a tokenizer reply back to the core; a failure the tokenizer caused makes its
@@ -284,7 +296,7 @@ mod tests {
 
     fn routed(p: Pick) -> (Destination, Charge) {
         match p {
-            Pick::Route(d, c) => (d, c),
+            Pick::Route(d, c, _) => (d, c),
             other => panic!("not routed: {other:?}"),
         }
     }

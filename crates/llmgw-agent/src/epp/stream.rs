@@ -12,7 +12,13 @@
 //! first chunk of a streamed answer where the data plane streams response bodies to the picker
 //! (its time from the routing then teaches the endpoint's rates), else the response headers.
 //! Its end releases what it held there and times its hold.
+//!
+//! A request routed before its tokens came gets them from its answer where both bodies pass
+//! through the picker in full-duplex mode ([`super::answer_ids`]), else from a tokenizer call
+//! made once its route is answered.
 
+use super::after_routing::Pending;
+use super::answer_ids::{FromAnswer, Said};
 use super::gateway::Charge;
 use super::metrics::inc;
 use super::picker::{Pick, Picker};
@@ -40,7 +46,21 @@ struct Exchange {
     response_bodies: ResponseBodies,
     /// The request as counted in flight at its primary endpoint.
     counted: Option<Charge>,
+    /// Its answer, asked for the prompt's ids.
+    answer: Option<FromAnswer>,
     served_seen: bool,
+}
+
+impl Exchange {
+    /// Whether the request's whole body is handed back through the picker and its answer
+    /// streamed through it both ways: its body can ask for the prompt's ids, and its answer can
+    /// be handed back without them.
+    fn can_carry_ids(&self) -> bool {
+        self.full_duplex
+            && !self.too_large
+            && !self.body.is_empty()
+            && self.response_bodies == ResponseBodies::Streamed { full_duplex: true }
+    }
 }
 
 type Out = mpsc::Sender<Result<ProcessingResponse, Status>>;
@@ -68,6 +88,10 @@ pub async fn run(picker: Arc<Picker>, mut inbound: Streaming<ProcessingRequest>,
             inc(&picker.metrics.served_unreported);
         }
         picker.finished(charge);
+    }
+    // A stream cut before its answer's first event: the call is made after all.
+    if let Some(p) = ex.answer.take().and_then(FromAnswer::unanswered) {
+        picker.after_routing(p);
     }
 }
 
@@ -152,6 +176,11 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
                 if let Some(c) = ex.counted.as_mut() {
                     picker.gateway.first_token(c, false);
                 }
+                // No stream to read the ids from: left as it comes, and the call made.
+                if let Some(p) = ex.answer.take().and_then(FromAnswer::unanswered) {
+                    inc(&picker.metrics.answer_ids_missing);
+                    picker.after_routing(p);
+                }
             }
             send(out, wire::headers_unchanged(false)).await
         }
@@ -167,11 +196,32 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
                 // Not said: as the request's body comes.
                 ResponseBodies::Unsent => ex.full_duplex,
             };
-            if full_duplex {
-                send(out, wire::streamed_body(false, b.body, b.end_of_stream)).await
-            } else {
-                send(out, wire::body_unchanged(false)).await
+            if !full_duplex {
+                return send(out, wire::body_unchanged(false)).await;
             }
+            let Some(a) = ex.answer.as_mut() else {
+                return send(out, wire::streamed_body(false, b.body, b.end_of_stream)).await;
+            };
+            let back = a.chunk(&b.body, b.end_of_stream);
+            if !send(out, wire::streamed_body(false, back, b.end_of_stream)).await {
+                return false;
+            }
+            // Read once the chunk went back, off its first token's way.
+            if a.overflowed() {
+                inc(&picker.metrics.answer_event_too_large);
+            }
+            match a.take() {
+                Some(Said::Ids(p, ids)) => {
+                    inc(&picker.metrics.answer_ids_read);
+                    picker.ids_from_answer(p, &ids);
+                }
+                Some(Said::Missing(p)) => {
+                    inc(&picker.metrics.answer_ids_missing);
+                    picker.after_routing(p);
+                }
+                None => {}
+            }
+            true
         }
         Some(Msg::ResponseTrailers(_)) => {
             note_served(picker, ex, &msg);
@@ -186,9 +236,12 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
 async fn decide(picker: &Picker, ex: &mut Exchange, out: &Out, on_headers: bool) -> bool {
     let bytes = if ex.too_large || !ex.body.is_empty() { ex.body.as_slice() } else { &[] };
     match picker.pick(&ex.path, bytes, ex.too_large, ex.subset.as_deref()).await {
-        Pick::Route(dest, charge) => {
+        Pick::Route(dest, charge, pending) => {
             ex.decided = true;
             ex.counted = Some(charge);
+            if let Some(p) = pending {
+                ask_for_ids(picker, ex, p);
+            }
             let r = if on_headers { wire::route_headers(&dest) } else { wire::route_body(&dest) };
             send(out, r).await
         }
@@ -196,6 +249,21 @@ async fn decide(picker: &Picker, ex: &mut Exchange, out: &Out, on_headers: bool)
             let _ = send(out, wire::immediate(status, body, details)).await;
             false
         }
+    }
+}
+
+/// A request routed before its tokens came: its body (handed back next) asks for the prompt's
+/// ids in its answer where the answer can carry them back, else the call is made now.
+fn ask_for_ids(picker: &Picker, ex: &mut Exchange, p: Pending) {
+    if !p.call.from_answer || !ex.can_carry_ids() {
+        return picker.after_routing(p);
+    }
+    match FromAnswer::ask(&ex.body, p) {
+        Ok((asked, answer)) => {
+            ex.body = asked;
+            ex.answer = Some(answer);
+        }
+        Err(p) => picker.after_routing(p),
     }
 }
 
