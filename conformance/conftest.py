@@ -11,6 +11,7 @@ import random
 import shutil
 import subprocess
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,6 +59,31 @@ def agent_hash(tokens: list[int], algo: str = "sha256_cbor", seed: str | None = 
 
 # ------------------------------------------------------------------------------------------------
 # vLLM replicas
+
+
+def sse_events(raw: bytes) -> list[dict | str]:
+    """A stream's events: each data line's JSON (its id and creation time left out), or its text."""
+    out = []
+    for event in raw.decode().split("\n\n"):
+        if not event.strip():
+            continue
+        data = event.removeprefix("data: ")
+        try:
+            v = json.loads(data)
+        except ValueError:
+            out.append(data)
+            continue
+        v.pop("id", None)
+        v.pop("created", None)
+        out.append(v)
+    return out
+
+
+def stream(url: str, body: dict) -> tuple[dict, bytes]:
+    """(headers, body) of a streamed answer."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return dict(resp.headers.items()), resp.read()
 
 
 class Replica(VllmReplica):

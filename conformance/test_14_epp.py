@@ -18,7 +18,8 @@ import pytest
 
 import llmgw_testkit as kit
 from llmgw_testkit.stub import Decoy
-from conftest import AGENT, BLOCK, ENVOY, MODEL, Replica, agent_hash, http_json, wait_healthy, wait_until, words
+from conftest import (AGENT, BLOCK, ENVOY, MODEL, Replica, agent_hash, http_json, sse_events, stream, wait_healthy,
+                      wait_until, words)
 from llmgw_testkit import free_port
 
 SERVED_BY = "x-llmgw-served-by"
@@ -131,6 +132,47 @@ def test_a_followup_lands_exactly_on_the_replica_holding_its_prefix(pool, gatewa
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCK * len(keys), reply["usage"]
         # Decided from the index (the approximate fallback keys on the same text).
         wait_until(lambda e=exact: picker.counter(EXACT) == e + 1, 10, "the picker to count an exact decision")
+
+
+def tokenize_calls(pool) -> float:
+    """/tokenize requests the pool's replicas answered (vLLM's own HTTP metrics)."""
+    return sum(kit.prom_sum(kit.get_text(f"{r.url}/metrics"), "http_requests_total", 'handler="/tokenize"')
+               for r in pool)
+
+
+def test_a_streamed_next_turn_reads_its_prompt_ids_from_vllms_answer_through_the_picker(pool, gateway):
+    """A conversation's next turn, routed by the picker on the turn before, asks vLLM for its
+    prompt's token ids instead of calling /tokenize (the body and the answer stream through the
+    picker both ways): the client gets the stream vLLM sends unasked, and the ids are kept, so
+    the turn after it goes at once too."""
+    picker, gw = gateway
+    rng = random.Random("epp-answer-ids")
+    url = f"http://127.0.0.1:{gw.listen}/v1/chat/completions"
+    turns = 'llmgw_epp_tokenizer_cache_total{result="earlier_turn"}'
+    read = 'llmgw_epp_answer_tokens_total{result="read"}'
+    first = [{"role": "system", "content": words(rng, 40, "ea")}, {"role": "user", "content": words(rng, 12, "eb")}]
+    status, _, reply = http_json(url, {"model": MODEL, "messages": first, "max_tokens": 3}, timeout=60)
+    assert status == 200, reply
+    second = first + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": words(rng, 10, "ec")}]
+    # One output token: vLLM's chunking of later tokens depends on timing, so only then are two
+    # streams of the same request comparable event by event.
+    body = {"model": MODEL, "messages": second, "max_tokens": 1, "stream": True}
+    calls, turns_before, read_before = tokenize_calls(pool), picker.counter(turns), picker.counter(read)
+    headers, through = stream(url, body)
+    assert picker.counter(turns) == turns_before + 1, "routed on its turn before"
+    served = next(r for r in pool if r.address == headers.get(SERVED_BY))
+    wait_until(lambda: picker.counter(read) == read_before + 1, 10, "the picker to read the ids from the answer")
+    _, direct = stream(f"{served.url}/v1/chat/completions", body)
+    assert b'token_ids":[' not in through, through
+    assert sse_events(through) == sse_events(direct), (through, direct)
+    reply_text = "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(through)
+                         if isinstance(e, dict) and e.get("choices"))
+    third = second + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": words(rng, 8, "ed")}]
+    stream(url, {**body, "messages": third})
+    assert picker.counter(turns) == turns_before + 2, "the ids read were kept for the turn after"
+    wait_until(lambda: picker.counter(read) == read_before + 2, 10, "the third turn's ids read")
+    assert tokenize_calls(pool) == calls, "no tokenizer call for either turn"
 
 
 def test_a_client_destination_header_is_never_honoured(pool, gateway):

@@ -2,12 +2,10 @@
 to B through Envoy with outcome `exact`, and the number of blocks the filter matched is what B
 reports as cached (usage.prompt_tokens_details.cached_tokens) for that follow-up."""
 
-import json
 import random
-import urllib.request
 
 import llmgw_testkit as kit
-from conftest import MODEL, agent_hash, decision, wait_until, words
+from conftest import MODEL, agent_hash, decision, sse_events, stream, wait_until, words
 
 
 def test_completion_followup_routed_exact_to_the_replica_holding_its_prefix(fleet):
@@ -44,30 +42,6 @@ def test_chat_followup_routed_exact_to_the_replica_holding_its_prefix(fleet):
     assert matched >= len(keys) - 1 and matched * 16 == cached, (matched, cached, len(keys))
     wait_until(lambda: fleet.envoy.exact_decisions() == before + 1, 10,
                'llmgw_prefix_decisions_total{outcome="exact"} to count the decision')
-
-
-def sse_events(raw: bytes) -> list[dict | str]:
-    """A stream's events: each data line's JSON (its id and creation time left out), or its text."""
-    out = []
-    for event in raw.decode().split("\n\n"):
-        if not event.strip():
-            continue
-        data = event.removeprefix("data: ")
-        try:
-            v = json.loads(data)
-        except ValueError:
-            out.append(data)
-            continue
-        v.pop("id", None)
-        v.pop("created", None)
-        out.append(v)
-    return out
-
-
-def stream(url: str, body: dict) -> tuple[dict, bytes]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return dict(resp.headers.items()), resp.read()
 
 
 def routed_at_once_reading_its_ids(fleet, path: str, body: dict) -> bytes:
