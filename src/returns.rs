@@ -9,38 +9,31 @@
 //! Two values, updated with compare-and-swap:
 //! * `llmgw.returns.ends`: 32-byte records, little-endian: the replica's address id, the key
 //!   the request is recorded under (its prompt's last full block), its first token's time and
-//!   its end's (ns; 0 while it streams). The latest [`PER_REPLICA`] per replica are kept,
-//!   [`MAX_RECORDS`] in all (32 KiB). A request whose blocks include a record's key is its next
+//!   its end's (ns; 0 while it streams). The latest
+//!   [`PER_REPLICA`](llmgw_core::flow::return_ledger::PER_REPLICA) per replica are kept,
+//!   [`MAX_RECORDS`](llmgw_core::flow::return_ledger::MAX_RECORDS) in all (32 KiB). A request whose blocks include a record's key is its next
 //!   one: the record goes, and the gaps are learned. A record pushed out first counts as never
 //!   followed.
 //! * `llmgw.returns.gaps`: the gaps learned ([`Gaps`]) from the first token, then from the end:
 //!   each one `f64` bit pattern per bucket, then the count of requests never followed.
+//!
+//! The rules (what goes, what is learned) are the core's ledger, which the endpoint picker
+//! keeps in its memory by the same rules; this module stores it.
 
 use crate::host::{update_shared, Host, SharedKind};
-use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, IdSet, SharedRecord};
-use llmgw_core::policy::returns::{Answered, Gaps, ReturnCurves, Returning, MAX_ANSWERED};
-use std::sync::Arc;
+use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
+use llmgw_core::flow::return_ledger::{
+    end, follow, start, ExpectedReturns, LearnedGaps as ReturnGaps, Observation, Record as ReturnRecord,
+};
+use llmgw_core::policy::returns::{Gaps, Returning};
 
 const ENDS: &str = "llmgw.returns.ends";
 const GAPS: &str = "llmgw.returns.gaps";
-/// Requests remembered per replica: those answered last (see [`MAX_ANSWERED`]).
-pub const PER_REPLICA: usize = MAX_ANSWERED;
-/// At most this many records in all (the oldest go first).
-pub const MAX_RECORDS: usize = 1024;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Record {
-    replica: u64,
-    key: u64,
-    first_ns: u64,
-    /// 0 while it streams.
-    end_ns: u64,
-}
-
-impl SharedRecord for Record {
+impl SharedRecord for ReturnRecord {
     const SIZE: usize = 32;
     fn read(f: &mut FieldReader<'_>) -> Option<Self> {
-        Some(Record { replica: f.u64()?, key: f.u64()?, first_ns: f.u64()?, end_ns: f.u64()? })
+        Some(ReturnRecord { replica: f.u64()?, key: f.u64()?, first_ns: f.u64()?, end_ns: f.u64()? })
     }
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.replica.to_le_bytes());
@@ -63,25 +56,10 @@ impl SharedRecord for Weight {
     }
 }
 
-/// The gaps from the first token and from the end.
-#[derive(Debug, Clone, Default, PartialEq)]
-struct Learned {
-    from_first: Gaps,
-    from_end: Gaps,
-}
-
-/// What one record teaches: the gaps to its next request, or that none followed (`None`).
-#[derive(Debug, Clone, Copy)]
-struct Observation {
-    from_first: Option<u64>,
-    /// Whether it had ended, and its gap from there.
-    from_end: Option<Option<u64>>,
-}
-
-fn read_learned(v: &[u8]) -> Learned {
+fn read_learned(v: &[u8]) -> ReturnGaps {
     let mut weights = decode::<Weight>(v);
     let mut next = || weights.next().map_or(0.0, |w| w.0);
-    let mut l = Learned::default();
+    let mut l = ReturnGaps::default();
     for g in [&mut l.from_first, &mut l.from_end] {
         for b in g.buckets.iter_mut() {
             *b = next();
@@ -91,7 +69,7 @@ fn read_learned(v: &[u8]) -> Learned {
     l
 }
 
-fn write_learned(l: &Learned) -> Vec<u8> {
+fn write_learned(l: &ReturnGaps) -> Vec<u8> {
     let one = |g: &Gaps| g.buckets.iter().copied().chain(std::iter::once(g.never)).collect::<Vec<f64>>();
     encode(one(&l.from_first).into_iter().chain(one(&l.from_end)).map(Weight))
 }
@@ -102,12 +80,7 @@ fn learn(host: &dyn Host, observations: &[Observation]) -> Result<(), SharedKind
     }
     let ok = update_shared(host, GAPS, |v| {
         let mut l = read_learned(v);
-        for o in observations {
-            l.from_first.observe(o.from_first);
-            if let Some(e) = o.from_end {
-                l.from_end.observe(e);
-            }
-        }
+        l.learn(observations);
         Some(write_learned(&l))
     });
     if ok {
@@ -117,40 +90,14 @@ fn learn(host: &dyn Host, observations: &[Observation]) -> Result<(), SharedKind
     }
 }
 
-/// A record that goes without a next request.
-fn never(a: &Record) -> Observation {
-    Observation { from_first: None, from_end: (a.end_ns != 0).then_some(None) }
-}
-
 /// A request sent to `address` produced its first token; its next one would include `key`.
 pub fn started(host: &dyn Host, address: &str, key: u64) -> Vec<SharedKind> {
     let now = host.now_ns();
     let replica = address_id(address);
     let mut gone = Vec::new();
     let ok = update_shared(host, ENDS, |v| {
-        gone.clear();
-        let mut all: Vec<Record> = decode::<Record>(v).filter(|a| a.key != key).collect();
-        all.push(Record { replica, key, first_ns: now, end_ns: 0 });
-        let mine = all.iter().filter(|a| a.replica == replica).count();
-        let mut drop_mine = mine.saturating_sub(PER_REPLICA);
-        let mut drop_any = all.len().saturating_sub(drop_mine).saturating_sub(MAX_RECORDS);
-        // The oldest go first, past the per-replica bound and the overall one.
-        all.sort_by_key(|a| a.first_ns);
-        all.retain(|a| {
-            let goes = if a.replica == replica && drop_mine > 0 {
-                drop_mine = drop_mine.saturating_sub(1);
-                true
-            } else if drop_any > 0 {
-                drop_any = drop_any.saturating_sub(1);
-                true
-            } else {
-                false
-            };
-            if goes {
-                gone.push(never(a));
-            }
-            !goes
-        });
+        let mut all: Vec<ReturnRecord> = decode::<ReturnRecord>(v).collect();
+        gone = start(&mut all, replica, key, now);
         Some(encode(all))
     });
     let mut failed = Vec::new();
@@ -165,10 +112,8 @@ pub fn started(host: &dyn Host, address: &str, key: u64) -> Vec<SharedKind> {
 pub fn ended(host: &dyn Host, key: u64) -> Vec<SharedKind> {
     let now = host.now_ns();
     let ok = update_shared(host, ENDS, |v| {
-        let mut all: Vec<Record> = decode::<Record>(v).collect();
-        let a = all.iter_mut().find(|a| a.key == key && a.end_ns == 0)?;
-        a.end_ns = now.max(1);
-        Some(encode(all))
+        let mut all: Vec<ReturnRecord> = decode::<ReturnRecord>(v).collect();
+        end(&mut all, key, now).then(|| encode(all))
     });
     if ok {
         Vec::new()
@@ -182,13 +127,9 @@ pub fn followed(host: &dyn Host, key: u64) -> Vec<SharedKind> {
     let now = host.now_ns();
     let mut seen = None;
     let ok = update_shared(host, ENDS, |v| {
-        let all: Vec<Record> = decode::<Record>(v).collect();
-        let a = all.iter().find(|a| a.key == key)?;
-        seen = Some(Observation {
-            from_first: Some(now.saturating_sub(a.first_ns) / 1_000),
-            from_end: (a.end_ns != 0).then_some(Some(now.saturating_sub(a.end_ns) / 1_000)),
-        });
-        Some(encode(all.into_iter().filter(|a| a.key != key)))
+        let mut all: Vec<ReturnRecord> = decode::<ReturnRecord>(v).collect();
+        seen = follow(&mut all, key, now);
+        seen.map(|_| encode(all))
     });
     let mut failed = Vec::new();
     if !ok {
@@ -202,58 +143,26 @@ pub fn followed(host: &dyn Host, key: u64) -> Vec<SharedKind> {
 
 /// The records and the curves learned, read once per decision.
 #[derive(Default)]
-pub struct Returns {
-    keys: IdSet,
-    /// Per replica: its records (the first `.1`, at most [`PER_REPLICA`]).
-    by_replica: IdMap<([Answered; PER_REPLICA], usize)>,
-    curves: Option<Arc<ReturnCurves>>,
-}
+pub struct Returns(ExpectedReturns);
 
 impl Returns {
     pub fn read(host: &dyn Host) -> Returns {
         let ends = host.shared_data(ENDS).and_then(|(v, _)| v).unwrap_or_default();
         let gaps = host.shared_data(GAPS).and_then(|(v, _)| v).unwrap_or_default();
-        let now = host.now_ns();
-        let learned = read_learned(&gaps);
-        let curves = Some(Arc::new(ReturnCurves::new(&learned.from_first, &learned.from_end)));
-        let n = ends.len() / Record::SIZE;
-        let mut r = Returns {
-            keys: IdSet::with_capacity_and_hasher(n, Default::default()),
-            by_replica: IdMap::with_capacity_and_hasher(n.div_ceil(PER_REPLICA), Default::default()),
-            curves,
-        };
-        for a in decode::<Record>(&ends) {
-            r.keys.insert(a.key);
-            let since = |t: u64| now.saturating_sub(t) / 1_000;
-            let seen = if a.end_ns != 0 {
-                Answered { since_us: since(a.end_ns), ended: true }
-            } else {
-                Answered { since_us: since(a.first_ns), ended: false }
-            };
-            let (list, n) = r.by_replica.entry(a.replica).or_default();
-            if let Some(slot) = list.get_mut(*n) {
-                *slot = seen;
-                *n = n.saturating_add(1);
-            }
-        }
-        r
+        let records: Vec<ReturnRecord> = decode::<ReturnRecord>(&ends).collect();
+        Returns(ExpectedReturns::new(records.into_iter(), &read_learned(&gaps), host.now_ns()))
     }
 
     /// Whether a request recorded under `key` has not been followed yet.
     pub fn ended(&self, key: u64) -> bool {
-        self.keys.contains(&key)
+        self.0.ended(key)
     }
 
     /// The requests expected back on `address`, where this Envoy has `in_flight` requests of
     /// which some are still computing their prefill (`prefilling`: its prefill tokens queued
     /// there are not 0).
     pub fn of(&self, address: &str, in_flight: u32, prefilling: bool) -> Returning {
-        let (answered, count) = self.by_replica.get(&address_id(address)).copied().unwrap_or_default();
-        // In flight and not streaming (as far as the records tell): computing its prefill.
-        let streams = answered.iter().take(count).filter(|a| !a.ended).count();
-        let prefilling =
-            if prefilling { in_flight.saturating_sub(u32::try_from(streams).unwrap_or(u32::MAX)).max(1) } else { 0 };
-        Returning { answered, count, prefilling, curves: self.curves.clone() }
+        self.0.of(address_id(address), in_flight, prefilling)
     }
 }
 
@@ -262,13 +171,14 @@ impl Returns {
 mod tests {
     use super::*;
     use crate::fake::FakeHost;
+    use llmgw_core::flow::return_ledger::PER_REPLICA;
     use llmgw_core::policy::returns::GAP_BUCKETS;
 
     const A: &str = "10.0.0.1:8000";
     const B: &str = "10.0.0.2:8000";
     const MS: u64 = 1_000_000;
 
-    fn learned(host: &FakeHost) -> Learned {
+    fn learned(host: &FakeHost) -> ReturnGaps {
         read_learned(&host.shared_data(GAPS).and_then(|(v, _)| v).unwrap_or_default())
     }
 
@@ -320,7 +230,7 @@ mod tests {
             }
         }
         let ends = host.shared_data(ENDS).and_then(|(v, _)| v).unwrap_or_default();
-        assert_eq!(ends.len(), PER_REPLICA * Record::SIZE);
+        assert_eq!(ends.len(), PER_REPLICA * ReturnRecord::SIZE);
         let l = learned(&host);
         // Three went: all three from the first token, the two that had ended from the end.
         assert!((l.from_first.never - 3.0).abs() < 0.1, "{}", l.from_first.never);

@@ -1,19 +1,23 @@
 //! What the routing core asks the gateway, as the endpoint picker knows it: the requests it sent
 //! and that have not finished (per endpoint, with the prefill tokens of those that have not
 //! produced a first token and the KV blocks their prompts hold), how long its requests held their
-//! blocks and the rates learned from their first tokens ([`super::learned`]), the endpoints it
-//! avoids for now (a primary the data plane could not use, a tokenizer that failed), and the
+//! blocks and the rates learned from their first tokens ([`super::learned`]), the requests it
+//! expects back (those answered lately whose next request has not come, by the core's ledger of
+//! returns, and how soon next requests followed), the endpoints it avoids for now (a primary the data plane could not use, a tokenizer that failed), and the
 //! subset hint of the request being decided (an endpoint outside it counts as down). The filter
 //! keeps the same in Envoy's shared data; here one mutex-guarded table serves every stream, and
 //! each decision reads a snapshot.
 
 use super::learned::Learned;
 use super::turns::Turns;
+use llmgw_core::flow::return_ledger::{self, ExpectedReturns, LearnedGaps, Record as ReturnRecord};
 use llmgw_core::flow::{
     add_speculative, speculative_hits, EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates,
     ReplicaAvoidance, Speculation, SpeculativeEntries, SpeculativeEntry, SpeculativeHit, TokenizerCalls,
 };
 use llmgw_core::policy::rates::{Basis, Rates};
+use llmgw_core::policy::returns::Returning;
+use llmgw_core::stable_hash::stable_hash;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -34,6 +38,15 @@ struct Table {
     /// Endpoint → until when requests avoid it.
     avoided: HashMap<String, Instant>,
     tokenizers: HashMap<String, Instant>,
+    /// The requests answered lately and not followed yet (bounded by the core's ledger), and
+    /// what was learned of how soon next requests follow.
+    returns: Vec<ReturnRecord>,
+    gaps: LearnedGaps,
+}
+
+/// The id an endpoint's requests expected back are recorded under.
+fn replica_id(address: &str) -> u64 {
+    stable_hash(address.as_bytes())
 }
 
 /// One routed request as the picker counts it, from its routing ([`Gateway::started`]) to its
@@ -52,13 +65,37 @@ pub struct Charge {
     /// Where it was routed on an estimate of its length: its prompt's tokens, once its call
     /// after routing counted them (its first token teaches nothing before).
     counted: Option<Arc<Counted>>,
+    /// The key its answer is recorded under from its first token, for the requests expected
+    /// back (none for an error: nobody's turn follows it), and whether it was recorded.
+    ends_as: Option<u64>,
+    recorded: bool,
     routed_at: Instant,
 }
 
 impl Charge {
     pub fn new(address: String, prefill_tokens: u64, holding: Option<Holding>, learning: Option<Basis>) -> Charge {
         let learning = learning.map(Box::new);
-        Charge { address, prefill_tokens, holding, learning, counted: None, routed_at: Instant::now() }
+        Charge {
+            address,
+            prefill_tokens,
+            holding,
+            learning,
+            counted: None,
+            ends_as: None,
+            recorded: false,
+            routed_at: Instant::now(),
+        }
+    }
+
+    /// Its answer is recorded under `key` from its first token (see [`Gateway::first_token`]).
+    pub fn recorded_as(mut self, key: Option<u64>) -> Charge {
+        self.ends_as = key;
+        self
+    }
+
+    /// It was answered with an error: nobody's next request follows it.
+    pub fn failed(&mut self) {
+        self.ends_as = None;
     }
 
     /// The request was routed on an estimate of its length: what its first token teaches waits
@@ -151,6 +188,13 @@ impl Gateway {
     /// stop counting. `teach`: it is a streamed answer's first chunk, whose time from the
     /// routing teaches the endpoint's rates (once).
     pub fn first_token(&self, c: &mut Charge, teach: bool) {
+        if let Some(key) = c.ends_as.filter(|_| !c.recorded) {
+            c.recorded = true;
+            let mut t = self.table();
+            let t = &mut *t;
+            let gone = return_ledger::start(&mut t.returns, replica_id(&c.address), key, now_ns());
+            t.gaps.learn(&gone);
+        }
         let tokens = std::mem::take(&mut c.prefill_tokens);
         let basis = if teach {
             c.lesson()
@@ -173,9 +217,16 @@ impl Gateway {
 
     /// A request counted at `c.address` finished: its hold is observed.
     pub fn finished(&self, mut c: Charge) {
+        // An answer that never came is not recorded at its end.
+        if !c.recorded {
+            c.ends_as = None;
+        }
         self.first_token(&mut c, false);
         let held_us = micros(c.routed_at.elapsed());
         let mut t = self.table();
+        if let Some(key) = c.ends_as {
+            return_ledger::end(&mut t.returns, key, now_ns());
+        }
         if let Some(b) = t.in_flight.get_mut(&c.address) {
             b.requests = b.requests.saturating_sub(1);
             if b.requests == 0 {
@@ -186,6 +237,16 @@ impl Gateway {
             t.held.remove(&c.address, h);
         }
         t.learned.hold(&c.address, held_us);
+    }
+
+    /// A request whose blocks include `key` followed the request recorded under it: the gap
+    /// is learned.
+    pub fn followed(&self, key: u64) {
+        let mut t = self.table();
+        let t = &mut *t;
+        if let Some(o) = return_ledger::follow(&mut t.returns, key, now_ns()) {
+            t.gaps.learn(&[o]);
+        }
     }
 
     /// The learned rates, as Prometheus gauges.
@@ -234,6 +295,7 @@ impl Gateway {
             per_endpoint,
             avoided: t.avoided.keys().cloned().collect(),
             tokenizers: t.tokenizers.keys().cloned().collect(),
+            returns: ExpectedReturns::new(t.returns.iter().copied(), &t.gaps, now_ns()),
             subset: subset.map(|s| s.iter().cloned().collect()),
             turns: self.turns.clone(),
             speculative: self.speculative.clone(),
@@ -256,6 +318,7 @@ pub struct Snapshot {
     per_endpoint: HashMap<String, Endpoint>,
     avoided: HashSet<String>,
     tokenizers: HashSet<String>,
+    returns: ExpectedReturns,
     subset: Option<HashSet<String>>,
     turns: Arc<Mutex<Turns>>,
     speculative: Arc<Mutex<Vec<SpeculativeEntry>>>,
@@ -284,6 +347,13 @@ impl InFlightCounts for Snapshot {
     }
     fn hold_us(&self, address: &str) -> f64 {
         self.endpoint(address).hold_us
+    }
+    fn returning(&self, address: &str) -> Returning {
+        let busy = self.endpoint(address).busy;
+        self.returns.of(replica_id(address), busy.requests, busy.pending_tokens > 0)
+    }
+    fn ended_request(&self, key: u64) -> bool {
+        self.returns.ended(key)
     }
 }
 
@@ -421,5 +491,36 @@ mod tests {
         let many = Speculation { replica: 8, keys: (100..100 + MAX_SPECULATIVE_ENTRIES as u64).collect(), reset_ns: 0 };
         assert_eq!(g.speculate(&many), 2);
         assert_eq!(g.speculative.lock().unwrap().len(), MAX_SPECULATIVE_ENTRIES);
+    }
+
+    #[test]
+    fn an_answered_request_is_expected_back_where_it_was_answered_until_its_next_one_comes() {
+        let g = Gateway::new(Duration::from_secs(60));
+        let routed = |key| Charge::new(A.to_owned(), 0, None, None).recorded_as(Some(key));
+        // Recorded from its first token, not before.
+        let mut c = routed(7);
+        g.started(&c);
+        assert!(!g.snapshot(None).ended_request(7));
+        g.first_token(&mut c, false);
+        let s = g.snapshot(None);
+        assert!(s.ended_request(7));
+        assert_eq!((s.returning(A).count, s.returning("10.0.0.2:8000").count), (1, 0));
+        g.finished(c);
+        assert!(g.snapshot(None).returning(A).answered[0].ended, "its end noted");
+        // Its next request came: no longer expected.
+        g.followed(7);
+        assert!(!g.snapshot(None).ended_request(7));
+        // An error, and a request that ended without an answer, are nobody's turn before.
+        let mut failed = routed(8);
+        g.started(&failed);
+        failed.failed();
+        g.first_token(&mut failed, false);
+        let cut = routed(9);
+        g.started(&cut);
+        g.finished(cut);
+        g.finished(failed);
+        let s = g.snapshot(None);
+        assert!(!s.ended_request(8) && !s.ended_request(9));
+        assert_eq!(s.returning(A).count, 0);
     }
 }

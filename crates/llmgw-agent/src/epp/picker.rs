@@ -151,7 +151,11 @@ impl Picker {
         // A prediction with a wait for room in the cache says nothing of the rates.
         let d = &routed.decision;
         let learning = d.basis.as_deref().copied().filter(|b| b.learning.enabled && d.capacity_wait_us.0 == 0);
-        let mut charge = Charge::new(routed.address.clone(), routed.prefill_tokens, routed.holding, learning);
+        if let Some(key) = routed.follows {
+            self.gateway.followed(key);
+        }
+        let mut charge = Charge::new(routed.address.clone(), routed.prefill_tokens, routed.holding, learning)
+            .recorded_as(routed.ends_as);
         let pending = after.map(|call| Pending { call, counted: charge.counted_later() });
         Pick::Route(Destination { endpoints, dp_rank: routed.dp_rank }, charge, pending)
     }

@@ -174,6 +174,9 @@ async fn step(picker: &Picker, ex: &mut Exchange, msg: ProcessingRequest, limit:
                 wire::header(h.headers.as_ref(), "content-type").is_some_and(|v| is_event_stream(v.as_bytes()));
             if status.as_deref() != Some("200") || !streamed || h.end_of_stream || !ex.response_bodies.chunked() {
                 if let Some(c) = ex.counted.as_mut() {
+                    if status.as_deref() != Some("200") {
+                        c.failed();
+                    }
                     picker.gateway.first_token(c, false);
                 }
                 // No stream to read the ids from: left as it comes, and the call made.

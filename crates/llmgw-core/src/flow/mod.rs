@@ -30,6 +30,7 @@ mod hybrid;
 mod prefix;
 mod reasons;
 mod recent;
+pub mod return_ledger;
 mod shared_prefix;
 mod shared_prompt;
 mod speculative;
