@@ -44,7 +44,7 @@ impl Keeper {
             if calls > MAX_CALLS {
                 return;
             }
-            let answer = tokenize::counted_call(&t, &self.metrics).await;
+            let answer = tokenize::counted_call(&t, &self.metrics, &self.gateway).await;
             let target = t.target.clone();
             let (failed, retry) = answer.with_reply(|reply| self.keep(*t, reply, &p.counted));
             if failed && answer.tokenizer_at_fault() {

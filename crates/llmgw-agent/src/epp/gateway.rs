@@ -3,7 +3,10 @@
 //! produced a first token and the KV blocks their prompts hold), how long its requests held their
 //! blocks and the rates learned from their first tokens ([`super::learned`]), the requests it
 //! expects back (those answered lately whose next request has not come, by the core's ledger of
-//! returns, and how soon next requests followed), the endpoints it avoids for now (a primary the data plane could not use, a tokenizer that failed), and the
+//! returns, and how soon next requests followed), the requests routed lately per endpoint
+//! (fading by request: what breaks a tie between equally fast endpoints), its tokenizer calls' usual round trip (what a
+//! request that could go at once weighs its wait for its own tokens against), the endpoints it
+//! avoids for now (a primary the data plane could not use, a tokenizer that failed), and the
 //! subset hint of the request being decided (an endpoint outside it counts as down). The filter
 //! keeps the same in Envoy's shared data; here one mutex-guarded table serves every stream, and
 //! each decision reads a snapshot.
@@ -11,6 +14,8 @@
 use super::learned::Learned;
 use super::turns::Turns;
 use llmgw_core::flow::return_ledger::{self, ExpectedReturns, LearnedGaps, Record as ReturnRecord};
+use llmgw_core::flow::routed_lately::{self, Count};
+use llmgw_core::flow::tokenizer_wait::RoundTrips;
 use llmgw_core::flow::{
     add_speculative, speculative_hits, EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates,
     ReplicaAvoidance, Speculation, SpeculativeEntries, SpeculativeEntry, SpeculativeHit, TokenizerCalls,
@@ -42,6 +47,10 @@ struct Table {
     /// what was learned of how soon next requests follow.
     returns: Vec<ReturnRecord>,
     gaps: LearnedGaps,
+    /// The last tokenizer calls' round trips (the core's window).
+    round_trips: RoundTrips,
+    /// Requests routed lately per endpoint (the core's counts, bounded).
+    routed_lately: Vec<Count>,
 }
 
 /// The id an endpoint's requests expected back are recorded under.
@@ -182,6 +191,7 @@ impl Gateway {
         if let Some(h) = &c.holding {
             t.held.add(&c.address, h);
         }
+        routed_lately::routed(&mut t.routed_lately, replica_id(&c.address));
     }
 
     /// The request's first token came (or its answer, where not streamed): its prefill tokens
@@ -249,6 +259,11 @@ impl Gateway {
         }
     }
 
+    /// A tokenizer call was answered (or failed) after `d`.
+    pub fn tokenizer_round_trip(&self, d: Duration) {
+        self.table().round_trips.observe(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    }
+
     /// The learned rates, as Prometheus gauges.
     pub fn learned_text(&self) -> String {
         self.table().learned.text()
@@ -296,6 +311,8 @@ impl Gateway {
             avoided: t.avoided.keys().cloned().collect(),
             tokenizers: t.tokenizers.keys().cloned().collect(),
             returns: ExpectedReturns::new(t.returns.iter().copied(), &t.gaps, now_ns()),
+            round_trip_us: t.round_trips.median_us(),
+            routed_lately: t.routed_lately.iter().map(|c| (c.id, c.count)).collect(),
             subset: subset.map(|s| s.iter().cloned().collect()),
             turns: self.turns.clone(),
             speculative: self.speculative.clone(),
@@ -319,6 +336,8 @@ pub struct Snapshot {
     avoided: HashSet<String>,
     tokenizers: HashSet<String>,
     returns: ExpectedReturns,
+    round_trip_us: Option<u64>,
+    routed_lately: HashMap<u64, f64>,
     subset: Option<HashSet<String>>,
     turns: Arc<Mutex<Turns>>,
     speculative: Arc<Mutex<Vec<SpeculativeEntry>>>,
@@ -347,6 +366,9 @@ impl InFlightCounts for Snapshot {
     }
     fn hold_us(&self, address: &str) -> f64 {
         self.endpoint(address).hold_us
+    }
+    fn recent_requests(&self, address: &str) -> f64 {
+        self.routed_lately.get(&replica_id(address)).copied().unwrap_or(0.0)
     }
     fn returning(&self, address: &str) -> Returning {
         let busy = self.endpoint(address).busy;
@@ -378,7 +400,11 @@ impl LearnedRates for Snapshot {
         self.endpoint(address).rates
     }
 }
-impl TokenizerCalls for Snapshot {}
+impl TokenizerCalls for Snapshot {
+    fn tokenizer_round_trip_us(&self) -> Option<u64> {
+        self.round_trip_us
+    }
+}
 impl EarlierTurns for Snapshot {
     fn earlier_tokens(&self, tag: u128) -> Option<(Vec<u32>, usize)> {
         self.turns.lock().unwrap_or_else(|p| p.into_inner()).lookup(tag)
@@ -413,6 +439,8 @@ mod tests {
         assert!(s.avoided("10.0.0.3:8000"), "outside the subset hint");
         let all = g.snapshot(None);
         assert!(!all.avoided("10.0.0.3:8000"));
+        // Routed lately: the two started on A, none elsewhere.
+        assert!(all.recent_requests(A) > 1.9 && all.recent_requests("10.0.0.2:8000") == 0.0);
         g.finished(second);
         g.finished(charge(A));
         assert_eq!(g.snapshot(None).in_flight(A), 0);
@@ -522,5 +550,17 @@ mod tests {
         let s = g.snapshot(None);
         assert!(!s.ended_request(8) && !s.ended_request(9));
         assert_eq!(s.returning(A).count, 0);
+    }
+
+    #[test]
+    fn the_tokenizer_calls_usual_round_trip_is_known_once_enough_were_made() {
+        use llmgw_core::flow::tokenizer_wait::MIN_CALLS;
+        let g = Gateway::new(Duration::from_secs(60));
+        for ms in 1..MIN_CALLS as u64 {
+            g.tokenizer_round_trip(Duration::from_millis(ms));
+        }
+        assert_eq!(g.snapshot(None).tokenizer_round_trip_us(), None, "too few calls: every such request waits");
+        g.tokenizer_round_trip(Duration::from_secs(5));
+        assert_eq!(g.snapshot(None).tokenizer_round_trip_us(), Some(5_000), "the median, not the slow one");
     }
 }

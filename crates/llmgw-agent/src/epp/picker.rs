@@ -119,7 +119,7 @@ impl Picker {
                     let answer = if calls > MAX_TOKENIZER_CALLS {
                         Answer::Reset
                     } else {
-                        tokenize::counted_call(&t, &self.metrics).await
+                        tokenize::counted_call(&t, &self.metrics, &self.gateway).await
                     };
                     step = self.reply(t, &answer, subset);
                 }

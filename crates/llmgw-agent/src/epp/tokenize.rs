@@ -3,10 +3,11 @@
 //! agent's native tokenizer, else the least-loaded replica), within the step's timeout. The
 //! answer is handed to the core as the filter hands Envoy's: a status and a body.
 
+use super::gateway::Gateway;
 use super::metrics::{inc, EppMetrics};
 use crate::http_client::{post_json, HttpError};
 use llmgw_core::flow::{Tokenize, TokenizerReply};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tracing::debug;
 
 /// What came back from a tokenizer call.
@@ -20,10 +21,13 @@ pub enum Answer {
     Reset,
 }
 
-/// Calls the tokenizer `t` names, counted in `metrics` (the call, and its failure).
-pub async fn counted_call(t: &Tokenize, metrics: &EppMetrics) -> Answer {
+/// Calls the tokenizer `t` names, counted in `metrics` (the call, and its failure) and timed
+/// in `gateway` (its round trip, answered or not).
+pub async fn counted_call(t: &Tokenize, metrics: &EppMetrics, gateway: &Gateway) -> Answer {
     inc(&metrics.tokenizer_calls);
+    let sent = Instant::now();
     let answer = call(t).await;
+    gateway.tokenizer_round_trip(sent.elapsed());
     if answer.failed() {
         inc(&metrics.tokenizer_failures);
         debug!(target = %t.target, ?answer, "tokenizer call failed");
