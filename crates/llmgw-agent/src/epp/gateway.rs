@@ -24,7 +24,7 @@ use llmgw_core::policy::rates::{Basis, Rates};
 use llmgw_core::policy::returns::Returning;
 use llmgw_core::stable_hash::stable_hash;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// One endpoint's requests in flight.
@@ -43,14 +43,18 @@ struct Table {
     /// Endpoint → until when requests avoid it.
     avoided: HashMap<String, Instant>,
     tokenizers: HashMap<String, Instant>,
-    /// The requests answered lately and not followed yet (bounded by the core's ledger), and
-    /// what was learned of how soon next requests follow.
-    returns: Vec<ReturnRecord>,
-    gaps: LearnedGaps,
     /// The last tokenizer calls' round trips (the core's window).
     round_trips: RoundTrips,
     /// Requests routed lately per endpoint (the core's counts, bounded).
     routed_lately: Vec<Count>,
+}
+
+/// The requests answered lately and not followed yet (bounded by the core's ledger), and what
+/// was learned of how soon next requests follow.
+#[derive(Debug, Default)]
+struct Returns {
+    records: Vec<ReturnRecord>,
+    gaps: LearnedGaps,
 }
 
 /// The id an endpoint's requests expected back are recorded under.
@@ -147,6 +151,7 @@ pub struct Gateway {
     /// Apart from the table, each: a lookup is made while a decision runs, not copied into it.
     turns: Arc<Mutex<Turns>>,
     speculative: Arc<Mutex<Vec<SpeculativeEntry>>>,
+    returns: Arc<Mutex<Returns>>,
     avoid_for: Duration,
 }
 
@@ -161,7 +166,13 @@ fn micros(d: Duration) -> f64 {
 
 impl Gateway {
     pub fn new(avoid_for: Duration) -> Gateway {
-        Gateway { table: Mutex::new(Table::default()), turns: Arc::default(), speculative: Arc::default(), avoid_for }
+        Gateway {
+            table: Mutex::new(Table::default()),
+            turns: Arc::default(),
+            speculative: Arc::default(),
+            returns: Arc::default(),
+            avoid_for,
+        }
     }
 
     /// Records a routed request's blocks as sent to its engine, until KV events confirm them;
@@ -182,6 +193,10 @@ impl Gateway {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn returns(&self) -> MutexGuard<'_, Returns> {
+        self.returns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// A request was sent to `c.address`.
     pub fn started(&self, c: &Charge) {
         let mut t = self.table();
@@ -200,10 +215,10 @@ impl Gateway {
     pub fn first_token(&self, c: &mut Charge, teach: bool) {
         if let Some(key) = c.ends_as.filter(|_| !c.recorded) {
             c.recorded = true;
-            let mut t = self.table();
-            let t = &mut *t;
-            let gone = return_ledger::start(&mut t.returns, replica_id(&c.address), key, now_ns());
-            t.gaps.learn(&gone);
+            let mut r = self.returns();
+            let r = &mut *r;
+            let gone = return_ledger::start(&mut r.records, replica_id(&c.address), key, now_ns());
+            r.gaps.learn(&gone);
         }
         let tokens = std::mem::take(&mut c.prefill_tokens);
         let basis = if teach {
@@ -233,10 +248,10 @@ impl Gateway {
         }
         self.first_token(&mut c, false);
         let held_us = micros(c.routed_at.elapsed());
-        let mut t = self.table();
         if let Some(key) = c.ends_as {
-            return_ledger::end(&mut t.returns, key, now_ns());
+            return_ledger::end(&mut self.returns().records, key, now_ns());
         }
+        let mut t = self.table();
         if let Some(b) = t.in_flight.get_mut(&c.address) {
             b.requests = b.requests.saturating_sub(1);
             if b.requests == 0 {
@@ -252,10 +267,10 @@ impl Gateway {
     /// A request whose blocks include `key` followed the request recorded under it: the gap
     /// is learned.
     pub fn followed(&self, key: u64) {
-        let mut t = self.table();
-        let t = &mut *t;
-        if let Some(o) = return_ledger::follow(&mut t.returns, key, now_ns()) {
-            t.gaps.learn(&[o]);
+        let mut r = self.returns();
+        let r = &mut *r;
+        if let Some(o) = return_ledger::follow(&mut r.records, key, now_ns()) {
+            r.gaps.learn(&[o]);
         }
     }
 
@@ -310,7 +325,8 @@ impl Gateway {
             per_endpoint,
             avoided: t.avoided.keys().cloned().collect(),
             tokenizers: t.tokenizers.keys().cloned().collect(),
-            returns: ExpectedReturns::new(t.returns.iter().copied(), &t.gaps, now_ns()),
+            returns: self.returns.clone(),
+            expected: OnceLock::new(),
             round_trip_us: t.round_trips.median_us(),
             routed_lately: t.routed_lately.iter().map(|c| (c.id, c.count)).collect(),
             subset: subset.map(|s| s.iter().cloned().collect()),
@@ -335,7 +351,9 @@ pub struct Snapshot {
     per_endpoint: HashMap<String, Endpoint>,
     avoided: HashSet<String>,
     tokenizers: HashSet<String>,
-    returns: ExpectedReturns,
+    /// Read only where a decision asks for the requests expected back, once.
+    returns: Arc<Mutex<Returns>>,
+    expected: OnceLock<ExpectedReturns>,
     round_trip_us: Option<u64>,
     routed_lately: HashMap<u64, f64>,
     subset: Option<HashSet<String>>,
@@ -347,6 +365,13 @@ impl Snapshot {
     /// Whether the subset hint (if any) admits `address`.
     pub fn eligible(&self, address: &str) -> bool {
         self.subset.as_ref().is_none_or(|s| s.contains(address))
+    }
+
+    fn expected(&self) -> &ExpectedReturns {
+        self.expected.get_or_init(|| {
+            let r = self.returns.lock().unwrap_or_else(|p| p.into_inner());
+            ExpectedReturns::new(r.records.iter().copied(), &r.gaps, now_ns())
+        })
     }
 
     fn endpoint(&self, address: &str) -> Endpoint {
@@ -372,10 +397,10 @@ impl InFlightCounts for Snapshot {
     }
     fn returning(&self, address: &str) -> Returning {
         let busy = self.endpoint(address).busy;
-        self.returns.of(replica_id(address), busy.requests, busy.pending_tokens > 0)
+        self.expected().of(replica_id(address), busy.requests, busy.pending_tokens > 0)
     }
     fn ended_request(&self, key: u64) -> bool {
-        self.returns.ended(key)
+        self.expected().ended(key)
     }
 }
 
