@@ -148,6 +148,31 @@ def test_a_streamed_followup_reads_its_prompt_ids_from_its_answer_where_the_answ
     assert calls() == calls_before
 
 
+def complete(port, prompt: str):
+    """(status, replica that served) of a completion through Envoy."""
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status, r.headers.get("x-llmgw-sim-replica")
+
+
+def test_a_text_prompt_extending_an_earlier_one_is_routed_at_once_on_its_tokens(epp_fleet):
+    """The picker's one router keeps the text prompts it tokenized: a completion that begins
+    with an earlier prompt (a conversation written out as text) goes at once, on the earlier
+    prompt's tokens, to the replica holding them."""
+    agent, listen = epp_fleet["agent"], epp_fleet["listen"]
+    turns = lambda: metric(agent, "llmgw_epp_tokenizer_cache_total", '{result="earlier_turn"}')
+    first = "A conversation written out as text. " + SYSTEM
+    status, served_by = complete(listen, first)
+    assert status == 200 and served_by
+    agent.wait_for(served_by, lambda r: r["blocks"] > 0, "the agent mirrored the blocks")
+    before = turns()
+    status, again = complete(listen, first + " Then the next question, and its answer.")
+    assert status == 200 and again == served_by, f"went to {again}, the earlier prompt is on {served_by}"
+    assert turns() == before + 1, "routed on the earlier prompt's tokens, before its own call"
+
+
 def test_the_picker_learns_each_endpoints_rates_from_its_streamed_answers_first_chunks(epp_fleet):
     """Where the answer's body is streamed through the picker (the shipped configuration), each
     streamed answer's first chunk teaches its endpoint's rates, and the answer arrives whole;
