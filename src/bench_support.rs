@@ -128,7 +128,7 @@ fn fill(host: &FakeHost, replicas: u32, vms: u32) -> Result<(), String> {
     // earlier ones that were followed: every candidate's returns are computed.
     for id in 0..u64::from(replicas) {
         let a = address(u32::try_from(id).unwrap_or(0));
-        for k in 0..(llmgw_core::flow::return_ledger::PER_REPLICA as u64).saturating_add(8) {
+        for k in 0..(llmgw_core::policy::return_ledger::PER_REPLICA as u64).saturating_add(8) {
             let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id.wrapping_add(1).wrapping_mul(0xA24B_AED4_963E_E407);
             first_failed(returns::started(host, &a, key))?;
             if k % 2 == 0 {

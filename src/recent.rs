@@ -4,13 +4,13 @@
 //!
 //! The value holds 16-byte records, little-endian: the address's stable hash (u64) and its count
 //! (an `f64` as its bit pattern), kept by the core's rules
-//! ([`llmgw_core::flow::routed_lately`]: they fade by request, at most 256 records, 4 KiB).
+//! ([`llmgw_core::policy::routed_lately`]: they fade by request, at most 256 records, 4 KiB).
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, FieldReader, IdMap, SharedRecord};
 #[cfg(test)]
-use llmgw_core::flow::routed_lately::MEMORY_PER_REPLICA;
-use llmgw_core::flow::routed_lately::{self, sane, Count};
+use llmgw_core::policy::routed_lately::MEMORY_PER_REPLICA;
+use llmgw_core::policy::routed_lately::{self, sane, Count};
 
 const KEY: &str = "llmgw.recent";
 

@@ -10,8 +10,8 @@
 //! * `llmgw.returns.ends`: 32-byte records, little-endian: the replica's address id, the key
 //!   the request is recorded under (its prompt's last full block), its first token's time and
 //!   its end's (ns; 0 while it streams). The latest
-//!   [`PER_REPLICA`](llmgw_core::flow::return_ledger::PER_REPLICA) per replica are kept,
-//!   [`MAX_RECORDS`](llmgw_core::flow::return_ledger::MAX_RECORDS) in all (32 KiB). A request whose blocks include a record's key is its next
+//!   [`PER_REPLICA`](llmgw_core::policy::return_ledger::PER_REPLICA) per replica are kept,
+//!   [`MAX_RECORDS`](llmgw_core::policy::return_ledger::MAX_RECORDS) in all (32 KiB). A request whose blocks include a record's key is its next
 //!   one: the record goes, and the gaps are learned. A record pushed out first counts as never
 //!   followed.
 //! * `llmgw.returns.gaps`: the gaps learned ([`Gaps`]) from the first token, then from the end:
@@ -22,7 +22,7 @@
 
 use crate::host::{update_shared, Host, SharedKind};
 use crate::shared_records::{address_id, decode, encode, FieldReader, SharedRecord};
-use llmgw_core::flow::return_ledger::{
+use llmgw_core::policy::return_ledger::{
     end, follow, start, ExpectedReturns, LearnedGaps as ReturnGaps, Observation, Record as ReturnRecord,
 };
 use llmgw_core::policy::returns::{Gaps, Returning};
@@ -171,7 +171,7 @@ impl Returns {
 mod tests {
     use super::*;
     use crate::fake::FakeHost;
-    use llmgw_core::flow::return_ledger::PER_REPLICA;
+    use llmgw_core::policy::return_ledger::PER_REPLICA;
     use llmgw_core::policy::returns::GAP_BUCKETS;
 
     const A: &str = "10.0.0.1:8000";

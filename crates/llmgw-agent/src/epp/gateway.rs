@@ -13,15 +13,15 @@
 
 use super::learned::Learned;
 use super::turns::Turns;
-use llmgw_core::flow::return_ledger::{self, ExpectedReturns, LearnedGaps, Record as ReturnRecord};
-use llmgw_core::flow::routed_lately::{self, Count};
 use llmgw_core::flow::tokenizer_wait::RoundTrips;
 use llmgw_core::flow::{
     add_speculative, speculative_hits, EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates,
     ReplicaAvoidance, Speculation, SpeculativeEntries, SpeculativeEntry, SpeculativeHit, TokenizerCalls,
 };
 use llmgw_core::policy::rates::{Basis, Rates};
+use llmgw_core::policy::return_ledger::{self, ExpectedReturns, LearnedGaps, Record as ReturnRecord};
 use llmgw_core::policy::returns::Returning;
+use llmgw_core::policy::routed_lately::{self, Count};
 use llmgw_core::stable_hash::stable_hash;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};

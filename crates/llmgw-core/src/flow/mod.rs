@@ -30,8 +30,6 @@ mod hybrid;
 mod prefix;
 mod reasons;
 mod recent;
-pub mod return_ledger;
-pub mod routed_lately;
 mod shared_prefix;
 mod shared_prompt;
 mod speculative;
