@@ -53,6 +53,7 @@ impl SharedRecord for Record {
             request_us: next(),
             observations: count,
             residual_us: scale,
+            quiet_ns: 0,
         };
         let estimator = Estimator { xx, xy, weight, scale, count };
         Some(Record { id, updated_ns, estimator, rates })
@@ -84,7 +85,9 @@ pub struct Learned {
 impl Learned {
     pub fn read(host: &dyn Host) -> Learned {
         let value = host.shared_data(KEY).and_then(|(v, _)| v).unwrap_or_default();
-        Learned { by_address: decode::<Record>(&value).map(|r| (r.id, r.rates)).collect() }
+        let now = host.now_ns();
+        let quiet = |r: Record| Rates { quiet_ns: now.saturating_sub(r.updated_ns), ..r.rates };
+        Learned { by_address: decode::<Record>(&value).map(|r| (r.id, quiet(r))).collect() }
     }
 
     /// The rates learned for `address`, when any.
@@ -96,8 +99,10 @@ impl Learned {
 /// The records with `id`'s updated by one observation.
 fn with(v: &[u8], id: u64, now: u64, basis: &Basis, ttft_us: f64) -> Vec<u8> {
     let mut out: Vec<Record> = decode::<Record>(v).filter(|r| r.id != id).collect();
-    let mut estimator = decode::<Record>(v).find(|r| r.id == id).map(|r| r.estimator).unwrap_or_default();
-    let rates = estimator.teach(basis, ttft_us);
+    let (mut estimator, quiet_ns) = decode::<Record>(v)
+        .find(|r| r.id == id)
+        .map_or((Estimator::default(), 0), |r| (r.estimator, now.saturating_sub(r.updated_ns)));
+    let rates = estimator.teach(basis, ttft_us, quiet_ns);
     out.push(Record { id, updated_ns: now, estimator, rates });
     keep_highest(&mut out, MAX_RECORDS, |r| r.updated_ns);
     encode(out)
@@ -131,6 +136,7 @@ mod tests {
             request_us: 20_000.0,
             observations: 0,
             residual_us: 0.0,
+            quiet_ns: 0,
         };
         Basis {
             features: Features { uncached, queued_tokens: 0, requests },
@@ -159,9 +165,17 @@ mod tests {
         assert!((a.request_us - 5_000.0).abs() < 1_000.0, "{a:?}");
         assert_eq!(Learned::read(&host).of(B), None);
         assert_eq!(host.shared_value(KEY).unwrap().len(), Record::SIZE);
+        // Read later, they say how long they have been quiet; an observation after a quiet past
+        // `forget_ns` starts them afresh.
+        let forget = basis(0, 0).learning.forget_ns;
+        host.now_ns.set(1_119 + forget + 1);
+        assert_eq!(Learned::read(&host).of(A).unwrap().quiet_ns, forget + 1);
+        observe(&host, A, &basis(100, 0), 2_000 + 400 * 100).unwrap();
+        let a = Learned::read(&host).of(A).unwrap();
+        assert_eq!((a.observations, a.quiet_ns), (1, 0));
         // Bounded: the replica updated longest ago goes first.
         for i in 0..MAX_RECORDS as u64 {
-            host.now_ns.set(10_000 + i);
+            host.now_ns.set(1_200 + forget + i);
             observe(&host, &format!("10.1.{}.{}:8000", i / 256, i % 256), &basis(10, 0), 3_000).unwrap();
         }
         assert_eq!(host.shared_value(KEY).unwrap().len(), MAX_RECORDS * Record::SIZE);

@@ -700,3 +700,36 @@ def test_filter_learns_a_replica_slow_to_its_first_token_and_routes_around_it(pr
         gw.assert_no_panic()
     finally:
         feed.stop()
+
+
+def test_a_replica_that_recovers_is_tried_again_once_its_rates_are_forgotten(procs, envoy_bin, wasm_path, tmp_path,
+                                                                             feed_pb, fleet):
+    # Replica 1 holds the prompt but takes 80 ms to its first token, until its requests have
+    # moved away; then it recovers. Observed no more, it would keep its slow rates for good and
+    # never be tried again. Past `rates_forget_ms` without an observation (500 ms here) its rates
+    # are forgotten: it is predicted at the profile's rates, holds the prompt, and takes it back.
+    comp = block_keys(completion_tokens(PROMPT), BLOCK)
+    feed = start_feed(feed_pb, fleet, {1: comp})
+    try:
+        cfg = filter_cfg(weights={"rates_forget_ms": 500})
+        gw = Gateway(procs, envoy_bin, wasm_path, tmp_path, fleet, feed, cfg, concurrency=2)
+        req = {"model": MODEL, "prompt": PROMPT, "stream": True}
+        fleet[1].generate_delay = 0.08
+        served = [gw.served_by("/v1/completions", req)[0] for _ in range(20)]
+        assert fleet[1].port not in served[-5:], served
+        fleet[1].generate_delay = 0.0
+        decisions = []
+
+        def back_on_replica_1() -> bool:
+            port, hdrs = gw.served_by("/v1/completions", req)
+            decisions.append((port, hdrs.get("x-llmgw-decision", "")))
+            return port == fleet[1].port
+        wait_until(back_on_replica_1, timeout=10, interval=0.1, what="the recovered replica tried again")
+        # Tried at the profile's rates, and learned again from there: its next requests stay.
+        assert "rates=profile" in decisions[-1][1], decisions[-3:]
+        again = [gw.served_by("/v1/completions", req) for _ in range(5)]
+        assert all(port == fleet[1].port for port, _ in again), [(p, h.get("x-llmgw-decision")) for p, h in again]
+        assert "rates=learned/" in again[-1][1].get("x-llmgw-decision", ""), again[-1][1]
+        gw.assert_no_panic()
+    finally:
+        feed.stop()

@@ -236,7 +236,7 @@ impl Gateway {
             b.pending_tokens = b.pending_tokens.saturating_sub(tokens);
         }
         if let Some(basis) = basis {
-            t.learned.teach(&c.address, &basis, ttft_us);
+            t.learned.teach(&c.address, &basis, ttft_us, Instant::now());
         }
     }
 
@@ -317,7 +317,7 @@ impl Gateway {
                 busy: t.in_flight.get(a).copied().unwrap_or_default(),
                 held_blocks: t.held.total(a),
                 hold_us: t.learned.hold_us(a),
-                rates: t.learned.rates(a),
+                rates: t.learned.rates(a, now),
             };
             per_endpoint.insert(a.clone(), e);
         }

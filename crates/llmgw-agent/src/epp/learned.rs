@@ -8,6 +8,7 @@ use llmgw_core::policy::capacity::moved_hold_us;
 use llmgw_core::policy::rates::{Basis, Estimator, Rates};
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::time::Instant;
 
 /// At most this many endpoints' rates and holds are kept.
 pub const MAX_ENDPOINTS: usize = 256;
@@ -15,8 +16,9 @@ pub const MAX_ENDPOINTS: usize = 256;
 #[derive(Debug, Clone, Copy)]
 struct Endpoint {
     estimator: Estimator,
-    /// What the estimator gave at its last observation; none before the first.
-    rates: Option<Rates>,
+    /// What the estimator gave at its last observation, and when that came; none before the
+    /// first.
+    rates: Option<(Rates, Instant)>,
     /// The mean hold (µs; 0: none observed yet).
     hold_us: f64,
     /// The update count when it was last updated.
@@ -55,10 +57,11 @@ impl Learned {
     }
 
     /// A streamed request routed to `address` by a prediction resting on `basis` produced its
-    /// first token `ttft_us` after its routing.
-    pub fn teach(&mut self, address: &str, basis: &Basis, ttft_us: f64) {
+    /// first token `ttft_us` after its routing, at `now`.
+    pub fn teach(&mut self, address: &str, basis: &Basis, ttft_us: f64, now: Instant) {
         let e = self.entry(address);
-        e.rates = Some(e.estimator.teach(basis, ttft_us));
+        let quiet = e.rates.map_or(0, |(_, at)| nanos(now.saturating_duration_since(at)));
+        e.rates = Some((e.estimator.teach(basis, ttft_us, quiet), now));
     }
 
     /// A request routed to `address` ended `us` after its routing.
@@ -72,8 +75,10 @@ impl Learned {
         self.by_address.keys()
     }
 
-    pub fn rates(&self, address: &str) -> Option<Rates> {
-        self.by_address.get(address).and_then(|e| e.rates)
+    /// The rates learned for `address`, as read at `now` (how long they have been quiet).
+    pub fn rates(&self, address: &str, now: Instant) -> Option<Rates> {
+        let (r, at) = self.by_address.get(address)?.rates?;
+        Some(Rates { quiet_ns: nanos(now.saturating_duration_since(at)), ..r })
     }
 
     pub fn hold_us(&self, address: &str) -> f64 {
@@ -83,7 +88,7 @@ impl Learned {
     /// The learned rates as Prometheus gauges, by endpoint (the filter's names and units).
     pub fn text(&self) -> String {
         let mut learned: Vec<(&String, Rates)> =
-            self.by_address.iter().filter_map(|(a, e)| e.rates.map(|r| (a, r))).collect();
+            self.by_address.iter().filter_map(|(a, e)| e.rates.map(|(r, _)| (a, r))).collect();
         learned.sort_by(|a, b| a.0.cmp(b.0));
         let mut out = String::new();
         let gauges: [Gauge; 5] = [
@@ -112,6 +117,10 @@ impl Learned {
     }
 }
 
+fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// A prediction at the profile's default rates for a prompt computing `uncached` tokens on an
 /// idle endpoint, for tests.
 #[cfg(test)]
@@ -125,6 +134,7 @@ pub fn basis(uncached: u64) -> Basis {
             request_us: 40_000.0,
             observations: 0,
             residual_us: 0.0,
+            quiet_ns: 0,
         };
         Basis {
             features: Features { uncached, queued_tokens: 0, requests: 0 },
@@ -142,16 +152,24 @@ mod tests {
     #[test]
     fn first_tokens_teach_an_endpoints_rates_and_ends_its_hold() {
         let mut l = Learned::default();
-        assert_eq!(l.rates("a:1"), None);
+        let now = Instant::now();
+        assert_eq!(l.rates("a:1", now), None);
         // A replica four times faster per prompt token than the profile says.
         for i in 0..60u64 {
             let u = 100 + 37 * (i % 20);
-            l.teach("a:1", &basis(u), 50.0 * u as f64);
+            l.teach("a:1", &basis(u), 50.0 * u as f64, now);
         }
-        let r = l.rates("a:1").unwrap();
+        let r = l.rates("a:1", now).unwrap();
         assert!((r.prefill_us_per_token - 50.0).abs() < 10.0, "{r:?}");
         assert_eq!(r.observations, 60);
         assert!(l.text().contains("llmgw_rates_prefill_ns_per_token{replica=\"a:1\"}"), "{}", l.text());
+        // Read later, they say how long they have been quiet; a first token after a quiet past
+        // `forget_ns` starts them afresh.
+        let forget = basis(0).learning.forget_ns;
+        let later = now + std::time::Duration::from_nanos(forget + 1);
+        assert_eq!(l.rates("a:1", later).unwrap().quiet_ns, forget + 1);
+        l.teach("a:1", &basis(100), 200.0 * 100.0, later);
+        assert_eq!(l.rates("a:1", later).unwrap().observations, 1);
         assert_eq!(l.hold_us("a:1"), 0.0);
         l.hold("a:1", 160_000.0);
         l.hold("a:1", 320_000.0);

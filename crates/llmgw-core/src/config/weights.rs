@@ -22,6 +22,7 @@ pub struct WeightsConfig {
     pub learn_rates: Option<bool>,
     pub rates_prior_weight: Option<f64>,
     pub rates_memory: Option<f64>,
+    pub rates_forget_ms: Option<u64>,
     // `score` policy.
     pub prefix: Option<f64>,
     pub load: Option<f64>,
@@ -57,6 +58,7 @@ impl WeightsConfig {
                     enabled: self.learn_rates.unwrap_or(t.learning.enabled),
                     prior_weight: self.rates_prior_weight.unwrap_or(t.learning.prior_weight),
                     memory: self.rates_memory.unwrap_or(t.learning.memory),
+                    forget_ns: self.rates_forget_ms.map_or(t.learning.forget_ns, |ms| ms.saturating_mul(1_000_000)),
                 },
             },
             score: ScoreWeights {

@@ -58,8 +58,15 @@ impl<'w> NewPrefixTtft<'w> {
         }
         let [base_us, prefill_us_per_token, queued_us_per_token, request_us] =
             sums.map(|sum| if n > 0.0 && (sum / n).is_finite() { (sum / n).max(0.0) } else { 0.0 });
-        let common =
-            Rates { base_us, prefill_us_per_token, queued_us_per_token, request_us, observations: 0, residual_us: 0.0 };
+        let common = Rates {
+            base_us,
+            prefill_us_per_token,
+            queued_us_per_token,
+            request_us,
+            observations: 0,
+            residual_us: 0.0,
+            quiet_ns: 0,
+        };
         NewPrefixTtft { ttft, scatter_us, common }
     }
 }

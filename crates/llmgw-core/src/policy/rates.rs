@@ -60,6 +60,9 @@ pub struct Rates {
     /// How far off a prediction from these rates typically is: the running mean absolute
     /// residual of the observations behind them (µs; 0 for the profile's rates).
     pub residual_us: f64,
+    /// How long before they were read their last observation came (ns; 0 for the profile's
+    /// rates and as they are learned): rates quiet past [`Learning::forget_ns`] are forgotten.
+    pub quiet_ns: u64,
 }
 
 impl Rates {
@@ -70,7 +73,7 @@ impl Rates {
     fn from_theta(t: [f64; N], observations: u32, residual_us: f64) -> Rates {
         let [base_us, prefill_us_per_token, queued_us_per_token, request_us] = t;
         let residual_us = if residual_us.is_finite() { residual_us.max(0.0) } else { 0.0 };
-        Rates { base_us, prefill_us_per_token, queued_us_per_token, request_us, observations, residual_us }
+        Rates { base_us, prefill_us_per_token, queued_us_per_token, request_us, observations, residual_us, quiet_ns: 0 }
     }
 
     /// The explain header's part: `rates=profile`, or the learned rates and how many
@@ -136,11 +139,30 @@ pub struct Learning {
     pub prior_weight: f64,
     /// Requests over which observations fade (`λ = 1 − 1/memory`).
     pub memory: f64,
+    /// How long a replica's rates are kept without an observation (ns; 0: for good). A replica
+    /// whose rates predict it slower than its peers gets no request to correct them: after a
+    /// slow spell it would be left out for good. Past this, its rates are forgotten: it is
+    /// predicted at the profile's rates (a new prefix's places then go by their loads until it
+    /// has [`WARMUP`] observations again), and its next observation starts them afresh.
+    pub forget_ns: u64,
 }
+
+/// The shipped [`Learning::forget_ns`]: 30 s. A replica that takes any share of a fleet's
+/// traffic is observed far more often than that, so its rates are never forgotten while it
+/// serves. A replica left out is tried again within half a minute. If it is still slow, that
+/// costs a request or a few, twice a minute at most.
+pub const FORGET_NS: u64 = 30_000_000_000;
 
 impl Default for Learning {
     fn default() -> Self {
-        Learning { enabled: true, prior_weight: 1.0, memory: 50.0 }
+        Learning { enabled: true, prior_weight: 1.0, memory: 50.0, forget_ns: FORGET_NS }
+    }
+}
+
+impl Learning {
+    /// Whether rates last observed `quiet_ns` ago are forgotten.
+    pub fn forgets(&self, quiet_ns: u64) -> bool {
+        self.forget_ns > 0 && quiet_ns > self.forget_ns
     }
 }
 
@@ -306,8 +328,13 @@ impl Estimator {
     }
 
     /// One observed time to first token `ttft_us` of a request predicted on `basis`, measured
-    /// against the rates these observations gave before it; the rates they give now.
-    pub fn teach(&mut self, basis: &Basis, ttft_us: f64) -> Rates {
+    /// against the rates these observations gave before it; the rates they give now. `quiet_ns`:
+    /// how long ago the observation before it came; past [`Learning::forget_ns`] the earlier
+    /// ones are forgotten and this one starts afresh from the prior.
+    pub fn teach(&mut self, basis: &Basis, ttft_us: f64, quiet_ns: u64) -> Rates {
+        if basis.learning.forgets(quiet_ns) {
+            *self = Estimator::default();
+        }
         let current = self.rates(&basis.prior, &basis.learning);
         self.observe(&basis.features, ttft_us, &current, &basis.learning);
         self.rates(&basis.prior, &basis.learning)
@@ -326,6 +353,7 @@ mod tests {
         request_us: 9_000.0,
         observations: 0,
         residual_us: 0.0,
+        quiet_ns: 0,
     };
     /// Four times off in every rate.
     const WRONG: Rates = Rates {
@@ -335,6 +363,7 @@ mod tests {
         request_us: 36_000.0,
         observations: 0,
         residual_us: 0.0,
+        quiet_ns: 0,
     };
 
     /// A small deterministic generator (no clock, no randomness between runs).
@@ -378,6 +407,33 @@ mod tests {
     }
 
     #[test]
+    fn an_observation_after_a_quiet_past_forget_ns_starts_the_rates_afresh() {
+        // Sixty observations of a replica four times slower than the profile says.
+        let learning = Learning::default();
+        let slow = |f: &Features| 4.0 * TRUE.predict(f);
+        let basis = |features| Basis { features, rates: TRUE, prior: TRUE, learning };
+        let (mut e, mut rng) = (Estimator::default(), Lcg(7));
+        for _ in 0..60 {
+            let f = rng.features();
+            e.teach(&basis(f), slow(&f), 1_000_000);
+        }
+        let f = Features { uncached: 800, queued_tokens: 0, requests: 0 };
+        // It recovered; the first observation since says so. Within `forget_ns` of the one
+        // before it, it is one of 61 and moves the rates little.
+        let mut kept = e;
+        let r = kept.teach(&basis(f), TRUE.predict(&f), learning.forget_ns);
+        assert_eq!(r.observations, 61);
+        assert!(r.predict(&f) > 2.5 * TRUE.predict(&f), "{r:?}");
+        // Past it, the earlier ones are forgotten: it starts again from the prior.
+        let r = e.teach(&basis(f), TRUE.predict(&f), learning.forget_ns + 1);
+        assert_eq!(r.observations, 1);
+        assert!(close(r.predict(&f), TRUE.predict(&f), 0.05), "{r:?}");
+        // Rates quiet that long are forgotten where they are read too.
+        assert!(!learning.forgets(learning.forget_ns) && learning.forgets(learning.forget_ns + 1));
+        assert!(!Learning { forget_ns: 0, ..learning }.forgets(u64::MAX), "0: kept for good");
+    }
+
+    #[test]
     fn before_any_observation_the_prior_is_used() {
         let e = Estimator::default();
         assert_eq!(e.rates(&WRONG, &Learning::default()), WRONG);
@@ -394,6 +450,7 @@ mod tests {
                 request_us: 2_250.0,
                 observations: 0,
                 residual_us: 0.0,
+                quiet_ns: 0,
             },
         ] {
             let mut e = Estimator::default();

@@ -369,6 +369,7 @@ fn a_replica_learned_to_be_slow_loses_to_one_computing_more() {
         request_us: 40_000.0,
         observations: 60,
         residual_us: 0.0,
+        quiet_ns: 0,
     };
     let mut c = fleet(3);
     c[1].rates = Some(slow);
@@ -382,6 +383,19 @@ fn a_replica_learned_to_be_slow_loses_to_one_computing_more() {
     let mut off = rated();
     off.ttft.learning.enabled = false;
     assert_eq!(ttft(&c, &held, 1600, 7, &off).winner, Some(1));
+    // Observed no more, its rates are kept up to `forget_ns` (30 s), then forgotten: the
+    // profile's rates decide again, and it is tried again.
+    let forget = w.ttft.learning.forget_ns;
+    c[1].rates = Some(Rates { quiet_ns: forget, ..slow });
+    assert_eq!(ttft(&c, &held, 1600, 7, &w).winner, Some(0));
+    c[1].rates = Some(Rates { quiet_ns: forget + 1, ..slow });
+    let d = ttft(&c, &held, 1600, 7, &w);
+    assert_eq!(d.winner, Some(1));
+    assert_eq!(d.basis.unwrap().rates.observations, 0, "predicted at the profile's rates");
+    // `rates_forget_ms: 0` keeps them for good.
+    let mut keep = rated();
+    keep.ttft.learning.forget_ns = 0;
+    assert_eq!(ttft(&c, &held, 1600, 7, &keep).winner, Some(0));
 }
 
 #[test]
@@ -395,6 +409,7 @@ fn the_tie_margin_is_in_requests_at_the_learned_rate() {
         request_us: 2_000.0,
         observations: 80,
         residual_us: 0.0,
+        quiet_ns: 0,
     };
     let both = scores(&[50, 50, 0, 0], 50);
     let w = Weights::default();

@@ -86,6 +86,7 @@ impl TtftWeights {
             request_us: self.request_us,
             observations: 0,
             residual_us: 0.0,
+            quiet_ns: 0,
         }
     }
 
@@ -94,10 +95,11 @@ impl TtftWeights {
         self.rates_from(c.rates)
     }
 
-    /// The rates predicting for a replica with these `learned` rates, if any.
+    /// The rates predicting for a replica with these `learned` rates, if any (forgotten once
+    /// quiet for [`Learning::forget_ns`]).
     pub fn rates_from(&self, learned: Option<Rates>) -> Rates {
         match learned {
-            Some(r) if self.learning.enabled => r,
+            Some(r) if self.learning.enabled && !self.learning.forgets(r.quiet_ns) => r,
             _ => self.prior(),
         }
     }

@@ -88,6 +88,7 @@ fn a_new_prefix_goes_by_prediction_only_past_the_predictions_typical_error() {
         request_us: 2_000.0,
         observations: 60,
         residual_us: residual,
+        quiet_ns: 0,
     };
     let none = scores(&[0, 0, 0], 50);
     // The first two in each prompt's order are its choices (the third would be one too by
@@ -139,6 +140,7 @@ fn new_prefixes_sent_a_moment_apart_do_not_share_a_replica_while_the_rates_still
         request_us: 20_000.0,
         observations: 3,
         residual_us: 400_000.0,
+        quiet_ns: 0,
     };
     let common = scores(&[1, 1, 1], 40);
     for p in 0..30u32 {
@@ -223,6 +225,7 @@ fn a_replica_that_looked_slow_in_its_first_requests_still_takes_new_prefixes_whi
         request_us: 10_000.0,
         observations,
         residual_us: residual,
+        quiet_ns: 0,
     };
     // Replicas 0 and 1 are known (60 observations, 200 µs a token, predictions off by 20 ms
     // typically) and each computing a new conversation of 500 tokens. Replica 2's first two
