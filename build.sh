@@ -16,7 +16,7 @@
 #   replay replays a real vLLM 0.33.0 KV-event capture through the mirror and index
 #   bench  fleet benchmark vs round-robin, an oracle and peer routers (bench/); `bench core`: criterion core
 #          benchmarks; `bench tokenizer`: the native tokenizer (criterion); `bench decision`: the filter's
-#          decision with shared records filled (criterion); `bench filter`: the filter and the endpoint picker against plain Envoy; `bench gateways`: several gateways;
+#          decision with shared records filled (criterion); `bench filter`: the filter and the endpoint picker against plain Envoy; `bench gateways`: several gateways; `bench slow-spell`: a replica's slow spell and recovery;
 #          `bench scale`: index memory and decision time at 16-1,024 replicas, agent ingest from 256-1,024
 #          publishers, feed fan-out; `bench broker`: that ingest by ZMQ and through NATS JetStream; `bench warmstart`: a new agent's start
 #          to an exact index at 16 x 100,000 blocks, from snapshots and by replay; `bench soak`: an hour of churning traffic with agent and replica
@@ -393,6 +393,7 @@ bench() {
   # ./build.sh bench filter [filter_perf.py args]  the filter and the endpoint picker against plain Envoy (needs wrk)
   # ./build.sh bench vllm [vllm.py args]  3 real vllm serve replicas behind every router (bench/vllm.py --help)
   # ./build.sh bench gateways [gateways.py args]  several gateways over one fleet (bench/gateways.py --help)
+  # ./build.sh bench slow-spell [slow_spell.py args]  a replica's slow spell and its recovery (bench/slow_spell.py --help)
   # ./build.sh bench scale [scale.py args]  scale benchmark (bench/scale.py --help)
   # ./build.sh bench broker [broker.py args]  one agent's ingest by ZMQ and through NATS JetStream (bench/broker.py --help)
   # ./build.sh bench soak [soak.py args]  an hour of churning traffic with restarts (bench/soak.py --help)
@@ -426,6 +427,13 @@ bench() {
     mkdir -p results/vllm
     log "real-vLLM benchmark (about 8 minutes once vLLM is installed; log: results/vllm/run.log)"
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/vllm.py "$@" 2>&1 | tee results/vllm/run.log
+    return
+  fi
+  if [ "${1:-}" = slow-spell ]; then
+    shift
+    bench_fleet_build
+    log "a replica's slow spell and its recovery (about 3 minutes)"
+    PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/slow_spell.py "$@"
     return
   fi
   if [ "${1:-}" = gateways ]; then

@@ -114,3 +114,32 @@ def test_chat_tokenize_matches_render_and_streams(sim):
     with pytest.raises(urllib.error.HTTPError) as e:
         post(f"{url}/tokenize", {"model": "other", "prompt": "x"})
     assert e.value.code == 404
+
+
+def test_a_first_token_stall_is_injected_and_cleared(sim):
+    """`POST /sim/fault {"first_token_delay_ms": N}` stalls every request started after it by N
+    ms before its prefill (the slow-spell benchmark's replica); 0 clears it; a value that is not
+    a count of ms up to 600,000 is refused with its reason."""
+    url = sim["url"]
+
+    def first_token_s() -> float:
+        t0 = time.monotonic()
+        req = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={"content-type": "application/json"},
+                                     data=json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 2,
+                                                      "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=10) as r:
+            while not r.readline().startswith(b"data: "):
+                pass
+        return time.monotonic() - t0
+
+    assert first_token_s() < 0.3
+    post(f"{url}/sim/fault", {"first_token_delay_ms": 400})
+    assert first_token_s() >= 0.4
+    post(f"{url}/sim/fault", {"first_token_delay_ms": 0})
+    assert first_token_s() < 0.3
+    for bad in (-1, "400", 600_001):
+        req = urllib.request.Request(f"{url}/sim/fault", method="POST", headers={"content-type": "application/json"},
+                                     data=json.dumps({"first_token_delay_ms": bad}).encode())
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 400 and b"first_token_delay_ms" in e.value.read()

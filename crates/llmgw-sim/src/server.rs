@@ -66,6 +66,9 @@ pub struct Engine {
     next_id: AtomicU64,
     /// Fault injection (`POST /sim/fault`): how long `/tokenize` waits before answering.
     tokenize_delay_ms: AtomicU64,
+    /// Fault injection: how long every request started from now on stalls before its prefill
+    /// (a slow spell: a noisy neighbour, a stuck step).
+    first_token_delay_ms: AtomicU64,
     /// Fault injection: `/metrics` answers 503 while set (the replica looks unreachable).
     metrics_down: AtomicBool,
 }
@@ -84,6 +87,7 @@ impl Engine {
             served: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             tokenize_delay_ms: AtomicU64::new(0),
+            first_token_delay_ms: AtomicU64::new(0),
             metrics_down: AtomicBool::new(false),
         })
     }
@@ -328,6 +332,10 @@ async fn generate(e: Arc<Engine>, body: Value, prompt: Vec<u32>, chat: bool) -> 
         e.waiting.fetch_sub(1, Ordering::Relaxed);
         e.running.fetch_add(1, Ordering::Relaxed);
         let uncached = prompt.len().saturating_sub(cached);
+        let stall = e.first_token_delay_ms.load(Ordering::Relaxed);
+        if stall > 0 {
+            tokio::time::sleep(Duration::from_millis(stall)).await;
+        }
         tokio::time::sleep(Duration::from_secs_f64(uncached as f64 / e.cfg.prefill_tps.max(1.0))).await;
         let generated = tokenizer::generated_tokens(&prompt, max_tokens);
         let mut produced = 0usize;
@@ -495,6 +503,8 @@ async fn probe(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Respons
 
 /// Fault injection for the fault suite (every field optional):
 /// `{"tokenize_delay_ms": N}` delays every later `/tokenize` answer by N ms (0: none);
+/// `{"first_token_delay_ms": N}` stalls every request started later by N ms before its prefill
+/// (0: none);
 /// `{"drop_batches": N, "replayable": bool}` numbers the next N event batches but does not
 /// publish them (a sequence gap); with `replayable` false (default true) they are missing from
 /// the replay buffer too, so a replay cannot fill the gap; `{"metrics_down": bool}` makes
@@ -505,6 +515,12 @@ async fn fault(State(e): State<Arc<Engine>>, Json(body): Json<Value>) -> Respons
             return bad_request("tokenize_delay_ms: expected 0..=600000");
         };
         e.tokenize_delay_ms.store(ms, Ordering::Relaxed);
+    }
+    if let Some(v) = body.get("first_token_delay_ms") {
+        let Some(ms) = v.as_u64().filter(|ms| *ms <= 600_000) else {
+            return bad_request("first_token_delay_ms: expected 0..=600000");
+        };
+        e.first_token_delay_ms.store(ms, Ordering::Relaxed);
     }
     if let Some(v) = body.get("metrics_down") {
         let Some(down) = v.as_bool() else { return bad_request("metrics_down: expected true or false") };
