@@ -432,7 +432,7 @@ bench() {
   if [ "${1:-}" = slow-spell ]; then
     shift
     bench_fleet_build
-    log "a replica's slow spell and its recovery (about 3 minutes)"
+    log "a replica's slow spell and its recovery (about 4 minutes)"
     PATH="$VENV/bin:$PATH" "$VENV/bin/python" bench/slow_spell.py "$@"
     return
   fi

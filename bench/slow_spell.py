@@ -13,8 +13,9 @@ Two arms, each on fresh replicas, agent and Envoy, under the same seeded shared-
   (30,000) without an observation.
 - `keep`: `rates_forget_ms: 0`, rates kept for good: how llmgw routed before forgetting.
 
-Reported per arm and per --window seconds: each replica's share of the requests started,
-and the time to first token p50 and p99 at the client. The same figures are given over the
+Reported per arm and per --window seconds: each replica's share of the requests finished
+in the window (its own request counter), and the time to first token p50 and p99 at the
+client of the requests started in it. The same figures are given over the
 run's last third, well past the spell, where a replica left out shows as a share near 0.
 
 Writes results/bench/slow_spell.md and slow_spell.json. A progress line per window goes to
@@ -108,12 +109,15 @@ def run_arm(procs: kit.Procs, a, work: Path, sims: list[dict], arm: str) -> dict
             windows.append(row)
             print(f"[{arm}] {row['from_s']:.0f}-{row['to_s']:.0f} s: shares "
                   + " ".join(f"{s:.2f}" for s in row["shares"])
-                  + f", {row['requests']:.0f} requests, TTFT p50 {row['p50'] or 0:.1f} ms", flush=True)
+                  + f", {row['requests']:.0f} requests, TTFT p50 {ms(row['p50'])} ms", flush=True)
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=120)
-        kit.post_json(f"http://127.0.0.1:{sims[0]['port']}/sim/fault", {"first_token_delay_ms": 0})
+        try:
+            kit.post_json(f"http://127.0.0.1:{sims[0]['port']}/sim/fault", {"first_token_delay_ms": 0})
+        except OSError as e:
+            print(f"[{arm}] could not clear r0's stall: {e}", flush=True)
         procs.stop(envoy)
         procs.stop(agent.proc)
     tail_from = a.seconds * 2 / 3
@@ -126,6 +130,11 @@ def run_arm(procs: kit.Procs, a, work: Path, sims: list[dict], arm: str) -> dict
     return {"arm": arm, "windows": windows, "tail_from_s": tail_from, "tail_shares": tail_shares,
             "tail_p50": pct(tail_ttfts, 50) if tail_ttfts else None, "tail_p99": pct(tail_ttfts, 99) if tail_ttfts else None,
             "errors": errors, "requests": len(done)}
+
+
+def ms(v: float | None) -> str:
+    """A time in ms for the report ("–" where no request was timed)."""
+    return "–" if v is None or v != v else f"{v:.1f}"
 
 
 def report(out: Path, command: str, a, results: list[dict]) -> None:
@@ -142,7 +151,7 @@ def report(out: Path, command: str, a, results: list[dict]) -> None:
                   "|---|" + "---|" * (len(names) + 3)]
         for w in r["windows"]:
             lines.append(f"| {w['from_s']:.0f}–{w['to_s']:.0f} | " + " | ".join(f"{s:.2f}" for s in w["shares"])
-                         + f" | {w['requests']:.0f} | {w['p50'] or 0:.1f} | {w['p99'] or 0:.1f} |")
+                         + f" | {w['requests']:.0f} | {ms(w['p50'])} | {ms(w['p99'])} |")
         lines.append("")
     lines += ["## Past the spell", "",
               f"From {results[0]['tail_from_s']:.0f} s to the end:", "",
@@ -150,7 +159,7 @@ def report(out: Path, command: str, a, results: list[dict]) -> None:
               "|---|" + "---|" * (len(names) + 3)]
     for r in results:
         lines.append(f"| {r['arm']} | " + " | ".join(f"{s:.2f}" for s in r["tail_shares"])
-                     + f" | {r['tail_p50'] or 0:.1f} | {r['tail_p99'] or 0:.1f} | {r['errors']} |")
+                     + f" | {ms(r['tail_p50'])} | {ms(r['tail_p99'])} | {r['errors']} |")
     out.mkdir(parents=True, exist_ok=True)
     (out / "slow_spell.md").write_text("\n".join(lines) + "\n")
     (out / "slow_spell.json").write_text(json.dumps({"command": command, "args": {k: str(v) for k, v in vars(a).items()},
@@ -180,8 +189,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "bench")
     a = ap.parse_args()
-    if not 0 <= a.spell_start < a.spell_end < a.seconds or a.window <= 0:
-        print("need 0 <= --spell-start < --spell-end < --seconds and --window > 0", file=sys.stderr)
+    if a.window <= 0 or not 0 <= a.spell_start < a.spell_end < int(a.seconds // a.window) * a.window:
+        print("need --window > 0 and 0 <= --spell-start < --spell-end < the last whole window's end", file=sys.stderr)
         return 2
     try:
         a.sim_bin, a.agent_bin = kit.built("llmgw-sim", "release"), kit.built("llmgw-agent", "release")

@@ -15,12 +15,13 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 /// The per-replica gauges of learned rates, in the order [`Metrics::learned_rates`] sets them.
-const RATE_GAUGES: [&str; 5] = [
+const RATE_GAUGES: [&str; 6] = [
     "llmgw_rates_base_us",
     "llmgw_rates_prefill_ns_per_token",
     "llmgw_rates_queued_ns_per_token",
     "llmgw_rates_request_us",
     "llmgw_rates_observations",
+    "llmgw_rates_quiet_ms",
 ];
 
 /// Metric ids of one VM (`None` where the host refused to define one).
@@ -67,7 +68,7 @@ pub struct Metrics {
     destinations_refused: Cell<Option<Option<u32>>>,
     vm_memory: Cell<Option<Option<u32>>>,
     /// Per-replica gauges of the learned rates, defined when a replica's first are.
-    rates: RefCell<HashMap<String, [Option<u32>; 5]>>,
+    rates: RefCell<HashMap<String, [Option<u32>; RATE_GAUGES.len()]>>,
     vm_tag: String,
     enabled: bool,
 }
@@ -298,7 +299,8 @@ impl Metrics {
     }
 
     /// The rates learned for the replica at `address` (gauges shared by every VM, which all
-    /// read the same shared records): base and per request in µs, per token in ns.
+    /// read the same shared records): base and per request in µs, per token in ns, how long
+    /// since their last observation in ms (past `rates_forget_ms` they are not used).
     pub fn learned_rates(&self, address: &str, r: &Rates) {
         if !self.enabled {
             return;
@@ -317,6 +319,7 @@ impl Metrics {
             r.queued_us_per_token * 1000.0,
             r.request_us,
             f64::from(r.observations),
+            r.quiet_ns as f64 / 1e6,
         ];
         for (id, v) in ids.into_iter().zip(values) {
             // Saturating float-to-integer conversion; NaN gives 0.

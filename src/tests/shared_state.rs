@@ -267,6 +267,9 @@ fn a_streams_first_chunk_teaches_its_replicas_rates_to_every_worker() {
     c.on_log();
     e2.root.on_tick();
     assert_eq!(e2.host.gauge(&format!("llmgw_rates_observations.replica.{tag}")), Some(22));
+    // How long they have been quiet shows too: the 5 s since the last first token.
+    let quiet_ms = e2.host.gauge(&format!("llmgw_rates_quiet_ms.replica.{tag}")).unwrap();
+    assert!((5_000..5_100).contains(&quiet_ms), "{quiet_ms}");
 }
 
 #[test]

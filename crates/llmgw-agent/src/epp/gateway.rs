@@ -281,7 +281,7 @@ impl Gateway {
 
     /// The learned rates, as Prometheus gauges.
     pub fn learned_text(&self) -> String {
-        self.table().learned.text()
+        self.table().learned.text(Instant::now())
     }
 
     /// When an avoidance starting now ends.

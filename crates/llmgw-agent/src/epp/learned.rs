@@ -85,13 +85,14 @@ impl Learned {
         self.by_address.get(address).map_or(0.0, |e| e.hold_us)
     }
 
-    /// The learned rates as Prometheus gauges, by endpoint (the filter's names and units).
-    pub fn text(&self) -> String {
+    /// The learned rates as Prometheus gauges, by endpoint (the filter's names and units), as
+    /// read at `now`.
+    pub fn text(&self, now: Instant) -> String {
         let mut learned: Vec<(&String, Rates)> =
-            self.by_address.iter().filter_map(|(a, e)| e.rates.map(|(r, _)| (a, r))).collect();
+            self.by_address.keys().filter_map(|a| self.rates(a, now).map(|r| (a, r))).collect();
         learned.sort_by(|a, b| a.0.cmp(b.0));
         let mut out = String::new();
-        let gauges: [Gauge; 5] = [
+        let gauges: [Gauge; 6] = [
             ("llmgw_rates_base_us", "Learned time to first token of an idle endpoint, µs.", |r| r.base_us),
             ("llmgw_rates_prefill_ns_per_token", "Learned time per prompt token computed, ns.", |r| {
                 r.prefill_us_per_token * 1_000.0
@@ -101,6 +102,11 @@ impl Learned {
             }),
             ("llmgw_rates_request_us", "Learned time per request running or waiting ahead, µs.", |r| r.request_us),
             ("llmgw_rates_observations", "First tokens the learned rates rest on.", |r| f64::from(r.observations)),
+            (
+                "llmgw_rates_quiet_ms",
+                "Time since the last first token observed, ms (past rates_forget_ms: not used).",
+                |r| r.quiet_ns as f64 / 1e6,
+            ),
         ];
         for (name, help, value) in gauges {
             if learned.is_empty() {
@@ -162,12 +168,18 @@ mod tests {
         let r = l.rates("a:1", now).unwrap();
         assert!((r.prefill_us_per_token - 50.0).abs() < 10.0, "{r:?}");
         assert_eq!(r.observations, 60);
-        assert!(l.text().contains("llmgw_rates_prefill_ns_per_token{replica=\"a:1\"}"), "{}", l.text());
+        assert!(l.text(now).contains("llmgw_rates_prefill_ns_per_token{replica=\"a:1\"}"), "{}", l.text(now));
         // Read later, they say how long they have been quiet; a first token after a quiet past
         // `forget_ns` starts them afresh.
         let forget = basis(0).learning.forget_ns;
         let later = now + std::time::Duration::from_nanos(forget + 1);
         assert_eq!(l.rates("a:1", later).unwrap().quiet_ns, forget + 1);
+        let quiet_ms = (forget + 1) / 1_000_000;
+        assert!(
+            l.text(later).contains(&format!("llmgw_rates_quiet_ms{{replica=\"a:1\"}} {quiet_ms}")),
+            "{}",
+            l.text(later)
+        );
         l.teach("a:1", &basis(100), 200.0 * 100.0, later);
         assert_eq!(l.rates("a:1", later).unwrap().observations, 1);
         assert_eq!(l.hold_us("a:1"), 0.0);

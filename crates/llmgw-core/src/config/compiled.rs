@@ -211,6 +211,24 @@ mod tests {
     }
 
     #[test]
+    fn rates_forget_ms_sets_how_long_quiet_rates_are_kept() {
+        let c = Compiled::from_json(
+            br#"{"profiles":[
+                {"name":"a","models":["m1"],"weights":{"rates_forget_ms":500}},
+                {"name":"b","models":["m2"],"weights":{"rates_forget_ms":0}},
+                {"name":"c","models":["*"]}]}"#,
+            None,
+        )
+        .unwrap();
+        let forget = |i| c.profile(i).unwrap().weights.ttft.learning.forget_ns;
+        assert_eq!((forget(0), forget(1), forget(2)), (500_000_000, 0, crate::policy::rates::FORGET_NS));
+        let e = Compiled::from_json(br#"{"profiles":[{"name":"a","weights":{"rates_forget_ms":-1}}]}"#, None)
+            .err()
+            .unwrap();
+        assert!(e.field.contains("rates_forget_ms") || e.message.contains("rates_forget_ms"), "{e:?}");
+    }
+
+    #[test]
     fn a_profile_the_hasher_refuses_is_a_config_error_naming_the_field() {
         let e = Compiled::from_json(br#"{"profiles":[{"name":"a","models":["m"],"hash_algo":"xxhash"}]}"#, None)
             .err()

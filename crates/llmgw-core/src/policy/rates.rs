@@ -147,8 +147,8 @@ pub struct Learning {
     pub forget_ns: u64,
 }
 
-/// The shipped [`Learning::forget_ns`]: 30 s. A replica that takes any share of a fleet's
-/// traffic is observed far more often than that, so its rates are never forgotten while it
+/// The shipped [`Learning::forget_ns`]: 30 s. A replica that takes a steady share of a fleet's
+/// streamed traffic is observed far more often than that, so its rates are kept while it
 /// serves. A replica left out is tried again within half a minute. If it is still slow, that
 /// costs a request or a few, twice a minute at most.
 pub const FORGET_NS: u64 = 30_000_000_000;
