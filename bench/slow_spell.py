@@ -37,6 +37,7 @@ import llmgw_testkit as kit
 from llmgw_testkit import stream_request
 from llmgw_testkit.fleet import (SIM_WEIGHTS, fleet_agent, new_sims, pct, restart_sims, scrape, sim_command,
                                  start_router, stop_on_signals, wait_sims)
+from llmgw_testkit.workloads import words
 
 ROOT = kit.ROOT
 MODEL = "demo-model"
@@ -47,8 +48,9 @@ ARMS = {
 }
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(5000)}" for _ in range(n))
+def stall(sim: dict, ms: int) -> None:
+    """Sets the replica's stall before each prefill it starts (0: none)."""
+    kit.post_json(f"http://127.0.0.1:{sim['port']}/sim/fault", {"first_token_delay_ms": ms})
 
 
 def served(sims: list[dict]) -> list[float]:
@@ -66,7 +68,7 @@ def run_arm(procs: kit.Procs, a, work: Path, sims: list[dict], arm: str) -> dict
     text = kit.shipped_config(a.wasm, port, admin, agent.feed, cfg)
     envoy, _ = start_router(procs, a.envoy, work, f"envoy-{arm}", text, admin, feed=True)
     rng = random.Random(a.seed)
-    systems = [words(rng, a.system_words) for _ in range(a.prompts)]
+    systems = [words(rng, "w", a.system_words, vocab=5000) for _ in range(a.prompts)]
     lock = threading.Lock()
     done: list[tuple[float, float, int]] = []  # (start s, ttft s, status)
     stop = threading.Event()
@@ -75,7 +77,7 @@ def run_arm(procs: kit.Procs, a, work: Path, sims: list[dict], arm: str) -> dict
     def client(i: int) -> None:
         r = random.Random(a.seed * 1000 + i)
         while not stop.is_set():
-            body = {"model": MODEL, "prompt": systems[r.randrange(len(systems))] + " " + words(r, a.question_words),
+            body = {"model": MODEL, "prompt": systems[r.randrange(len(systems))] + " " + words(r, "w", a.question_words, vocab=5000),
                     "max_tokens": a.max_tokens, "stream": True}
             start = time.monotonic() - t0
             ttft, _, status = stream_request(port, body, keepalive=True, path="/v1/completions")
@@ -92,10 +94,10 @@ def run_arm(procs: kit.Procs, a, work: Path, sims: list[dict], arm: str) -> dict
             w_end = (w + 1) * a.window
             while (now := time.monotonic() - t0) < w_end:
                 if spell == "before" and now >= a.spell_start:
-                    kit.post_json(f"http://127.0.0.1:{sims[0]['port']}/sim/fault", {"first_token_delay_ms": a.stall_ms})
+                    stall(sims[0], a.stall_ms)
                     spell = "during"
                 elif spell == "during" and now >= a.spell_end:
-                    kit.post_json(f"http://127.0.0.1:{sims[0]['port']}/sim/fault", {"first_token_delay_ms": 0})
+                    stall(sims[0], 0)
                     spell = "after"
                 time.sleep(min(0.05, max(0.0, w_end - now)))
             counts = served(sims)
@@ -115,13 +117,14 @@ def run_arm(procs: kit.Procs, a, work: Path, sims: list[dict], arm: str) -> dict
         for t in threads:
             t.join(timeout=120)
         try:
-            kit.post_json(f"http://127.0.0.1:{sims[0]['port']}/sim/fault", {"first_token_delay_ms": 0})
+            stall(sims[0], 0)
         except OSError as e:
             print(f"[{arm}] could not clear r0's stall: {e}", flush=True)
         procs.stop(envoy)
         procs.stop(agent.proc)
-    tail_from = a.seconds * 2 / 3
-    tail = [w for w in windows if w["from_s"] >= tail_from]
+    # The last third of the windows (at least one).
+    tail = windows[-max(1, len(windows) // 3):]
+    tail_from = tail[0]["from_s"] if tail else 0.0
     n = sum(w["requests"] for w in tail) or 1.0
     tail_shares = [sum(w["shares"][i] * w["requests"] for w in tail) / n for i in range(len(sims))]
     with lock:

@@ -77,8 +77,7 @@ impl Learned {
 
     /// The rates learned for `address`, as read at `now` (how long they have been quiet).
     pub fn rates(&self, address: &str, now: Instant) -> Option<Rates> {
-        let (r, at) = self.by_address.get(address)?.rates?;
-        Some(Rates { quiet_ns: nanos(now.saturating_duration_since(at)), ..r })
+        self.by_address.get(address)?.rates_at(now)
     }
 
     pub fn hold_us(&self, address: &str) -> f64 {
@@ -89,7 +88,7 @@ impl Learned {
     /// read at `now`.
     pub fn text(&self, now: Instant) -> String {
         let mut learned: Vec<(&String, Rates)> =
-            self.by_address.keys().filter_map(|a| self.rates(a, now).map(|r| (a, r))).collect();
+            self.by_address.iter().filter_map(|(a, e)| e.rates_at(now).map(|r| (a, r))).collect();
         learned.sort_by(|a, b| a.0.cmp(b.0));
         let mut out = String::new();
         let gauges: [Gauge; 6] = [
@@ -120,6 +119,14 @@ impl Learned {
             }
         }
         out
+    }
+}
+
+impl Endpoint {
+    /// Its learned rates as read at `now`: with how long they have been quiet.
+    fn rates_at(&self, now: Instant) -> Option<Rates> {
+        let (r, at) = self.rates?;
+        Some(Rates { quiet_ns: nanos(now.saturating_duration_since(at)), ..r })
     }
 }
 
