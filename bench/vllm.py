@@ -4,7 +4,8 @@ no-model executor, each engine step given a cost: --step-us plus --token-us per 
 small KV pools so evictions happen), the same seeded traffic through every router, in one run:
 Envoy round-robin, llmgw (Envoy + llmgw.wasm + llmgw-agent on the replicas' KV events), and
 the peer routers from PyPI (sglang-router and SMG cache_aware, vllm-router cache_aware and
-kv_aware).
+kv_aware); with --routers, also llmgw's variants (its tokenizer elsewhere, every new prompt
+waiting, the endpoint picker, two gateways with the client's requests alternating between them).
 
 Workloads: shared-prefix (groups of chats sharing a long system prompt), multi-turn (each
 turn extends the conversation) and tenants (shared-prefix traffic over four tenants' cache
@@ -25,6 +26,7 @@ process started is stopped at exit, also on Ctrl-C."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -54,6 +56,7 @@ ROUTERS = {
     "llmgw-render": "llmgw, tokenizer: vllm launch render",
     "llmgw-native": "llmgw, native tokenizer (agent)",
     "llmgw-waits": "llmgw, every new prompt waits for its tokenizer",
+    "llmgw-2gw": "llmgw, two gateways (requests alternate)",
     "llmgw-epp": "llmgw as endpoint picker (ext_proc)",
     "sglang": "sglang-router cache_aware",
     "smg": "SMG cache_aware",
@@ -171,8 +174,15 @@ class Router:
     def __init__(self, bench: "Bench", name: str):
         self.b, self.name = bench, name
         self.port = kit.free_port()
+        # Where requests go: one port, or each gateway's in turn (llmgw-2gw).
+        self.ports = [self.port]
+        self.turn = itertools.count()
         self.procs: list = []
         self.envoy = None
+        self.agent = None
+
+    def next_port(self) -> int:
+        return self.ports[next(self.turn) % len(self.ports)]
 
     def start(self) -> None:
         b, a, reps = self.b, self.b.args, self.b.replicas
@@ -181,40 +191,15 @@ class Router:
             text = kit.lb_config(self.port, admin, [r.port for r in reps], "ROUND_ROBIN")
             proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-rr", text, admin, feed=False)
             self.procs.append(proc)
+        elif self.name == "llmgw-2gw":
+            # Two gateways, each Envoy with its own agent (the sidecar deployment), in front of the
+            # same replicas; the client sends each request to the next. Each sees half of the
+            # requests in flight: the other half only through the engines' load reports.
+            self.ports = [self.port, kit.free_port()]
+            for i, port in enumerate(self.ports):
+                self.start_llmgw(port, admin if i == 0 else kit.free_port(), f"-{i}")
         elif self.name in ("llmgw", "llmgw-render", "llmgw-native", "llmgw-waits"):
-            sections = {}
-            if self.name == "llmgw-native":
-                # The agent's native tokenizer beside Envoy, on the model's own tokenizer files.
-                # Measured as it runs once past its start: its first answers are each checked
-                # against a replica (`verify_first`, 200 by default: longer than a run here, so
-                # every request would call a replica's /tokenize as well); after those, the
-                # default share (1 %).
-                self.tokenizer_port = kit.free_port()
-                sections["tokenizer"] = {"listen": f"127.0.0.1:{self.tokenizer_port}", "verify_first": 16,
-                                         "models": [{"names": [MODEL], "dir": str(a.model_dir)}]}
-            agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name="agent",
-                              hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}, **sections).wait_ready()
-            self.agent = agent
-            self.procs.append(agent.proc)
-            kit.wait_until(lambda: all(x["up"] and x["connected"] for x in agent.replicas()), 60,
-                           "the agent to see every replica up and its publisher connected")
-            profile = {"name": "bench", "block_size": BLOCK, "kv_events": True, **json.loads(a.llmgw_profile)}
-            if self.name == "llmgw-render":
-                profile["tokenizer_address"] = f"127.0.0.1:{b.render.port}"
-            if self.name == "llmgw-native":
-                profile["tokenizer_address"] = f"127.0.0.1:{self.tokenizer_port}"
-            # The ablation: no routing before the tokenizer answers (neither on a conversation's
-            # turn before nor on what a request's siblings share).
-            waits = {"route_on_earlier_turns": False, "route_on_shared_prefixes": False} if self.name == "llmgw-waits" else {}
-            # The shipped defaults: the explain header (a debugging aid, off by default) only
-            # when asked for.
-            cfg = kit.filter_config(profile, explain_header=a.explain_header, **waits)
-            # Stats flushed when the benchmark reads them, not on a timer: the shipped
-            # configuration flushes every 5 s (Envoy's default); a timer of 0.5 s took about
-            # 0.25 of Envoy's 2.5 ms of CPU per request here (means of 6 runs each).
-            text = kit.shipped_config(a.wasm, self.port, admin, agent.feed, cfg, stats_flush_on_admin=True)
-            proc, self.envoy = start_router(b.procs, a.envoy, b.logdir, "envoy-llmgw", text, admin, feed=True)
-            self.procs.append(proc)
+            self.start_llmgw(self.port, admin, "")
         elif self.name == "llmgw-epp":
             # The agent as a GAIE endpoint picker behind Envoy's ext_proc filter, configured as
             # envoy/llmgw-epp-local.yaml ships (the answer streamed through the picker), with the
@@ -243,8 +228,48 @@ class Router:
             if any(p.poll() is not None for p in self.procs):
                 raise RuntimeError(f"{ROUTERS[self.name]} exited (log: {b.logdir})")
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-            return kit.plain_request(self.port, body)[2] == 200
+            return all(kit.plain_request(port, body)[2] == 200 for port in self.ports)
         kit.wait_until(ready, 90, f"{ROUTERS[self.name]} to route")
+
+    def start_llmgw(self, port: int, admin: int, tag: str) -> None:
+        """One llmgw gateway (its agent, then Envoy with the filter) listening on `port`; the
+        first one started is the one whose phases are reported."""
+        b, a, reps = self.b, self.b.args, self.b.replicas
+        sections = {}
+        if self.name == "llmgw-native":
+            # The agent's native tokenizer beside Envoy, on the model's own tokenizer files.
+            # Measured as it runs once past its start: its first answers are each checked
+            # against a replica (`verify_first`, 200 by default: longer than a run here, so
+            # every request would call a replica's /tokenize as well); after those, the
+            # default share (1 %).
+            self.tokenizer_port = kit.free_port()
+            sections["tokenizer"] = {"listen": f"127.0.0.1:{self.tokenizer_port}", "verify_first": 16,
+                                     "models": [{"names": [MODEL], "dir": str(a.model_dir)}]}
+        agent = kit.Agent(b.procs, a.agent_bin, b.logdir, [r.agent_entry() for r in reps], name=f"agent{tag}",
+                          hash={"algo": "sha256_cbor", "seed": "0", "block_size": BLOCK}, **sections).wait_ready()
+        self.agent = self.agent or agent
+        self.procs.append(agent.proc)
+        kit.wait_until(lambda: all(x["up"] and x["connected"] for x in agent.replicas()), 60,
+                       "the agent to see every replica up and its publisher connected")
+        profile = {"name": "bench", "block_size": BLOCK, "kv_events": True, **json.loads(a.llmgw_profile)}
+        if self.name == "llmgw-render":
+            profile["tokenizer_address"] = f"127.0.0.1:{b.render.port}"
+        if self.name == "llmgw-native":
+            profile["tokenizer_address"] = f"127.0.0.1:{self.tokenizer_port}"
+        # The ablation: no routing before the tokenizer answers (neither on a conversation's
+        # turn before nor on what a request's siblings share).
+        waits = {"route_on_earlier_turns": False, "route_on_shared_prefixes": False} if self.name == "llmgw-waits" else {}
+        waits = {**json.loads(a.llmgw_config), **waits}
+        # The shipped defaults: the explain header (a debugging aid, off by default) only
+        # when asked for.
+        cfg = kit.filter_config(profile, explain_header=a.explain_header, **waits)
+        # Stats flushed when the benchmark reads them, not on a timer: the shipped
+        # configuration flushes every 5 s (Envoy's default); a timer of 0.5 s took about
+        # 0.25 of Envoy's 2.5 ms of CPU per request here (means of 6 runs each).
+        text = kit.shipped_config(a.wasm, port, admin, agent.feed, cfg, stats_flush_on_admin=True)
+        proc, envoy = start_router(b.procs, a.envoy, b.logdir, f"envoy-llmgw{tag}", text, admin, feed=True)
+        self.procs.append(proc)
+        self.envoy = self.envoy or envoy
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -414,7 +439,7 @@ class Bench:
         cpu0 = cpu_seconds(router_pids), cpu_seconds(replica_pids)
         # Each of the router's processes alone too (llmgw: the agent, then Envoy).
         each0 = [cpu_seconds([p]) for p in router_pids]
-        out = run_sessions(label, lambda body: stream_request(router.port, body, path=path), sims, sessions,
+        out = run_sessions(label, lambda body: stream_request(router.next_port(), body, path=path), sims, sessions,
                            self.args.concurrency, width=len(label))
         cpu1 = cpu_seconds(router_pids), cpu_seconds(replica_pids)
         n = max(1, out["requests"])
@@ -723,6 +748,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     ap.add_argument("--llmgw-profile", default="{}", help="JSON fields added to llmgw's profile (e.g. its ttft rates)")
+    ap.add_argument("--llmgw-config", default="{}",
+                    help="JSON fields added to llmgw's filter configuration outside the profile (e.g. tokens_from_answers)")
     ap.add_argument("--explain-header", action="store_true",
                     help="llmgw adds its explain header to every answer (off by default, as shipped)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
