@@ -149,6 +149,15 @@ impl FeedClient {
             self.last_load_ns = Some(now);
         }
         let applied = s.router.apply_feed(&msg, now);
+        if applied.is_ok() && matches!(msg.body, Some(llmgw_core::feed::Body::Load(_))) {
+            // This Envoy's requests on each replica as the report came: what the engine reports
+            // beyond them is other requests' (`llmgw_core::policy::capacity`).
+            let counts = crate::inflight::Counts::read(s.host.as_ref());
+            s.router.feed.note_gateway_share(&|address| {
+                let (requests, _) = counts.of(address);
+                llmgw_core::fleet::GatewayShare { requests, blocks: counts.blocks(address) }
+            });
+        }
         if let Some(llmgw_core::feed::Body::Replicas(table)) = &msg.body {
             log_refused(s);
             if applied.is_ok() {

@@ -100,36 +100,86 @@ fn requests_in_flight_count_the_blocks_their_prompts_hold_and_their_ends_time_th
     assert_eq!(e1.host.shared_value("llmgw.inflight.v3").unwrap(), Vec::<u8>::new());
 }
 
+/// Two prompts of 32 tokens (8 blocks of 4), the blocks of both on B, and a configuration
+/// predicting 200 µs per prompt token and nothing per request, with no rates learned.
+struct Prompts {
+    p1: Vec<u32>,
+    p2: Vec<u32>,
+    on_b: Vec<u64>,
+    cfg: String,
+}
+
+fn two_prompts_on_b() -> Prompts {
+    let (p1, p2): (Vec<u32>, Vec<u32>) = ((0..32).collect(), (100..132).collect());
+    let on_b = [keys(&p1), keys(&p2)].concat();
+    let rates = r#""weights":{"prefill_us_per_token":200,"request_us":0,"learn_rates":false}"#;
+    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{rates}}}"#));
+    Prompts { p1, p2, on_b, cfg }
+}
+
+/// A request for `prompt` routed to B and ended a second later (B's hold is then known), then
+/// another routed there and left in flight (returned).
+fn one_on_b_after_a_hold_of_a_second(e: &Env, prompt: &[u32]) -> Request {
+    let t0 = e.host.now_ns.get();
+    let (mut c0, _) = e.request(COMPLETIONS, &tokens_body("m", prompt));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    e.host.now_ns.set(t0 + 1_000_000_000);
+    c0.on_log();
+    let (c1, _) = e.request(COMPLETIONS, &tokens_body("m", prompt));
+    assert_eq!(e.dest().as_deref(), Some(B));
+    c1
+}
+
 #[test]
 fn a_prompt_that_does_not_fit_beside_the_blocks_held_on_its_holder_goes_where_it_fits() {
     use llmgw_core::feed::{LoadReport, ReplicaLoad};
     // B holds two prompts of 8 blocks each; its KV cache holds 12 blocks (the agent says so
     // with its load). Requests in flight cost nothing else: without the cache's size every
     // request goes to B.
-    let (p1, p2): (Vec<u32>, Vec<u32>) = ((0..32).collect(), (100..132).collect());
-    let on_b = [keys(&p1), keys(&p2)].concat();
-    let rates = r#""weights":{"prefill_us_per_token":200,"request_us":0,"learn_rates":false}"#;
-    let cfg = config("").replace(r#""seed":"0"}"#, &format!(r#""seed":"0",{rates}}}"#));
+    let Prompts { p1, p2, on_b, cfg } = two_prompts_on_b();
     for (gpu_blocks, second) in [(12, A), (0, B)] {
         let mut e = synced_with(&cfg, vec![], on_b.clone(), true);
         let load = |replica| ReplicaLoad { replica, running: 0, waiting: 0, kv_cache_usage: 0.0, gpu_blocks };
         e.feed(vec![Msg::Load(LoadReport { loads: vec![load(0), load(1)] })]);
         e.root.on_tick();
-        // A first request to B holds its blocks there for a second.
-        let t0 = e.host.now_ns.get();
-        let (mut c0, _) = e.request(COMPLETIONS, &tokens_body("m", &p1));
-        assert_eq!(e.dest().as_deref(), Some(B));
-        e.host.now_ns.set(t0 + 1_000_000_000);
-        c0.on_log();
-        // Another holds 8 of B's 12 blocks while the second prompt comes: on B it would wait for
-        // that one to end (half a second's hold), on A compute 32 tokens (6.4 ms).
-        let (mut c1, _) = e.request(COMPLETIONS, &tokens_body("m", &p1));
-        assert_eq!(e.dest().as_deref(), Some(B));
+        // A first request to B held its blocks there for a second; another holds 8 of B's 12
+        // blocks while the second prompt comes: on B it would wait for that one to end (half a
+        // second's hold), on A compute 32 tokens (6.4 ms).
+        let mut c1 = one_on_b_after_a_hold_of_a_second(&e, &p1);
         let (mut c2, _) = e.request(COMPLETIONS, &tokens_body("m", &p2));
         assert_eq!(e.dest().as_deref(), Some(second), "cache of {gpu_blocks} blocks");
         // The access log says what the holder, the runner-up, would have waited.
         let line = e.host.property("llmgw_decision").unwrap();
         assert_eq!(line.contains(" capacity_wait_us=0/500000"), gpu_blocks > 0, "{line}");
+        c1.on_log();
+        c2.on_log();
+    }
+}
+
+#[test]
+fn blocks_the_engine_reports_beyond_this_envoys_requests_count_against_the_room() {
+    use llmgw_core::feed::{LoadReport, ReplicaLoad};
+    // B holds two prompts of 8 blocks each in a cache of 20. One request of this Envoy holds 8
+    // there: the second prompt fits beside it (16), and stays on B, unless the engine reports
+    // more in use than this Envoy's requests held as the report came (another gateway's request
+    // of 6 blocks: 22).
+    let Prompts { p1, p2, on_b, cfg } = two_prompts_on_b();
+    for (in_use, second) in [(8, B), (14, A)] {
+        let mut e = synced_with(&cfg, vec![], on_b.clone(), true);
+        let load = |replica, running, blocks: u32| ReplicaLoad {
+            replica,
+            running,
+            waiting: 0,
+            kv_cache_usage: blocks as f32 / 20.0,
+            gpu_blocks: 20,
+        };
+        e.feed(vec![Msg::Load(LoadReport { loads: vec![load(0, 0, 0), load(1, 0, 0)] })]);
+        e.root.on_tick();
+        // Another holds 8 blocks there when the engine reports `in_use` blocks by two requests.
+        let mut c1 = one_on_b_after_a_hold_of_a_second(&e, &p1);
+        e.feed(vec![Msg::Load(LoadReport { loads: vec![load(0, 0, 0), load(1, 2, in_use)] })]);
+        let (mut c2, _) = e.request(COMPLETIONS, &tokens_body("m", &p2));
+        assert_eq!(e.dest().as_deref(), Some(second), "{in_use} blocks in use");
         c1.on_log();
         c2.on_log();
     }

@@ -192,7 +192,6 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
         for spec in &engines {
             background.push(tokio::spawn(load::scrape_engine(hub.clone(), spec.clone(), cfg.load.clone())));
         }
-        background.push(tokio::spawn(load::publish_loads(hub.clone(), Duration::from_millis(cfg.load.interval_ms))));
     }
 
     let supervisor = launch.map(|spec| tokio::spawn(launch::supervise(cfg.clone(), spec, hub.clone(), rx.clone())));

@@ -1,5 +1,6 @@
 //! Load scraping: each replica's vLLM `/metrics` (running, waiting, KV-cache usage) every
-//! interval; a replica unreachable for `down_after` is marked down and its blocks leave.
+//! interval, each scrape published to the feed as it is read; a replica unreachable for
+//! `down_after` is marked down and its blocks leave.
 //!
 //! vLLM's whole page is about 48 KB of Python-rendered text, some 5 ms of its API server's CPU
 //! per scrape, taken from the engine on a busy host. Where the metrics URL is vLLM's `/metrics`,
@@ -206,6 +207,7 @@ pub async fn scrape_engine(hub: Arc<Hub>, spec: EngineSpec, cfg: LoadConfig) {
                         gpu_blocks: l.gpu_blocks.map_or(0, |b| u32::try_from(b).unwrap_or(u32::MAX)),
                     },
                 );
+                st.publish_load(idx);
             }
             Err(e) => {
                 if !failing {
@@ -227,15 +229,6 @@ fn to_u32(v: f64) -> u32 {
         v.round().min(f64::from(u32::MAX)) as u32
     } else {
         0
-    }
-}
-
-/// Publishes a LoadReport with every up engine's latest load each interval.
-pub async fn publish_loads(hub: Arc<Hub>, interval: Duration) {
-    let mut t = tokio::time::interval(interval);
-    loop {
-        t.tick().await;
-        hub.state().publish_loads();
     }
 }
 

@@ -89,6 +89,42 @@ pub struct Load {
     pub kv_cache_usage: f32,
     /// The blocks its GPU KV cache holds (0: unknown).
     pub gpu_blocks: u32,
+    /// This gateway's requests in flight there as the report came, where the gateway noted
+    /// them ([`crate::feed::FeedView::note_gateway_share`]).
+    pub gateway: Option<GatewayShare>,
+}
+
+/// This gateway's requests in flight on a replica, and the blocks they held there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GatewayShare {
+    pub requests: u32,
+    pub blocks: u64,
+}
+
+impl Load {
+    /// The blocks the engine reported in use (`kv_cache_usage × gpu_blocks`; 0 where either is
+    /// unknown).
+    pub fn blocks_in_use(&self) -> u64 {
+        let usage = f64::from(self.kv_cache_usage);
+        if !usage.is_finite() || usage <= 0.0 {
+            return 0;
+        }
+        // At most the cache: the cast saturates, and usage is clamped to 1.
+        (usage.min(1.0) * f64::from(self.gpu_blocks)).round() as u64
+    }
+
+    /// What the engine reported beyond this gateway's requests as the report came: the
+    /// requests running beyond theirs (other gateways', or sent to the engine directly) and the
+    /// blocks in use beyond those their prompts held (the others' blocks, and what every running
+    /// request added while decoding). The blocks count only where other requests ran: with none,
+    /// the excess is what this gateway's own answers added, which may have ended since the
+    /// report, and is left out (towards room). Nothing where the gateway noted nothing.
+    pub fn others(&self) -> GatewayShare {
+        let Some(own) = self.gateway else { return GatewayShare::default() };
+        let requests = self.running.saturating_sub(own.requests);
+        let blocks = if requests == 0 { 0 } else { self.blocks_in_use().saturating_sub(own.blocks) };
+        GatewayShare { requests, blocks }
+    }
 }
 
 #[cfg(test)]
@@ -99,5 +135,32 @@ mod tests {
     fn ranks_of_one_address_are_different_engines() {
         assert_ne!(replica_key("a:1", None), replica_key("a:1", Some(0)));
         assert_ne!(replica_key("a:1", Some(0)), replica_key("a:1", Some(1)));
+    }
+
+    #[test]
+    fn what_an_engine_reports_beyond_this_gateways_requests_is_the_others() {
+        let load = |kv_cache_usage, gateway| Load {
+            replica: ReplicaId::try_from(0u32).unwrap_or_default(),
+            running: 3,
+            waiting: 0,
+            kv_cache_usage,
+            gpu_blocks: 192,
+            gateway,
+        };
+        let own = Some(GatewayShare { requests: 1, blocks: 60 });
+        // Half of 192 blocks in use, 60 of them this gateway's one request's: 36 blocks of two
+        // other requests.
+        assert_eq!(load(0.5, own).others(), GatewayShare { requests: 2, blocks: 36 });
+        // Noted nothing: nothing is taken for others'.
+        assert_eq!(load(0.5, None).others(), GatewayShare::default());
+        // Less in use than this gateway's requests held (a prefix shared): none.
+        assert_eq!(load(0.25, own).others().blocks, 0);
+        // No request beyond this gateway's running: what is in use beyond their prompts is what
+        // their answers added, not counted.
+        let alone = Load { running: 1, ..load(0.5, own) };
+        assert_eq!(alone.others(), GatewayShare::default());
+        // Usage past 1 is the whole cache; not a number is none.
+        assert_eq!(load(1.5, own).blocks_in_use(), 192);
+        assert_eq!(load(f32::NAN, own).others().blocks, 0);
     }
 }

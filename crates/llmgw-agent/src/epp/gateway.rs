@@ -13,6 +13,7 @@
 
 use super::learned::Learned;
 use super::turns::Turns;
+use llmgw_core::fleet::GatewayShare;
 use llmgw_core::flow::tokenizer_wait::RoundTrips;
 use llmgw_core::flow::{
     add_speculative, speculative_hits, EarlierTurns, HeldBlocks, Holding, InFlightCounts, Keep, LearnedRates,
@@ -303,6 +304,15 @@ impl Gateway {
     }
 
     /// What a decision reads, now, for a request limited to `subset` (if hinted).
+    /// The picker's requests in flight on each endpoint, and the blocks they hold there.
+    pub fn shares(&self) -> HashMap<String, GatewayShare> {
+        let t = self.table();
+        t.in_flight
+            .iter()
+            .map(|(a, busy)| (a.clone(), GatewayShare { requests: busy.requests, blocks: t.held.total(a) }))
+            .collect()
+    }
+
     pub fn snapshot(&self, subset: Option<&[String]>) -> Snapshot {
         let now = Instant::now();
         let mut t = self.table();
@@ -482,6 +492,9 @@ mod tests {
         g.started(&second);
         let s = g.snapshot(None);
         assert_eq!((s.in_flight(A), s.pending_tokens(A), s.held_blocks(A)), (2, 500, 45));
+        // What a load report arriving now is noted with (what the engine reports beyond it is
+        // other requests').
+        assert_eq!(g.shares().get(A), Some(&GatewayShare { requests: 2, blocks: 45 }));
         assert_eq!(s.hold_us(A), 0.0);
         assert_eq!(s.learned_rates(A), None);
         g.first_token(&mut first, true);

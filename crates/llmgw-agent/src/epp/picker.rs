@@ -235,9 +235,18 @@ impl Picker {
                 }
                 match sub.pop(&hub) {
                     Some(m) => {
-                        if let Err(e) = self.router().apply_feed(&m, now_ns()) {
+                        // The picker's requests on each endpoint as a load report came: what the
+                        // engine reports beyond them is other requests' (read before the
+                        // router is locked).
+                        let shares =
+                            matches!(m.body, Some(llmgw_core::feed::Body::Load(_))).then(|| self.gateway.shares());
+                        let mut router = self.router();
+                        if let Err(e) = router.apply_feed(&m, now_ns()) {
                             warn!(error = ?e, "endpoint picker: feed message not applied; subscribing again");
                             break;
+                        }
+                        if let Some(shares) = shares {
+                            router.feed.note_gateway_share(&|a| shares.get(a).copied().unwrap_or_default());
                         }
                     }
                     None => sub.notify.notified().await,

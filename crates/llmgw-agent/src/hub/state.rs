@@ -471,11 +471,14 @@ impl HubState {
         }
     }
 
-    /// Publishes the current loads of all up engines.
-    pub fn publish_loads(&mut self) {
-        let loads: Vec<ReplicaLoad> = self.live().filter(|e| e.up).filter_map(|e| e.load.clone()).collect();
-        if !loads.is_empty() {
-            self.publish(Body::Load(LoadReport { loads }));
+    /// Publishes one up engine's load as its scrape just read it. Each scrape's report goes out
+    /// at once, not with the others' on a timer: a gateway notes its own requests on the
+    /// replica as the report comes, and what the engine reported beyond them is taken for other
+    /// requests' (`llmgw_core::policy::capacity`), which needs the two counts of one moment.
+    pub fn publish_load(&mut self, engine: usize) {
+        let load = self.engines.get(engine).filter(|e| e.up && !e.gone).and_then(|e| e.load.clone());
+        if let Some(load) = load {
+            self.publish(Body::Load(LoadReport { loads: vec![load] }));
         }
     }
 

@@ -186,6 +186,32 @@ mod tests {
     }
 
     #[test]
+    fn each_load_goes_out_alone_as_it_is_read_and_only_for_an_up_engine() {
+        use crate::hub::Health;
+        let h = hub(2, 64);
+        let sub = h.subscribe("t".into());
+        drain(&sub, &h);
+        let load = |replica| ReplicaLoad { replica, running: 2, waiting: 0, kv_cache_usage: 0.5, gpu_blocks: 192 };
+        {
+            let mut st = h.state();
+            st.set_load(1, load(1));
+            st.set_load(0, load(0));
+            st.publish_load(0);
+        }
+        let msgs = drain(&sub, &h);
+        assert_eq!(msgs.len(), 1);
+        assert_eq!(msgs[0].body, Some(Body::Load(LoadReport { loads: vec![load(0)] })), "engine 1's is not waited for");
+        // An engine marked down publishes no load (only its new state and reset).
+        {
+            let mut st = h.state();
+            st.set_health(1, Health::Http, false, "unreachable");
+            st.publish_load(1);
+        }
+        let msgs = drain(&sub, &h);
+        assert!(!msgs.is_empty() && msgs.iter().all(|m| !matches!(m.body, Some(Body::Load(_)))), "{msgs:?}");
+    }
+
+    #[test]
     fn large_snapshot_is_chunked() {
         let h = hub(1, 64);
         let keys: Vec<u64> = (1..=(CHUNK_BLOCKS as u64 * 2 + 5)).collect();

@@ -246,6 +246,7 @@ impl ReplicaLoad {
             waiting: self.waiting,
             kv_cache_usage: self.kv_cache_usage,
             gpu_blocks: self.gpu_blocks,
+            gateway: None,
         })
     }
 }

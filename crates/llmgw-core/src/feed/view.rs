@@ -4,6 +4,7 @@
 use super::messages::{Body, FeedMessage};
 use super::state::{FeedError, FeedState};
 use crate::allow::Allowlist;
+use crate::fleet::GatewayShare;
 
 /// A subscriber's view across subscriptions: the state requests are served from, and, while a
 /// new subscription receives its snapshot, the state being rebuilt. The serving state keeps
@@ -57,6 +58,19 @@ impl FeedView {
     pub fn set_staleness(&mut self, index: bool, loads: bool) {
         self.serving.index_stale = index;
         self.serving.loads_stale = loads;
+    }
+
+    /// Notes, on the loads the last report brought (those not noted yet), this gateway's
+    /// requests in flight on each replica as it came (`own` by address), so that what the engine
+    /// reports beyond them counts as other requests' ([`crate::fleet::Load::others`]).
+    pub fn note_gateway_share(&mut self, own: &dyn Fn(&str) -> GatewayShare) {
+        let target = self.resync.as_mut().unwrap_or(&mut self.serving);
+        let FeedState { loads, replicas, .. } = target;
+        for load in loads.iter_mut().filter(|l| l.gateway.is_none()) {
+            if let Some(r) = replicas.iter().find(|r| r.id == load.replica) {
+                load.gateway = Some(own(&r.address));
+            }
+        }
     }
 
     /// The state being rebuilt by a resync, if one is under way.

@@ -45,7 +45,16 @@ fn candidates_avoiding<'a>(
                 returning: gw.returning(&r.address),
                 pool: match blocks {
                     0 => Pool::default(),
-                    _ => Pool { blocks, held: gw.held_blocks(&r.address), hold_us: gw.hold_us(&r.address) },
+                    _ => {
+                        let others = load.map(|l| l.others()).unwrap_or_default();
+                        Pool {
+                            blocks,
+                            held: gw.held_blocks(&r.address),
+                            others: others.blocks,
+                            others_running: others.requests,
+                            hold_us: gw.hold_us(&r.address),
+                        }
+                    }
                 },
             }
         })

@@ -80,6 +80,12 @@ pub struct Pool {
     pub blocks: u64,
     /// The blocks this gateway's requests in flight there hold: their prompts' blocks.
     pub held: u64,
+    /// The blocks the engine last reported in use beyond those this gateway's requests held as
+    /// the report came: other gateways' requests, and the blocks running requests added while
+    /// decoding (0 where not reported).
+    pub others: u64,
+    /// The requests the engine last reported running beyond this gateway's as the report came.
+    pub others_running: u32,
     /// How long a request of this gateway held its blocks there lately, routing to end (µs;
     /// 0: none observed yet).
     pub hold_us: f64,

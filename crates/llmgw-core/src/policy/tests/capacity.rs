@@ -10,7 +10,7 @@ fn crowded() -> Vec<Candidate<'static>> {
     let mut c = fleet(3);
     for (x, (in_flight, held)) in c.iter_mut().zip([(2, 170), (1, 90), (1, 85)]) {
         x.in_flight = in_flight;
-        x.pool = Pool { blocks: 192, held, hold_us: 900_000.0 };
+        x.pool = Pool { blocks: 192, held, hold_us: 900_000.0, ..Pool::default() };
     }
     c
 }
@@ -69,4 +69,36 @@ fn a_new_prefix_goes_where_its_prompt_fits() {
     c[2].pool.held = 100;
     let d = ttft(&c, &none, 1280, 11, &w);
     assert_eq!((d.winner, d.predicted_us), (Some(2), Some(296_000)), "{d:?}");
+}
+
+#[test]
+fn blocks_the_engine_reports_beyond_this_gateways_count_against_the_room() {
+    let w = rated();
+    let held = scores(&[60, 0, 0], 80);
+    // This gateway's two requests hold 100 blocks on the holder: 80 more fit in its 192.
+    let mut c = crowded();
+    c[0].pool.held = 100;
+    let d = ttft(&c, &held, 1280, 7, &w);
+    assert_eq!((d.winner, d.capacity_wait_us), (Some(0), (0, 0)), "{d:?}");
+    // The engine reported 40 more in use than this gateway's requests held then, by one other
+    // request (another gateway's, or decoding): 220 blocks. The request waits for the first of
+    // three to end, a quarter of a hold (225 ms), and goes where it fits.
+    c[0].pool.others = 40;
+    c[0].pool.others_running = 1;
+    let d = ttft(&c, &held, 1280, 7, &w);
+    assert_ne!(d.winner, Some(0), "{d:?}");
+    assert_eq!(crate::policy::capacity::wait_us(&c[0], 80), 225_000.0);
+    // Other requests alone: none of this gateway's in flight on the holder, which is then
+    // predicted at 64 ms and keeps the request; with 170 blocks of two other requests there, it
+    // would wait a third of a hold (364 ms) and the request goes where it fits (296 ms).
+    let mut c = crowded();
+    c[0].in_flight = 0;
+    c[0].pool.held = 0;
+    let d = ttft(&c, &held, 1280, 7, &w);
+    assert_eq!((d.winner, d.predicted_us), (Some(0), Some(64_000)), "{d:?}");
+    c[0].pool.others = 170;
+    c[0].pool.others_running = 2;
+    let d = ttft(&c, &held, 1280, 7, &w);
+    assert_eq!((d.winner, d.predicted_us), (Some(1), Some(296_000)), "{d:?}");
+    assert_eq!(crate::policy::capacity::wait_us(&c[0], 80), 300_000.0);
 }
