@@ -1,7 +1,8 @@
 //! The request path's benchmarks: prefix scoring in growing batches against hashing and scoring
 //! the whole prompt (the baseline, measured in the same run), and the router's decision for a
 //! whole body (token ids, and a prompt whose tokenization is cached) against parsing the body
-//! alone.
+//! alone; and a streamed chat answer asked for its ids, rewritten chunk by chunk as the filter
+//! hands it on, against copying the same chunks.
 //!
 //! `cargo bench -p llmgw-core --bench flow` (or `./build.sh bench core`).
 #![allow(
@@ -19,7 +20,7 @@ use llmgw_core::flow::{prefix_scores, Body, Router, Scratch, Step, TokenizerRepl
 use llmgw_core::hash::{BlockHasher, BlockKey, HashAlgo, RequestExtras};
 use llmgw_core::index::ReplicaId;
 use llmgw_core::index::ReplicaIndex;
-use llmgw_core::request::{parse_request, ApiKind};
+use llmgw_core::request::{parse_request, AnswerStream, ApiKind};
 
 const TOKENS: u32 = 4096;
 const BS: usize = 16;
@@ -138,5 +139,47 @@ fn decisions(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, scoring, decisions);
+/// A chat answer of 128 tokens as vLLM 0.33 streams it when asked for the ids: the first chunk
+/// with the prompt's 700 ids, then a chunk per token with its id, one in eight carrying no text
+/// yet (sent only for its id, and dropped for the client).
+fn answer_chunks() -> Vec<Vec<u8>> {
+    let head = r#"data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,"#;
+    let ids: Vec<u32> = (1000..1700).collect();
+    let mut chunks = vec![format!(
+        r#"{head}"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}],"prompt_token_ids":{ids:?},"prompt_text":null}}
+
+"#
+    )
+    .into_bytes()];
+    for i in 0..128u32 {
+        let delta = if i % 8 == 7 { "{}".to_owned() } else { format!(r#"{{"content":" word{i}"}}"#) };
+        chunks.push(
+            format!(
+                r#"{head}"delta":{delta},"logprobs":null,"finish_reason":null,"token_ids":[{}],"weight_versions":null}}]}}
+
+"#,
+                300 + i
+            )
+            .into_bytes(),
+        );
+    }
+    chunks
+}
+
+fn answer_stream(c: &mut Criterion) {
+    let chunks = answer_chunks();
+    let mut g = c.benchmark_group("answer_stream_129_chunks");
+    g.bench_function("baseline_copy_each_chunk", |b| {
+        b.iter(|| chunks.iter().map(|ch| black_box(ch.to_vec()).len()).sum::<usize>())
+    });
+    g.bench_function("rewrite_each_chunk", |b| {
+        b.iter(|| {
+            let mut s = AnswerStream::default();
+            chunks.iter().map(|ch| black_box(s.feed(ch, false)).len()).sum::<usize>()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, scoring, decisions, answer_stream);
 criterion_main!(benches);
