@@ -42,7 +42,8 @@ ENVOY_VERSION=1.40.0
 WASM_TARGET=wasm32-wasip1
 MUSL_TARGET=x86_64-unknown-linux-musl
 
-log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+# Each step's line carries the time (UTC), so that a log shows where a long run spent it.
+log() { printf '\033[1m==> %s %s\033[0m\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
 # Cargo's target directory, exported as CARGO_TARGET_DIR so that cargo, build.sh and the Python
 # test kit (testkit/llmgw_testkit/paths.py) agree on it.
