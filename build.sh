@@ -44,6 +44,8 @@ MUSL_TARGET=x86_64-unknown-linux-musl
 
 # Each step's line carries the time (UTC), so that a log shows where a long run spent it.
 log() { printf '\033[1m==> %s %s\033[0m\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+# A check left out, in red, with the same time.
+skipped() { printf '\033[1;31m==> %s SKIPPED: %s\033[0m\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
 # Cargo's target directory, exported as CARGO_TARGET_DIR so that cargo, build.sh and the Python
 # test kit (testkit/llmgw_testkit/paths.py) agree on it.
@@ -150,7 +152,7 @@ run_tests() {
   image check
   observability
   if ! command -v kubectl >/dev/null; then
-    printf '\033[1;31m==> SKIPPED: the kustomize tests (wasm-tests/test_kustomize.py): kubectl not found; LLMGW_REQUIRE_KUBECTL=1 makes this an error\033[0m\n' >&2
+    skipped "the kustomize tests (wasm-tests/test_kustomize.py): kubectl not found; LLMGW_REQUIRE_KUBECTL=1 makes this an error"
   fi
   run_e2e
   log "all tests passed"
@@ -183,7 +185,7 @@ observability() {
     echo "promtool not found and not installable here (apt-get install prometheus)" >&2
     exit 1
   else
-    printf '\033[1;31m==> SKIPPED: the alerting rules unit tests: promtool not found and not installable here (apt-get install prometheus); LLMGW_REQUIRE_PROMTOOL=1 makes this an error\033[0m\n' >&2
+    skipped "the alerting rules unit tests: promtool not found and not installable here (apt-get install prometheus); LLMGW_REQUIRE_PROMTOOL=1 makes this an error"
   fi
 }
 
@@ -261,7 +263,7 @@ check_images() {
   if ! command -v skopeo >/dev/null || ! command -v umoci >/dev/null; then
     if ! apt_install skopeo umoci || ! command -v skopeo >/dev/null || ! command -v umoci >/dev/null; then
       if [ "${LLMGW_REQUIRE_IMAGE_TOOLS:-1}" = 0 ]; then
-        printf '\033[1;31m==> SKIPPED: the image checks: skopeo/umoci not found and not installable here (apt-get install skopeo umoci)\033[0m\n' >&2
+        skipped "the image checks: skopeo/umoci not found and not installable here (apt-get install skopeo umoci)"
         return 0
       fi
       echo "skopeo and umoci not found and not installable here (apt-get install skopeo umoci)" >&2
