@@ -101,8 +101,11 @@ impl FeedClient {
         let cluster = cfg.agent_cluster.as_str();
         match s.host.open_grpc_stream(cluster, "llmgw.feed.v1.Feed", "Subscribe") {
             Ok(token) => {
-                let req =
-                    SubscribeRequest { subscriber: format!("llmgw-vm-{}", s.vm_tag), token: cfg.agent_token.clone() };
+                let req = SubscribeRequest {
+                    subscriber: format!("llmgw-vm-{}", s.vm_tag),
+                    token: cfg.agent_token.clone(),
+                    batches: true,
+                };
                 // Half-close after the request: a server-streaming call has exactly one request
                 // message, and servers (tonic among them) wait for the end of it before replying.
                 if s.host.send_grpc_stream_message(token, &req.encode_to_vec(), true).is_err() {

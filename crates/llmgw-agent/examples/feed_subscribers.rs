@@ -50,7 +50,7 @@ async fn main() {
         let agent = agent.clone();
         tokio::spawn(async move {
             let mut client = FeedClient::connect(agent).await.unwrap();
-            let req = SubscribeRequest { subscriber: format!("bench-{i}"), token: String::new() };
+            let req = SubscribeRequest { subscriber: format!("bench-{i}"), token: String::new(), batches: false };
             let mut stream = client.subscribe(req).await.unwrap().into_inner();
             c.connected.fetch_add(1, Relaxed);
             while let Ok(Some(m)) = stream.message().await {

@@ -357,7 +357,8 @@ async fn exact_after(feed: u16, tags: &[u64], blocks: u64, t0: Instant, limit: D
             return None;
         }
         if let Ok(mut c) = FeedClient::connect(url.clone()).await {
-            let req = SubscribeRequest { subscriber: "start-to-exact".to_owned(), token: String::new() };
+            let req =
+                SubscribeRequest { subscriber: "start-to-exact".to_owned(), token: String::new(), batches: false };
             if let Ok(s) = c.subscribe(req).await {
                 break s.into_inner();
             }

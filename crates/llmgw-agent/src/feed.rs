@@ -29,11 +29,14 @@ pub const TOKEN_HEADER: &str = "x-llmgw-token";
 pub struct FeedService {
     hub: Arc<Hub>,
     token: Option<String>,
+    gather: Duration,
 }
 
 impl FeedService {
-    pub fn new(hub: Arc<Hub>, token: Option<String>) -> Self {
-        Self { hub, token: token.filter(|t| !t.is_empty()) }
+    /// `gather`: `feed.gather_ms`, how long after a batching subscriber's queue was emptied
+    /// its next messages wait, gathering what else is published.
+    pub fn new(hub: Arc<Hub>, token: Option<String>, gather: Duration) -> Self {
+        Self { hub, token: token.filter(|t| !t.is_empty()), gather }
     }
 
     fn authorised<T>(&self, req: &Request<T>, body_token: &str) -> bool {
@@ -99,17 +102,19 @@ impl service::feed_server::Feed for FeedService {
             warn!(?peer, "feed subscription rejected: bad or missing token");
             return Err(Status::unauthenticated("bad or missing token"));
         }
-        let (name, cut) = bounded_name(&req.into_inner().subscriber);
+        let req = req.into_inner();
+        let (name, cut) = bounded_name(&req.subscriber);
         if cut {
             let mut st = self.hub.state();
             st.feed.names_cut = st.feed.names_cut.saturating_add(1);
         }
-        info!(subscriber = %name, ?peer, "feed subscriber connected");
-        let Some(sub) = self.hub.try_subscribe(name) else {
+        info!(subscriber = %name, ?peer, batches = req.batches, "feed subscriber connected");
+        let Some(sub) = self.hub.try_subscribe(name, req.batches) else {
             warn!(?peer, "feed subscription refused: feed.max_subscribers are connected");
             return Err(Status::resource_exhausted("too many feed subscribers"));
         };
         let hub = self.hub.clone();
+        let gather = if sub.batches { self.gather } else { Duration::ZERO };
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
             loop {
@@ -128,9 +133,19 @@ impl service::feed_server::Feed for FeedService {
                         }
                     }
                     None => {
+                        // The queue is empty: what is published within `gather` of now waits
+                        // for what follows it, joined to one message (a change after a quiet
+                        // spell goes at once).
+                        let emptied = tokio::time::Instant::now();
                         tokio::select! {
                             _ = sub.notify.notified() => {}
                             _ = tx.closed() => break,
+                        }
+                        if !gather.is_zero() {
+                            tokio::select! {
+                                _ = tokio::time::sleep_until(emptied.checked_add(gather).unwrap_or(emptied)) => {}
+                                _ = tx.closed() => break,
+                            }
                         }
                     }
                 }
@@ -170,9 +185,10 @@ pub async fn serve(
     hub: Arc<Hub>,
     token: Option<String>,
     tls: Option<ServerTlsConfig>,
+    gather: Duration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let svc = service::feed_server::FeedServer::new(FeedService::new(hub, token));
+    let svc = service::feed_server::FeedServer::new(FeedService::new(hub, token, gather));
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;

@@ -139,8 +139,14 @@ async fn run_async(cfg: Config, launch: Option<launch::LaunchSpec>) -> Result<()
     let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
     };
-    let feed_task =
-        tokio::spawn(feed::serve(feed_listener, hub.clone(), cfg.feed.token.clone(), feed_tls, wait(rx.clone())));
+    let feed_task = tokio::spawn(feed::serve(
+        feed_listener,
+        hub.clone(),
+        cfg.feed.token.clone(),
+        feed_tls,
+        Duration::from_millis(cfg.feed.gather_ms),
+        wait(rx.clone()),
+    ));
     // The native tokenizer: models loaded (seconds for large vocabularies) off the runtime's
     // threads, then its own listener.
     let native = match &cfg.tokenizer {

@@ -91,6 +91,12 @@ fn generated_and_core_messages_agree_on_field_numbers() {
         }),
         G::Reset(pb::ReplicaReset { replica: 9, reason: "restart".into() }),
         G::Heartbeat(pb::Heartbeat {}),
+        G::Deltas(pb::BlockDeltas {
+            deltas: vec![
+                pb::BlockDelta { replica: 4, added: vec![5], removed: vec![] },
+                pb::BlockDelta { replica: 1, added: vec![], removed: vec![u64::MAX] },
+            ],
+        }),
     ];
     for (i, b) in bodies.into_iter().enumerate() {
         let g = pb::FeedMessage { seq: 100 + i as u64, body: Some(b) };
@@ -113,16 +119,24 @@ fn generated_and_core_messages_agree_on_field_numbers() {
     )
     .unwrap();
     assert_eq!(c.body, Some(Body::Delta(core::BlockDelta { replica: 4, added: vec![5], removed: vec![7] })));
-    let req = pb::SubscribeRequest { subscriber: "s".into(), token: "t".into() };
+    let req = pb::SubscribeRequest { subscriber: "s".into(), token: "t".into(), batches: true };
     let c = core::SubscribeRequest::decode(req.encode_to_vec().as_slice()).unwrap();
-    assert_eq!((c.subscriber.as_str(), c.token.as_str()), ("s", "t"));
+    assert_eq!((c.subscriber.as_str(), c.token.as_str(), c.batches), ("s", "t", true));
 }
 
 async fn start(hub: Arc<Hub>, token: Option<String>) -> (String, tokio::sync::oneshot::Sender<()>) {
+    start_gathering(hub, token, Duration::ZERO).await
+}
+
+async fn start_gathering(
+    hub: Arc<Hub>,
+    token: Option<String>,
+    gather: Duration,
+) -> (String, tokio::sync::oneshot::Sender<()>) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(llmgw_agent::feed::serve(l, hub, token, None, async {
+    tokio::spawn(llmgw_agent::feed::serve(l, hub, token, None, gather, async {
         let _ = rx.await;
     }));
     (format!("http://{addr}"), tx)
@@ -140,13 +154,19 @@ async fn subscribe_over_grpc_gets_table_snapshot_then_deltas() {
     let (url, stop) = start(h.clone(), Some("sesame".into())).await;
 
     let mut client = FeedClient::connect(url.clone()).await.unwrap();
-    let denied =
-        client.subscribe(core::SubscribeRequest { subscriber: "x".into(), token: "wrong".into() }).await.unwrap_err();
+    let denied = client
+        .subscribe(core::SubscribeRequest { subscriber: "x".into(), token: "wrong".into(), batches: false })
+        .await
+        .unwrap_err();
     assert_eq!(denied.code(), tonic::Code::Unauthenticated);
     assert_eq!(h.state().feed.rejected_token, 1);
 
     // Token in metadata works too.
-    let mut req = tonic::Request::new(core::SubscribeRequest { subscriber: "filter-0".into(), token: String::new() });
+    let mut req = tonic::Request::new(core::SubscribeRequest {
+        subscriber: "filter-0".into(),
+        token: String::new(),
+        batches: false,
+    });
     req.metadata_mut().insert("x-llmgw-token", "sesame".parse().unwrap());
     let mut stream = client.subscribe(req).await.unwrap().into_inner();
     let mut st = FeedState::default();
@@ -191,6 +211,45 @@ async fn subscribe_over_grpc_gets_table_snapshot_then_deltas() {
         assert!(tokio::time::Instant::now() < deadline, "subscriber never released");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let _ = stop.send(());
+}
+
+/// Subscribes over gRPC and reads until the snapshot is complete.
+async fn synced(url: &str, batches: bool) -> (tonic::Streaming<core::FeedMessage>, FeedState) {
+    let mut client = FeedClient::connect(url.to_owned()).await.unwrap();
+    let req = core::SubscribeRequest { subscriber: format!("batches-{batches}"), token: String::new(), batches };
+    let mut stream = client.subscribe(req).await.unwrap().into_inner();
+    let mut st = FeedState::default();
+    while !st.synced {
+        st.apply(&next(&mut stream).await).unwrap();
+    }
+    (stream, st)
+}
+
+#[tokio::test]
+async fn changes_published_while_a_batching_subscriber_waits_arrive_as_one_message() {
+    let h = hub();
+    // Long against the spacing below, so that the test does not depend on the machine's speed.
+    let (url, stop) = start_gathering(h.clone(), None, Duration::from_secs(2)).await;
+    let (mut batching, mut sb) = synced(&url, true).await;
+    let (mut plain, mut sp) = synced(&url, false).await;
+    // Changes spaced out: each finds the subscriber's stream task idle.
+    for (engine, key) in [(0, 1), (1, 2), (2, 3), (0, 4), (1, 5)] {
+        h.state().apply(engine, key, &batch(vec![key]));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let m = next(&mut batching).await;
+    assert!(matches!(&m.body, Some(Body::Deltas(d)) if d.deltas.len() == 5), "{m:?}");
+    sb.apply(&m).unwrap();
+    for _ in 0..5 {
+        sp.apply(&next(&mut plain).await).unwrap();
+    }
+    let keys: Vec<BlockKey> = (1..=5).map(BlockKey).collect();
+    assert_eq!(sb.index.score(&keys[..1]).leading, vec![1, 0, 0]);
+    for k in &keys {
+        assert_eq!(sb.index.score(std::slice::from_ref(k)).leading, sp.index.score(std::slice::from_ref(k)).leading);
+    }
+    assert_eq!(h.state().feed.gathered, 4);
     let _ = stop.send(());
 }
 
@@ -241,7 +300,7 @@ async fn start_tls(hub: Arc<Hub>, pki: &Pki, mutual: bool) -> (String, tokio::sy
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(llmgw_agent::feed::serve(l, hub, None, tls, async {
+    tokio::spawn(llmgw_agent::feed::serve(l, hub, None, tls, Duration::ZERO, async {
         let _ = rx.await;
     }));
     (format!("https://localhost:{port}"), tx)
@@ -257,7 +316,7 @@ async fn tls_subscribe(url: &str, pki: &Pki, client_cert: bool) -> Result<core::
     let channel = Channel::from_shared(url).unwrap().tls_config(tls).map_err(|e| e.to_string())?;
     let channel = channel.connect().await.map_err(|e| format!("connect: {e:?}"))?;
     let mut client = FeedClient::new(channel);
-    let req = core::SubscribeRequest { subscriber: "tls".into(), token: String::new() };
+    let req = core::SubscribeRequest { subscriber: "tls".into(), token: String::new(), batches: false };
     let mut stream = client.subscribe(req).await.map_err(|e| format!("subscribe: {e}"))?.into_inner();
     Ok(next(&mut stream).await)
 }
@@ -272,7 +331,7 @@ async fn the_feed_over_tls_and_mutual_tls() {
     let plain = url.replace("https://localhost", "http://127.0.0.1");
     let cleartext = async {
         let mut c = FeedClient::connect(plain).await.map_err(|e| e.to_string())?;
-        let req = core::SubscribeRequest { subscriber: "plain".into(), token: String::new() };
+        let req = core::SubscribeRequest { subscriber: "plain".into(), token: String::new(), batches: false };
         c.subscribe(req).await.map(|_| ()).map_err(|e| e.to_string())
     };
     assert!(tokio::time::timeout(Duration::from_secs(10), cleartext).await.unwrap().is_err());

@@ -190,6 +190,14 @@ pub struct FeedConfig {
     /// Seconds between heartbeats.
     #[serde(default = "default_heartbeat")]
     pub heartbeat_secs: f64,
+    /// Milliseconds a subscriber that batches (llmgw's filter) waits, after its queue was
+    /// emptied, before its next messages go: the block changes and load reports published
+    /// meanwhile travel as one message. Bounds the messages each filter VM takes to about
+    /// 1000 / gather_ms a second (plus tables, snapshots, resets and heartbeats) whatever the
+    /// fleet's size, for at most this much delay on a change; a change after a quiet spell
+    /// goes at once. 0: no wait (changes still join a message that has not left yet).
+    #[serde(default = "default_gather_ms")]
+    pub gather_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -373,6 +381,7 @@ impl Default for FeedConfig {
             max_backlog_bytes: default_backlog_bytes(),
             max_subscribers: default_max_subscribers(),
             heartbeat_secs: default_heartbeat(),
+            gather_ms: default_gather_ms(),
         }
     }
 }

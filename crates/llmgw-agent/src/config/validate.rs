@@ -53,6 +53,9 @@ impl Config {
         if !(self.feed.heartbeat_secs > 0.0 && self.feed.heartbeat_secs <= 3600.0) {
             return Err(err("feed.heartbeat_secs", "must be in (0, 3600]"));
         }
+        if self.feed.gather_ms > 1000 {
+            return Err(err("feed.gather_ms", "must be at most 1000"));
+        }
         if self.zmq.rcvhwm < 0 {
             return Err(err("zmq.rcvhwm", "must be >= 0"));
         }

@@ -406,6 +406,13 @@ pub fn metrics_text(st: &HubState) -> String {
         vec![(String::new(), st.feed.backlog_bytes_overflows as f64)],
     );
     counter(
+        "feed_gathered_total",
+        "Block changes and load reports that joined a message already queued for a subscriber \
+         (feed.gather_ms) instead of being sent on their own.",
+        "counter",
+        vec![(String::new(), st.feed.gathered as f64)],
+    );
+    counter(
         "feed_subscribers_refused_total",
         "Subscriptions refused because feed.max_subscribers were connected.",
         "counter",

@@ -2,13 +2,16 @@
 //! and what becomes of a message offered to it (sent, held for a snapshot being built, or an
 //! overflow that makes it resync). Nothing here takes the hub lock.
 
-use llmgw_core::feed::{Body, FeedMessage, SnapshotChunk};
+use llmgw_core::feed::{BlockDeltas, Body, FeedMessage, SnapshotChunk};
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Mutex, MutexGuard};
 use tokio::sync::Notify;
 
-/// Largest number of blocks in one snapshot chunk.
+/// Largest number of blocks in one snapshot chunk, and in one message of gathered changes.
 pub const CHUNK_BLOCKS: usize = 65_536;
+
+/// Largest number of changes (one replica's delta each) gathered into one message.
+pub const BATCH_DELTAS: usize = 4_096;
 
 /// A subscriber's pending messages, numbered without gaps from 0 across resyncs. Lock order:
 /// the hub lock before a queue lock, never the reverse.
@@ -56,6 +59,10 @@ impl Building {
 /// One feed subscription.
 pub struct Subscriber {
     pub name: String,
+    /// It applies `BlockDeltas`: a change published while its last queued message is still
+    /// waiting to be sent joins that message rather than queuing one of its own, and so does a
+    /// load report (see [`gather`]).
+    pub batches: bool,
     queue: Mutex<SubQueue>,
     pub notify: Notify,
 }
@@ -64,6 +71,8 @@ pub struct Subscriber {
 pub(super) enum Offered {
     /// Queued.
     Sent,
+    /// Joined the message last queued (a subscriber that `batches`).
+    Gathered,
     /// Not queued: the subscriber waits for a fresh table and snapshot (a build may keep it).
     Held,
     /// Its backlog overflowed (`by_bytes`: past the byte cap rather than the length cap), or the
@@ -73,9 +82,10 @@ pub(super) enum Offered {
 
 impl Subscriber {
     /// A subscription whose first messages will be the table and a snapshot.
-    pub(super) fn new(name: String) -> Subscriber {
+    pub(super) fn new(name: String, batches: bool) -> Subscriber {
         Subscriber {
             name,
+            batches,
             queue: Mutex::new(SubQueue {
                 msgs: VecDeque::new(),
                 bytes: 0,
@@ -140,6 +150,10 @@ impl Subscriber {
             return Offered::Held;
         }
         let too_big = q.bytes.saturating_add(cost) > max_bytes;
+        if !too_big && self.batches && Self::gather_into_last(&mut q, body) {
+            // The stream task is woken for the message already queued.
+            return Offered::Gathered;
+        }
         let offered = if q.msgs.len() >= max || too_big {
             let by_bytes = too_big && q.msgs.len() < max;
             // Too far behind: drop the backlog; a fresh table and snapshot replace it, numbered
@@ -160,10 +174,64 @@ impl Subscriber {
         offered
     }
 
+    /// Joins `body` to the last queued message if [`gather`] allows, keeping the queue's byte
+    /// count exact.
+    fn gather_into_last(q: &mut SubQueue, body: &Body) -> bool {
+        let Some(last) = q.msgs.back_mut().and_then(|m| m.body.as_mut()) else { return false };
+        let before = approx_bytes(last);
+        if !gather(last, body) {
+            return false;
+        }
+        q.bytes = q.bytes.saturating_sub(before).saturating_add(approx_bytes(last));
+        true
+    }
+
     /// How many times this subscriber got a table and snapshot (1 = only the initial one).
     pub fn snapshots_sent(&self) -> u64 {
         self.queue().resyncs
     }
+}
+
+/// Joins `body` to `last`, a queued message not yet sent, where that changes nothing a
+/// subscriber ends up with: a replica's block changes join earlier changes (as `BlockDeltas`,
+/// applied in order) up to [`CHUNK_BLOCKS`] blocks and [`BATCH_DELTAS`] changes in one message;
+/// a load report replaces or adds its replicas' entries in an earlier load report. Anything
+/// else (tables, snapshots, resets, heartbeats) stays a message of its own, after which
+/// nothing joins what came before it.
+pub(super) fn gather(last: &mut Body, body: &Body) -> bool {
+    match (last, body) {
+        (last @ Body::Delta(_), Body::Delta(d)) => {
+            let Body::Delta(first) = last else { return false };
+            if delta_blocks(first).saturating_add(delta_blocks(d)) > CHUNK_BLOCKS {
+                return false;
+            }
+            let first = std::mem::take(first);
+            *last = Body::Deltas(BlockDeltas { deltas: vec![first, d.clone()] });
+            true
+        }
+        (Body::Deltas(ds), Body::Delta(d)) => {
+            let blocks: usize = ds.deltas.iter().map(delta_blocks).fold(0, usize::saturating_add);
+            if ds.deltas.len() >= BATCH_DELTAS || blocks.saturating_add(delta_blocks(d)) > CHUNK_BLOCKS {
+                return false;
+            }
+            ds.deltas.push(d.clone());
+            true
+        }
+        (Body::Load(earlier), Body::Load(l)) => {
+            for load in &l.loads {
+                match earlier.loads.iter_mut().find(|x| x.replica == load.replica) {
+                    Some(x) => *x = load.clone(),
+                    None => earlier.loads.push(load.clone()),
+                }
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+fn delta_blocks(d: &llmgw_core::feed::BlockDelta) -> usize {
+    d.added.len().saturating_add(d.removed.len())
 }
 
 /// Counters not tied to one engine.
@@ -179,13 +247,20 @@ pub struct FeedCounters {
     pub backlog_bytes_overflows: u64,
     /// Subscriptions refused because `feed.max_subscribers` were live.
     pub subscribers_refused: u64,
+    /// Changes and load reports that joined a message already queued for a subscriber.
+    pub gathered: u64,
 }
 
 /// What a queued message costs, roughly: its block keys and loads, plus a little.
 pub(super) fn approx_bytes(body: &Body) -> usize {
     let n = match body {
         Body::Snapshot(s) => s.blocks.len().saturating_mul(8),
-        Body::Delta(d) => d.added.len().saturating_add(d.removed.len()).saturating_mul(8),
+        Body::Delta(d) => delta_blocks(d).saturating_mul(8),
+        Body::Deltas(ds) => ds
+            .deltas
+            .iter()
+            .map(|d| delta_blocks(d).saturating_mul(8).saturating_add(16))
+            .fold(0, usize::saturating_add),
         Body::Load(l) => l.loads.len().saturating_mul(24),
         Body::Replicas(t) => t.replicas.len().saturating_mul(128),
         _ => 0,

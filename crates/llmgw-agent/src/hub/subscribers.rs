@@ -126,8 +126,9 @@ impl Subscriber {
 }
 
 impl Hub {
-    /// Registers a subscriber unless `feed.max_subscribers` are live (then counted, `None`).
-    pub fn try_subscribe(&self, name: String) -> Option<Arc<Subscriber>> {
+    /// Registers a subscriber unless `feed.max_subscribers` are live (then counted, `None`);
+    /// `batches`: it applies `BlockDeltas`.
+    pub fn try_subscribe(&self, name: String, batches: bool) -> Option<Arc<Subscriber>> {
         {
             let mut st = self.state();
             if st.live_subscribers() >= st.max_subscribers {
@@ -135,12 +136,19 @@ impl Hub {
                 return None;
             }
         }
-        Some(self.subscribe(name))
+        Some(self.subscribe_as(name, batches))
     }
 
-    /// Registers a subscriber; its first messages will be the table and a snapshot.
+    /// Registers a subscriber that takes one message per change; its first messages will be
+    /// the table and a snapshot.
     pub fn subscribe(&self, name: String) -> Arc<Subscriber> {
-        let sub = Arc::new(Subscriber::new(name));
+        self.subscribe_as(name, false)
+    }
+
+    /// Registers a subscriber (`batches`: it applies `BlockDeltas`); its first messages will
+    /// be the table and a snapshot.
+    pub fn subscribe_as(&self, name: String, batches: bool) -> Arc<Subscriber> {
+        let sub = Arc::new(Subscriber::new(name, batches));
         let mut st = self.state();
         st.subscribers.retain(|w| w.strong_count() > 0);
         st.subscribers.push(Arc::downgrade(&sub));
@@ -209,6 +217,49 @@ mod tests {
         }
         let msgs = drain(&sub, &h);
         assert!(!msgs.is_empty() && msgs.iter().all(|m| !matches!(m.body, Some(Body::Load(_)))), "{msgs:?}");
+    }
+
+    #[test]
+    fn a_batching_subscriber_gets_what_waits_together_and_ends_with_the_same_index() {
+        let h = hub(2, 64);
+        let (plain, batching) = (h.subscribe("plain".into()), h.subscribe_as("batching".into(), true));
+        let (mut sp, mut sb) = (FeedState::default(), FeedState::default());
+        for (st, sub) in [(&mut sp, &plain), (&mut sb, &batching)] {
+            drain(sub, &h).iter().for_each(|m| st.apply(m).unwrap());
+        }
+        let load = |replica, running| ReplicaLoad { replica, running, waiting: 0, kv_cache_usage: 0.5, gpu_blocks: 9 };
+        {
+            let mut st = h.state();
+            st.apply(0, 0, &batch(vec![stored(vec![1, 2])]));
+            st.apply(1, 0, &batch(vec![stored(vec![2])]));
+            st.apply(0, 1, &batch(vec![removed(vec![2]), stored(vec![3])]));
+            st.set_load(0, load(0, 1));
+            st.set_load(1, load(1, 1));
+            st.publish_load(0);
+            st.publish_load(1);
+            st.set_load(0, load(0, 4));
+            st.publish_load(0);
+            st.publish(Body::Heartbeat(llmgw_core::feed::Heartbeat {}));
+            // After the heartbeat: a message of its own.
+            st.apply(1, 1, &batch(vec![removed(vec![2])]));
+        }
+        let (p, b) = (drain(&plain, &h), drain(&batching, &h));
+        assert_eq!(p.len(), 8);
+        let seqs: Vec<u64> = b.iter().map(|m| m.seq).collect();
+        assert_eq!(seqs, vec![4, 5, 6, 7], "numbered on from the snapshot, without gaps");
+        assert!(matches!(&b[0].body, Some(Body::Deltas(d)) if d.deltas.len() == 3), "{:?}", b[0]);
+        assert_eq!(b[1].body, Some(Body::Load(LoadReport { loads: vec![load(0, 4), load(1, 1)] })));
+        assert_eq!(b[3].body, Some(Body::Delta(BlockDelta { replica: 1, added: vec![], removed: vec![2] })));
+        assert_eq!(h.state().feed.gathered, 4);
+        // Applied in order, both end with the same blocks.
+        p.iter().for_each(|m| sp.apply(m).unwrap());
+        b.iter().for_each(|m| sb.apply(m).unwrap());
+        assert_eq!(state_of(&sb, 2), state_of(&sp, 2));
+        assert_eq!(state_of(&sb, 2), vec![vec![1, 3], vec![]]);
+        // A change too large to join goes alone.
+        h.state().apply(0, 2, &batch(vec![stored(vec![7])]));
+        h.state().apply(0, 3, &batch(vec![stored((100..100 + CHUNK_BLOCKS as u64).collect())]));
+        assert_eq!(drain(&batching, &h).len(), 2);
     }
 
     #[test]
@@ -404,11 +455,11 @@ mod tests {
     fn subscriptions_past_the_cap_are_refused_and_counted_until_one_leaves() {
         let h = hub(1, 64);
         h.state().max_subscribers = 2;
-        let a = h.try_subscribe("a".into()).unwrap();
-        let _b = h.try_subscribe("b".into()).unwrap();
-        assert!(h.try_subscribe("c".into()).is_none());
+        let a = h.try_subscribe("a".into(), false).unwrap();
+        let _b = h.try_subscribe("b".into(), false).unwrap();
+        assert!(h.try_subscribe("c".into(), false).is_none());
         assert_eq!(h.state().feed.subscribers_refused, 1);
         drop(a);
-        assert!(h.try_subscribe("c".into()).is_some());
+        assert!(h.try_subscribe("c".into(), false).is_some());
     }
 }

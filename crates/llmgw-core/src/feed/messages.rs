@@ -14,13 +14,16 @@ pub struct SubscribeRequest {
     pub subscriber: String,
     #[prost(string, tag = "2")]
     pub token: String,
+    /// The subscriber applies [`BlockDeltas`] (older subscribers get one message per change).
+    #[prost(bool, tag = "3")]
+    pub batches: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct FeedMessage {
     #[prost(uint64, tag = "1")]
     pub seq: u64,
-    #[prost(oneof = "Body", tags = "2, 3, 4, 5, 6, 7, 8")]
+    #[prost(oneof = "Body", tags = "2, 3, 4, 5, 6, 7, 8, 9")]
     pub body: Option<Body>,
 }
 
@@ -40,6 +43,8 @@ pub enum Body {
     Reset(ReplicaReset),
     #[prost(message, tag = "8")]
     Heartbeat(Heartbeat),
+    #[prost(message, tag = "9")]
+    Deltas(BlockDeltas),
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -219,6 +224,13 @@ pub struct BlockDelta {
     pub added: Vec<u64>,
     #[prost(uint64, repeated, tag = "3")]
     pub removed: Vec<u64>,
+}
+
+/// Changes of several replicas (or several of one), applied in order.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct BlockDeltas {
+    #[prost(message, repeated, tag = "1")]
+    pub deltas: Vec<BlockDelta>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]

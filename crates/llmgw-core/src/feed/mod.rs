@@ -7,8 +7,8 @@ pub mod state;
 pub mod view;
 
 pub use messages::{
-    BlockDelta, Body, FeedMessage, HashSettings, Heartbeat, KvCacheGroup, LoadReport, LoraAdapter, Replica,
-    ReplicaLoad, ReplicaReset, ReplicaTable, SnapshotChunk, SnapshotComplete, SubscribeRequest,
+    BlockDelta, BlockDeltas, Body, FeedMessage, HashSettings, Heartbeat, KvCacheGroup, LoadReport, LoraAdapter,
+    Replica, ReplicaLoad, ReplicaReset, ReplicaTable, SnapshotChunk, SnapshotComplete, SubscribeRequest,
 };
 pub use state::{FeedError, FeedState};
 pub use view::{Applied, FeedView};
@@ -82,6 +82,35 @@ mod tests {
         let bad = msg(0, Body::Delta(BlockDelta { replica: 70_000, added: vec![1], removed: vec![] }));
         assert_eq!(st.apply(&bad), Err(FeedError::BadReplica(70_000)));
         assert_eq!(st.rejected, 1);
+    }
+
+    #[test]
+    fn a_batch_of_deltas_applies_in_order_and_refuses_only_its_bad_parts() {
+        let mut view = FeedView::default();
+        snapshot(&mut view, 0, vec![1]);
+        view.apply(&msg(3, table(&[0, 1]))).unwrap();
+        let d = |replica, added: Vec<u64>, removed: Vec<u64>| BlockDelta { replica, added, removed };
+        let batch = BlockDeltas {
+            deltas: vec![
+                d(0, vec![5], vec![]),
+                d(70_000, vec![6], vec![]),
+                d(1, vec![5, 6], vec![]),
+                // Removed after it was added, by a later part: gone.
+                d(0, vec![], vec![5, 1]),
+                d(0, vec![1], vec![]),
+            ],
+        };
+        // Through the wire, as the filter receives it.
+        let m = msg(4, Body::Deltas(batch));
+        let decoded = FeedMessage::decode(m.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(decoded, m);
+        assert_eq!(view.apply(&decoded), Err(FeedError::BadReplica(70_000)));
+        let index = &view.serving().index;
+        assert_eq!(index.score(&[BlockKey(1)]).leading, vec![1, 0]);
+        assert_eq!(index.score(&[BlockKey(5)]).leading, vec![0, 1]);
+        assert_eq!(index.score(&[BlockKey(6)]).leading, vec![0, 1]);
+        // The refused part did not break the sequence.
+        assert_eq!(view.apply(&msg(5, Body::Heartbeat(Heartbeat {}))), Ok(Applied::Applied));
     }
 
     fn table(ids: &[u32]) -> Body {

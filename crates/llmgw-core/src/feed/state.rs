@@ -1,7 +1,7 @@
 //! A subscriber's state: the fleet the feed announced, its blocks and loads, applied message by
 //! message.
 
-use super::messages::{Body, FeedMessage};
+use super::messages::{BlockDelta, Body, FeedMessage};
 use crate::allow::Allowlist;
 use crate::fleet::{Load, Replica};
 use crate::hash::BlockKey;
@@ -143,6 +143,17 @@ impl FeedState {
         r
     }
 
+    fn apply_delta(&mut self, d: &BlockDelta) -> Result<(), FeedError> {
+        let r = rid(d.replica)?;
+        for &k in &d.removed {
+            self.index.remove(r, BlockKey(k));
+        }
+        for &k in &d.added {
+            self.index.insert(r, BlockKey(k));
+        }
+        Ok(())
+    }
+
     fn apply_body(&mut self, body: &Body) -> Result<(), FeedError> {
         match body {
             Body::Replicas(t) => {
@@ -172,13 +183,18 @@ impl FeedState {
                 }
             }
             Body::SnapshotComplete(_) => self.synced = true,
-            Body::Delta(d) => {
-                let r = rid(d.replica)?;
-                for &k in &d.removed {
-                    self.index.remove(r, BlockKey(k));
+            Body::Delta(d) => self.apply_delta(d)?,
+            Body::Deltas(ds) => {
+                // Each part stands alone: one naming an unknown replica is refused, the others
+                // are applied, in order.
+                let mut first_error = None;
+                for d in &ds.deltas {
+                    if let Err(e) = self.apply_delta(d) {
+                        first_error.get_or_insert(e);
+                    }
                 }
-                for &k in &d.added {
-                    self.index.insert(r, BlockKey(k));
+                if let Some(e) = first_error {
+                    return Err(e);
                 }
             }
             Body::Load(l) => {
