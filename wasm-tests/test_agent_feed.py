@@ -1,8 +1,10 @@
 """llmgw-agent's gRPC feed, end to end: pyzmq publishers emit a random stream for two replicas while
-a subscriber generated from feed.proto listens from the start and another joins midway; both must
-end with exactly the blocks the agent reports in /debug/replicas, with gap-free sequence numbers."""
+a subscriber generated from feed.proto listens from the start and another joins midway, and one that
+batches (as the filter does) listens from the start; all must end with exactly the blocks the agent
+reports in /debug/replicas, with gap-free sequence numbers, the batching one in fewer messages."""
 
 import random
+import re
 import time
 
 from agent_support import Publisher, cleared, removed, stored
@@ -22,6 +24,7 @@ def test_agent_feed_early_and_late_subscribers_match_agent_state(start_agent, tm
         for p in pubs:
             p.wait_subscribed()
         subs.append(FeedSubscriber(pb, pb_grpc, agent.feed, "early"))
+        subs.append(FeedSubscriber(pb, pb_grpc, agent.feed, "batching", batches=True))
         rng = random.Random(1234)
         seqs = [0, 0]
         for step in range(600):
@@ -50,7 +53,13 @@ def test_agent_feed_early_and_late_subscribers_match_agent_state(start_agent, tm
             assert got_seqs == list(range(len(got_seqs))), "feed sequence must increase by one"
             assert kinds[0] == "replicas" and kinds[1:3] == ["snapshot", "snapshot"] and kinds[3] == "snapshot_complete"
             assert sorted(v[0] for v in replicas.values()) == ["r0", "r1"]
-        assert 'llmgw_agent_subscribers 2' in agent.metrics()
+        early, batching = (s.state()[5] for s in subs[:2])
+        assert "deltas" in batching and "deltas" not in early
+        assert len(batching) < len(early), (len(batching), len(early))
+        metrics = agent.metrics()
+        assert 'llmgw_agent_subscribers 3' in metrics
+        gathered = re.search(r"^llmgw_agent_feed_gathered_total (\S+)$", metrics, re.M)
+        assert gathered and float(gathered.group(1)) > 0, metrics
     finally:
         for s in subs:
             s.close()

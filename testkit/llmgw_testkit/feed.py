@@ -102,12 +102,12 @@ class FeedStub:
 class FeedSubscriber:
     """Subscribes to an agent's feed in a thread and keeps what a filter would know."""
 
-    def __init__(self, pb, pb_grpc, port: int, name: str, token: str = ""):
+    def __init__(self, pb, pb_grpc, port: int, name: str, token: str = "", batches: bool = False):
         import grpc
 
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = pb_grpc.FeedStub(self.channel)
-        self.call = stub.Subscribe(pb.SubscribeRequest(subscriber=name, token=token))
+        self.call = stub.Subscribe(pb.SubscribeRequest(subscriber=name, token=token, batches=batches))
         self.lock = threading.Lock()
         self.messages = []
         self.error = None
@@ -138,10 +138,11 @@ class FeedSubscriber:
                 blocks.setdefault(m.snapshot.replica, set()).update(m.snapshot.blocks)
             elif kind == "snapshot_complete":
                 synced = True
-            elif kind == "delta":
-                b = blocks.setdefault(m.delta.replica, set())
-                b.difference_update(m.delta.removed)
-                b.update(m.delta.added)
+            elif kind in ("delta", "deltas"):
+                for d in [m.delta] if kind == "delta" else m.deltas.deltas:
+                    b = blocks.setdefault(d.replica, set())
+                    b.difference_update(d.removed)
+                    b.update(d.added)
             elif kind == "reset":
                 blocks[m.reset.replica] = set()
             elif kind == "load":

@@ -5,7 +5,8 @@
 //!
 //! `cargo run --release -p llmgw-agent --example feed_subscribers -- --agent http://127.0.0.1:7070
 //!  --count 8 --warmup 5 --secs 10` prints one JSON line after the warm-up and one at the end
-//! (counts over the measured window only).
+//! (counts over the measured window only). `--batches` subscribes as the filter does, taking the
+//! changes gathered into `BlockDeltas`; without it, one message per change.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -43,6 +44,7 @@ async fn main() {
     let count: usize = arg("--count", "1").parse().unwrap();
     let warmup: f64 = arg("--warmup", "5").parse().unwrap();
     let secs: f64 = arg("--secs", "10").parse().unwrap();
+    let batches = args.iter().any(|a| a == "--batches");
     let sync_timeout: f64 = arg("--sync-timeout", "30").parse().unwrap();
     let counts = Arc::new(Counts::default());
     for i in 0..count {
@@ -50,7 +52,7 @@ async fn main() {
         let agent = agent.clone();
         tokio::spawn(async move {
             let mut client = FeedClient::connect(agent).await.unwrap();
-            let req = SubscribeRequest { subscriber: format!("bench-{i}"), token: String::new(), batches: false };
+            let req = SubscribeRequest { subscriber: format!("bench-{i}"), token: String::new(), batches };
             let mut stream = client.subscribe(req).await.unwrap().into_inner();
             c.connected.fetch_add(1, Relaxed);
             while let Ok(Some(m)) = stream.message().await {
@@ -59,6 +61,10 @@ async fn main() {
                 match &m.body {
                     Some(Body::Delta(d)) => {
                         c.delta_blocks.fetch_add((d.added.len() + d.removed.len()) as u64, Relaxed);
+                    }
+                    Some(Body::Deltas(ds)) => {
+                        let n: usize = ds.deltas.iter().map(|d| d.added.len() + d.removed.len()).sum();
+                        c.delta_blocks.fetch_add(n as u64, Relaxed);
                     }
                     Some(Body::Snapshot(s)) => {
                         c.snapshot_blocks.fetch_add(s.blocks.len() as u64, Relaxed);
