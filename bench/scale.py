@@ -264,20 +264,22 @@ def run_agent(args, out: Path) -> dict:
         sub_counts = [int(x) for x in args.subscribers.split(",")]
         run = AgentRun(procs, out, args.feed_publishers, [WARM, (RATE, 0)], "feed")
         run.phase_start(1)
-        # Then one subscriber as the filter subscribes: the changes gathered (feed.gather_ms).
-        for n, batches in [*((n, False) for n in sub_counts), (1, True)]:
-            r = run.subscribers(n, w, s, batches)
-            row = {"subscribers": n, "batches": batches, "publishers": run.count, "cpu_share": r["agent_cpu_share"],
-                   "feed_bytes_s_total": r["bytes"] / r["secs"], "feed_bytes_s_each": r["bytes"] / r["secs"] / n,
-                   "msgs_s_each": r["msgs"] / r["secs"] / n, "connected": r["connected"],
-                   "delta_blocks_s_each": r["delta_blocks"] / r["secs"] / n, "synced": r["synced"],
-                   "synced_s": r["synced_s"], "snapshot_bytes_each": r["snapshot_bytes"] / n,
-                   "snapshot_blocks_measured": r["snapshot_blocks"], "cpu_us_per_batch": r["cpu_us_per_batch"],
-                   "applied_batches_s": r["applied_batches_s"], "rss": r["agent_rss"]}
-            log(f"feed {n} subscribers{' (batching)' if batches else ''}: agent CPU {row['cpu_share']:.3f}, "
-                f"{row['msgs_s_each']:.0f} messages/s and {row['feed_bytes_s_each'] / 1e3:.0f} kB/s each, "
-                f"{row['synced']} snapshots complete after {row['synced_s']:.1f} s, applied {row['applied_batches_s']:.0f} batches/s")
-            res["feed"].append(row)
+        # Each N twice: one message per change, then as the filter subscribes (the changes
+        # gathered, feed.gather_ms).
+        for batches in (False, True):
+            for n in sub_counts:
+                r = run.subscribers(n, w, s, batches)
+                row = {"subscribers": n, "batches": batches, "publishers": run.count, "cpu_share": r["agent_cpu_share"],
+                       "feed_bytes_s_total": r["bytes"] / r["secs"], "feed_bytes_s_each": r["bytes"] / r["secs"] / n,
+                       "msgs_s_each": r["msgs"] / r["secs"] / n, "connected": r["connected"],
+                       "delta_blocks_s_each": r["delta_blocks"] / r["secs"] / n, "synced": r["synced"],
+                       "synced_s": r["synced_s"], "snapshot_bytes_each": r["snapshot_bytes"] / n,
+                       "snapshot_blocks_measured": r["snapshot_blocks"], "cpu_us_per_batch": r["cpu_us_per_batch"],
+                       "applied_batches_s": r["applied_batches_s"], "rss": r["agent_rss"]}
+                log(f"feed {n} subscribers{' (batching)' if batches else ''}: agent CPU {row['cpu_share']:.3f}, "
+                    f"{row['msgs_s_each']:.0f} messages/s and {row['feed_bytes_s_each'] / 1e3:.0f} kB/s each, "
+                    f"{row['synced']} snapshots complete after {row['synced_s']:.1f} s, applied {row['applied_batches_s']:.0f} batches/s")
+                res["feed"].append(row)
         (out / "feed-endpoints.txt.advance").touch()
         run.phase_end(1)
         procs.stop_all()
@@ -419,6 +421,10 @@ def charts(ix: dict | None, ag: dict | None, out: Path) -> list[Path]:
         fan = [r for r in ag["feed"] if not r.get("batches")]
         subs = [r["subscribers"] for r in fan]
         a2.plot(subs, [r["cpu_share"] for r in fan], "-o", label="agent CPU (share of a core)")
+        gathered = [r for r in ag["feed"] if r.get("batches")]
+        if gathered:
+            a2.plot([r["subscribers"] for r in gathered], [r["cpu_share"] for r in gathered], "-^",
+                    label="agent CPU, subscribers batching as the filter does")
         a2.set_xlabel("feed subscribers (filter VMs)")
         a2.set_ylabel("agent CPU")
         a3 = a2.twinx()
