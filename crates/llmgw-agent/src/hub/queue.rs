@@ -59,9 +59,9 @@ impl Building {
 /// One feed subscription.
 pub struct Subscriber {
     pub name: String,
-    /// It applies `BlockDeltas`: a change published while its last queued message is still
-    /// waiting to be sent joins that message rather than queuing one of its own, and so does a
-    /// load report (see [`gather`]).
+    /// It applies `BlockDeltas`: a change published while a message of changes is still
+    /// queued for it joins that message rather than queuing one of its own, and so does a load
+    /// report (see [`gather`]).
     pub batches: bool,
     queue: Mutex<SubQueue>,
     pub notify: Notify,
@@ -150,7 +150,7 @@ impl Subscriber {
             return Offered::Held;
         }
         let too_big = q.bytes.saturating_add(cost) > max_bytes;
-        if !too_big && self.batches && Self::gather_into_last(&mut q, body) {
+        if !too_big && self.batches && Self::gather_into_queued(&mut q, body) {
             // The stream task is woken for the message already queued.
             return Offered::Gathered;
         }
@@ -174,16 +174,29 @@ impl Subscriber {
         offered
     }
 
-    /// Joins `body` to the last queued message if [`gather`] allows, keeping the queue's byte
+    /// Joins `body` to a queued message if [`gather`] allows: the last one, or the one before
+    /// it where the last is of the other kind among block changes and load reports (they touch
+    /// different state, so their order between them changes nothing). Keeps the queue's byte
     /// count exact.
-    fn gather_into_last(q: &mut SubQueue, body: &Body) -> bool {
-        let Some(last) = q.msgs.back_mut().and_then(|m| m.body.as_mut()) else { return false };
-        let before = approx_bytes(last);
-        if !gather(last, body) {
-            return false;
+    fn gather_into_queued(q: &mut SubQueue, body: &Body) -> bool {
+        for m in q.msgs.iter_mut().rev().take(2) {
+            let Some(queued) = m.body.as_mut() else { return false };
+            let before = approx_bytes(queued);
+            if gather(queued, body) {
+                q.bytes = q.bytes.saturating_sub(before).saturating_add(approx_bytes(queued));
+                return true;
+            }
+            let changes = |b: &Body| matches!(b, Body::Delta(_) | Body::Deltas(_));
+            let commute = match body {
+                Body::Load(_) => changes(queued),
+                b if changes(b) => matches!(queued, Body::Load(_)),
+                _ => false,
+            };
+            if !commute {
+                return false;
+            }
         }
-        q.bytes = q.bytes.saturating_sub(before).saturating_add(approx_bytes(last));
-        true
+        false
     }
 
     /// How many times this subscriber got a table and snapshot (1 = only the initial one).

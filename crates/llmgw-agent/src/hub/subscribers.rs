@@ -256,9 +256,21 @@ mod tests {
         b.iter().for_each(|m| sb.apply(m).unwrap());
         assert_eq!(state_of(&sb, 2), state_of(&sp, 2));
         assert_eq!(state_of(&sb, 2), vec![vec![1, 3], vec![]]);
+        // Changes and loads in turn: each joins its kind's message, past the other kind's.
+        {
+            let mut st = h.state();
+            st.apply(0, 2, &batch(vec![stored(vec![5])]));
+            st.publish_load(0);
+            st.apply(1, 2, &batch(vec![stored(vec![5])]));
+            st.publish_load(1);
+        }
+        let b = drain(&batching, &h);
+        assert!(matches!(&b[0].body, Some(Body::Deltas(d)) if d.deltas.len() == 2), "{b:?}");
+        assert!(matches!(&b[1].body, Some(Body::Load(l)) if l.loads.len() == 2), "{b:?}");
+        assert_eq!(b.len(), 2);
         // A change too large to join goes alone.
-        h.state().apply(0, 2, &batch(vec![stored(vec![7])]));
-        h.state().apply(0, 3, &batch(vec![stored((100..100 + CHUNK_BLOCKS as u64).collect())]));
+        h.state().apply(0, 3, &batch(vec![stored(vec![7])]));
+        h.state().apply(0, 4, &batch(vec![stored((100..100 + CHUNK_BLOCKS as u64).collect())]));
         assert_eq!(drain(&batching, &h).len(), 2);
     }
 
