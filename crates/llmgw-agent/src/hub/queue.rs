@@ -29,6 +29,17 @@ pub(super) struct SubQueue {
     pub(super) building: Option<Building>,
     /// Numbers the builds, so that a builder notices its build was abandoned.
     pub(super) build_gen: u64,
+    /// The queued message that later block changes join, as counted so far (so that joining
+    /// one costs the same however many it holds). Cleared with `msgs`.
+    pub(super) gathering: Option<Gathering>,
+}
+
+/// A queued message of block changes: its number, the changes and the blocks it holds.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Gathering {
+    seq: u64,
+    parts: usize,
+    blocks: usize,
 }
 
 /// A snapshot under construction.
@@ -94,6 +105,7 @@ impl Subscriber {
                 resyncs: 0,
                 building: None,
                 build_gen: 0,
+                gathering: None,
             }),
             notify: Notify::new(),
         }
@@ -162,6 +174,7 @@ impl Subscriber {
                 q.next_seq = first.seq;
             }
             q.msgs.clear();
+            q.gathering = None;
             q.bytes = 0;
             q.resync = true;
             Offered::Overflowed { by_bytes }
@@ -179,11 +192,12 @@ impl Subscriber {
     /// different state, so their order between them changes nothing). Keeps the queue's byte
     /// count exact.
     fn gather_into_queued(q: &mut SubQueue, body: &Body) -> bool {
-        for m in q.msgs.iter_mut().rev().take(2) {
+        let SubQueue { msgs, bytes, gathering, .. } = q;
+        for m in msgs.iter_mut().rev().take(2) {
+            let seq = m.seq;
             let Some(queued) = m.body.as_mut() else { return false };
-            let before = approx_bytes(queued);
-            if gather(queued, body) {
-                q.bytes = q.bytes.saturating_sub(before).saturating_add(approx_bytes(queued));
+            if let Some(added) = gather(queued, seq, body, gathering) {
+                *bytes = bytes.saturating_add(added);
                 return true;
             }
             let changes = |b: &Body| matches!(b, Body::Delta(_) | Body::Deltas(_));
@@ -205,41 +219,61 @@ impl Subscriber {
     }
 }
 
-/// Joins `body` to `last`, a queued message not yet sent, where that changes nothing a
-/// subscriber ends up with: a replica's block changes join earlier changes (as `BlockDeltas`,
-/// applied in order) up to [`CHUNK_BLOCKS`] blocks and [`BATCH_DELTAS`] changes in one message;
-/// a load report replaces or adds its replicas' entries in an earlier load report. Anything
-/// else (tables, snapshots, resets, heartbeats) stays a message of its own, after which
-/// nothing joins what came before it.
-pub(super) fn gather(last: &mut Body, body: &Body) -> bool {
-    match (last, body) {
-        (last @ Body::Delta(_), Body::Delta(d)) => {
-            let Body::Delta(first) = last else { return false };
-            if delta_blocks(first).saturating_add(delta_blocks(d)) > CHUNK_BLOCKS {
-                return false;
+/// Joins `body` to `queued` (message `seq`, not yet sent) where that changes nothing a
+/// subscriber ends up with, and returns the bytes ([`approx_bytes`]) it adds: a replica's block
+/// changes join earlier changes (as `BlockDeltas`, applied in order) up to [`CHUNK_BLOCKS`]
+/// blocks and [`BATCH_DELTAS`] changes in one message; a load report replaces or adds its
+/// replicas' entries in an earlier load report. Anything else (tables, snapshots, resets,
+/// heartbeats) stays a message of its own. `gathering` keeps the counts of the message changes
+/// join, so that a join costs the same however many it holds.
+pub(super) fn gather(queued: &mut Body, seq: u64, body: &Body, gathering: &mut Option<Gathering>) -> Option<usize> {
+    match (queued, body) {
+        (queued @ (Body::Delta(_) | Body::Deltas(_)), Body::Delta(d)) => {
+            let n = delta_blocks(d);
+            let mut g = match *gathering {
+                Some(g) if g.seq == seq => g,
+                _ => match &*queued {
+                    Body::Delta(first) => Gathering { seq, parts: 1, blocks: delta_blocks(first) },
+                    Body::Deltas(ds) => Gathering {
+                        seq,
+                        parts: ds.deltas.len(),
+                        blocks: ds.deltas.iter().map(delta_blocks).fold(0, usize::saturating_add),
+                    },
+                    _ => return None,
+                },
+            };
+            if g.parts >= BATCH_DELTAS || g.blocks.saturating_add(n) > CHUNK_BLOCKS {
+                return None;
             }
-            let first = std::mem::take(first);
-            *last = Body::Deltas(BlockDeltas { deltas: vec![first, d.clone()] });
-            true
-        }
-        (Body::Deltas(ds), Body::Delta(d)) => {
-            let blocks: usize = ds.deltas.iter().map(delta_blocks).fold(0, usize::saturating_add);
-            if ds.deltas.len() >= BATCH_DELTAS || blocks.saturating_add(delta_blocks(d)) > CHUNK_BLOCKS {
-                return false;
-            }
-            ds.deltas.push(d.clone());
-            true
+            // approx_bytes: a delta 8 per block + 64; gathered, 8 per block + 16 per part + 64.
+            let added = match queued {
+                Body::Delta(first) => {
+                    let first = std::mem::take(first);
+                    *queued = Body::Deltas(BlockDeltas { deltas: vec![first, d.clone()] });
+                    n.saturating_mul(8).saturating_add(32)
+                }
+                Body::Deltas(ds) => {
+                    ds.deltas.push(d.clone());
+                    n.saturating_mul(8).saturating_add(16)
+                }
+                _ => return None,
+            };
+            g.parts = g.parts.saturating_add(1);
+            g.blocks = g.blocks.saturating_add(n);
+            *gathering = Some(g);
+            Some(added)
         }
         (Body::Load(earlier), Body::Load(l)) => {
+            let before = earlier.loads.len();
             for load in &l.loads {
                 match earlier.loads.iter_mut().find(|x| x.replica == load.replica) {
                     Some(x) => *x = load.clone(),
                     None => earlier.loads.push(load.clone()),
                 }
             }
-            true
+            Some(earlier.loads.len().saturating_sub(before).saturating_mul(24))
         }
-        _ => false,
+        _ => None,
     }
 }
 

@@ -58,6 +58,7 @@ impl Subscriber {
         let mut q = self.queue();
         if q.resync {
             q.msgs.clear();
+            q.gathering = None;
             q.bytes = 0;
             q.building = None;
             for body in st.snapshot_bodies() {
@@ -115,6 +116,7 @@ impl Subscriber {
             bodies.push(Body::Load(LoadReport { loads }));
         }
         q.msgs.clear();
+        q.gathering = None;
         q.bytes = 0;
         for body in bodies.into_iter().chain(b.pending) {
             Self::push(&mut q, body);
@@ -243,6 +245,13 @@ mod tests {
             // After the heartbeat: a message of its own.
             st.apply(1, 1, &batch(vec![removed(vec![2])]));
         }
+        {
+            // The queue's byte count, kept as changes joined, is what its messages cost.
+            let q = batching.queue();
+            let cost: usize =
+                q.msgs.iter().filter_map(|m| m.body.as_ref()).map(super::super::queue::approx_bytes).sum();
+            assert_eq!(q.bytes, cost);
+        }
         let (p, b) = (drain(&plain, &h), drain(&batching, &h));
         assert_eq!(p.len(), 8);
         let seqs: Vec<u64> = b.iter().map(|m| m.seq).collect();
@@ -267,6 +276,17 @@ mod tests {
         let b = drain(&batching, &h);
         assert!(matches!(&b[0].body, Some(Body::Deltas(d)) if d.deltas.len() == 2), "{b:?}");
         assert!(matches!(&b[1].body, Some(Body::Load(l)) if l.loads.len() == 2), "{b:?}");
+        assert_eq!(b.len(), 2);
+        // At most BATCH_DELTAS changes in one message.
+        let most = super::super::queue::BATCH_DELTAS as u64;
+        {
+            let mut st = h.state();
+            for i in 0..=most {
+                st.apply(1, 3 + i, &batch(vec![stored(vec![1_000_000 + i])]));
+            }
+        }
+        let b = drain(&batching, &h);
+        assert!(matches!(&b[0].body, Some(Body::Deltas(d)) if d.deltas.len() as u64 == most));
         assert_eq!(b.len(), 2);
         // A change too large to join goes alone.
         h.state().apply(0, 3, &batch(vec![stored(vec![7])]));
