@@ -82,7 +82,7 @@ pub struct Subscriber {
 pub(super) enum Offered {
     /// Queued.
     Sent,
-    /// Joined the message last queued (a subscriber that `batches`).
+    /// Joined a message already queued (a subscriber that `batches`).
     Gathered,
     /// Not queued: the subscriber waits for a fresh table and snapshot (a build may keep it).
     Held,

@@ -544,27 +544,20 @@ impl HubState {
         let max = self.max_queue;
         let max_bytes = self.max_backlog_bytes;
         let cost = approx_bytes(&body);
-        let mut sent: u64 = 0;
-        let mut overflows: u64 = 0;
-        let mut by_bytes: u64 = 0;
-        let mut gathered: u64 = 0;
+        let feed = &mut self.feed;
         self.subscribers.retain(|w| {
             let Some(sub) = w.upgrade() else { return false };
             match sub.offer(&body, cost, max, max_bytes) {
-                Offered::Sent => sent = sent.saturating_add(1),
-                Offered::Gathered => gathered = gathered.saturating_add(1),
+                Offered::Sent => feed.messages = feed.messages.saturating_add(1),
+                Offered::Gathered => feed.gathered = feed.gathered.saturating_add(1),
                 Offered::Held => {}
-                Offered::Overflowed { by_bytes: b } => {
-                    overflows = overflows.saturating_add(1);
-                    by_bytes = by_bytes.saturating_add(u64::from(b));
+                Offered::Overflowed { by_bytes } => {
+                    feed.overflows = feed.overflows.saturating_add(1);
+                    feed.backlog_bytes_overflows = feed.backlog_bytes_overflows.saturating_add(u64::from(by_bytes));
                 }
             }
             true
         });
-        self.feed.messages = self.feed.messages.saturating_add(sent);
-        self.feed.overflows = self.feed.overflows.saturating_add(overflows);
-        self.feed.backlog_bytes_overflows = self.feed.backlog_bytes_overflows.saturating_add(by_bytes);
-        self.feed.gathered = self.feed.gathered.saturating_add(gathered);
     }
 
     /// Table, snapshot chunks of every engine (the first one flagged, at most
